@@ -1,0 +1,137 @@
+"""expr-tracker: experiment tracking for distributed training.
+
+    import expr_tracker as et
+    run = et.init("my-project", "sft-1", config={"lr": 3e-4})
+    et.log({"loss": 0.31, "lr": 1e-4})
+    et.finish()
+
+Every rank writes its own shard; nothing here ever raises into the training loop
+after `init` except for misuse at the call.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from . import _state
+from .errors import RuleError, RunNotFoundError, TrackerError, UsageError
+from .run import Run
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Run",
+    "RuleError",
+    "RunNotFoundError",
+    "TrackerError",
+    "UsageError",
+    "__version__",
+    "add_alert_rule",
+    "alert",
+    "finish",
+    "flush",
+    "history",
+    "info",
+    "init",
+    "log",
+    "log_rank_metrics",
+    "remove_alert_rule",
+]
+
+
+def init(
+    project: str,
+    name: str | None = None,
+    *,
+    dir: str | os.PathLike[str] | None = None,
+    config: Mapping[str, Any] | None = None,
+    stream: str | None = None,
+    rank_aware: bool = True,
+    resume: str = "allow",
+    alert_rules: Sequence[str | Mapping[str, Any]] = (),
+    alert_on_rank: int | None = 0,
+    alert: Mapping[str, Any] | None = None,
+    backends: Sequence[str | Mapping[str, Any]] = (),
+    backend_on_rank: int | None = 0,
+    backend_rank_metrics: bool = False,
+    upload_mode: str | None = None,
+    spool_dir: str | os.PathLike[str] | None = None,
+    idle_timeout: float = 60.0,
+    time_rule_interval: float = 10.0,
+) -> Run:
+    """Start (or resume) this process's shard of run `project/name` and make it current."""
+    active = _state.current
+    if active is not None and not active._finished:
+        raise UsageError(
+            f"expr_tracker.init() was already called for {active.project}/{active.name}; "
+            "call finish() first"
+        )
+    run = Run(
+        project, name, dir=dir, config=config, stream=stream, rank_aware=rank_aware, resume=resume,
+        alert_rules=alert_rules, alert_on_rank=alert_on_rank, alert=alert, backends=backends,
+        backend_on_rank=backend_on_rank, backend_rank_metrics=backend_rank_metrics,
+        upload_mode=upload_mode, spool_dir=spool_dir, idle_timeout=idle_timeout,
+        time_rule_interval=time_rule_interval,
+    )
+    _state.set_current(run)
+    return run
+
+
+def log(data: Mapping[str, Any], step: int | None = None, commit: bool | None = None) -> None:
+    """Log metrics to the current run with wandb's step semantics."""
+    _state.get().log(data, step, commit)
+
+
+def log_rank_metrics(
+    metrics: Mapping[str, Any],
+    step: int,
+    rank: int | None = None,
+    world_size: int | None = None,
+    local_rank: int | None = None,
+    weight: float = 1.0,
+) -> None:
+    """Record per-rank values for `step` (reduced across ranks by `expr summary`)."""
+    _state.get().log_rank_metrics(metrics, step, rank, world_size, local_rank, weight)
+
+
+def history(n: int | None = 50, **kwargs: Any) -> Any:
+    """The last `n` committed rows of a shard; works without `init` when `run=` is given."""
+    from .history import history as _history
+
+    return _history(n, **kwargs)
+
+
+def info() -> dict[str, Any]:
+    """The current run's rank, shard, counters, rules and delivery state."""
+    return _state.get().info()
+
+
+def alert(title: str, text: str = "", level: str = "info") -> None:
+    """Raise an alert from the training code."""
+    _state.get().alert(title, text, level)
+
+
+def add_alert_rule(rule: str | Mapping[str, Any]) -> str:
+    """Add an alert rule to the current run; returns its name."""
+    return _state.get().add_alert_rule(rule)
+
+
+def remove_alert_rule(name: str) -> bool:
+    """Remove an alert rule from the current run by name."""
+    return _state.get().remove_alert_rule(name)
+
+
+def flush() -> None:
+    """Write everything buffered now."""
+    run = _state.current
+    if run is not None:
+        run.flush()
+
+
+def finish() -> None:
+    """Finish the current run (idempotent)."""
+    run = _state.current
+    if run is not None:
+        run.finish()

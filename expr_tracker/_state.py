@@ -1,0 +1,62 @@
+"""The process's current run, the exit hook and fork handling."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from typing import TYPE_CHECKING
+
+from .errors import UsageError
+
+if TYPE_CHECKING:
+    from .run import Run
+
+_lock = threading.Lock()
+current: Run | None = None
+
+
+def set_current(run: Run) -> None:
+    global current
+    with _lock:
+        if current is not None and not current._finished:
+            raise UsageError(
+                f"expr_tracker.init() was already called for {current.project}/{current.name} "
+                "in this process; call finish() first"
+            )
+        current = run
+
+
+def forget(run: Run) -> None:
+    global current
+    with _lock:
+        if current is run:
+            current = None
+
+
+def get() -> Run:
+    run = current
+    if run is None:
+        raise UsageError("no active run: call expr_tracker.init() first")
+    return run
+
+
+def _at_exit() -> None:
+    run = current
+    if run is not None and run._pid == os.getpid():
+        try:
+            run.finish()
+        except Exception:  # exit must never fail because of tracking
+            pass
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()
+    run = current
+    if run is not None:
+        run._after_fork_in_child()
+
+
+atexit.register(_at_exit)
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,112 @@
+"""The direct-mode sink: the training process applies its own records through the pipeline."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .pipeline import Pipeline
+from .shard import ShardWriter
+
+if TYPE_CHECKING:
+    from .run import Run
+
+
+class DirectSink:
+    """Writes the process's shard, evaluates its rules, delivers alerts and feeds backends."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.alerting = run.alert_on_rank is None or run.alert_on_rank == run.rank
+        self.reporting = run.backend_on_rank is None or run.backend_on_rank == run.rank
+        self.writer = ShardWriter(
+            run.paths,
+            run.identity(),
+            shared=not run.rank_aware,
+            # with rank_aware=False every rank appends to one file; rank 0 keeps its sidecar
+            write_sidecar=run.rank_aware or run.rank == 0,
+            warn=run.warn_once,
+            dropped=run.dropped,
+        )
+        cursor = self.writer.open()
+        self.rows = cursor.rows
+        self.last_step = cursor.last_step
+        self.next_step = 0 if cursor.last_step is None else cursor.last_step + 1
+        self.writer.write_sidecar()
+        self.pipeline = Pipeline(
+            self.writer,
+            run.identity(),
+            rules=run._ruleset,
+            dispatcher=None,
+            backends=self._backends() if self.reporting else (),
+            alerting=self.alerting,
+            reporting=self.reporting,
+            warn=run.warn_once,
+        )
+        if self.alerting and (run._alert_config is not None or run._ruleset is not None):
+            self.pipeline.dispatcher = self._dispatcher()
+
+    def _dispatcher(self) -> Any:
+        from .alerts import Dispatcher, load_config
+
+        cfg = self.run._alert_config if self.run._alert_config is not None else load_config(None)
+        return Dispatcher.from_config(cfg)
+
+    def _backends(self) -> list[Any]:
+        if not self.run._backend_objs:
+            return []
+        from .backends.base import Identity
+        from .backends.worker import BackendWorker
+
+        run = self.run
+        ident = Identity(
+            project=run.project, name=run.name, stream=run.stream, rank=run.rank,
+            world_size=run.world_size, config=run.config, dir=str(run.paths.run_dir),
+        )
+        return [BackendWorker(b, ident, rank_metrics=run.backend_rank_metrics) for b in run._backend_objs]
+
+    # -- the sink interface used by Run ---------------------------------------
+    def apply(self, record: dict[str, Any], nonfinite: bool | None) -> None:
+        self.pipeline.apply(record, nonfinite)
+
+    def alert(self, title: str, text: str, level: str) -> None:
+        if self.alerting and self.pipeline.dispatcher is None:
+            self.pipeline.dispatcher = self._dispatcher()
+        self.pipeline.manual_alert(title, text, level)
+
+    def rules_changed(self) -> None:
+        self.pipeline.rules = self.run._ruleset
+        if self.alerting and self.pipeline.dispatcher is None:
+            self.pipeline.dispatcher = self._dispatcher()
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def tick(self) -> None:
+        self.pipeline.tick()
+
+    def checkpoint(self) -> None:
+        self.writer.write_sidecar()
+
+    def close(self, status: str) -> None:
+        self.pipeline.close(status)
+
+    def detach(self) -> None:
+        # a forked child shares the parent's descriptor: forget the buffer, never flush it
+        self.writer._buf = []
+        self.writer._buf_size = 0
+        self.writer._pending = b""
+
+    def info(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "buffered_bytes": self.writer.buffered(),
+            "errors": dict(self.writer.errors),
+            "alerting": self.alerting,
+            "reporting": self.reporting,
+            "alerts_fired": dict(self.pipeline.alert_counts),
+        }
+        disp = self.pipeline.dispatcher
+        out["alerts"] = disp.stats() if disp is not None else {}
+        out["backends"] = {
+            getattr(w.backend, "name", str(i)): w.stats() for i, w in enumerate(self.pipeline.backends)
+        }
+        return out

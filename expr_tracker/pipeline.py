@@ -1,0 +1,139 @@
+"""The pipeline every record goes through: shard -> rules -> alerts -> backends (DESIGN 7).
+
+Direct mode runs it inside the training process; `exprd` and `expr replay` run it
+on spool events. It holds no process-specific state beyond what it is given.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from . import records
+from .layout import alerts_name
+from .shard import ShardWriter
+
+if TYPE_CHECKING:
+    from .alerts import Alert, Dispatcher
+    from .backends.worker import BackendWorker
+    from .rules import Firing, RuleSet
+
+
+class Pipeline:
+    """Applies records of one shard: writes them, evaluates rules, delivers, forwards."""
+
+    def __init__(
+        self,
+        writer: ShardWriter,
+        context: Mapping[str, Any],
+        *,
+        rules: RuleSet | None = None,
+        dispatcher: Dispatcher | None = None,
+        backends: Sequence[BackendWorker] = (),
+        alerting: bool = True,
+        reporting: bool = True,
+        warn: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self.writer = writer
+        self.context = dict(context)
+        self.rules = rules
+        self.dispatcher = dispatcher
+        self.backends = list(backends) if reporting else []
+        self.alerting = alerting
+        self.reporting = reporting
+        self._warn = warn or (lambda cause, msg: None)
+        self.alerts_path = writer.paths.run_dir / alerts_name(int(self.context.get("rank", 0)))
+        self.alert_counts = {"fired": 0, "delivered": 0, "suppressed_rank": 0}
+
+    def apply(self, record: dict[str, Any], nonfinite: bool | None = None) -> None:
+        """Write one record to the shard, then rules, alerts and backends."""
+        self.writer.append(records.dumps(record, nonfinite), record.get("_step"))
+        rules = self.rules
+        if rules is not None and rules.rules:
+            firings = rules.observe(record, record.get("_step"), record.get("_time") or time.time())
+            for firing in firings:
+                self.fire(firing)
+        for backend in self.backends:
+            backend.submit(record)
+
+    def tick(self, now: float | None = None) -> None:
+        """Evaluate time rules (no_data, age, elapsed) without a new record."""
+        if self.rules is not None and self.rules.has_time_rules:
+            for firing in self.rules.tick(time.time() if now is None else now):
+                self.fire(firing)
+
+    def fire(self, firing: Firing) -> None:
+        """Record a rule firing in the alerts file and deliver it from the alerting rank."""
+        from .alerts import make_alert
+
+        rule = next((r for r in self.rules.rules if r.name == firing.rule), None) if self.rules else None
+        alert = make_alert(
+            title=firing.message if firing.kind == "fire" else f"recovered: {firing.message}",
+            text=firing.condition,
+            level=firing.level if firing.kind == "fire" else "info",
+            rule=firing.rule,
+            kind=firing.kind,
+            step=firing.step,
+            time=firing.time,
+            **self._alert_identity(),
+        )
+        self.deliver(alert, channels=rule.channels if rule is not None else None)
+
+    def _alert_identity(self) -> dict[str, Any]:
+        c = self.context
+        return {
+            "project": c.get("project", ""),
+            "run": c.get("name", ""),
+            "stream": c.get("stream"),
+            "rank": int(c.get("rank", 0)),
+        }
+
+    def manual_alert(self, title: str, text: str, level: str) -> Alert:
+        """`et.alert(...)`: validated at the call, then recorded and delivered like a rule's."""
+        from .alerts import make_alert
+
+        alert = make_alert(title=title, text=text, level=level, rule=None, kind="manual",
+                           step=None, time=time.time(), **self._alert_identity())
+        self.deliver(alert)
+        return alert
+
+    def deliver(self, alert: Alert, channels: Sequence[str] | None = None) -> None:
+        """Append the alert to `alerts[.rankN].jsonl`; only the alerting rank delivers it."""
+        self.alert_counts["fired"] += 1
+        delivered = self.alerting and self.dispatcher is not None
+        if delivered:
+            assert self.dispatcher is not None
+            self.dispatcher.submit(alert, channels)
+            self.alert_counts["delivered"] += 1
+        else:
+            self.alert_counts["suppressed_rank"] += 1
+        if self.alerting:
+            for backend in self.backends:
+                backend.alert(alert.as_dict())
+        line = orjson.dumps({**alert.as_dict(), "delivered": delivered}, option=orjson.OPT_APPEND_NEWLINE)
+        try:
+            self.alerts_path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.alerts_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            self._warn("alerts_file", f"expr_tracker: cannot write {self.alerts_path}: {exc}")
+
+    def flush(self) -> bool:
+        """Flush the shard buffer."""
+        return self.writer.flush()
+
+    def close(self, status: str = "finished", timeout: float = 5.0) -> None:
+        """Final flush, sidecar, then drain alert delivery and backends within `timeout`."""
+        self.writer.close(status)
+        deadline = time.monotonic() + timeout
+        if self.dispatcher is not None:
+            self.dispatcher.flush(max(0.1, deadline - time.monotonic()))
+        for backend in self.backends:
+            backend.close(max(0.1, deadline - time.monotonic()), status)

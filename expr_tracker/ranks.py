@@ -1,0 +1,51 @@
+"""Rank and world detection from the launcher's environment (DESIGN 12)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+MAX_WORLD = 512
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def _int(env: Mapping[str, str], *names: str) -> int | None:
+    for name in names:
+        raw = env.get(name)
+        if raw is None or raw.strip() == "":
+            continue
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+    return None
+
+
+def detect(env: Mapping[str, str] | None = None) -> RankInfo:
+    """Read RANK, then LOCAL_RANK (then SLURM/OpenMPI only if neither is set), default 0."""
+    env = os.environ if env is None else env
+    local = _int(env, "LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
+    rank = _int(env, "RANK")
+    if rank is None:
+        rank = _int(env, "LOCAL_RANK")
+    if rank is None:
+        rank = _int(env, "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
+    rank = rank or 0
+    world = _int(env, "WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE") or max(rank + 1, 1)
+    local_world = _int(env, "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE") or 1
+    local = local or 0
+    if rank < 0:
+        raise ValueError(f"detected rank {rank} is negative")
+    if world < rank + 1:
+        world = rank + 1
+    return RankInfo(rank=rank, world_size=world, local_rank=local, local_world_size=local_world)

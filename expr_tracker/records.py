@@ -1,0 +1,191 @@
+"""Record schema and value encoding (DESIGN 4).
+
+A record is one JSON object per line. User keys never start with `_`; values
+are int, float, bool, str or None. Non-finite floats are written as the strings
+"NaN", "Infinity" and "-Infinity" so the file stays strict JSON, and read back
+as floats. numpy scalars and 0-d tensors are unwrapped with `.item()`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import orjson
+
+Scalar = int | float | bool | str | None
+
+NAN_TEXT = "NaN"
+_ENCODE_NONFINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
+DECODE_NONFINITE: dict[str, float] = {
+    "NaN": math.nan,
+    "Infinity": math.inf,
+    "-Infinity": -math.inf,
+    "nan": math.nan,
+    "inf": math.inf,
+    "-inf": -math.inf,
+}
+_INT_MIN = -(2**63)
+_INT_MAX = 2**64 - 1
+_DUMPS = orjson.dumps
+_NEWLINE = orjson.OPT_APPEND_NEWLINE
+
+
+def _unwrap(key: str, value: Any) -> Scalar:
+    """Turn a numpy scalar or a 0-d tensor into a Python scalar, else raise TypeError."""
+    item = getattr(value, "item", None)
+    shape = getattr(value, "shape", ())
+    if item is not None and callable(item) and tuple(shape or ()) == ():
+        try:
+            out = item()
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise TypeError(f"value of key {key!r}: cannot convert {type(value).__name__}: {exc}") from None
+        if out is None or isinstance(out, (bool, int, float, str)):
+            return encode_value(key, out)
+    raise TypeError(
+        f"value of key {key!r} must be int, float, bool, str or None (or a numpy/torch scalar), "
+        f"got {type(value).__name__}"
+    )
+
+
+def encode_value(key: str, value: Any) -> Scalar:
+    """Return the on-disk form of one value, or raise TypeError/ValueError naming `key`."""
+    cls = value.__class__
+    if cls is float:
+        if value - value == 0.0:
+            return value
+        if value != value:
+            return NAN_TEXT
+        return _ENCODE_NONFINITE[value]
+    if cls is int:
+        if _INT_MIN <= value <= _INT_MAX:
+            return value
+        raise ValueError(f"value of key {key!r} is an integer too large to store: {value}")
+    if cls is bool or value is None:
+        return value  # type: ignore[no-any-return]
+    if cls is str:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"value of key {key!r} is not valid UTF-8 text") from None
+        return value  # type: ignore[no-any-return]
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return encode_value(key, int(value))
+    if isinstance(value, float):
+        return encode_value(key, float(value))
+    if isinstance(value, str):
+        return encode_value(key, str(value))
+    return _unwrap(key, value)
+
+
+def check_key(key: Any) -> str:
+    """Validate a user metric key."""
+    if key.__class__ is not str:
+        if not isinstance(key, str):
+            raise TypeError(f"metric keys must be str, got {type(key).__name__} ({key!r})")
+    if not key:
+        raise ValueError("metric keys must not be empty")
+    if key[0] == "_":
+        raise ValueError(f"key {key!r}: keys starting with '_' are reserved")
+    return key
+
+
+def encode_row(data: Any, field: str = "data") -> tuple[dict[str, Scalar], bool]:
+    """Validate a user mapping; return (row, has_nonfinite). Raises before anything is kept.
+
+    Floats stay floats in memory (rules and backends want NaN as a float); `dumps`
+    writes non-finite ones as strings.
+    """
+    if not isinstance(data, Mapping):
+        raise TypeError(f"{field} must be a dict of metric name to value, got {type(data).__name__}")
+    out: dict[str, Scalar] = {}
+    nonfinite = False
+    for key, value in data.items():
+        if key.__class__ is not str or not key or key[0] == "_":
+            check_key(key)
+        cls = value.__class__
+        if cls is float:
+            if value - value != 0.0:
+                nonfinite = True
+            out[key] = value
+        elif cls is int and _INT_MIN <= value <= _INT_MAX:
+            out[key] = value
+        else:
+            value = encode_value(key, value)
+            if value.__class__ is str and value in _NONFINITE_TEXT and cls is not str:
+                # encode_value spells non-finite floats as text; keep the float in memory
+                value = DECODE_NONFINITE[value]
+                nonfinite = True
+            out[key] = value
+    return out, nonfinite
+
+
+_NONFINITE_TEXT = frozenset(("NaN", "Infinity", "-Infinity"))
+
+
+def _finite_copy(record: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(record)
+    for key, value in out.items():
+        if value.__class__ is float and value - value != 0.0:
+            out[key] = NAN_TEXT if value != value else _ENCODE_NONFINITE[value]
+    return out
+
+
+def dumps(record: Mapping[str, Any], nonfinite: bool | None = None) -> bytes:
+    """One record as a JSON line ending in a newline; non-finite floats become strings.
+
+    `nonfinite=False` is the caller's promise that no value is NaN or infinite (the
+    hot path knows it from `encode_row`); None checks.
+    """
+    if nonfinite is None:
+        nonfinite = any(v.__class__ is float and v - v != 0.0 for v in record.values())
+    if nonfinite:
+        record = _finite_copy(record)
+    return _DUMPS(record, option=_NEWLINE)
+
+
+def _decode_nonfinite(obj: dict[str, Any]) -> dict[str, Any]:
+    for key, value in obj.items():
+        if value.__class__ is str and value in DECODE_NONFINITE and key[:1] != "_":
+            obj[key] = DECODE_NONFINITE[value]
+    return obj
+
+
+def loads(line: bytes | str) -> dict[str, Any]:
+    """Parse one line into a record; accepts bare NaN/Infinity tokens. Raises ValueError."""
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        try:
+            obj = json.loads(line)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"not a JSON record: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ValueError("not a JSON object")
+    return _decode_nonfinite(obj)
+
+
+def iter_lines(data: bytes) -> Iterator[tuple[int, bytes]]:
+    """Yield (offset, line) for each complete line; an unterminated tail is ignored."""
+    pos = 0
+    end = data.rfind(b"\n") + 1
+    while pos < end:
+        nl = data.index(b"\n", pos)
+        yield pos, data[pos:nl]
+        pos = nl + 1
+
+
+def is_rank_record(record: Mapping[str, Any]) -> bool:
+    """True for records written by `log_rank_metrics`."""
+    return record.get("_kind") == "rank"
+
+
+def user_items(record: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    """The non-reserved (metric) items of a record."""
+    for key, value in record.items():
+        if key[:1] != "_":
+            yield key, value

@@ -1,0 +1,518 @@
+"""Rank shards on disk: the buffered writer, the sidecar, resume and the reader (DESIGN 3-5).
+
+The shard file is the truth. Writers append whole lines with one `os.write` on an
+O_APPEND descriptor; readers ignore an unterminated last line. The sidecar
+`<stem>.meta.json` is a hint that a writer repairs from the file when they disagree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from . import records
+from .layout import ShardPaths
+
+FLUSH_BYTES = 64 * 1024
+MAX_BUFFER_BYTES = 64 * 1024 * 1024
+_READ_BLOCK = 256 * 1024
+
+Warn = Callable[[str, str], None]
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replace `path` with `data`: temp file, fsync, rename; never a half-written file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    """os.write until everything is written (short writes happen on some filesystems)."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def read_sidecar(path: Path) -> dict[str, Any] | None:
+    """The sidecar as a dict, or None if missing or unreadable."""
+    try:
+        data = orjson.loads(path.read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+@dataclass
+class Cursor:
+    """Where a shard stands: bytes of complete lines, rows, largest step, applied spool seqs."""
+
+    bytes: int = 0
+    rows: int = 0
+    last_step: int | None = None
+    applied: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        nxt = 0 if self.last_step is None else self.last_step + 1
+        return {
+            "bytes": self.bytes,
+            "rows": self.rows,
+            "last_step": self.last_step,
+            "next_step": nxt,
+            "applied": dict(self.applied),
+        }
+
+
+def _scan(data: bytes, cursor: Cursor, base: int) -> None:
+    """Advance `cursor` over the complete lines of `data` (which starts at file offset `base`)."""
+    for _, line in records.iter_lines(data):
+        cursor.rows += 1
+        try:
+            rec = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        if not isinstance(rec, dict):
+            continue
+        step = rec.get("_step")
+        if type(step) is int and (cursor.last_step is None or step > cursor.last_step):
+            cursor.last_step = step
+        sess, seq = rec.get("_sid"), rec.get("_seq")
+        if type(sess) is str and type(seq) is int and seq >= cursor.applied.get(sess, -1):
+            cursor.applied[sess] = seq
+    cursor.bytes = base + data.rfind(b"\n") + 1
+
+
+def repair_and_scan(paths: ShardPaths, hint: Mapping[str, Any] | None) -> tuple[Cursor, bool]:
+    """Move a torn tail to `<shard>.torn`, truncate, and compute the cursor.
+
+    Uses the sidecar hint to avoid rescanning the whole file when it is consistent.
+    Returns (cursor, repaired) where repaired says the sidecar disagreed with the file.
+    The caller holds whatever lock protects the shard.
+    """
+    try:
+        fd = os.open(paths.shard, os.O_RDWR)
+    except FileNotFoundError:
+        return Cursor(), hint is not None and bool(hint.get("cursor", {}).get("bytes"))
+    try:
+        size = os.fstat(fd).st_size
+        # find the last complete line by reading backwards
+        end = size
+        tail_start = 0
+        while end > 0:
+            start = max(0, end - _READ_BLOCK)
+            block = os.pread(fd, end - start, start)
+            nl = block.rfind(b"\n")
+            if nl >= 0:
+                tail_start = start + nl + 1
+                break
+            end = start
+        original = size
+        if tail_start < size:
+            torn = os.pread(fd, size - tail_start, tail_start)
+            tfd = os.open(paths.torn, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                _write_all(tfd, torn if torn.endswith(b"\n") else torn + b"\n")
+                os.fsync(tfd)
+            finally:
+                os.close(tfd)
+            os.ftruncate(fd, tail_start)
+            size = tail_start
+        cur = (hint or {}).get("cursor") or {}
+        cursor = Cursor()
+        hint_bytes = cur.get("bytes")
+        if isinstance(hint_bytes, int) and 0 < hint_bytes <= size and _line_boundary(fd, hint_bytes):
+            cursor.bytes = hint_bytes
+            cursor.rows = int(cur.get("rows") or 0)
+            cursor.last_step = cur.get("last_step")
+            applied = cur.get("applied") or {}
+            cursor.applied = {str(k): int(v) for k, v in applied.items()}
+        repaired = original != size or (original > 0 and hint_bytes != size)
+        pos = cursor.bytes
+        while pos < size:
+            block = os.pread(fd, min(16 * _READ_BLOCK, size - pos), pos)
+            last_nl = block.rfind(b"\n")
+            if last_nl < 0:
+                break
+            _scan(block[: last_nl + 1], cursor, pos)
+            pos = cursor.bytes
+        return cursor, repaired
+    finally:
+        os.close(fd)
+
+
+def _line_boundary(fd: int, offset: int) -> bool:
+    """True if `offset` is the start of a line (the byte before it is a newline)."""
+    return os.pread(fd, 1, offset - 1) == b"\n"
+
+
+class ShardWriter:
+    """Buffered, append-only writer of one shard file and its sidecar.
+
+    Not thread-safe for `append`; `flush` may run on another thread concurrently
+    with `append` (the buffer swap is under a lock, the write outside it).
+    Failures never raise: they are reported once per cause through `warn` and
+    counted in `dropped` when data had to be given up.
+    """
+
+    def __init__(
+        self,
+        paths: ShardPaths,
+        identity: Mapping[str, Any],
+        *,
+        shared: bool = False,
+        write_sidecar: bool = True,
+        warn: Warn | None = None,
+        dropped: dict[str, int] | None = None,
+        flush_bytes: int = FLUSH_BYTES,
+        max_buffer_bytes: int = MAX_BUFFER_BYTES,
+    ) -> None:
+        self.paths = paths
+        self.identity = dict(identity)
+        self.shared = shared
+        self.sidecar_enabled = write_sidecar
+        self.flush_bytes = flush_bytes
+        self.max_buffer_bytes = max_buffer_bytes
+        self._warn = warn or (lambda cause, msg: None)
+        self.dropped = dropped if dropped is not None else {}
+        self.errors: dict[str, int] = {}
+        self.cursor = Cursor()
+        self.repaired = False
+        self.status = "running"
+        self.start_time = time.time()
+        self.end_time: float | None = None
+        self.last_write: float | None = None
+        self._buf: list[bytes] = []
+        self._buf_size = 0
+        self._pending = b""  # data of a failed write, retried first
+        self._pending_rows = 0
+        self._buf_lock = threading.Lock()
+        self._io_lock = threading.Lock()
+        self._fd: int | None = None
+        self._last_step_written: int | None = None
+
+    # -- opening ---------------------------------------------------------
+    def open(self) -> Cursor:
+        """Create the run directory, repair a torn tail, compute the cursor, open for append.
+
+        Failures are reported and retried at the next flush; they never raise.
+        """
+        try:
+            self.paths.run_dir.mkdir(parents=True, exist_ok=True)
+            hint = read_sidecar(self.paths.sidecar)
+            with self._locked_file():
+                self.cursor, self.repaired = repair_and_scan(self.paths, hint)
+            if hint and isinstance(hint.get("start_time"), (int, float)) and self.cursor.rows:
+                self.start_time = float(hint["start_time"])
+            self._open_fd()
+        except OSError as exc:
+            self._fail("open", exc)
+        return self.cursor
+
+    @contextlib.contextmanager
+    def _locked_file(self) -> Iterator[None]:
+        if not self.shared:
+            yield
+            return
+        lock_path = self.paths.run_dir / f".{self.paths.stem}.lock"
+        fd = os.open(lock_path, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def _open_fd(self) -> int:
+        if self._fd is not None:
+            try:
+                if os.fstat(self._fd).st_nlink > 0:
+                    return self._fd
+            except OSError:
+                pass
+            # the file (or its run directory) was deleted under us: start a new one
+            self._warn("deleted", f"shard {self.paths.shard} was deleted; recreating it")
+            self.errors["deleted"] = self.errors.get("deleted", 0) + 1
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+            self.paths.run_dir.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.paths.shard, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        return self._fd
+
+    # -- writing ---------------------------------------------------------
+    def append(self, line: bytes, step: int | None = None) -> None:
+        """Queue one complete line (ending in newline); flushes inline at `flush_bytes`."""
+        with self._buf_lock:
+            self._buf.append(line)
+            self._buf_size += len(line)
+            if step is not None:
+                self._last_step_written = step
+            full = self._buf_size >= self.flush_bytes
+        if full and self._io_lock.acquire(blocking=False):
+            # a background flush already running will pick the data up otherwise
+            try:
+                self._flush_locked()
+            finally:
+                self._io_lock.release()
+
+    def buffered(self) -> int:
+        """Bytes waiting to be written."""
+        return self._buf_size + len(self._pending)
+
+    def flush(self) -> bool:
+        """Write everything buffered; False if some data is still pending after a failure."""
+        with self._io_lock:
+            return self._flush_locked()
+
+    def _flush_locked(self) -> bool:
+        with self._buf_lock:
+            lines = self._buf
+            self._buf = []
+            self._buf_size = 0
+            step = self._last_step_written
+        if not lines and not self._pending:
+            return True
+        data = self._pending + b"".join(lines)
+        nrows = self._pending_rows + len(lines)
+        try:
+            fd = self._open_fd()
+            if self.shared:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                before = os.fstat(fd).st_size
+                try:
+                    _write_all(fd, data)
+                except OSError:
+                    # never leave half a batch: cut the file back to where we started
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(fd, before)
+                    raise
+            finally:
+                if self.shared:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+        except OSError as exc:
+            self._fail("write", exc)
+            self._keep_pending(data, nrows)
+            return False
+        self._pending = b""
+        self._pending_rows = 0
+        self.cursor.bytes = before + len(data)
+        self.cursor.rows += nrows
+        if step is not None and (self.cursor.last_step is None or step > self.cursor.last_step):
+            self.cursor.last_step = step
+        self.last_write = time.time()
+        return True
+
+    def _keep_pending(self, data: bytes, nrows: int) -> None:
+        """Keep failed data for a retry, within `max_buffer_bytes`; count what must go."""
+        if len(data) > self.max_buffer_bytes:
+            cut = data.find(b"\n", len(data) - self.max_buffer_bytes) + 1
+            lost = data[:cut].count(b"\n")
+            self.dropped["buffer_full"] = self.dropped.get("buffer_full", 0) + lost
+            self._warn(
+                "buffer_full",
+                f"shard {self.paths.shard}: write buffer over {self.max_buffer_bytes} bytes; "
+                "dropping the oldest rows (counted in info()['dropped'])",
+            )
+            data = data[cut:]
+            nrows -= lost
+        self._pending = data
+        self._pending_rows = nrows
+
+    def _fail(self, op: str, exc: OSError) -> None:
+        cause = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+        key = f"{op}:{cause}"
+        self.errors[key] = self.errors.get(key, 0) + 1
+        self._warn(
+            key,
+            f"expr_tracker: cannot {op} shard {self.paths.shard}: {exc.strerror or exc}; "
+            "rows are kept in memory and retried",
+        )
+
+    # -- sidecar ---------------------------------------------------------
+    def sidecar(self) -> dict[str, Any]:
+        """The sidecar contents for the current state."""
+        return {
+            "version": 1,
+            **self.identity,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "cursor": self.cursor.as_dict(),
+            "status": self.status,
+            "start_time": self.start_time,
+            "end_time": self.end_time,
+            "last_write": self.last_write,
+        }
+
+    def write_sidecar(self) -> None:
+        """Atomically rewrite the sidecar; failures are reported, never raised."""
+        if not self.sidecar_enabled:
+            return
+        try:
+            write_atomic(self.paths.sidecar, orjson.dumps(self.sidecar(), option=orjson.OPT_INDENT_2))
+        except OSError as exc:
+            self._fail("sidecar", exc)
+
+    def close(self, status: str = "finished") -> None:
+        """Flush, mark the status in the sidecar and close the file."""
+        self.flush()
+        self.status = status
+        self.end_time = time.time()
+        self.write_sidecar()
+        if self._pending:
+            lost = self._pending_rows
+            self.dropped["unwritable"] = self.dropped.get("unwritable", 0) + lost
+            self._warn("unwritable", f"shard {self.paths.shard}: {lost} rows could not be written")
+            self._pending = b""
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+
+
+# -- reading -------------------------------------------------------------
+
+
+class ShardReader:
+    """Reads complete lines of a shard that another process may be appending to."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.garbage = 0  # lines that did not parse, skipped
+
+    def _parse(self, line: bytes) -> dict[str, Any] | None:
+        try:
+            return records.loads(line)
+        except ValueError:
+            self.garbage += 1
+            return None
+
+    def iter_records(self, start: int = 0) -> Iterator[tuple[int, dict[str, Any]]]:
+        """Yield (end offset, record) for every complete, parseable line from `start`."""
+        with open(self.path, "rb") as fh:
+            fh.seek(start)
+            pos = start
+            carry = b""
+            while True:
+                block = fh.read(4 * _READ_BLOCK)
+                if not block:
+                    return
+                data = carry + block
+                base = pos - len(carry)
+                last = data.rfind(b"\n")
+                if last < 0:
+                    carry = data
+                    pos += len(block)
+                    continue
+                for off, line in records.iter_lines(data[: last + 1]):
+                    rec = self._parse(line) if line.strip() else None
+                    if rec is not None:
+                        yield base + off + len(line) + 1, rec
+                carry = data[last + 1 :]
+                pos += len(block)
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every complete record in file order."""
+        return [rec for _, rec in self.iter_records()]
+
+    def iter_reverse(self) -> Iterator[dict[str, Any]]:
+        """Complete records from the last to the first, reading the file backwards in blocks."""
+        with open(self.path, "rb") as fh:
+            end = fh.seek(0, os.SEEK_END)
+            # only terminated lines count: find the end of the last complete line first
+            while end > 0:
+                start = max(0, end - _READ_BLOCK)
+                fh.seek(start)
+                nl = fh.read(end - start).rfind(b"\n")
+                if nl >= 0:
+                    end = start + nl + 1
+                    break
+                end = start
+            carry = b""
+            while end > 0:
+                start = max(0, end - _READ_BLOCK)
+                fh.seek(start)
+                data = fh.read(end - start) + carry
+                lines = data.split(b"\n")
+                # lines[0] may be the end of a line that started in an earlier block
+                carry = lines[0] if start > 0 else b""
+                body = lines[1:] if start > 0 else lines
+                for line in reversed(body):
+                    if line.strip():
+                        rec = self._parse(line)
+                        if rec is not None:
+                            yield rec
+                end = start
+
+
+def select_rows(
+    reader: ShardReader,
+    n: int | None,
+    *,
+    metrics: list[str] | None = None,
+    step_range: tuple[int | None, int | None] | None = None,
+    kind: str | None = None,
+) -> list[dict[str, Any]]:
+    """The last `n` matching rows (all if n is None or negative), oldest first.
+
+    `kind` None selects step rows (records without `_kind`); "rank" selects rank
+    records; "*" everything. `step_range` is half-open [lo, hi). With `metrics`, a
+    row matches if it has at least one of them, and is projected to them.
+    """
+    lo, hi = step_range or (None, None)
+    want = set(metrics) if metrics else None
+
+    def keep(rec: dict[str, Any]) -> dict[str, Any] | None:
+        if kind != "*" and rec.get("_kind") != kind:
+            return None
+        step = rec.get("_step")
+        if lo is not None and (not isinstance(step, int) or step < lo):
+            return None
+        if hi is not None and (not isinstance(step, int) or step >= hi):
+            return None
+        if want is None:
+            return rec
+        picked = {k: v for k, v in rec.items() if k in want}
+        if not picked:
+            return None
+        out = {k: v for k, v in rec.items() if k[:1] == "_" and k in _ROW_META}
+        out.update(picked)
+        return out
+
+    if n is None or n < 0:
+        out = []
+        for _, rec in reader.iter_records():
+            row = keep(rec)
+            if row is not None:
+                out.append(row)
+        return out
+    picked_rows: list[dict[str, Any]] = []
+    if n == 0:
+        return picked_rows
+    for rec in reader.iter_reverse():
+        row = keep(rec)
+        if row is not None:
+            picked_rows.append(row)
+            if len(picked_rows) >= n:
+                break
+    picked_rows.reverse()
+    return picked_rows
+
+
+_ROW_META = ("_step", "_time", "_kind", "_rank", "_world_size", "_local_rank", "_weight")
