@@ -22,8 +22,8 @@ from .run import Run
 __version__ = "0.1.0"
 
 __all__ = [
-    "Run",
     "RuleError",
+    "Run",
     "RunNotFoundError",
     "TrackerError",
     "UsageError",
@@ -81,7 +81,11 @@ def init(
 
 def log(data: Mapping[str, Any], step: int | None = None, commit: bool | None = None) -> None:
     """Log metrics to the current run with wandb's step semantics."""
-    _state.get().log(data, step, commit)
+    run = _state.current
+    if run is None:
+        _state.get()  # raises the usage error
+    else:
+        run.log(data, step, commit)
 
 
 def log_rank_metrics(
@@ -98,7 +102,7 @@ def log_rank_metrics(
 
 def history(n: int | None = 50, **kwargs: Any) -> Any:
     """The last `n` committed rows of a shard; works without `init` when `run=` is given."""
-    from .history import history as _history
+    from .query import history as _history
 
     return _history(n, **kwargs)
 

@@ -44,6 +44,18 @@ class DirectSink:
         )
         if self.alerting and (run._alert_config is not None or run._ruleset is not None):
             self.pipeline.dispatcher = self._dispatcher()
+        self.fast_append: Any = None
+        self._update_fast_path()
+
+    def _update_fast_path(self) -> None:
+        """Run.log may append lines straight to the writer when nothing else must see them."""
+        rules = self.pipeline.rules
+        idle = (rules is None or not rules.rules) and not self.pipeline.backends
+        self.fast_append = self.writer._buf.append if idle else None
+
+    def flush_full(self) -> None:
+        """The hot path buffered `FLUSH_BYTES`: write now unless a flush is running."""
+        self.writer.flush_nowait()
 
     def _dispatcher(self) -> Any:
         from .alerts import Dispatcher, load_config
@@ -75,6 +87,7 @@ class DirectSink:
 
     def rules_changed(self) -> None:
         self.pipeline.rules = self.run._ruleset
+        self._update_fast_path()
         if self.alerting and self.pipeline.dispatcher is None:
             self.pipeline.dispatcher = self._dispatcher()
 
@@ -92,8 +105,7 @@ class DirectSink:
 
     def detach(self) -> None:
         # a forked child shares the parent's descriptor: forget the buffer, never flush it
-        self.writer._buf = []
-        self.writer._buf_size = 0
+        self.writer._buf.clear()
         self.writer._pending = b""
 
     def info(self) -> dict[str, Any]:

@@ -51,7 +51,7 @@ class Pipeline:
 
     def apply(self, record: dict[str, Any], nonfinite: bool | None = None) -> None:
         """Write one record to the shard, then rules, alerts and backends."""
-        self.writer.append(records.dumps(record, nonfinite), record.get("_step"))
+        self.writer.append(records.dumps(record, nonfinite))
         rules = self.rules
         if rules is not None and rules.rules:
             firings = rules.observe(record, record.get("_step"), record.get("_time") or time.time())

@@ -8,7 +8,6 @@ as floats. numpy scalars and 0-d tensors are unwrapped with `.item()`.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -64,13 +63,13 @@ def encode_value(key: str, value: Any) -> Scalar:
             return value
         raise ValueError(f"value of key {key!r} is an integer too large to store: {value}")
     if cls is bool or value is None:
-        return value  # type: ignore[no-any-return]
+        return value
     if cls is str:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
             raise ValueError(f"value of key {key!r} is not valid UTF-8 text") from None
-        return value  # type: ignore[no-any-return]
+        return value
     if isinstance(value, bool):
         return bool(value)
     if isinstance(value, int):
@@ -84,9 +83,8 @@ def encode_value(key: str, value: Any) -> Scalar:
 
 def check_key(key: Any) -> str:
     """Validate a user metric key."""
-    if key.__class__ is not str:
-        if not isinstance(key, str):
-            raise TypeError(f"metric keys must be str, got {type(key).__name__} ({key!r})")
+    if key.__class__ is not str and not isinstance(key, str):
+        raise TypeError(f"metric keys must be str, got {type(key).__name__} ({key!r})")
     if not key:
         raise ValueError("metric keys must not be empty")
     if key[0] == "_":
@@ -160,6 +158,8 @@ def loads(line: bytes | str) -> dict[str, Any]:
     try:
         obj = orjson.loads(line)
     except orjson.JSONDecodeError:
+        import json  # only for files with bare NaN tokens, written by other trackers
+
         try:
             obj = json.loads(line)
         except (ValueError, UnicodeDecodeError) as exc:

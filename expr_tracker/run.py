@@ -8,10 +8,8 @@ reported once per cause, counted, and never raised into the training loop.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
-import secrets
 import threading
 import time
 import warnings
@@ -24,10 +22,24 @@ import orjson
 from . import ranks as _ranks
 from . import records
 from .errors import UsageError
-from .layout import ShardPaths, default_dir, default_spool, shard_paths, validate_name, validate_stream
+from .layout import (
+    ShardPaths,
+    default_dir,
+    default_spool,
+    shard_paths,
+    validate_name,
+    validate_stream,
+)
 from .ranks import MAX_WORLD
+from .shard import FLUSH_BYTES
 
-log = logging.getLogger("expr_tracker")
+_time = time.time
+_monotonic = time.monotonic
+_dumps = records.dumps
+_orjson_dumps = orjson.dumps
+_NL = orjson.OPT_APPEND_NEWLINE
+_INT_MIN = -(2**63)
+_INT_MAX = 2**64 - 1
 
 RESUME_MODES = ("allow", "must", "never")
 UPLOAD_MODES = ("direct", "spool")
@@ -102,7 +114,8 @@ class Run:
         self.stream = validate_stream(stream)
         if dir is not None and not isinstance(dir, (str, os.PathLike)):
             raise TypeError(f"dir must be a path, got {type(dir).__name__}")
-        self.root = Path(dir) if dir is not None else default_dir()
+        # absolute: a later chdir in the training script must not move the shard
+        self.root = (Path(dir) if dir is not None else default_dir()).absolute()
         if config is not None and not isinstance(config, Mapping):
             raise TypeError(f"config must be a dict, got {type(config).__name__}")
         try:
@@ -120,7 +133,7 @@ class Run:
         self.mode = mode
         if spool_dir is not None and not isinstance(spool_dir, (str, os.PathLike)):
             raise TypeError(f"spool_dir must be a path, got {type(spool_dir).__name__}")
-        self.spool_root = Path(spool_dir) if spool_dir is not None else default_spool()
+        self.spool_root = (Path(spool_dir) if spool_dir is not None else default_spool()).absolute()
         for field, value in (("idle_timeout", idle_timeout), ("time_rule_interval", time_rule_interval)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{field} must be a positive number of seconds, got {value!r}")
@@ -167,7 +180,7 @@ class Run:
                 raise ValueError(f"resume='never' but run {self.project}/{self.name} already has {self.paths.shard}")
             if resume == "must" and not exists:
                 raise ValueError(f"resume='must' but {self.paths.shard} does not exist")
-        self.session = secrets.token_hex(6)
+        self.session = os.urandom(6).hex()
 
         # -- state ----------------------------------------------------------
         self.dropped: dict[str, int] = {}
@@ -179,6 +192,8 @@ class Run:
         self._finished = False
         self._detached = False  # a forked child: never write the parent's data
         self._rows_committed = 0
+        self._unflushed = 0  # bytes the hot path appended since it last asked for a flush
+        self._flush_bytes = FLUSH_BYTES
         self._last_step: int | None = None
         self._pid = os.getpid()
         self._sink = self._make_sink()
@@ -232,7 +247,10 @@ class Run:
         if threading.current_thread() is threading.main_thread():
             warnings.warn(message, RuntimeWarning, stacklevel=3)
         else:
-            log.warning(message)
+            # warnings from a background thread would surface at random places; log instead
+            import logging
+
+            logging.getLogger("expr_tracker").warning(message)
 
     def _count(self, cause: str, n: int = 1) -> None:
         self.dropped[cause] = self.dropped.get(cause, 0) + n
@@ -240,6 +258,40 @@ class Run:
     # -- logging -----------------------------------------------------------
     def log(self, data: Mapping[str, Any], step: int | None = None, commit: bool | None = None) -> None:
         """Log metrics with wandb's step semantics (see the module docs of expr_tracker)."""
+        fast = self._sink.fast_append
+        if fast is not None and step is None and commit is None and data.__class__ is dict:
+            # The hot path: a plain dict of floats/ints, committed at once, nothing else to
+            # run (no rules, no backends). Anything unusual falls through to the full path.
+            nonfinite = False
+            for key, value in data.items():
+                cls = value.__class__
+                if cls is float:
+                    if value - value != 0.0:
+                        nonfinite = True
+                elif cls is not int or not _INT_MIN <= value <= _INT_MAX:
+                    break
+                if key.__class__ is not str or not key or key[0] == "_":
+                    break
+            else:
+                with self._lock:
+                    if self._open is None and not self._finished and not self._detached and data:
+                        step = self._step
+                        self._step = step + 1
+                        self._last_step = step
+                        self._rows_committed += 1
+                        record = {"_step": step, "_time": _time(), **data}
+                        line = _dumps(record, nonfinite) if nonfinite else _orjson_dumps(record, option=_NL)
+                        fast(line)
+                        size = self._unflushed + len(line)
+                        if size < self._flush_bytes:
+                            self._unflushed = size
+                            return
+                        self._unflushed = 0
+                    else:
+                        fast = None
+                if fast is not None:
+                    self._sink.flush_full()
+                    return
         row, nonfinite = records.encode_row(data)
         if step is not None:
             step = _check_step(step)
@@ -277,10 +329,12 @@ class Run:
 
     def _commit(self) -> None:
         """Hand the open row to the sink and advance the step. Caller holds the lock."""
-        row = self._open
-        self._open = None
+        # advance the step before clearing the open row: the lock-free check in log()
+        # must never see no open row and the old step
         step = self._step
         self._step = step + 1
+        row = self._open
+        self._open = None
         if not row:
             return
         record = {"_step": step, "_time": time.time()}
@@ -463,7 +517,7 @@ class Run:
 
     def history(self, n: int | None = 50, **kwargs: Any) -> Any:
         """The last `n` committed rows of this run; see `expr_tracker.history`."""
-        from .history import history
+        from .query import history
 
         return history(n, run_obj=self, **kwargs)
 

@@ -7,11 +7,11 @@ O_APPEND descriptor; readers ignore an unterminated last line. The sidecar
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import fcntl
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -91,7 +91,7 @@ def _scan(data: bytes, cursor: Cursor, base: int) -> None:
         if not isinstance(rec, dict):
             continue
         step = rec.get("_step")
-        if type(step) is int and (cursor.last_step is None or step > cursor.last_step):
+        if "_kind" not in rec and type(step) is int and (cursor.last_step is None or step > cursor.last_step):
             cursor.last_step = step
         sess, seq = rec.get("_sid"), rec.get("_seq")
         if type(sess) is str and type(seq) is int and seq >= cursor.applied.get(sess, -1):
@@ -157,6 +157,18 @@ def repair_and_scan(paths: ShardPaths, hint: Mapping[str, Any] | None) -> tuple[
         os.close(fd)
 
 
+def _last_row_step(lines: list[bytes]) -> int | None:
+    """`_step` of the last step row (not a `_kind` record) among `lines`, parsing just that one."""
+    for line in reversed(lines):
+        if not line.startswith(b'{"_kind"'):
+            try:
+                step = orjson.loads(line).get("_step")
+            except (orjson.JSONDecodeError, AttributeError):
+                return None
+            return step if type(step) is int else None
+    return None
+
+
 def _line_boundary(fd: int, offset: int) -> bool:
     """True if `offset` is the start of a line (the byte before it is a newline)."""
     return os.pread(fd, 1, offset - 1) == b"\n"
@@ -198,14 +210,14 @@ class ShardWriter:
         self.start_time = time.time()
         self.end_time: float | None = None
         self.last_write: float | None = None
-        self._buf: list[bytes] = []
-        self._buf_size = 0
+        # appended by the training thread, popped by the flusher: deque ops are atomic,
+        # so the hot path takes no lock
+        self._buf: collections.deque[bytes] = collections.deque()
+        self._unflushed = 0
         self._pending = b""  # data of a failed write, retried first
         self._pending_rows = 0
-        self._buf_lock = threading.Lock()
         self._io_lock = threading.Lock()
         self._fd: int | None = None
-        self._last_step_written: int | None = None
 
     # -- opening ---------------------------------------------------------
     def open(self) -> Cursor:
@@ -256,16 +268,20 @@ class ShardWriter:
         return self._fd
 
     # -- writing ---------------------------------------------------------
-    def append(self, line: bytes, step: int | None = None) -> None:
+    def append(self, line: bytes) -> None:
         """Queue one complete line (ending in newline); flushes inline at `flush_bytes`."""
-        with self._buf_lock:
-            self._buf.append(line)
-            self._buf_size += len(line)
-            if step is not None:
-                self._last_step_written = step
-            full = self._buf_size >= self.flush_bytes
-        if full and self._io_lock.acquire(blocking=False):
-            # a background flush already running will pick the data up otherwise
+        self._buf.append(line)
+        n = self._unflushed + len(line)
+        if n < self.flush_bytes:
+            self._unflushed = n
+            return
+        self._unflushed = 0
+        self.flush_nowait()
+
+    def flush_nowait(self) -> None:
+        """Flush unless another thread is flushing (it will take our lines too)."""
+        if self._io_lock.acquire(blocking=False):
+            # a background flush already running picks the data up otherwise
             try:
                 self._flush_locked()
             finally:
@@ -273,7 +289,7 @@ class ShardWriter:
 
     def buffered(self) -> int:
         """Bytes waiting to be written."""
-        return self._buf_size + len(self._pending)
+        return sum(map(len, list(self._buf))) + len(self._pending)
 
     def flush(self) -> bool:
         """Write everything buffered; False if some data is still pending after a failure."""
@@ -281,11 +297,8 @@ class ShardWriter:
             return self._flush_locked()
 
     def _flush_locked(self) -> bool:
-        with self._buf_lock:
-            lines = self._buf
-            self._buf = []
-            self._buf_size = 0
-            step = self._last_step_written
+        buf = self._buf
+        lines = [buf.popleft() for _ in range(len(buf))]
         if not lines and not self._pending:
             return True
         data = self._pending + b"".join(lines)
@@ -314,6 +327,7 @@ class ShardWriter:
         self._pending_rows = 0
         self.cursor.bytes = before + len(data)
         self.cursor.rows += nrows
+        step = _last_row_step(lines)
         if step is not None and (self.cursor.last_step is None or step > self.cursor.last_step):
             self.cursor.last_step = step
         self.last_write = time.time()
@@ -351,7 +365,7 @@ class ShardWriter:
         return {
             "version": 1,
             **self.identity,
-            "host": socket.gethostname(),
+            "host": os.uname().nodename,
             "pid": os.getpid(),
             "cursor": self.cursor.as_dict(),
             "status": self.status,

@@ -75,7 +75,7 @@ def history(
             from . import _state
 
             run_obj = _state.get()
-        if stream is not ... and stream != run_obj.stream or rank is not None and rank != run_obj.rank:
+        if (stream is not ... and stream != run_obj.stream) or (rank is not None and rank != run_obj.rank):
             path = resolve_shard(run_obj.paths.run_dir, None if stream is ... else stream, rank)
         else:
             path = run_obj.paths.shard
