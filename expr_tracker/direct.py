@@ -72,7 +72,7 @@ class DirectSink:
         run = self.run
         ident = Identity(
             project=run.project, name=run.name, stream=run.stream, rank=run.rank,
-            world_size=run.world_size, config=run.config, dir=str(run.paths.run_dir),
+            world_size=run.world_size, config=run.config, dir="",  # backends use their own dirs (WANDB_DIR)
         )
         return [BackendWorker(b, ident, rank_metrics=run.backend_rank_metrics) for b in run._backend_objs]
 

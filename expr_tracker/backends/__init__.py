@@ -1,0 +1,11 @@
+"""Remote backends: protocol, remote ids, wandb/trackio/http and a background worker.
+
+Importing this package imports none of wandb, trackio or httpx.
+"""
+
+from __future__ import annotations
+
+from expr_tracker.backends.base import Backend, Identity, make_backend, reportable
+from expr_tracker.backends.worker import BackendWorker
+
+__all__ = ["Backend", "BackendWorker", "Identity", "make_backend", "reportable"]

@@ -1,0 +1,160 @@
+"""The HTTP backend: POST batches of records as JSON to a URL, idempotently.
+
+Each batch is `{"identity": {...}, "events": [...]}`, serialised once; every
+retry sends the same bytes with the same `Idempotency-Key` (the first and last
+event ids of the batch, DESIGN 6), so a receiver can de-duplicate. The bearer
+token is read from the environment variable named by `token_env` and only ever
+placed in the Authorization header.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import hashlib
+import math
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import orjson
+
+from expr_tracker.backends.base import Counters, Identity
+from expr_tracker.records import encode_value
+
+_RETRY_STATUS = frozenset({408, 429})
+_MAX_RETRY_AFTER = 300.0  # seconds; a server asking for longer is treated as this
+_MAX_BACKOFF = 60.0
+
+
+def idempotency_key(events: Sequence[Mapping[str, Any]], body: bytes) -> str:
+    """`{first_id}..{last_id}` when both ends carry `_id`, else a hash of the body."""
+    first, last = events[0].get("_id"), events[-1].get("_id")
+    if isinstance(first, str) and isinstance(last, str) and first and last:
+        return f"{first}..{last}"
+    return "sha256:" + hashlib.sha256(body).hexdigest()
+
+
+def retry_after(value: str | None) -> float | None:
+    """Seconds to wait from a Retry-After header (delta seconds or an HTTP date)."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        seconds = when.timestamp() - time.time()
+    if math.isnan(seconds):
+        return None
+    return min(max(seconds, 0.0), _MAX_RETRY_AFTER)
+
+
+def _wire(event: Mapping[str, Any]) -> dict[str, Any]:
+    """A record in strict JSON form: non-finite floats become "NaN"/"Infinity" strings."""
+    out: dict[str, Any] = {}
+    for key, value in event.items():
+        out[key] = encode_value(key, value) if value.__class__ is float else value
+    return out
+
+
+class HttpBackend:
+    """POSTs record batches to `url`, retrying transient failures with backoff."""
+
+    name = "http"
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        token_env: str = "EXPR_HTTP_TOKEN",
+        batch: int = 100,
+        timeout: float = 10.0,
+        retries: int = 8,
+        backoff: float = 0.5,
+    ) -> None:
+        self.url = url
+        self.token_env = token_env
+        self.batch = batch
+        self.timeout = float(timeout)
+        self.retries = retries
+        self.backoff = float(backoff)
+        self.counters = Counters()
+        self._identity: dict[str, Any] = {}
+        self._client: Any = None
+        self._stop = threading.Event()
+
+    def open(self, identity: Identity) -> None:
+        """Create the HTTP client; the token is read from the environment now."""
+        import httpx
+
+        self._identity = identity.to_dict()
+        headers = {"Content-Type": "application/json", "User-Agent": "expr-tracker"}
+        token = os.environ.get(self.token_env)
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self._client = httpx.Client(headers=headers, timeout=self.timeout)
+
+    def interrupt(self) -> None:
+        """Cut retry waits short: pending retries give up (thread-safe)."""
+        self._stop.set()
+
+    def log(self, events: Sequence[Mapping[str, Any]]) -> None:
+        """Send `events` in batches of `batch`; an undeliverable batch is counted `failed`."""
+        if self._client is None:
+            raise RuntimeError("http backend used before open()")
+        for start in range(0, len(events), self.batch):
+            if self._stop.is_set():
+                left = len(events) - start
+                self.counters.error("http/events: interrupted", records=left)
+                return
+            chunk = [_wire(e) for e in events[start : start + self.batch]]
+            body = orjson.dumps({"identity": self._identity, "events": chunk})
+            self._post(body, idempotency_key(chunk, body), len(chunk), "/events")
+
+    def alert(self, alert: Mapping[str, Any]) -> None:
+        """POST one alert as `{"identity": ..., "alert": {...}}` to the same URL."""
+        if self._client is None:
+            raise RuntimeError("http backend used before open()")
+        body = orjson.dumps({"identity": self._identity, "alert": _wire(alert)})
+        key = alert.get("id") or alert.get("_id")
+        self._post(body, str(key) if key else idempotency_key([{}], body), 0, "/alerts")
+
+    def finish(self, status: str) -> None:
+        """Close the client (nothing is sent for the status)."""
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    def _post(self, body: bytes, key: str, records: int, what: str) -> None:
+        """POST one body until it is accepted, refused, or the retries run out."""
+        import httpx
+
+        headers = {"Idempotency-Key": key}
+        delay = self.backoff
+        for attempt in range(self.retries + 1):
+            wait: float | None = None
+            try:
+                resp = self._client.post(self.url, content=body, headers=headers)
+            except httpx.TransportError as exc:
+                cause = f"http{what}: {type(exc).__name__}"
+            else:
+                if resp.status_code < 300:
+                    return
+                cause = f"http{what}: status {resp.status_code}"
+                if resp.status_code < 500 and resp.status_code not in _RETRY_STATUS:
+                    self.counters.error(cause, "not retried", records=records)
+                    return
+                wait = retry_after(resp.headers.get("Retry-After"))
+            if attempt == self.retries:
+                break
+            pause = wait if wait is not None else min(delay, _MAX_BACKOFF)
+            delay *= 2
+            if self._stop.wait(pause):
+                cause = f"http{what}: interrupted"
+                break
+        self.counters.error(cause, f"gave up after {attempt + 1} attempts", records=records)
