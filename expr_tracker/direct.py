@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any
 from .pipeline import Pipeline
 from .shard import ShardWriter
 
+FINISH_TIMEOUT = 30.0
+
 if TYPE_CHECKING:
     from .run import Run
 
@@ -101,7 +103,9 @@ class DirectSink:
         self.writer.write_sidecar()
 
     def close(self, status: str) -> None:
-        self.pipeline.close(status)
+        # backends such as wandb need seconds to start and sync; finish waits for them,
+        # within a bound, so the end of a run does not lose its last rows
+        self.pipeline.close(status, timeout=FINISH_TIMEOUT)
 
     def detach(self) -> None:
         # a forked child shares the parent's descriptor: forget the buffer, never flush it

@@ -170,6 +170,9 @@ class Run:
             from .backends.base import make_backend
 
             self._backend_objs = [make_backend(spec) for spec in self._backend_specs]
+            if mode == "spool" and any(not isinstance(b, (str, Mapping)) for b in self._backend_specs):
+                raise ValueError("backends: a backend object cannot travel through the spool; "
+                                 "use 'wandb', 'trackio' or an http mapping in spool mode")
 
         self.paths: ShardPaths = shard_paths(
             self.root, self.project, self.name, self.stream, self.rank if rank_aware else 0

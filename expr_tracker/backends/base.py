@@ -233,7 +233,7 @@ def _check_spec(kind: str, spec: Mapping[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def make_backend(spec: str | Mapping[str, Any]) -> Backend:
+def make_backend(spec: str | Mapping[str, Any] | Backend) -> Backend:
     """Build a backend from `"wandb"`, `"trackio"` or a mapping with a `type` key.
 
     For example `{"type": "http", "url": ..., "token_env": "EXPR_HTTP_TOKEN", "batch": 100}`.
@@ -249,8 +249,13 @@ def make_backend(spec: str | Mapping[str, Any]) -> Backend:
         if not isinstance(spec_type, str):
             raise ValueError("backend spec: type is required (wandb, trackio or http)")
         kind, options = spec_type, spec
+    elif all(callable(getattr(spec, m, None)) for m in ("open", "log", "alert", "finish")):
+        return spec  # a user's own backend object (direct mode only)
     else:
-        raise TypeError(f"backend spec must be a str or a mapping, got {type(spec).__name__}")
+        raise TypeError(
+            "backend spec must be 'wandb', 'trackio', a mapping with a type, or an object with "
+            f"open/log/alert/finish methods; got {type(spec).__name__}"
+        )
     if kind not in _SPEC_KEYS:
         raise ValueError(
             f"backend type {kind!r} is unknown; expected one of: {', '.join(sorted(_SPEC_KEYS))}"
