@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import threading
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,32 @@ def set_current(run: Run) -> None:
                 "in this process; call finish() first"
             )
         current = run
+    _install_sigterm()
+
+
+def _install_sigterm() -> None:
+    """Flush on SIGTERM (torchrun and Slurm stop ranks with it), then die as before.
+
+    Only when nobody else handles SIGTERM: a handler the training code installed wins.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError):
+        pass
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    run = current
+    if run is not None and run._pid == os.getpid():
+        try:
+            run.finish("crashed")
+        except Exception:
+            pass
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def forget(run: Run) -> None:

@@ -153,3 +153,24 @@ def test_forked_child_does_not_duplicate_rows(tmp_path):
     run_all([spawn(code)])
     rows = et.history(-1, run=tmp_path / "p" / "fork")
     assert [r["i"] for r in rows] == list(range(6))
+
+
+def test_sigterm_flushes_buffered_rows(tmp_path):
+    code = f"""
+    import time, expr_tracker as et
+    et.init("p", "term", dir={str(tmp_path)!r})
+    for i in range(100):
+        et.log({{"i": i}})
+    print("ready", flush=True)
+    time.sleep(60)
+    """
+    proc = spawn(code)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == -signal.SIGTERM  # still dies of SIGTERM, as before
+    proc.stdout.close()
+    proc.stderr.close()
+    rows = et.history(-1, run=tmp_path / "p" / "term")
+    assert [r["i"] for r in rows] == list(range(100))
+    side = orjson.loads((tmp_path / "p" / "term" / "metrics.meta.json").read_bytes())
+    assert side["status"] == "crashed"
