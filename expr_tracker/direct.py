@@ -47,13 +47,16 @@ class DirectSink:
         if self.alerting and (run._alert_config is not None or run._ruleset is not None):
             self.pipeline.dispatcher = self._dispatcher()
         self.fast_append: Any = None
+        self.after_write: Any = None
         self._update_fast_path()
 
     def _update_fast_path(self) -> None:
         """Run.log may append lines straight to the writer when nothing else must see them."""
         rules = self.pipeline.rules
         idle = (rules is None or not rules.rules) and not self.pipeline.backends
-        self.fast_append = self.writer._buf.append if idle else None
+        self.fast_append = self.writer.queue
+        # what must see a record after it is queued (rules, backends), or None
+        self.after_write = None if idle else self.pipeline.after_write
 
     def flush_full(self) -> None:
         """The hot path buffered `FLUSH_BYTES`: write now unless a flush is running."""

@@ -49,12 +49,25 @@ class Pipeline:
         self.alerts_path = writer.paths.run_dir / alerts_name(int(self.context.get("rank", 0)))
         self.alert_counts = {"fired": 0, "delivered": 0, "suppressed_rank": 0}
 
-    def apply(self, record: dict[str, Any], nonfinite: bool | None = None) -> None:
-        """Write one record to the shard, then rules, alerts and backends."""
-        self.writer.append(records.dumps(record, nonfinite))
+    def apply(
+        self, record: dict[str, Any], nonfinite: bool | None = None, line: bytes | None = None
+    ) -> None:
+        """Write one record to the shard, then rules, alerts and backends.
+
+        `line` is the record already encoded (exprd copies spool lines verbatim).
+        """
+        self.writer.append(records.dumps(record, nonfinite) if line is None else line)
+        self.after_write(record)
+
+    def after_write(self, record: dict[str, Any]) -> None:
+        """Rules, alerts and backends for a record already queued for its shard."""
         rules = self.rules
         if rules is not None and rules.rules:
-            firings = rules.observe(record, record.get("_step"), record.get("_time") or time.time())
+            try:
+                firings = rules.observe(record, record.get("_step"), record.get("_time") or time.time())
+            except Exception as exc:  # a rule engine bug must never reach the training loop
+                self._warn(f"rules:{type(exc).__name__}", f"expr_tracker: rule evaluation failed: {exc!r}")
+                firings = []
             for firing in firings:
                 self.fire(firing)
         for backend in self.backends:

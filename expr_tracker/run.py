@@ -195,7 +195,8 @@ class Run:
         self._finished = False
         self._detached = False  # a forked child: never write the parent's data
         self._rows_committed = 0
-        self._unflushed = 0  # bytes the hot path appended since it last asked for a flush
+        self._fast_rows = 0  # rows committed by the hot path
+        self._fast_ok = True  # no open row, not finished, not detached: log() may take the hot path
         self._flush_bytes = FLUSH_BYTES
         self._last_step: int | None = None
         self._pid = os.getpid()
@@ -263,8 +264,8 @@ class Run:
         """Log metrics with wandb's step semantics (see the module docs of expr_tracker)."""
         fast = self._sink.fast_append
         if fast is not None and step is None and commit is None and data.__class__ is dict:
-            # The hot path: a plain dict of floats/ints, committed at once, nothing else to
-            # run (no rules, no backends). Anything unusual falls through to the full path.
+            # The hot path: a plain dict of floats/ints, committed at once. Anything unusual
+            # (explicit step, commit=False, other value types) takes the full path below.
             nonfinite = False
             for key, value in data.items():
                 cls = value.__class__
@@ -277,19 +278,20 @@ class Run:
                     break
             else:
                 with self._lock:
-                    if self._open is None and not self._finished and not self._detached and data:
+                    if self._fast_ok and data:
                         step = self._step
                         self._step = step + 1
                         self._last_step = step
-                        self._rows_committed += 1
                         record = {"_step": step, "_time": _time(), **data}
                         line = _dumps(record, nonfinite) if nonfinite else _orjson_dumps(record, option=_NL)
                         fast(line)
-                        size = self._unflushed + len(line)
-                        if size < self._flush_bytes:
-                            self._unflushed = size
+                        after = self._sink.after_write
+                        if after is not None:
+                            after(record)
+                        n = self._fast_rows = self._fast_rows + 1
+                        # every 256 rows: has the buffer reached the flush size?
+                        if n & 255 or self._sink.writer.buffered() < self._flush_bytes:
                             return
-                        self._unflushed = 0
                     else:
                         fast = None
                 if fast is not None:
@@ -323,6 +325,7 @@ class Run:
                     commit = False  # an explicit step stays open until the step advances
             if self._open is None:
                 self._open = row
+                self._fast_ok = False
                 self._open_nonfinite = nonfinite
             else:
                 self._open.update(row)
@@ -332,12 +335,11 @@ class Run:
 
     def _commit(self) -> None:
         """Hand the open row to the sink and advance the step. Caller holds the lock."""
-        # advance the step before clearing the open row: the lock-free check in log()
-        # must never see no open row and the old step
         step = self._step
         self._step = step + 1
         row = self._open
         self._open = None
+        self._fast_ok = not (self._finished or self._detached)
         if not row:
             return
         record = {"_step": step, "_time": time.time()}
@@ -476,6 +478,7 @@ class Run:
             if self._finished:
                 return
             self._finished = True
+            self._fast_ok = False
             if self._detached:
                 return
             if self._open:
@@ -484,7 +487,8 @@ class Run:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=5.0)
         self._sink.close(status)
-        if self._ruleset is not None and self._ruleset.rules:
+        # in spool mode exprd evaluates the rules: this process never fed them a row
+        if self.mode == "direct" and self._ruleset is not None and self._ruleset.rules:
             for rule_name, metric, guess in self._ruleset.never_seen():
                 hint = f"; did you mean {guess!r}?" if guess else ""
                 self.warn_once(
@@ -504,6 +508,7 @@ class Run:
     def _after_fork_in_child(self) -> None:
         """A forked child (a dataloader worker) must never write the parent's buffered rows."""
         self._detached = True
+        self._fast_ok = False
         self._lock = threading.Lock()
         self._sink.detach()
 
@@ -541,7 +546,7 @@ class Run:
                 "session": self.session,
                 "shard": str(self.paths.shard),
                 "step": self._step,
-                "rows": self._rows_base + self._rows_committed,
+                "rows": self._rows_base + self._rows_committed + self._fast_rows,
                 "last_step": self._last_step,
                 "finished": self._finished,
                 "rules": self._ruleset.info() if self._ruleset is not None else [],

@@ -7,7 +7,6 @@ O_APPEND descriptor; readers ignore an unterminated last line. The sidecar
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import errno
 import fcntl
@@ -157,15 +156,18 @@ def repair_and_scan(paths: ShardPaths, hint: Mapping[str, Any] | None) -> tuple[
         os.close(fd)
 
 
-def _last_row_step(lines: list[bytes]) -> int | None:
-    """`_step` of the last step row (not a `_kind` record) among `lines`, parsing just that one."""
-    for line in reversed(lines):
-        if not line.startswith(b'{"_kind"'):
+def _last_row_step(data: bytes) -> int | None:
+    """`_step` of the last step row (not a `_kind` record) in `data`, parsing just that line."""
+    end = len(data) - 1
+    while end > 0:
+        start = data.rfind(b"\n", 0, end) + 1
+        if not data.startswith(b'{"_kind"', start):
             try:
-                step = orjson.loads(line).get("_step")
+                step = orjson.loads(data[start:end]).get("_step")
             except (orjson.JSONDecodeError, AttributeError):
                 return None
             return step if type(step) is int else None
+        end = start - 1
     return None
 
 
@@ -212,8 +214,11 @@ class ShardWriter:
         self.last_write: float | None = None
         # appended by the training thread, popped by the flusher: deque ops are atomic,
         # so the hot path takes no lock
-        self._buf: collections.deque[bytes] = collections.deque()
-        self._unflushed = 0
+        # whole lines appended by the training thread, taken by the flusher: bytearray
+        # extend and slice-delete are single operations under the GIL, so the hot path
+        # takes no lock and allocates nothing that lives past the flush
+        self._buf = bytearray()
+        self.queue = self._buf.extend  # the hot path's append: whole lines only
         self._pending = b""  # data of a failed write, retried first
         self._pending_rows = 0
         self._io_lock = threading.Lock()
@@ -270,13 +275,9 @@ class ShardWriter:
     # -- writing ---------------------------------------------------------
     def append(self, line: bytes) -> None:
         """Queue one complete line (ending in newline); flushes inline at `flush_bytes`."""
-        self._buf.append(line)
-        n = self._unflushed + len(line)
-        if n < self.flush_bytes:
-            self._unflushed = n
-            return
-        self._unflushed = 0
-        self.flush_nowait()
+        self._buf += line
+        if len(self._buf) >= self.flush_bytes:
+            self.flush_nowait()
 
     def flush_nowait(self) -> None:
         """Flush unless another thread is flushing (it will take our lines too)."""
@@ -289,7 +290,7 @@ class ShardWriter:
 
     def buffered(self) -> int:
         """Bytes waiting to be written."""
-        return sum(map(len, list(self._buf))) + len(self._pending)
+        return len(self._buf) + len(self._pending)
 
     def flush(self) -> bool:
         """Write everything buffered; False if some data is still pending after a failure."""
@@ -298,11 +299,13 @@ class ShardWriter:
 
     def _flush_locked(self) -> bool:
         buf = self._buf
-        lines = [buf.popleft() for _ in range(len(buf))]
-        if not lines and not self._pending:
+        n = len(buf)
+        if not n and not self._pending:
             return True
-        data = self._pending + b"".join(lines)
-        nrows = self._pending_rows + len(lines)
+        chunk = bytes(buf[:n])
+        del buf[:n]
+        data = self._pending + chunk if self._pending else chunk
+        nrows = self._pending_rows + chunk.count(b"\n")
         try:
             fd = self._open_fd()
             if self.shared:
@@ -327,7 +330,7 @@ class ShardWriter:
         self._pending_rows = 0
         self.cursor.bytes = before + len(data)
         self.cursor.rows += nrows
-        step = _last_row_step(lines)
+        step = _last_row_step(chunk)
         if step is not None and (self.cursor.last_step is None or step > self.cursor.last_step):
             self.cursor.last_step = step
         self.last_write = time.time()
