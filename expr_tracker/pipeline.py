@@ -117,17 +117,25 @@ class Pipeline:
     def deliver(self, alert: Alert, channels: Sequence[str] | None = None) -> None:
         """Append the alert to `alerts[.rankN].jsonl`; only the alerting rank delivers it."""
         self.alert_counts["fired"] += 1
-        delivered = self.alerting and self.dispatcher is not None
+        outcome: dict[str, str] = {}
+        if self.alerting and self.dispatcher is not None:
+            outcome = self.dispatcher.submit(alert, channels)
+        delivered = any(v == "queued" for v in outcome.values())
         if delivered:
-            assert self.dispatcher is not None
-            self.dispatcher.submit(alert, channels)
             self.alert_counts["delivered"] += 1
-        else:
+        elif not self.alerting:
             self.alert_counts["suppressed_rank"] += 1
+        else:
+            self.alert_counts["suppressed"] = self.alert_counts.get("suppressed", 0) + 1
         if self.alerting:
             for backend in self.backends:
                 backend.alert(alert.as_dict())
-        line = orjson.dumps({**alert.as_dict(), "delivered": delivered}, option=orjson.OPT_APPEND_NEWLINE)
+        entry = {**alert.as_dict(), "delivered": delivered}
+        if not self.alerting:
+            entry["suppressed"] = "rank"  # another rank delivers this run's alerts
+        elif outcome and not delivered:
+            entry["suppressed"] = ",".join(sorted(set(outcome.values())))
+        line = orjson.dumps(entry, option=orjson.OPT_APPEND_NEWLINE)
         try:
             self.alerts_path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.alerts_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
