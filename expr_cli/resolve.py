@@ -1,0 +1,268 @@
+"""Turning command-line arguments into runs and shards (DESIGN 11).
+
+A RUN argument is a run directory, a shard file, `project/name`, or a bare `name`
+looked up under the run root (`--dir`, else `$EXPR_DIR`, else `./tracker/jsonl`).
+Everything here raises `CLIError` with one line a person can act on.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import typer
+
+from expr_tracker.layout import default_dir, parse_shard_name, validate_stream
+
+from .errors import CLIError
+
+RUN_HELP = "Run directory, shard file, project/name, or a run name under --dir."
+DIR_HELP = "Run root (default: $EXPR_DIR, else ./tracker/jsonl)."
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    """One shard file of a run, with what its name says."""
+
+    path: Path
+    stream: str | None
+    rank: int
+
+
+@dataclass(frozen=True)
+class RunRef:
+    """A resolved run: its directory, a `project/name` label, and the shard file if one was named."""
+
+    path: Path
+    label: str
+    shard: Path | None = None
+
+
+def root_dir(option: str | os.PathLike[str] | None) -> Path:
+    """The run root: the `--dir` option, else `$EXPR_DIR`, else `./tracker/jsonl`."""
+    return Path(option) if option else default_dir()
+
+
+def _label(run_dir: Path) -> str:
+    return f"{run_dir.parent.name}/{run_dir.name}"
+
+
+def _has_shards(path: Path) -> bool:
+    try:
+        return any(parse_shard_name(p.name) is not None for p in path.iterdir() if p.is_file())
+    except OSError:
+        return False
+
+
+def list_runs(root: Path) -> list[RunRef]:
+    """Every `{root}/{project}/{name}` directory holding at least one shard, sorted."""
+    out: list[RunRef] = []
+    try:
+        projects = sorted(p for p in root.iterdir() if p.is_dir())
+    except OSError:
+        return out
+    for project in projects:
+        try:
+            runs = sorted(p for p in project.iterdir() if p.is_dir())
+        except OSError:
+            continue
+        out.extend(RunRef(run, _label(run)) for run in runs if _has_shards(run))
+    return out
+
+
+def _not_found(arg: str, root: Path) -> CLIError:
+    runs = list_runs(root)
+    if not runs:
+        return CLIError(f"no run {arg!r}: no runs under {root} (set --dir or $EXPR_DIR)")
+    labels = [r.label for r in runs]
+    names = {r.label.split("/", 1)[1]: r.label for r in runs}
+    close = difflib.get_close_matches(arg, labels, n=3, cutoff=0.6)
+    close += [names[n] for n in difflib.get_close_matches(arg, list(names), n=3, cutoff=0.6)]
+    close = list(dict.fromkeys(close))[:3]
+    if close:
+        return CLIError(f"no run {arg!r} under {root}; did you mean {', '.join(close)}?")
+    shown = ", ".join(labels[:5]) + (f" and {len(labels) - 5} more" if len(labels) > 5 else "")
+    return CLIError(f"no run {arg!r} under {root}; runs there: {shown}")
+
+
+def resolve_run(arg: str, root: Path) -> RunRef:
+    """A run directory, a shard file, `project/name` or a bare name -> RunRef."""
+    path = Path(arg).expanduser()
+    if path.is_file():
+        if parse_shard_name(path.name) is None:
+            raise CLIError(f"{arg} is not a shard file (expected metrics[.stream][.rankN].jsonl)")
+        return RunRef(path.parent, _label(path.parent.resolve()), path)
+    if path.is_dir() and _has_shards(path):
+        return RunRef(path, _label(path.resolve()))
+    parts = arg.strip("/").split("/")
+    if len(parts) == 2 and all(parts) and (root / parts[0] / parts[1]).is_dir():
+        return RunRef(root / parts[0] / parts[1], arg.strip("/"))
+    if len(parts) == 1 and parts[0]:
+        hits = [p for p in sorted(root.glob(f"*/{parts[0]}")) if p.is_dir()] if root.is_dir() else []
+        if len(hits) == 1:
+            return RunRef(hits[0], _label(hits[0]))
+        if len(hits) > 1:
+            names = ", ".join(_label(h) for h in hits)
+            raise CLIError(f"run name {arg!r} is ambiguous under {root}: {names}; use project/name")
+    if path.is_dir():
+        # an existing directory without shards: let the command say the run is empty
+        if any(_has_shards(p) for p in path.iterdir() if p.is_dir()):
+            runs = ", ".join(sorted(p.name for p in path.iterdir() if p.is_dir() and _has_shards(p)))
+            raise CLIError(f"{arg} is a project directory; its runs: {runs}")
+        return RunRef(path, _label(path.resolve()))
+    raise _not_found(arg, root)
+
+
+def list_shards(run: RunRef) -> list[ShardRef]:
+    """All shards of a run (every stream), sorted by stream then rank."""
+    try:
+        files = [p for p in run.path.iterdir() if p.is_file()]
+    except OSError as exc:
+        raise CLIError(f"cannot read run directory {run.path}: {exc.strerror or exc}") from None
+    out = []
+    for p in files:
+        parsed = parse_shard_name(p.name)
+        if parsed is not None:
+            out.append(ShardRef(p, parsed.stream, parsed.rank))
+    out.sort(key=lambda s: (s.stream or "", s.rank))
+    return out
+
+
+def stream_label(stream: str | None) -> str:
+    """How a stream is named to a person: the default stream has no name."""
+    return "(default)" if stream is None else stream
+
+
+def shards_of(run: RunRef, stream: str | None) -> list[ShardRef]:
+    """The shards of one stream of a run; CLIError if the run or the stream has none."""
+    validate_stream(stream)
+    every = list_shards(run)
+    if not every:
+        raise CLIError(f"run {run.label} is empty: no metrics*.jsonl shards in {run.path}")
+    mine = [s for s in every if s.stream == stream]
+    if not mine:
+        have = sorted({stream_label(s.stream) for s in every})
+        raise CLIError(
+            f"run {run.label} has no shards of stream {stream_label(stream)}; streams: {', '.join(have)}"
+        )
+    return mine
+
+
+def pick_shard(run: RunRef, stream: str | None, rank: int | None) -> ShardRef:
+    """The shard for (`stream`, `rank`); a named shard file wins when neither is given."""
+    if run.shard is not None and rank is None and stream is None:
+        parsed = parse_shard_name(run.shard.name)
+        assert parsed is not None  # resolve_run checked the name
+        return ShardRef(run.shard, parsed.stream, parsed.rank)
+    if run.shard is not None and stream is None:
+        # `expr history path/metrics.data.rank2.jsonl --rank 3`: keep the file's stream
+        parsed = parse_shard_name(run.shard.name)
+        stream = parsed.stream if parsed else None
+    candidates = shards_of(run, stream)
+    want = 0 if rank is None else rank
+    for s in candidates:
+        if s.rank == want:
+            return s
+    ranks = compact_ranks([s.rank for s in candidates])
+    raise CLIError(
+        f"run {run.label} has no shard for rank {want} of stream {stream_label(stream)}; ranks: {ranks}"
+    )
+
+
+def compact_ranks(ranks: list[int]) -> str:
+    """`[0, 1, 2, 3, 7]` -> `0-3,7`."""
+    out: list[str] = []
+    rs = sorted(set(ranks))
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        i = j + 1
+    return ",".join(out) if out else "-"
+
+
+def parse_step_range(text: str | None) -> tuple[int | None, int | None] | None:
+    """`a:b` (half-open, either side optional) -> (a, b); None stays None."""
+    if text is None:
+        return None
+    lo_s, sep, hi_s = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        lo = int(lo_s) if lo_s.strip() else None
+        hi = int(hi_s) if hi_s.strip() else None
+    except ValueError:
+        raise CLIError(f"step range {text!r} must look like START:STOP, e.g. 100:200", 2) from None
+    if lo is not None and hi is not None and hi <= lo:
+        raise CLIError(f"step range {text!r} is empty: STOP must be greater than START", 2)
+    return lo, hi
+
+
+def parse_metrics(values: list[str] | str | None) -> list[str] | None:
+    """`a,b` (or several options) -> ["a", "b"]; None or empty -> None."""
+    if values is None:
+        return None
+    items = [values] if isinstance(values, str) else values
+    out = [m.strip() for item in items for m in item.split(",") if m.strip()]
+    return list(dict.fromkeys(out)) or None
+
+
+def parse_rank(text: str | None, allow_all: bool = False) -> int | str | None:
+    """A rank number (or `all` when allowed)."""
+    if text is None:
+        return None
+    if allow_all and text == "all":
+        return "all"
+    try:
+        rank = int(text)
+    except ValueError:
+        rank = -1
+    if rank < 0:
+        hint = " or 'all'" if allow_all else ""
+        raise CLIError(f"--rank must be a rank number >= 0{hint}, got {text!r}", 2)
+    return rank
+
+
+def unknown_metrics(wanted: list[str], available: set[str]) -> CLIError:
+    """The error for metrics a shard or run does not have, listing those it has."""
+    missing = [m for m in wanted if m not in available]
+    have = sorted(available)
+    shown = ", ".join(have[:20]) + (f" and {len(have) - 20} more" if len(have) > 20 else "")
+    hint = ""
+    for m in missing:
+        close = difflib.get_close_matches(m, have, n=1)
+        if close:
+            hint = f" (did you mean {close[0]}?)"
+            break
+    what = "metric" if len(missing) == 1 else "metrics"
+    return CLIError(
+        f"unknown {what} {', '.join(missing)}{hint}; available: {shown or 'none'}"
+    )
+
+
+def complete_run(incomplete: str) -> list[str]:
+    """Shell completion for RUN: run names and project/name labels under the default root."""
+    out = []
+    for run in list_runs(default_dir()):
+        name = run.label.split("/", 1)[1]
+        for cand in (name, run.label):
+            if cand.startswith(incomplete):
+                out.append(cand)
+    return sorted(set(out))
+
+
+# Arguments and options shared by the commands (module-level, so each is defined once).
+RUN_ARG = typer.Argument(..., help=RUN_HELP, autocompletion=complete_run, show_default=False,
+                         metavar="RUN")
+DIR_OPT = typer.Option(None, "--dir", "-d", help=DIR_HELP, show_default=False, metavar="DIR")
+JSON_OPT = typer.Option(False, "--json", help="Print JSON instead of tables.")
+RANK_OPT = typer.Option(None, "--rank", "-r", help="Rank of the shard (default 0).", show_default=False,
+                        metavar="RANK")
+STREAM_OPT = typer.Option(None, "--stream", "-s", help="Stream (default: the default stream).",
+                          show_default=False, metavar="STREAM")
+METRICS_OPT = typer.Option(None, "--metrics", "-m", show_default=False, metavar="KEYS",
+                           help="Comma-separated metric keys to show (repeatable).")

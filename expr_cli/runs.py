@@ -1,0 +1,70 @@
+"""`expr runs`: every project and run under the run root, with ranks, streams and status."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+
+from .resolve import (
+    DIR_OPT,
+    JSON_OPT,
+    compact_ranks,
+    list_runs,
+    list_shards,
+    root_dir,
+    stream_label,
+)
+from .shards import inspect_shard
+
+# a run is as bad as its worst shard
+_STATUS_ORDER = ("crashed", "stale", "running", "finished")
+
+
+def run_row(label: str, path: str, shard_rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run's line from the inspection of its shards."""
+    project, name = label.split("/", 1)
+    statuses = {r["status"] for r in shard_rows}
+    status = next((s for s in _STATUS_ORDER if s in statuses), None)
+    steps = [r["last_step"] for r in shard_rows if r["last_step"] is not None]
+    streams = sorted({r["stream"] for r in shard_rows}, key=lambda s: (s is not None, s or ""))
+    ranks = sorted({r["rank"] for r in shard_rows})
+    return {
+        "project": project,
+        "name": name,
+        "path": path,
+        "ranks": ranks,
+        "ranks_text": compact_ranks(ranks),
+        "streams": streams,
+        "streams_text": [stream_label(s) for s in streams],
+        "shards": len(shard_rows),
+        "last_step": max(steps) if steps else None,
+        "status": status,
+        "last_write": max((r["last_write"] for r in shard_rows), default=None),
+    }
+
+
+def runs_command(dir: str | None, as_json: bool) -> None:
+    """List the runs under the run root."""
+    from . import render
+    from .errors import CLIError
+
+    root = root_dir(dir)
+    if not root.is_dir():
+        raise CLIError(f"no run root at {root} (set --dir or $EXPR_DIR)")
+    rows = [run_row(r.label, str(r.path), [inspect_shard(s) for s in list_shards(r)]) for r in list_runs(root)]
+    if as_json:
+        render.print_json([{k: v for k, v in r.items() if not k.endswith("_text")} for r in rows])
+    elif rows:
+        render.runs(rows, str(root))
+    else:
+        render.note(f"no runs under {root}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add `expr runs`."""
+
+    @app.command("runs", epilog="Example: expr runs --dir /shared/tracker/jsonl")
+    def runs(dir: str | None = DIR_OPT, json: bool = JSON_OPT) -> None:
+        """Projects and runs under the run root: ranks, streams, last step, status, last write."""
+        runs_command(dir, json)

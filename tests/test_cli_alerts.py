@@ -1,0 +1,39 @@
+"""`expr alerts`: what fired, by rank, delivered or suppressed."""
+
+from __future__ import annotations
+
+import json
+
+
+def test_alerts_table_in_time_order_with_counts(cli):
+    result = cli("alerts", "run-1")
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert out.index("grad_norm > 1.15") < out.index("checkpoint saved") < out.index("train/loss > 0.8")
+    assert "suppressed" in out and "delivered" in out and "by rank" in out
+    assert result.stderr == "warning: skipped 1 alert line that did not parse\n"
+
+
+def test_alerts_json_by_rank(cli):
+    data = json.loads(cli("alerts", "proj/run-1", "--json").stdout)
+    assert [a["rank"] for a in data["alerts"]] == [3, 0, 0]
+    assert data["by_rank"] == [
+        {"rank": 0, "fired": 2, "delivered": 2, "suppressed": 0},
+        {"rank": 3, "fired": 1, "delivered": 0, "suppressed": 1},
+    ]
+
+
+def test_alerts_of_one_rank(cli):
+    data = json.loads(cli("alerts", "run-1", "--rank", "3", "--json").stdout)
+    assert [a["rule"] for a in data["alerts"]] == ["grad_norm > 1.15"]
+
+
+def test_run_without_alerts(cli):
+    result = cli("alerts", "run-2")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "no alerts in proj/run-2\n"
+
+
+def test_negative_rank_is_a_usage_error(cli):
+    result = cli("alerts", "run-1", "--rank", "-1")
+    assert result.exit_code == 2 and result.stderr.startswith("error: ")

@@ -1,0 +1,172 @@
+"""The `expr` entry point: version, help, one error path, the coreutils fallthrough, docs."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from expr_cli.completions import SHELLS, script
+from expr_cli.main import build_app, is_ours
+
+ROOT = Path(__file__).resolve().parent.parent
+EXPR = Path(sys.executable).parent / "expr"
+
+
+def _run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    assert EXPR.exists(), f"console script missing: {EXPR}"
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("EXPR_", "_EXPR"))}
+    full.update(env)
+    return subprocess.run([str(EXPR), *args], capture_output=True, text=True, env=full, timeout=30)
+
+
+def test_version(cli):
+    result = cli("--version")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "expr (expr-tracker) 0.1.0\n"
+
+
+def test_no_arguments_prints_help(cli):
+    result = cli()
+    assert result.exit_code == 0, result.output
+    assert "Usage: expr" in result.stdout
+    assert all(name in result.stdout for name in ("runs", "shards", "history", "tail", "summary"))
+
+
+def test_near_miss_is_a_usage_error_with_a_suggestion(cli):
+    result = cli("sumary", "run-1")
+    assert result.exit_code == 2
+    assert result.stderr == (
+        "error: No such command 'sumary'. Did you mean 'summary'? (see 'expr --help')\n"
+    )
+
+
+def test_unknown_option_is_one_usage_line(cli):
+    result = cli("runs", "--bogus")
+    assert result.exit_code == 2
+    assert result.stderr == "error: No such option: --bogus (see 'expr runs --help')\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "ours"),
+    [
+        ([], True),
+        (["--version"], True),
+        (["-h"], True),
+        (["summary", "x"], True),
+        (["rules", "explain", "x"], True),
+        (["sumary"], True),  # near miss: a usage error with a suggestion
+        (["histroy", "run-1"], True),
+        (["1", "+", "2"], False),
+        (["length", "abc"], False),
+        (["substr", "hello", "2", "3"], False),
+        (["stats", ":", "st"], False),  # close to `status`, but coreutils syntax
+        (["hello"], False),
+        (["-5", "+", "3"], False),
+        (["a-b"], False),
+    ],
+)
+def test_which_arguments_are_ours(argv, ours):
+    assert is_ours(argv) is ours
+
+
+def test_coreutils_fallthrough():
+    assert shutil.which("expr", path="/usr/bin:/bin"), "coreutils expr is needed for this test"
+    add = _run("1", "+", "2")
+    assert (add.returncode, add.stdout) == (0, "3\n")
+    length = _run("length", "abc")
+    assert (length.returncode, length.stdout) == (0, "3\n")
+    zero = _run("0", "+", "0")  # coreutils exits 1 when the result is zero or null
+    assert (zero.returncode, zero.stdout) == (1, "0\n")
+    bad = _run("1", "+")
+    assert bad.returncode == 2 and bad.stderr.startswith("expr: ")
+
+
+def test_errors_from_the_real_script_have_no_traceback(tmp_path):
+    result = _run("history", "nope", "--dir", str(tmp_path))
+    assert result.returncode == 1
+    assert result.stderr == f"error: no run 'nope': no runs under {tmp_path} (set --dir or $EXPR_DIR)\n"
+    typo = _run("sumary")
+    assert typo.returncode == 2 and "Did you mean 'summary'?" in typo.stderr
+
+
+def test_no_color_is_honoured(tmp_path):
+    coloured = _run("history", "nope", "--dir", str(tmp_path), FORCE_COLOR="1")
+    assert "\x1b[31m" in coloured.stderr  # red
+    plain = _run("history", "nope", "--dir", str(tmp_path), FORCE_COLOR="1", NO_COLOR="1")
+    assert "\x1b[" not in plain.stderr and plain.stderr.startswith("error: no run 'nope'")
+
+
+# -- docs ----------------------------------------------------------------------
+
+
+def _commands():
+    from typer.main import get_command
+
+    def walk(cmd, path):
+        for name, sub in getattr(cmd, "commands", {}).items():
+            yield [*path, name], sub
+            yield from walk(sub, [*path, name])
+
+    return list(walk(get_command(build_app()), []))
+
+
+def _readme_section() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("## The expr command")
+    end = text.find("\n## ", start + 5)
+    return text[start:] if end < 0 else text[start:end]
+
+
+def test_every_command_has_help_with_an_example_and_a_readme_mention():
+    readme = (ROOT / "README.md").read_text()
+    commands = _commands()
+    names = {" ".join(path) for path, _ in commands}
+    assert {"runs", "shards", "history", "tail", "summary", "alerts", "rules explain",
+            "rules test"} <= names
+    for path, cmd in commands:
+        label = "expr " + " ".join(path)
+        assert (cmd.help or "").strip(), f"{label} has no help text"
+        assert "Example" in (cmd.epilog or "") + (cmd.help or ""), f"{label} --help has no example"
+        assert f"`{label}" in readme, f"README does not mention {label}"
+
+
+def test_registered_commands_are_known_to_the_fallthrough():
+    top = {path[0] for path, _ in _commands()}
+    assert all(is_ours([name]) for name in top)
+
+
+def test_readme_examples_run(cli, cli_root):
+    shutil.copytree(cli_root / "proj" / "run-1", cli_root / "my-project" / "sft-1")
+    lines = [line for line in _readme_section().splitlines() if line.startswith("expr ")]
+    assert len(lines) >= 8
+    for line in lines:
+        args = shlex.split(line, comments=True)[1:]
+        if args[0] == "tail":
+            args.append("--no-follow")
+        result = cli(*args)
+        assert result.exit_code == 0, f"{line}\n{result.output}"
+        assert result.stdout.strip(), line
+
+
+# -- completions -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shell", sorted(SHELLS))
+def test_committed_completions_are_fresh(shell):
+    committed = (ROOT / "completions" / SHELLS[shell]).read_text()
+    assert committed == script(shell), "run `make completions` and commit the result"
+
+
+def test_bash_completion_answers_commands_and_run_names(cli_root):
+    words = _run(_EXPR_COMPLETE="complete_bash", COMP_WORDS="expr su", COMP_CWORD="1")
+    assert words.returncode == 0 and words.stdout.split() == ["summary"]
+    runs = _run(_EXPR_COMPLETE="complete_bash", COMP_WORDS="expr shards run-", COMP_CWORD="2",
+                EXPR_DIR=str(cli_root))
+    assert re.findall(r"\S+", runs.stdout) == ["run-1", "run-2", "run-3"]

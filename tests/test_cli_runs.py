@@ -1,0 +1,38 @@
+"""`expr runs`: projects and runs under the run root."""
+
+from __future__ import annotations
+
+import json
+
+
+def test_runs_table(cli):
+    result = cli("runs")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    row = next(line for line in lines if " run-1 " in line).split()
+    assert row == ["proj", "run-1", "0-7", "(default),", "data", "39", "running", "2h", "ago"]
+    assert any(line.split()[:2] == ["other", "run-3"] for line in lines)
+
+
+def test_runs_json(cli, cli_root):
+    rows = json.loads(cli("runs", "--json").stdout)
+    by = {(r["project"], r["name"]): r for r in rows}
+    assert set(by) == {("other", "run-3"), ("proj", "run-1"), ("proj", "run-2"), ("proj", "zero")}
+    run1 = by[("proj", "run-1")]
+    assert run1["ranks"] == list(range(8)) and run1["streams"] == [None, "data"]
+    assert run1["shards"] == 9 and run1["last_step"] == 39 and run1["status"] == "running"
+    assert run1["path"] == str(cli_root / "proj" / "run-1")
+
+
+def test_runs_with_dir_option(cli, tmp_path):
+    empty = tmp_path / "elsewhere"
+    empty.mkdir()
+    result = cli("runs", "--dir", str(empty))
+    assert result.exit_code == 0, result.output
+    assert result.stdout == f"no runs under {empty}\n"
+
+
+def test_runs_without_a_root(cli, tmp_path):
+    result = cli("runs", "--dir", str(tmp_path / "nowhere"))
+    assert result.exit_code == 1
+    assert result.stderr == f"error: no run root at {tmp_path / 'nowhere'} (set --dir or $EXPR_DIR)\n"

@@ -1,0 +1,56 @@
+"""`expr shards`: a row per shard, sidecar state, read-only."""
+
+from __future__ import annotations
+
+import json
+
+
+def test_shards_table_matches_golden(cli, golden):
+    result = cli("shards", "run-1")
+    assert result.exit_code == 0, result.output
+    golden("shards_run1.txt", result.stdout)
+
+
+def test_shards_json_reports_sidecar_states(cli):
+    result = cli("shards", "proj/run-1", "--json")
+    assert result.exit_code == 0, result.output
+    rows = {(r["stream"], r["rank"]): r for r in json.loads(result.stdout)}
+    assert len(rows) == 9
+    assert rows[(None, 0)]["sidecar"] == "ok" and rows[(None, 0)]["rows"] == 80
+    assert rows[(None, 2)]["sidecar"] == "behind" and rows[(None, 2)]["status"] == "running"
+    assert rows[(None, 5)]["sidecar"] == "torn tail 36 B" and rows[(None, 5)]["torn_bytes"] == 36
+    assert rows[(None, 7)]["sidecar"] == "missing" and rows[(None, 7)]["status"] is None
+    # rank 3 skipped two rank records: rows counted from the file, not the sidecar name
+    assert rows[(None, 3)]["rows"] == 78
+    assert rows[("data", 0)]["last_step"] == 2 and rows[("data", 0)]["rows"] == 3
+    assert all(r["last_step"] == 39 for k, r in rows.items() if k[0] is None)
+
+
+def test_shards_never_modifies_the_run(cli, cli_root):
+    run = cli_root / "proj" / "run-1"
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    assert cli("shards", str(run)).exit_code == 0
+    after = {p.name: p.read_bytes() for p in run.iterdir()}
+    assert after == before  # the torn tail of rank 5 is still there, no .torn file appeared
+
+
+def test_shards_stale_sidecar_needs_repair(cli, cli_root):
+    side = cli_root / "proj" / "run-1" / "metrics.rank1.meta.json"
+    meta = json.loads(side.read_text())
+    meta["cursor"]["bytes"] -= 100  # finished, yet the sidecar is behind its file
+    side.write_text(json.dumps(meta))
+    rows = json.loads(cli("shards", "run-1", "--json").stdout)
+    assert [r["sidecar"] for r in rows if r["rank"] == 1] == ["needs repair"]
+
+
+def test_shards_accepts_a_shard_file(cli, cli_root):
+    result = cli("shards", str(cli_root / "proj" / "run-1" / "metrics.rank4.jsonl"), "--json")
+    assert result.exit_code == 0, result.output
+    assert len(json.loads(result.stdout)) == 9  # the shard names its run
+
+
+def test_shards_of_an_empty_run_is_one_error_line(cli):
+    result = cli("shards", "hollow")
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: run proj/hollow is empty")
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.output

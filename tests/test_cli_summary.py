@@ -1,0 +1,116 @@
+"""`expr summary`: cross-rank tables, outliers, coverage and the heatmap."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+
+from tests.conftest import WORLD, rank_value
+
+
+def test_summary_latest_step_matches_golden(cli, golden):
+    result = cli("summary", "run-1")
+    assert result.exit_code == 0, result.output
+    golden("summary_run1.txt", result.stdout)
+
+
+def test_summary_window_with_heatmap_matches_golden(cli, golden):
+    result = cli("summary", "run-1", "--steps", "20:40", "-m", "train/loss", "--outliers",
+                 "--heatmap", "train/loss")
+    assert result.exit_code == 0, result.output
+    golden("summary_run1_window_heatmap.txt", result.stdout)
+
+
+def test_summary_json_agrees_with_numpy(cli):
+    result = cli("summary", "run-1", "--step", "30", "--json")
+    assert result.exit_code == 0, result.output
+    view = json.loads(result.stdout)
+    assert view["step"] == 30 and view["world_size"] == WORLD
+    item = next(i for i in view["keys"] if i["key"] == "train/loss")
+    xs = np.array([rank_value(r, 30) for r in range(WORLD)])
+    ws = np.array([1000.0 + 10 * r for r in range(WORLD)])
+    st = item["stats"]
+    assert st["n"] == WORLD and st["missing"] == []
+    assert math.isclose(st["mean"], xs.mean()) and math.isclose(st["std"], xs.std())
+    assert math.isclose(st["wmean"], float((xs * ws).sum() / ws.sum()))
+    for q, name in ((5, "p05"), (50, "p50"), (95, "p95")):
+        assert math.isclose(st[name], float(np.percentile(xs, q)))
+    assert not any(o["flagged"] for o in item["outliers"])  # rank 6 drifts from step 35 only
+
+
+def test_outlier_nonfinite_and_coverage_at_the_last_step(cli):
+    view = json.loads(cli("summary", "run-1", "--json").stdout)
+    assert view["step"] == 39
+    loss = next(i for i in view["keys"] if i["key"] == "train/loss")
+    assert [o["rank"] for o in loss["outliers"] if o["flagged"]] == [6]
+    grad = next(i for i in view["keys"] if i["key"] == "grad_norm")
+    assert grad["stats"]["nonfinite_ranks"] == [5] and grad["stats"]["n"] == WORLD - 1
+    assert [(c["step"], c["missing"]) for c in view["coverage"]] == [(36, [3]), (38, [3])]
+
+
+def test_step_with_a_missing_rank(cli):
+    view = json.loads(cli("summary", "run-1", "--step", "36", "-m", "train/loss", "--json").stdout)
+    assert [i["key"] for i in view["keys"]] == ["train/loss"]
+    assert view["keys"][0]["stats"]["missing"] == [3] and view["keys"][0]["stats"]["n"] == WORLD - 1
+
+
+def test_heatmap_cells_mark_missing_ranks(cli):
+    view = json.loads(cli("summary", "run-1", "--steps", "36:37", "--heatmap", "train/loss",
+                          "--json").stdout)
+    cells = view["heatmap"]["cells"]
+    assert view["heatmap"]["buckets"] == [[36, 36]]
+    assert cells["3"] == [None] and math.isclose(cells["6"][0], rank_value(6, 36))
+
+
+def test_heatmap_uses_background_colours_on_a_colour_terminal(cli):
+    result = cli("summary", "run-1", "--heatmap", "train/loss", FORCE_COLOR="1", COLORTERM="truecolor")
+    assert result.exit_code == 0, result.output
+    assert "\x1b[48;2;" in result.stdout  # truecolor backgrounds
+    plain = cli("summary", "run-1", "--heatmap", "train/loss", FORCE_COLOR="1", NO_COLOR="1")
+    assert "\x1b[48;" not in plain.stdout and "█" in plain.stdout  # glyph scale instead
+
+
+def test_step_out_of_range(cli):
+    result = cli("summary", "run-1", "--step", "400")
+    assert result.exit_code == 1
+    assert result.stderr == (
+        "error: step 400 has no rank records; they cover steps 0..39 (40 steps), nearest 39\n"
+    )
+
+
+def test_empty_window(cli):
+    result = cli("summary", "run-1", "--steps", "50:60")
+    assert result.exit_code == 1
+    assert result.stderr == "error: no rank records in steps 50:60; they cover steps 0..39\n"
+
+
+def test_unknown_metric_and_heatmap_key(cli):
+    result = cli("summary", "run-1", "--metric", "train/los")
+    assert result.exit_code == 1
+    assert result.stderr == (
+        "error: unknown metric train/los (did you mean train/loss?); available: grad_norm, train/loss\n"
+    )
+    assert cli("summary", "run-1", "--heatmap", "nope").exit_code == 1
+
+
+def test_step_and_steps_together_is_a_usage_error(cli):
+    result = cli("summary", "run-1", "--step", "3", "--steps", "1:5")
+    assert result.exit_code == 2 and "either --step or --steps" in result.stderr
+
+
+def test_run_without_rank_records_shows_last_values(cli):
+    result = cli("summary", "run-2")
+    assert result.exit_code == 0, result.output
+    assert "has no rank records" in result.stdout
+    assert "loss" in result.stdout and "0.1" in result.stdout and "acc" in result.stdout
+    assert result.stderr == "warning: skipped 1 line that did not parse (metrics.jsonl: 1)\n"
+    data = json.loads(cli("summary", "run-2", "--json").stdout)
+    assert data["rank_records"] == 0 and data["last"][0]["values"] == {"loss": 0.1, "acc": 0.9}
+
+
+def test_summary_of_an_empty_shard(cli):
+    result = cli("summary", "zero")
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: run proj/zero has no rows")
