@@ -54,7 +54,8 @@ class DirectSink:
         """Run.log may append lines straight to the writer when nothing else must see them."""
         rules = self.pipeline.rules
         idle = (rules is None or not rules.rules) and not self.pipeline.backends
-        self.fast_append = self.writer.queue
+        # rank_aware=False rows carry `_rank`, which the hot path does not add
+        self.fast_append = self.writer.queue if self.run.rank_aware else None
         # what must see a record after it is queued (rules, backends), or None
         self.after_write = None if idle else self.pipeline.after_write
 

@@ -369,6 +369,8 @@ class Run:
             raise ValueError(f"world_size must be between 1 and {MAX_WORLD}, got {world_size}")
         if rank is None:
             rank = self.rank
+            if local_rank is None:
+                local_rank = self.local_rank
         if isinstance(rank, bool) or not isinstance(rank, int):
             raise TypeError(f"rank must be an int, got {type(rank).__name__}")
         if not 0 <= rank < world_size:

@@ -504,6 +504,8 @@ def select_rows(
         if hi is not None and (not isinstance(step, int) or step >= hi):
             return None
         if want is None:
+            if "_sid" in rec:  # exprd's exactly-once bookkeeping, not the user's data
+                rec = {k: v for k, v in rec.items() if k not in _SPOOL_KEYS}
             return rec
         picked = {k: v for k, v in rec.items() if k in want}
         if not picked:
@@ -532,4 +534,5 @@ def select_rows(
     return picked_rows
 
 
+_SPOOL_KEYS = ("_sid", "_seq")
 _ROW_META = ("_step", "_time", "_kind", "_rank", "_world_size", "_local_rank", "_weight")

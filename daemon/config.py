@@ -1,0 +1,154 @@
+"""exprd configuration: a TOML file, overridden by command-line flags.
+
+    spool = "/var/spool/expr"            # the spool root to tail
+    state = "/var/lib/exprd"             # checkpoints, quarantine, status.json
+    allowed_roots = ["/shared/runs"]     # run directories exprd may write under
+    rescan_interval = 5                  # seconds between full rescans of the spool
+    retention = "3d"                     # finished, fully applied spool files are deleted after it
+    crash_silence = "1h"                 # a file silent this long without `finish` is crashed
+    trust_run_backends = false           # use a run's own (secret-free) backend specs
+
+    [alert.channels.ops]                 # same shape as expr_tracker.alerts (channels, policy)
+    type = "webhook"
+    url_env = "OPS_WEBHOOK_URL"
+
+    [backends.main]                      # name -> backend spec (expr_tracker.backends)
+    type = "http"
+    url = "https://metrics.example/ingest"
+    token_env = "METRICS_TOKEN"
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+_DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*\Z")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+KEYS = ("spool", "state", "allowed_roots", "rescan_interval", "retention", "crash_silence",
+        "alert", "backends", "trust_run_backends", "checkpoint_interval", "status_interval")
+
+
+class ConfigError(ValueError):
+    """The exprd configuration is invalid; the message names the key."""
+
+
+@dataclass
+class Config:
+    """The daemon's settings (see the module docstring for the file format)."""
+
+    spool: Path | None = None
+    state: Path | None = None
+    allowed_roots: list[Path] | None = None  # None: anywhere (expr replay without a config)
+    rescan_interval: float = 5.0
+    retention: float = 3 * 86400.0
+    crash_silence: float = 3600.0
+    alert: dict[str, Any] | None = None
+    backends: dict[str, Any] = field(default_factory=dict)
+    trust_run_backends: bool = False
+    checkpoint_interval: float = 1.0
+    status_interval: float = 2.0
+    source: str | None = None
+
+    def allows(self, path: Path) -> bool:
+        """True if the resolved `path` lies under one of the allowed roots."""
+        if self.allowed_roots is None:
+            return True
+        return any(path == root or root in path.parents for root in self.allowed_roots)
+
+
+def duration(value: Any, key: str) -> float:
+    """Seconds from a number or a text like '500ms', '5s', '10m', '1h', '3d'."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key} must be a duration, got {value!r}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str) and (m := _DURATION.match(value)):
+        seconds = float(m.group(1)) * _UNITS[m.group(2)]
+    else:
+        raise ConfigError(f"{key} must be a number of seconds or a duration like '5m', got {value!r}")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ConfigError(f"{key} must be a finite duration >= 0, got {value!r}")
+    return seconds
+
+
+def _path(value: Any, key: str) -> Path:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{key} must be a path, got {value!r}")
+    return Path(value).expanduser().absolute()
+
+
+def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
+    """Validate a parsed config table; unknown keys are errors."""
+    for key in raw:
+        if key not in KEYS:
+            raise ConfigError(f"unknown key {key!r} (allowed: {', '.join(KEYS)})")
+    cfg = Config(source=source)
+    if "spool" in raw:
+        cfg.spool = _path(raw["spool"], "spool")
+    if "state" in raw:
+        cfg.state = _path(raw["state"], "state")
+    if "allowed_roots" in raw:
+        roots = raw["allowed_roots"]
+        if not isinstance(roots, list):
+            raise ConfigError("allowed_roots must be a list of paths")
+        cfg.allowed_roots = [_path(r, "allowed_roots").resolve() for r in roots]
+    for key in ("rescan_interval", "retention", "crash_silence", "checkpoint_interval",
+                "status_interval"):
+        if key in raw:
+            setattr(cfg, key, duration(raw[key], key))
+    if cfg.rescan_interval <= 0:
+        raise ConfigError("rescan_interval must be > 0")
+    if "alert" in raw:
+        if not isinstance(raw["alert"], Mapping):
+            raise ConfigError("alert must be a table (channels, policy)")
+        from expr_tracker.alerts import load_config
+
+        cfg.alert = dict(raw["alert"])
+        try:
+            load_config(cfg.alert)  # fail at startup, naming the channel and key
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"alert: {exc}") from None
+    if "backends" in raw:
+        backends = raw["backends"]
+        if not isinstance(backends, Mapping):
+            raise ConfigError("backends must be a table of name -> backend spec")
+        from expr_tracker.backends.base import make_backend
+
+        for name, spec in backends.items():
+            try:
+                make_backend(spec)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"backends.{name}: {exc}") from None
+        cfg.backends = {str(k): v for k, v in backends.items()}
+    if "trust_run_backends" in raw:
+        if not isinstance(raw["trust_run_backends"], bool):
+            raise ConfigError("trust_run_backends must be true or false")
+        cfg.trust_run_backends = raw["trust_run_backends"]
+    return cfg
+
+
+def load(path: str | Path | None) -> Config:
+    """Read and validate the TOML file at `path` (None: the defaults)."""
+    if path is None:
+        return Config()
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - exercised on 3.10 only
+        import tomli as tomllib
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config {path} is not UTF-8 text") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config {path} is not valid TOML: {exc}") from None
+    return from_mapping(raw, str(path))

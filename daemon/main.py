@@ -1,0 +1,392 @@
+"""exprd: tail the node's spool and apply it (shards, rules, alerts, backends).
+
+    exprd --spool DIR --state DIR [--config FILE] [--poll] [--once] [--allow-root]
+
+One thread does the work: a watchdog observer only wakes it up, and a periodic rescan
+finds whatever inotify missed. SIGTERM drains and checkpoints (exit 0 within 10 s);
+SIGHUP reloads the config. Logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import resource
+import signal
+import stat
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from . import config as config_mod
+from . import status as status_mod
+from .config import Config, ConfigError
+from .notify import Notifier
+from .tailer import FileTail, Tailer
+
+log = logging.getLogger("exprd")
+DRAIN_SECONDS = 6.0  # of the 10 s systemd (and the tests) allow after SIGTERM
+Progress = Callable[[int, int, int], None]
+
+
+def build_dispatcher(cfg: Config) -> Any:
+    """The alert dispatcher of the daemon's own channels (URLs and tokens live here)."""
+    from expr_tracker.alerts import Dispatcher, load_config
+
+    return Dispatcher.from_config(load_config(cfg.alert))
+
+
+def _unsafe(mode: int) -> bool:
+    return bool(mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
+class Daemon:
+    """The spool applier; `run()` is the daemon loop, `run_once()` one full pass (replay)."""
+
+    def __init__(self, cfg: Config, *, poll: bool = False, replay: bool = False,
+                 dry_run: bool = False, notifier: Notifier | None = None,
+                 config_path: str | None = None, overrides: dict[str, Any] | None = None) -> None:
+        if cfg.spool is None or cfg.state is None:
+            raise ConfigError("both spool and state are required (--spool/--state or the config)")
+        self.cfg = cfg
+        self.spool = cfg.spool.resolve()
+        self.state = cfg.state
+        self.poll = poll
+        self.replay = replay
+        self.dry_run = dry_run
+        self.config_path = config_path
+        self.overrides = overrides or {}
+        self.notifier = notifier or Notifier(None)
+        if not dry_run:
+            self.state.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.dispatcher = None if dry_run else build_dispatcher(cfg)
+        self.tailer = Tailer(cfg, self.spool, self.state, dispatcher=self.dispatcher,
+                             dry_run=dry_run, live=not replay)
+        self.wake = threading.Event()
+        self.stopping = False
+        self.reload_requested = False
+        self.started = time.time()
+        self.refused: dict[str, str] = {}
+        self.watcher: Any = None
+        if not replay and cfg.allowed_roots is None:
+            log.warning("no allowed_roots configured: runs may write anywhere this user can")
+
+    # -- discovery -----------------------------------------------------------------------
+    def _refuse_path(self, path: str, reason: str) -> None:
+        if self.refused.get(path) != reason:
+            self.refused[path] = reason
+            log.error("refusing %s: %s", path, reason)
+            self.tailer.quarantine.put(Path(path), 0, 0, f"refused: {reason}", copy=False)
+        tail = self.tailer.tails.get(path)
+        if tail is not None:
+            self.tailer.refuse(tail, reason)
+
+    def _entries(self, path: str, depth: int) -> list[os.DirEntry[str]]:
+        """Safe entries of a spool directory: no symlinks, nothing others can write."""
+        out: list[os.DirEntry[str]] = []
+        try:
+            it = list(os.scandir(path))
+        except OSError as exc:
+            self.tailer.errors[f"scan:{path}"] = self.tailer.errors.get(f"scan:{path}", 0) + 1
+            if self.tailer.errors[f"scan:{path}"] == 1:
+                log.warning("cannot list %s: %s", path, exc.strerror or exc)
+            return out
+        for entry in it:
+            if entry.name.startswith("."):
+                continue
+            if depth == 2 and not entry.name.endswith(".jsonl"):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                self._refuse_path(entry.path, f"symlink to {os.readlink(entry.path)!r} in the spool")
+                continue
+            want = stat.S_ISREG if depth == 2 else stat.S_ISDIR
+            if not want(st.st_mode):
+                continue
+            if _unsafe(st.st_mode):
+                self._refuse_path(entry.path, "writable by other users")
+                continue
+            out.append(entry)
+        return out
+
+    def scan(self) -> list[FileTail]:
+        """Walk `{spool}/{project}/{name}/*.jsonl` and track every acceptable file."""
+        try:
+            st = os.stat(self.spool)
+        except OSError:
+            return []
+        if _unsafe(st.st_mode):
+            self._refuse_path(str(self.spool), "spool directory is writable by other users")
+            return []
+        seen = []
+        for proj in self._entries(str(self.spool), 0):
+            for run in self._entries(proj.path, 1):
+                for f in self._entries(run.path, 2):
+                    seen.append(self.tailer.track(Path(f.path)))
+        return seen
+
+    # -- one pass ------------------------------------------------------------------------
+    def pump(self, tails: list[FileTail], progress: Progress | None = None) -> list[FileTail]:
+        """One round over `tails`; returns those with more complete lines waiting."""
+        more = []
+        for i, tail in enumerate(tails):
+            if self.stopping:
+                break
+            if self.tailer.pump(tail):
+                more.append(tail)
+            if progress is not None:
+                progress(i + 1, len(tails), sum(t.applied for t in self.tailer.tails.values()))
+        return more
+
+    def check_crashes(self) -> None:
+        now = time.time()
+        for tail in list(self.tailer.tails.values()):
+            self.tailer.check_crash(tail, now)
+
+    def run_once(self, progress: Progress | None = None) -> dict[str, Any]:
+        """Apply everything complete in the spool once (replay and --once); returns status."""
+        tails = self.scan()
+        todo = tails
+        while todo and not self.stopping:
+            todo = self.pump(todo, progress)
+            self.tailer.commit()
+        self.check_crashes()
+        self.tailer.close()
+        doc = self.status()
+        if self.dispatcher is not None:
+            self.dispatcher.close(5.0)
+        return doc
+
+    def status(self) -> dict[str, Any]:
+        mode = "replay" if self.replay else ("poll" if self.poll else "inotify")
+        doc = status_mod.build(self.tailer, started=self.started, mode=mode,
+                               dispatcher=self.dispatcher,
+                               extra={"refused_paths": dict(self.refused)})
+        if not self.dry_run:
+            try:
+                status_mod.write(self.state, doc)
+            except OSError as exc:
+                log.error("cannot write status.json: %s", exc.strerror or exc)
+        return doc
+
+    # -- the daemon loop -------------------------------------------------------------------
+    def _changed(self) -> list[FileTail]:
+        """Tracked files whose size differs from what was consumed (found by stat)."""
+        out = []
+        for tail in list(self.tailer.tails.values()):
+            try:
+                st = tail.path.stat()
+            except FileNotFoundError:
+                if tail.state in ("finished", "refused") or tail.committed >= tail.size:
+                    self.tailer.forget(tail)
+                continue
+            except OSError:
+                continue
+            tail.mtime = st.st_mtime
+            if st.st_size != tail.offset or st.st_ino != tail.ino:
+                if st.st_ino != tail.ino:
+                    self.tailer.forget(tail)
+                    tail = self.tailer.track(tail.path)
+                tail.size = st.st_size
+                out.append(tail)
+        return out
+
+    def run(self) -> int:
+        """Serve until SIGTERM; returns the exit code."""
+        from .watcher import Watcher
+
+        rescan = self.cfg.rescan_interval
+        self.watcher = Watcher(self.spool, self.wake, poll=self.poll,
+                               poll_interval=min(1.0, rescan))
+        self.watcher.start()
+        todo = self.scan()
+        while todo and not self.stopping:
+            todo = self.pump(todo)
+            self.tailer.commit()
+            self._ping()
+        self.check_crashes()
+        self.tailer.commit(force=True)
+        self.status()
+        self.notifier.ready(f"tailing {len(self.tailer.tails)} spool files")
+        self._ping()
+        log.info("ready: %s (%d files, %s)", self.spool, len(self.tailer.tails),
+                 "poll" if self.poll else "inotify")
+        now = time.monotonic()
+        next_rescan = next_status = now + rescan
+        next_tick = now + 1.0
+        busy: list[FileTail] = []
+        while not self.stopping:
+            now = time.monotonic()
+            due = min(next_rescan, next_status, next_tick, self._next_ping)
+            if not busy:
+                self.wake.wait(max(0.0, due - now))
+            self.wake.clear()
+            if self.reload_requested:
+                self.reload()
+            dirty, dir_changed = self.watcher.take()
+            now = time.monotonic()
+            due_now = {t.key: t for t in busy}
+            if dir_changed or any(p not in self.tailer.tails for p in dirty):
+                self.scan()
+            for p in dirty:
+                tail = self.tailer.tails.get(p)
+                if tail is not None:
+                    due_now[p] = tail
+            if now >= next_rescan:
+                next_rescan = now + self.cfg.rescan_interval
+                if not self.watcher.running:
+                    self.watcher.start()
+                self.scan()
+                due_now.update((t.key, t) for t in self._changed())
+                self.check_crashes()
+                self.tailer.expire(time.time())
+            busy = self.pump(list(due_now.values()))
+            self.tailer.commit()
+            if now >= next_tick:
+                next_tick = now + 1.0
+                self.tailer.tick(time.time())
+            if now >= next_status:
+                next_status = now + self.cfg.status_interval
+                self.status()
+            self._ping()
+        return self.shutdown()
+
+    _next_ping = float("inf")
+
+    def _ping(self) -> None:
+        interval = self.notifier.watchdog_interval()
+        if interval is None:
+            return
+        now = time.monotonic()
+        if now >= self._next_ping or self._next_ping == float("inf"):
+            self.notifier.watchdog()
+            self._next_ping = now + interval
+
+    def shutdown(self) -> int:
+        """Drain: flush shards, checkpoint, give backends and alerts a few seconds."""
+        self.notifier.stopping()
+        log.info("stopping: flushing shards and checkpoints")
+        if self.watcher is not None:
+            self.watcher.stop()
+        self.tailer.close(timeout=DRAIN_SECONDS / 2)
+        if self.dispatcher is not None:
+            self.dispatcher.close(DRAIN_SECONDS / 3)
+        self.status()
+        self.notifier.close()
+        return 0
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the config; spool and state stay as they were."""
+        self.reload_requested = False
+        try:
+            cfg = config_mod.load(self.config_path)
+        except ConfigError as exc:
+            log.error("reload failed, keeping the old config: %s", exc)
+            return
+        cfg = replace(cfg, **{k: v for k, v in self.overrides.items() if v is not None})
+        if (cfg.spool is not None and cfg.spool.resolve() != self.spool) or cfg.state != self.state:
+            log.warning("reload: spool and state cannot change without a restart; kept")
+        cfg.spool, cfg.state = self.cfg.spool, self.cfg.state
+        if cfg.alert != self.cfg.alert:
+            old, self.dispatcher = self.dispatcher, build_dispatcher(cfg)
+            self.tailer.dispatcher = self.dispatcher
+            for tail in self.tailer.tails.values():
+                if tail.run is not None and tail.run.alerting:
+                    tail.run.pipeline.dispatcher = self.dispatcher
+            if old is not None:
+                threading.Thread(target=old.close, args=(5.0,), daemon=True).start()
+        self.cfg = cfg
+        self.tailer.cfg = cfg
+        log.info("reloaded %s", self.config_path or "the defaults")
+
+
+def _raise_nofile() -> None:
+    """One descriptor per open shard: lift the soft limit to the hard one."""
+    with contextlib.suppress(ValueError, OSError):
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = hard if hard != resource.RLIM_INFINITY else 65536
+        if soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="exprd", description=__doc__.split("\n\n")[0])
+    p.add_argument("--spool", help="spool root to tail (overrides the config)")
+    p.add_argument("--state", help="state directory: checkpoints, quarantine, status.json")
+    p.add_argument("--config", help="TOML config file (see exprd.config)")
+    p.add_argument("--poll", action="store_true", help="use a polling observer (no inotify)")
+    p.add_argument("--once", action="store_true", help="apply what is there, then exit")
+    p.add_argument("--allow-root", action="store_true", help="allow running as root")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    return p
+
+
+class _Signals:
+    """Signals that arrive before the daemon exists are remembered, not fatal."""
+
+    daemon: Daemon | None = None
+    stop = False
+    reload = False
+
+    @classmethod
+    def on_term(cls, signum: int, frame: Any) -> None:
+        cls.stop = True
+        if cls.daemon is not None:
+            cls.daemon.stopping = True
+            cls.daemon.wake.set()
+
+    @classmethod
+    def on_hup(cls, signum: int, frame: Any) -> None:
+        if cls.daemon is not None:
+            cls.daemon.reload_requested = True
+            cls.daemon.wake.set()
+
+    @classmethod
+    def install(cls) -> None:
+        signal.signal(signal.SIGTERM, cls.on_term)
+        signal.signal(signal.SIGINT, cls.on_term)
+        signal.signal(signal.SIGHUP, cls.on_hup)
+
+
+def entry(argv: list[str] | None = None) -> int:
+    """The `exprd` console script."""
+    _Signals.install()
+    args = parser().parse_args(argv)
+    logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(),
+                        format="exprd %(levelname)s %(message)s")
+    if os.geteuid() == 0 and not args.allow_root:
+        print("exprd: refusing to run as root (use a dedicated user, or pass --allow-root)",
+              file=sys.stderr)
+        return 2
+    overrides: dict[str, Any] = {
+        "spool": Path(args.spool).absolute() if args.spool else None,
+        "state": Path(args.state).absolute() if args.state else None,
+    }
+    try:
+        cfg = config_mod.load(args.config)
+        cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+        daemon = Daemon(cfg, poll=args.poll, notifier=Notifier.from_env(),
+                        config_path=args.config, overrides=overrides)
+    except (ConfigError, OSError) as exc:
+        print(f"exprd: {exc}", file=sys.stderr)
+        return 2
+    _raise_nofile()
+    _Signals.daemon = daemon
+    daemon.stopping = _Signals.stop
+    if args.once:
+        daemon.run_once()
+        return 0
+    return daemon.run()
+
+
+if __name__ == "__main__":
+    sys.exit(entry())

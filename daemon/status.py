@@ -1,0 +1,93 @@
+"""`{state}/status.json`: files tracked, lag per file, backend queues, alerts, errors.
+
+`expr status` reads it; it is rewritten atomically every few seconds and at exit.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from expr_tracker.shard import write_atomic
+
+if TYPE_CHECKING:
+    from .tailer import Tailer
+
+STATUS_FILE = "status.json"
+
+
+def build(tailer: Tailer, *, started: float, mode: str, dispatcher: Any = None,
+          extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The status document of a running (or just finished) exprd."""
+    now = time.time()
+    mono = time.monotonic()
+    files: dict[str, Any] = {}
+    totals = {"files": 0, "live": 0, "finished": 0, "crashed": 0, "refused": 0, "new": 0,
+              "lag_bytes": 0, "applied": 0, "skipped": 0, "quarantined": 0}
+    backends: dict[str, dict[str, int]] = {}
+    for key, tail in sorted(tailer.tails.items()):
+        lag = max(tail.size - tail.offset, 0)
+        entry: dict[str, Any] = {
+            "state": tail.state,
+            "size": tail.size,
+            "offset": tail.offset,
+            "committed": tail.committed,
+            "lag_bytes": lag,
+            "lag_seconds": round(mono - tail.behind_since, 3) if tail.behind_since else 0.0,
+            "seq": tail.seq,
+            "applied": tail.applied,
+            "skipped": tail.skipped,
+            "quarantined": tail.quarantined,
+        }
+        if tail.reason:
+            entry["reason"] = tail.reason
+        run = tail.run
+        if run is not None:
+            entry["shard"] = str(run.spec.paths.shard)
+            for name, stats in run.forwarder.stats().items():
+                agg = backends.setdefault(name, {"pending": 0, "sent": 0, "failed": 0,
+                                                 "dropped": 0})
+                for k in agg:
+                    agg[k] += int(stats.get(k, 0))
+        files[key] = entry
+        totals["files"] += 1
+        totals[tail.state] = totals.get(tail.state, 0) + 1
+        totals["lag_bytes"] += lag
+        totals["applied"] += tail.applied
+        totals["skipped"] += tail.skipped
+        totals["quarantined"] += tail.quarantined
+    out: dict[str, Any] = {
+        "version": 1,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "mode": mode,
+        "started": started,
+        "updated": now,
+        "spool": str(tailer.spool_root),
+        "totals": totals,
+        "files": files,
+        "backends": backends,
+        "alerts": dispatcher.stats() if dispatcher is not None else {},
+        "errors": dict(tailer.errors),
+    }
+    if extra:
+        out.update(extra)
+    return out
+
+
+def write(state: Path, doc: dict[str, Any]) -> None:
+    """Atomically replace `{state}/status.json`."""
+    write_atomic(state / STATUS_FILE, orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+
+
+def read(state: Path) -> dict[str, Any]:
+    """The last status written under `state` (OSError or ValueError if there is none)."""
+    data = orjson.loads((state / STATUS_FILE).read_bytes())
+    if not isinstance(data, dict):
+        raise ValueError(f"{state / STATUS_FILE} is not a status document")
+    return data

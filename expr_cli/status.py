@@ -1,0 +1,101 @@
+"""`expr status`: exprd's `{state}/status.json` as a table (files, lag, backends, errors)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from .errors import CLIError
+from .resolve import JSON_OPT
+
+
+def default_state() -> Path:
+    """`$EXPRD_STATE`, else /var/lib/exprd if it has a status, else ~/.local/state/exprd."""
+    env = os.environ.get("EXPRD_STATE")
+    if env:
+        return Path(env)
+    system = Path("/var/lib/exprd")
+    if (system / "status.json").exists():
+        return system
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "exprd"
+
+
+def _alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def status_command(state: str | None, json: bool) -> None:
+    from exprd.status import read
+    from rich.table import Table
+    from rich.text import Text
+
+    from . import render
+
+    where = Path(state) if state else default_state()
+    try:
+        doc = read(where)
+    except FileNotFoundError:
+        raise CLIError(f"no exprd status in {where} (is exprd running with --state {where}?)") from None
+    except (OSError, ValueError) as exc:
+        raise CLIError(f"cannot read {where / 'status.json'}: {exc}") from None
+    running = _alive(doc.get("pid")) and doc.get("mode") != "replay"
+    if json:
+        render.print_json({**doc, "running": running})
+        return
+    out = render.console()
+    totals = doc.get("totals", {})
+    head = (f"exprd pid {doc.get('pid')} ({'running' if running else 'not running'}), "
+            f"{doc.get('mode')}, spool {doc.get('spool')}, updated {render.fmt_age(doc.get('updated'))}")
+    out.print(Text(head, style="bold"), soft_wrap=True)
+    out.print(Text(
+        f"{totals.get('files', 0)} files: {totals.get('live', 0)} live, "
+        f"{totals.get('finished', 0)} finished, {totals.get('crashed', 0)} crashed, "
+        f"{totals.get('refused', 0)} refused; lag {render.fmt_bytes(totals.get('lag_bytes', 0))}; "
+        f"{totals.get('quarantined', 0)} quarantined", style="dim"), soft_wrap=True)
+    spool = str(doc.get("spool") or "")
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for col, right in (("file", False), ("state", False), ("seq", True), ("applied", True),
+                       ("lag", True), ("lag s", True), ("quarantined", True)):
+        table.add_column(col, justify="right" if right else "left", no_wrap=right)
+    for path, f in doc.get("files", {}).items():
+        name = os.path.relpath(path, spool) if spool and path.startswith(spool) else path
+        style = render.STATUS_STYLE.get({"live": "running"}.get(f.get("state"), f.get("state")), "")
+        table.add_row(name, Text(str(f.get("state")), style=style), str(f.get("seq")),
+                      str(f.get("applied")), render.fmt_bytes(int(f.get("lag_bytes", 0))),
+                      f"{float(f.get('lag_seconds', 0.0)):.1f}", str(f.get("quarantined", 0)))
+    out.print(table)
+    for name, b in (doc.get("backends") or {}).items():
+        out.print(f"backend {name}: {b.get('pending', 0)} queued, {b.get('sent', 0)} sent, "
+                  f"{b.get('failed', 0)} failed, {b.get('dropped', 0)} dropped",
+                  soft_wrap=True, highlight=False)
+    for name, a in (doc.get("alerts") or {}).items():
+        out.print(f"alert channel {name}: {a.get('sent', 0)} sent, {a.get('failed', 0)} failed, "
+                  f"{a.get('pending', 0)} pending", soft_wrap=True, highlight=False)
+    for cause, n in (doc.get("errors") or {}).items():
+        out.print(Text(f"error {cause}: {n}", style="red"), soft_wrap=True)
+
+
+def register(app: typer.Typer) -> None:
+    """Add `expr status`."""
+
+    @app.command("status", epilog="Example: expr status --state /var/lib/exprd")
+    def status(
+        state: str | None = typer.Option(None, "--state", metavar="DIR", show_default=False,
+                                         help="exprd's state directory (default $EXPRD_STATE, "
+                                              "/var/lib/exprd or ~/.local/state/exprd)."),
+        json: bool = JSON_OPT,
+    ) -> None:
+        """The exprd daemon's files, lag, backend queues and errors."""
+        status_command(state, json)
