@@ -1,10 +1,14 @@
 """exprd: tail the node's spool and apply it (shards, rules, alerts, backends).
 
     exprd --spool DIR --state DIR [--config FILE] [--poll] [--once] [--allow-root]
+    exprd --replay --spool DIR --state DIR [--config FILE] [--dry-run] [--progress json]
 
 One thread does the work: a watchdog observer only wakes it up, and a periodic rescan
 finds whatever inotify missed. SIGTERM drains and checkpoints (exit 0 within 10 s);
 SIGHUP reloads the config. Logs go to stderr.
+
+`--replay` is one pass without live tails, then exit: the engine behind `expr replay`,
+which runs it as a child process and reads `--progress json` lines from its stdout.
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import orjson
+
+from expr_tracker.errors import TrackerError
+
 from . import config as config_mod
 from . import status as status_mod
 from .config import Config, ConfigError
@@ -33,6 +41,8 @@ from .tailer import FileTail, Tailer
 log = logging.getLogger("exprd")
 DRAIN_SECONDS = 6.0  # of the 10 s systemd (and the tests) allow after SIGTERM
 Progress = Callable[[int, int, int], None]
+SUMMARY_KEYS = ("files", "applied", "skipped", "quarantined", "finished", "crashed", "refused",
+                "live")
 
 
 def build_dispatcher(cfg: Config) -> Any:
@@ -318,6 +328,68 @@ def _raise_nofile() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
+def replay_summary(doc: dict[str, Any], dry_run: bool) -> dict[str, Any]:
+    """What one pass did, from its status document (the object `expr replay --json` prints)."""
+    totals = doc.get("totals", {})
+    return {"dry_run": dry_run, **{k: int(totals.get(k, 0)) for k in SUMMARY_KEYS}}
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror and exc.filename:
+        return f"{exc.strerror}: {exc.filename}"
+    return str(exc) or type(exc).__name__
+
+
+class JsonProgress:
+    """`--progress json`: one JSON object per line on stdout, nothing else there.
+
+    Lines: `{"type": "progress", "files_done", "files_total", "events", "events_per_s"}`
+    (at most every `every` seconds, and once at the end), then one
+    `{"type": "summary", ...replay_summary}` or `{"type": "error", "message"}`.
+    """
+
+    def __init__(self, every: float = 0.1) -> None:
+        # stdout must carry only these lines: whatever else prints to it (a backend's
+        # library, a stray print) is sent to stderr, next to the log lines
+        self.out = os.fdopen(os.dup(1), "w", encoding="utf-8")
+        os.dup2(2, 1)
+        self.every = every
+        self.start = time.monotonic()
+        self.due = 0.0
+        self.last: tuple[int, int, int] | None = None
+        self.shown = True
+
+    def emit(self, obj: dict[str, Any]) -> None:
+        """Write one object as a line and flush it (the reader renders as it goes)."""
+        self.out.write(orjson.dumps(obj).decode() + "\n")
+        self.out.flush()
+
+    def __call__(self, done: int, total: int, events: int) -> None:
+        self.last, self.shown = (done, total, events), False
+        now = time.monotonic()
+        if now >= self.due:
+            self.due = now + self.every
+            self._progress(now)
+
+    def _progress(self, now: float) -> None:
+        if self.last is None:
+            return
+        done, total, events = self.last
+        self.shown = True
+        self.emit({"type": "progress", "files_done": done, "files_total": total,
+                   "events": events, "events_per_s": round(events / max(now - self.start, 1e-6), 1)})
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        """The last progress (if not yet shown), then the summary."""
+        if not self.shown:
+            self._progress(time.monotonic())
+        self.emit({"type": "summary", **summary})
+
+    def error(self, message: str) -> None:
+        """The one failure line; the exit code says it failed."""
+        self.emit({"type": "error", "message": message})
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="exprd", description=__doc__.split("\n\n")[0])
     p.add_argument("--spool", help="spool root to tail (overrides the config)")
@@ -325,6 +397,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="TOML config file (see exprd.config)")
     p.add_argument("--poll", action="store_true", help="use a polling observer (no inotify)")
     p.add_argument("--once", action="store_true", help="apply what is there, then exit")
+    p.add_argument("--replay", action="store_true",
+                   help="one pass as `expr replay` does (no live tails, no systemd), then exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="with --once/--replay: read and check everything, write nothing")
+    p.add_argument("--progress", choices=["json"],
+                   help="with --once/--replay: JSON lines on stdout (progress, then a summary)")
     p.add_argument("--allow-root", action="store_true", help="allow running as root")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return p
@@ -360,13 +438,33 @@ class _Signals:
 def entry(argv: list[str] | None = None) -> int:
     """The `exprd` console script."""
     _Signals.install()
-    args = parser().parse_args(argv)
-    logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(),
-                        format="exprd %(levelname)s %(message)s")
+    p = parser()
+    args = p.parse_args(argv)
+    one_pass = args.once or args.replay
+    if (args.dry_run or args.progress) and not one_pass:
+        p.error("--dry-run and --progress need --once or --replay")
+    fmt, level = "exprd %(levelname)s %(message)s", args.log_level.upper()
+    report = JsonProgress() if args.progress == "json" else None
+    if report is None:
+        logging.basicConfig(stream=sys.stderr, level=level, format=fmt)
+    else:
+        # only exprd's own records get the prefix (the reader turns them into warnings);
+        # a library's warnings reach stderr bare (logging's last resort), alert lines once
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(fmt))
+        log.addHandler(handler)
+        log.setLevel(level)
+        log.propagate = False
+
+    def fail(message: str, code: int = 2) -> int:
+        if report is not None:
+            report.error(message)
+        else:
+            print(f"exprd: {message}", file=sys.stderr)
+        return code
+
     if os.geteuid() == 0 and not args.allow_root:
-        print("exprd: refusing to run as root (use a dedicated user, or pass --allow-root)",
-              file=sys.stderr)
-        return 2
+        return fail("refusing to run as root (use a dedicated user, or pass --allow-root)")
     overrides: dict[str, Any] = {
         "spool": Path(args.spool).absolute() if args.spool else None,
         "state": Path(args.state).absolute() if args.state else None,
@@ -374,18 +472,26 @@ def entry(argv: list[str] | None = None) -> int:
     try:
         cfg = config_mod.load(args.config)
         cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
-        daemon = Daemon(cfg, poll=args.poll, notifier=Notifier.from_env(),
+        # a replay is a command, not a service: it never talks to systemd
+        daemon = Daemon(cfg, poll=args.poll, replay=args.replay, dry_run=args.dry_run,
+                        notifier=Notifier(None) if args.replay else Notifier.from_env(),
                         config_path=args.config, overrides=overrides)
-    except (ConfigError, OSError) as exc:
-        print(f"exprd: {exc}", file=sys.stderr)
-        return 2
+    except (TrackerError, OSError, ValueError) as exc:  # ConfigError, a bad alert config
+        return fail(str(exc) if report is None else _reason(exc))
     _raise_nofile()
     _Signals.daemon = daemon
     daemon.stopping = _Signals.stop
-    if args.once:
+    if not one_pass:
+        return daemon.run()
+    if report is None:
         daemon.run_once()
         return 0
-    return daemon.run()
+    try:
+        doc = daemon.run_once(report)
+    except (TrackerError, OSError, ValueError) as exc:
+        return fail(_reason(exc), 1)
+    report.summary(replay_summary(doc, args.dry_run))
+    return 0
 
 
 if __name__ == "__main__":

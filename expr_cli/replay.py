@@ -1,14 +1,19 @@
 """`expr replay SPOOL_DIR`: apply a spool directory once, without a daemon.
 
-The same code as exprd (`exprd.main.Daemon.run_once`): shards, rules, alerts and
-backends, exactly once into shards. A second replay of the same spool changes nothing.
+The work is exprd's own (`exprd --replay`, the same engine as the daemon): shards,
+rules, alerts and backends, exactly once into shards. It runs as a child process, so
+`expr` never imports exprd (DESIGN 2); this module renders its `--progress json` lines.
+A second replay of the same spool changes nothing.
 """
 
 from __future__ import annotations
 
-import logging
+import json as jsonlib
 import os
-import time
+import selectors
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +22,9 @@ import typer
 from .errors import CLIError
 from .resolve import JSON_OPT
 
+# exprd's log format is "exprd LEVEL message"; these levels are the CLI's warning lines
+_LOG_PREFIXES = ("exprd WARNING ", "exprd ERROR ", "exprd CRITICAL ")
+
 
 def default_state() -> Path:
     """Where replay keeps checkpoints and quarantine: `${XDG_STATE_HOME:-~/.local/state}/expr/replay`."""
@@ -24,19 +32,101 @@ def default_state() -> Path:
     return Path(base) / "expr" / "replay"
 
 
-class _ToRender(logging.Handler):
-    """exprd's log lines (quarantine, refusals) as the CLI's warning lines."""
+def exprd_argv(spool: Path, state: Path, config: str | None, dry_run: bool) -> list[str]:
+    """The child's command line: exprd's one-shot replay, reporting JSON lines."""
+    # -P (3.11+): the current directory must not shadow the installed packages
+    argv = [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m", "exprd",
+            "--replay", "--progress", "json", "--log-level", "WARNING",
+            f"--spool={spool}", f"--state={state}"]
+    if config is not None:
+        argv.append(f"--config={config}")  # one argument, even if it starts with "-"
+    if dry_run:
+        argv.append("--dry-run")
+    if os.geteuid() == 0:
+        argv.append("--allow-root")  # replay never refused root; the daemon does by default
+    return argv
 
-    def emit(self, record: logging.LogRecord) -> None:
-        from . import render
 
-        render.warning(record.getMessage())
+def _lines(proc: subprocess.Popen[bytes]) -> Iterator[tuple[str, str]]:
+    """("out" | "err", line) from the child's two pipes, as they come, until both close."""
+    assert proc.stdout is not None and proc.stderr is not None
+    sel = selectors.DefaultSelector()
+    pending = {"out": b"", "err": b""}
+    sel.register(proc.stdout, selectors.EVENT_READ, "out")
+    sel.register(proc.stderr, selectors.EVENT_READ, "err")
+    try:
+        while sel.get_map():
+            for key, _ in sel.select():
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    if pending[key.data]:  # a last line without its newline
+                        yield key.data, pending[key.data].decode("utf-8", "replace")
+                    continue
+                *whole, pending[key.data] = (pending[key.data] + chunk).split(b"\n")
+                for line in whole:
+                    yield key.data, line.decode("utf-8", "replace")
+    finally:
+        sel.close()
+
+
+def run_exprd(argv: list[str], on_progress: Callable[[dict[str, Any]], None],
+              ) -> tuple[int, dict[str, Any] | None, str | None, list[str]]:
+    """Run the child to the end: (exit code, summary, error message, traceback lines).
+
+    Its warning and error log lines become warning lines and other stderr lines pass
+    through, as they come; progress objects go to `on_progress`. A traceback (exprd
+    crashed) is kept for the caller.
+    """
+    from . import render
+
+    summary: dict[str, Any] | None = None
+    error: str | None = None
+    crash: list[str] = []
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        for stream, line in _lines(proc):
+            if stream == "err":
+                prefix = next((p for p in _LOG_PREFIXES if line.startswith(p)), None)
+                if prefix is not None:
+                    render.warning(line[len(prefix):])
+                elif line.startswith("Traceback (most recent call last):") or crash:
+                    crash.append(line)  # a crash: one error line at the end, not a traceback
+                elif line.strip():
+                    sys.stderr.write(line + "\n")  # a library's own line, as exprd printed it
+                continue
+            try:
+                obj = jsonlib.loads(line)
+            except ValueError:
+                continue  # not one of exprd's lines: nothing else is meant to be on stdout
+            kind = obj.pop("type", None) if isinstance(obj, dict) else None
+            if kind == "progress":
+                on_progress(obj)
+            elif kind == "summary":
+                summary = obj
+            elif kind == "error":
+                error = str(obj.get("message"))
+        code = proc.wait()
+    except BaseException:
+        # Ctrl-C (exprd got it too) or a failure here: exprd drains and checkpoints on
+        # SIGTERM; read what it still writes, so a full pipe cannot block it meanwhile
+        proc.terminate()
+        try:
+            proc.communicate(timeout=10)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+        raise
+    finally:
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+    return code, summary, error, crash
 
 
 def replay_command(spool_dir: str, dry_run: bool, state: str | None, config: str | None,
                    json: bool) -> None:
-    from exprd import config as config_mod
-    from exprd.main import Daemon
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from . import render
@@ -44,37 +134,27 @@ def replay_command(spool_dir: str, dry_run: bool, state: str | None, config: str
     spool = Path(spool_dir).absolute()
     if not spool.is_dir():
         raise CLIError(f"no spool directory at {spool}")
-    try:
-        cfg = config_mod.load(config)
-    except config_mod.ConfigError as exc:
-        raise CLIError(str(exc)) from None
-    cfg.spool = spool
-    cfg.state = Path(state).absolute() if state else default_state()
-    handler = _ToRender(logging.WARNING)
-    logger = logging.getLogger("exprd")
-    logger.addHandler(handler)
-    logger.propagate = False
-    try:
-        daemon = Daemon(cfg, replay=True, dry_run=dry_run)
-        start = time.monotonic()
-        with Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(),
-            TextColumn("{task.completed}/{task.total} files"),
-            TextColumn("{task.fields[events]} events ({task.fields[rate]}/s)"),
-            TimeElapsedColumn(), console=render.console(stderr=True), transient=True,
-            disable=json,
-        ) as bar:
-            task = bar.add_task("dry run" if dry_run else "replay", total=None, events=0, rate=0)
+    where = Path(state).absolute() if state else default_state()
+    argv = exprd_argv(spool, where, config, dry_run)
+    with Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(),
+        TextColumn("{task.completed}/{task.total} files"),
+        TextColumn("{task.fields[events]} events ({task.fields[rate]}/s)"),
+        TimeElapsedColumn(), console=render.console(stderr=True), transient=True,
+        disable=json,
+    ) as bar:
+        task = bar.add_task("dry run" if dry_run else "replay", total=None, events=0, rate=0)
 
-            def progress(done: int, total: int, events: int) -> None:
-                rate = int(events / max(time.monotonic() - start, 1e-6))
-                bar.update(task, completed=done, total=total, events=events, rate=rate)
+        def progress(p: dict[str, Any]) -> None:
+            bar.update(task, completed=p.get("files_done", 0), total=p.get("files_total"),
+                       events=p.get("events", 0), rate=int(p.get("events_per_s", 0)))
 
-            doc = daemon.run_once(progress)
-    finally:
-        logger.removeHandler(handler)
-        logger.propagate = True
-    summary = _summary(doc, dry_run)
+        code, summary, error, crash = run_exprd(argv, progress)
+    if code != 0 or summary is None:
+        if os.environ.get("EXPR_DEBUG"):
+            sys.stderr.writelines(line + "\n" for line in crash)
+        raise CLIError(error or _failure(code, crash))
+    sys.stderr.writelines(line + "\n" for line in crash)  # e.g. a backend thread died
     if json:
         render.print_json(summary)
         return
@@ -87,19 +167,11 @@ def replay_command(spool_dir: str, dry_run: bool, state: str | None, config: str
     )
 
 
-def _summary(doc: dict[str, Any], dry_run: bool) -> dict[str, Any]:
-    totals = doc.get("totals", {})
-    return {
-        "dry_run": dry_run,
-        "files": totals.get("files", 0),
-        "applied": totals.get("applied", 0),
-        "skipped": totals.get("skipped", 0),
-        "quarantined": totals.get("quarantined", 0),
-        "finished": totals.get("finished", 0),
-        "crashed": totals.get("crashed", 0),
-        "refused": totals.get("refused", 0),
-        "live": totals.get("live", 0),
-    }
+def _failure(code: int, crash: list[str]) -> str:
+    """One line for an exprd that died without saying why (a bug, a signal)."""
+    what = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+    last = next((line.strip() for line in reversed(crash) if line.strip()), None)
+    return f"exprd --replay failed ({what})" + (f": {last}" if last else "")
 
 
 def register(app: typer.Typer) -> None:

@@ -1,4 +1,7 @@
-"""`expr status`: exprd's `{state}/status.json` as a table (files, lag, backends, errors)."""
+"""`expr status`: exprd's `{state}/status.json` as a table (files, lag, backends, errors).
+
+The file is read here, not through exprd: `expr` never imports the daemon (DESIGN 2).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ import typer
 
 from .errors import CLIError
 from .resolve import JSON_OPT
+
+STATUS_FILE = "status.json"  # written atomically by exprd (DESIGN 8)
 
 
 def default_state() -> Path:
@@ -36,8 +41,17 @@ def _alive(pid: Any) -> bool:
     return True
 
 
+def read(state: Path) -> dict[str, Any]:
+    """The last status exprd wrote under `state` (OSError or ValueError if there is none)."""
+    import orjson
+
+    data = orjson.loads((state / STATUS_FILE).read_bytes())
+    if not isinstance(data, dict):
+        raise ValueError(f"{state / STATUS_FILE} is not a status document")
+    return data
+
+
 def status_command(state: str | None, json: bool) -> None:
-    from exprd.status import read
     from rich.table import Table
     from rich.text import Text
 
@@ -49,7 +63,7 @@ def status_command(state: str | None, json: bool) -> None:
     except FileNotFoundError:
         raise CLIError(f"no exprd status in {where} (is exprd running with --state {where}?)") from None
     except (OSError, ValueError) as exc:
-        raise CLIError(f"cannot read {where / 'status.json'}: {exc}") from None
+        raise CLIError(f"cannot read {where / STATUS_FILE}: {exc}") from None
     running = _alive(doc.get("pid")) and doc.get("mode") != "replay"
     if json:
         render.print_json({**doc, "running": running})

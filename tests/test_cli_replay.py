@@ -1,16 +1,23 @@
-"""`expr replay SPOOL_DIR` and `expr status`."""
+"""`expr replay SPOOL_DIR` and `expr status`, and `expr` never importing exprd."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from expr_cli.main import build_app
+from tests.procs import env_for
 from tests.test_daemon import check_shard, exprd_once, lines_of, make_spool, sidecar, write_config
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _tree(*dirs: Path) -> dict[str, tuple[str, float]]:
@@ -90,3 +97,112 @@ def test_status_shows_the_daemon_status(tmp_path: Path, invoke) -> None:  # type
     assert doc["files"][str(files[0])]["lag_bytes"] == 0
     res = invoke("status", "--state", str(tmp_path / "none"))
     assert res.exit_code == 1 and "no exprd status" in res.output
+
+
+def test_replay_passes_exprd_warnings_through_and_config_errors_are_one_line(
+        tmp_path: Path, invoke) -> None:  # type: ignore[no-untyped-def]
+    spool, root, _ = _spools(tmp_path)
+    (spool / "proj" / "b").chmod(0o777)  # exprd refuses what other users could write
+    res = invoke("replay", str(spool), "--state", str(tmp_path / "state"))
+    assert res.exit_code == 0, res.output
+    assert f"warning: refusing {spool / 'proj' / 'b'}: writable by other users" in res.stderr
+    assert res.stdout.startswith("1 spool files: applied 40 events")
+    check_shard(root / "proj" / "a" / "metrics.jsonl", 40)
+    assert not (root / "proj" / "b").exists()
+    bad = tmp_path / "bad.toml"
+    bad.write_text("bogus = 1\n")
+    res = invoke("replay", str(spool), "--config", str(bad), "--json")
+    assert res.exit_code == 1
+    assert res.stdout == ""
+    assert res.stderr.startswith("error: unknown key 'bogus'") and res.stderr.count("\n") == 1
+
+
+def test_exprd_replay_progress_json_is_json_lines_on_stdout(tmp_path: Path) -> None:
+    spool, _, _ = _spools(tmp_path)
+    state = tmp_path / "state"
+    proc = subprocess.run(
+        [sys.executable, "-m", "exprd", "--replay", "--progress", "json", "--allow-root",
+         "--spool", str(spool), "--state", str(state)],
+        capture_output=True, text=True, env=env_for(), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    objs = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert {o["type"] for o in objs[:-1]} == {"progress"}
+    assert objs[-2]["files_done"] == objs[-2]["files_total"] == 2 and objs[-2]["events"] == 80
+    assert objs[-1] == {"type": "summary", "dry_run": False, "files": 2, "applied": 80,
+                        "skipped": 0, "quarantined": 0, "finished": 2, "crashed": 0,
+                        "refused": 0, "live": 0}
+    assert json.loads((state / "status.json").read_text())["mode"] == "replay"
+    # misuse is an error object and a non-zero exit, still nothing but JSON on stdout
+    proc = subprocess.run(
+        [sys.executable, "-m", "exprd", "--replay", "--progress", "json", "--allow-root",
+         "--spool", str(spool), "--state", str(state), "--config", str(tmp_path / "nope.toml")],
+        capture_output=True, text=True, env=env_for(), timeout=60)
+    assert proc.returncode == 2
+    assert [json.loads(line)["type"] for line in proc.stdout.splitlines()] == ["error"]
+
+
+# -- DESIGN 2: expr_cli and exprd depend on expr_tracker, never on each other -------------
+
+_NO_EXPRD = """
+import json, sys
+from typer.testing import CliRunner
+from expr_cli.main import build_app
+
+runner, app = CliRunner(), build_app()
+out = {}
+for args in (["--help"], ["status", "--help"], ["replay", "--help"],
+             ["status", "--state", STATE, "--json"],
+             ["replay", SPOOL, "--state", STATE + "-replay", "--json"]):
+    res = runner.invoke(app, args)
+    out[" ".join(args[:2])] = [res.exit_code, res.stdout]
+out["exprd"] = sorted(m for m in sys.modules if m == "exprd" or m.startswith("exprd."))
+print(json.dumps(out))
+"""
+
+
+def test_expr_commands_never_import_exprd(tmp_path: Path) -> None:
+    spool, root, _ = _spools(tmp_path)
+    state = tmp_path / "state"
+    exprd_once(write_config(tmp_path / "exprd.toml", spool, state, [root]))
+    code = f"SPOOL, STATE = {str(spool)!r}, {str(state)!r}\n" + textwrap.dedent(_NO_EXPRD)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env_for(), timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out.pop("exprd") == []
+    assert {k: v[0] for k, v in out.items()} == dict.fromkeys(out, 0), out
+    assert "Usage: expr replay" in out["replay --help"][1]
+    assert json.loads(out["status --state"][1])["totals"]["finished"] == 2
+    # the replay really ran (in a child): everything was already in the shards
+    assert json.loads(out["replay " + str(spool)][1])["skipped"] == 80
+
+
+RUFF = Path(sys.executable).parent / "ruff"
+
+
+def _ruff_ban(paths: list[Path], banned: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """ruff's banned-api (TID251) for these paths only (its settings are global, DESIGN 2)."""
+    config = [f'lint.flake8-tidy-imports.banned-api."{mod}".msg = "{msg}"'
+              for mod, msg in banned.items()]
+    argv = [str(RUFF), "check", "--isolated", "--select", "TID251", "--output-format", "concise"]
+    for c in config:
+        argv += ["--config", c]
+    return subprocess.run([*argv, *map(str, paths)], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT)
+
+
+@pytest.mark.skipif(not RUFF.exists(), reason="ruff is not installed next to this python")
+def test_ruff_bans_imports_across_the_cli_daemon_line(tmp_path: Path) -> None:
+    rules = {
+        ROOT / "expr_cli": {"exprd": "expr_cli never imports exprd (run it as a process)"},
+        ROOT / "daemon": {"expr_cli": "exprd never imports expr_cli"},
+    }
+    for where, banned in rules.items():
+        proc = _ruff_ban([where], banned)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    # the same check finds a function-level import (what expr replay once had)
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from exprd.main import Daemon\n\n    return Daemon\n")
+    proc = _ruff_ban([bad], rules[ROOT / "expr_cli"])
+    assert proc.returncode == 1 and "TID251 `exprd` is banned" in proc.stdout
+    assert os.path.basename(bad) in proc.stdout
