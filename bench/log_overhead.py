@@ -4,7 +4,7 @@ Floor: `orjson.dumps` of the same row with `_step` and `_time`, appended to a bu
 file. Also `log()` with five alert rules against `log()` without, and the import time
 of `expr_tracker` (`python -X importtime`). Prints a markdown table.
 
-    python bench/log_overhead.py [calls]
+    python bench/log_overhead.py [calls per round] [rounds]
 """
 
 from __future__ import annotations
@@ -28,39 +28,47 @@ RULES = [
 ]
 
 
-def per_call(fn, calls: int, repeats: int = 7) -> float:
-    """Median over `repeats` of the mean time per call of `fn(i)` in a tight loop (ns)."""
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter_ns()
-        for i in range(calls):
-            fn(i)
-        samples.append((time.perf_counter_ns() - t0) / calls)
-    return statistics.median(samples)
+def per_call(fn, calls: int) -> float:
+    """Mean time per call of `fn(i)` over `calls` calls in a tight loop (ns)."""
+    t0 = time.perf_counter_ns()
+    for i in range(calls):
+        fn(i)
+    return (time.perf_counter_ns() - t0) / calls
 
 
-def floor(tmp: str, calls: int) -> float:
+def measure(tmp: str, calls: int, rounds: int) -> tuple[float, float, float]:
+    """Median per-call ns of the floor, et.log and et.log with RULES, interleaved in rounds.
+
+    Each round measures the three side by side, so a noisy machine slows all of them
+    alike; the medians over rounds are reported.
+    """
+    import expr_tracker as et
+
     fh = open(os.path.join(tmp, "floor.jsonl"), "ab")  # noqa: SIM115
     dumps, opt, now = orjson.dumps, orjson.OPT_APPEND_NEWLINE, time.time
 
-    def one(i: int) -> None:
+    def floor_one(i: int) -> None:
         fh.write(dumps({"_step": i, "_time": now(), "loss": 1.0 / (i + 1), "lr": 3e-4}, option=opt))
 
-    try:
-        return per_call(one, calls)
-    finally:
-        fh.close()
-
-
-def et_log(tmp: str, calls: int, rules: list[str]) -> float:
-    import expr_tracker as et
-
-    et.init("bench", f"log-{len(rules)}", dir=tmp, alert_rules=rules)
+    et.init("bench", "log", dir=tmp)
     log = et.log
+
+    def log_one(i: int) -> None:
+        log({"loss": 1.0 / (i + 1), "lr": 3e-4})
+
+    floors, plains, ruled = [], [], []
     try:
-        return per_call(lambda i: log({"loss": 1.0 / (i + 1), "lr": 3e-4}), calls)
+        for _ in range(rounds):
+            floors.append(per_call(floor_one, calls))
+            plains.append(per_call(log_one, calls))
+            names = [et.add_alert_rule(rule) for rule in RULES]
+            ruled.append(per_call(log_one, calls))
+            for name in names:
+                et.remove_alert_rule(name)
     finally:
         et.finish()
+        fh.close()
+    return statistics.median(floors), statistics.median(plains), statistics.median(ruled)
 
 
 def import_ms() -> float:
@@ -76,17 +84,12 @@ def import_ms() -> float:
 
 
 def main() -> None:
-    calls = int(sys.argv[1]) if len(sys.argv) > 1 else 100_000
+    calls = int(sys.argv[1]) if len(sys.argv) > 1 else 20_000
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 15
     with tempfile.TemporaryDirectory() as tmp:
-        f = floor(tmp, calls)
-        plain = et_log(tmp, calls, [])
-        try:
-            ruled = et_log(tmp, calls, RULES)
-        except ImportError:
-            ruled = float("nan")
-        f2 = floor(tmp, calls)  # again after, to show the floor did not drift
-    fl = min(f, f2)
+        fl, plain, ruled = measure(tmp, calls, rounds)
     imp = import_ms()
+    print(f"{rounds} rounds of {calls:,} calls each, medians\n")
     print("| measure | value | target |\n|---|---|---|")
     print(f"| floor: orjson.dumps + buffered append | {fl:.0f} ns/call | |")
     print(f"| et.log, no rules | {plain:.0f} ns/call ({plain / fl:.2f}x floor) | <= 2.5x |")

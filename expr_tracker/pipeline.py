@@ -40,12 +40,12 @@ class Pipeline:
     ) -> None:
         self.writer = writer
         self.context = dict(context)
-        self.rules = rules
+        self._warn = warn or (lambda cause, msg: None)
         self.dispatcher = dispatcher
         self.backends = list(backends) if reporting else []
         self.alerting = alerting
         self.reporting = reporting
-        self._warn = warn or (lambda cause, msg: None)
+        self.rules = rules
         self.alerts_path = writer.paths.run_dir / alerts_name(int(self.context.get("rank", 0)))
         self.alert_counts = {"fired": 0, "delivered": 0, "suppressed_rank": 0}
 
@@ -61,10 +61,10 @@ class Pipeline:
 
     def after_write(self, record: dict[str, Any]) -> None:
         """Rules, alerts and backends for a record already queued for its shard."""
-        rules = self.rules
-        if rules is not None and rules.rules:
+        observe = self._observe
+        if observe is not None:
             try:
-                firings = rules.observe(record, record.get("_step"), record.get("_time") or time.time())
+                firings = observe(record, record.get("_step"), record.get("_time") or time.time())
             except Exception as exc:  # a rule engine bug must never reach the training loop
                 self._warn(f"rules:{type(exc).__name__}", f"expr_tracker: rule evaluation failed: {exc!r}")
                 firings = []
@@ -72,6 +72,37 @@ class Pipeline:
                 self.fire(firing)
         for backend in self.backends:
             backend.submit(record)
+
+    @property
+    def rules(self) -> RuleSet | None:
+        """The shard's rules; setting them again after adding or removing a rule updates the hot path."""
+        return self._rules
+
+    @rules.setter
+    def rules(self, value: RuleSet | None) -> None:
+        self._rules = value
+        observe = value.observe if value is not None and len(value) else None
+        self._observe = observe
+        if observe is None:
+            self.__dict__.pop("after_write", None)
+            return
+        fire, warn = self.fire, self._warn
+        general = Pipeline.after_write.__get__(self)
+
+        def rules_only(record: dict[str, Any]) -> None:
+            # the common direct-mode case (rules, no backends) without the general path's checks
+            if self.backends:
+                return general(record)
+            try:
+                firings = observe(record, record.get("_step"), record.get("_time") or time.time())
+            except Exception as exc:  # a rule engine bug must never reach the training loop
+                warn(f"rules:{type(exc).__name__}", f"expr_tracker: rule evaluation failed: {exc!r}")
+                return None
+            for firing in firings:
+                fire(firing)
+            return None
+
+        self.after_write = rules_only  # type: ignore[method-assign]
 
     def tick(self, now: float | None = None) -> None:
         """Evaluate time rules (no_data, age, elapsed) without a new record."""

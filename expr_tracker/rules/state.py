@@ -75,12 +75,16 @@ class RuleSet:
         self._time_live: list[_Live] = []
         self._mlist: tuple[MetricState, ...] = ()
         self._seen: set[str] = set()
+        self._observed = 0
         for rule in rules:
             self.add(rule)
 
     @property
     def rules(self) -> list[Rule]:
         return [live.rule for live in self._live]
+
+    def __len__(self) -> int:
+        return len(self._live)
 
     @property
     def has_time_rules(self) -> bool:
@@ -126,7 +130,11 @@ class RuleSet:
         ctx.last_record = t
         if ctx.start is None:
             ctx.start = t
-        self._seen.update(row)
+        # every key logged, for "did you mean" at finish: all of the first rows, then a
+        # sample (a referenced metric's presence is tracked exactly by its MetricState)
+        n = self._observed = self._observed + 1
+        if n < 1024 or not n & 127:
+            self._seen.update(row)
         get = row.get
         for ms in self._mlist:
             v = get(ms.name)
@@ -284,6 +292,8 @@ class RuleSet:
         return out
 
     def _was_seen(self, metric: str) -> bool:
+        if any(ms.name == metric and ms.seen_t is not None for ms in self._mlist):
+            return True
         return metric in self._seen or ("." in metric and metric.replace(".", "/") in self._seen)
 
 
