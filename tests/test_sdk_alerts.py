@@ -126,3 +126,17 @@ def test_rules_info(tmp_path):
     assert gnorm["unresolved_metrics"] == ["gnorm"]
     with pytest.warns(RuntimeWarning, match="never logged"):
         et.finish()
+
+
+def test_time_rule_fires_from_the_background_timer(tmp_path):
+    run = et.init("p", "quiet", dir=tmp_path, alert_rules=["no_data(1s) => error: stalled run"],
+                  time_rule_interval=0.2)
+    et.log({"loss": 1.0})
+    alerts = run.paths.run_dir / "alerts.jsonl"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not (alerts.exists() and alerts.read_bytes()):
+        time.sleep(0.1)
+    et.finish()
+    (entry,) = [orjson.loads(x) for x in alerts.read_bytes().splitlines()]
+    assert entry["title"] == "stalled run" and entry["level"] == "error"
+    assert entry["time"] - orjson.loads(run.shard_path.read_bytes().splitlines()[0])["_time"] >= 1.0

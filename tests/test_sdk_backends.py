@@ -127,3 +127,35 @@ def test_backend_spec_errors_at_init(tmp_path):
         et.init("p", "r", dir=tmp_path, backends=[Exploding()], upload_mode="spool",
                 spool_dir=tmp_path / "spool")
     assert not (tmp_path / "p").exists()
+
+
+TRACKIO_RANK = """
+import expr_tracker as et
+et.init("proj", "sft-1", dir={root!r}, backends=["trackio"], backend_on_rank=None,
+        config={{"lr": 0.1}})
+for step in range(3):
+    et.log({{"loss": 1.0 + step}})
+et.finish()
+"""
+
+
+def test_trackio_every_rank_under_its_remote_id_and_group(tmp_path):
+    import sqlite3
+
+    env = {"TRACKIO_DIR": str(tmp_path / "tio"), "HF_HOME": str(tmp_path / "hf"),
+           "HOME": str(tmp_path), "WORLD_SIZE": "2"}
+    procs = [spawn(TRACKIO_RANK.format(root=str(tmp_path / "runs")), {**env, "RANK": str(r)})
+             for r in range(2)]
+    run_all(procs, timeout=240)
+    (db,) = (tmp_path / "tio").glob("*.db")
+    con = sqlite3.connect(db)
+    try:
+        rows = con.execute("SELECT run_name, step, metrics FROM metrics ORDER BY run_name, step").fetchall()
+        configs = dict(con.execute("SELECT run_name, config FROM configs").fetchall())
+    finally:
+        con.close()
+    assert [(name, step, json.loads(m)["loss"]) for name, step, m in rows] == [
+        ("sft-1", 0, 1.0), ("sft-1", 1, 2.0), ("sft-1", 2, 3.0),
+        ("sft-1-rank1", 0, 1.0), ("sft-1-rank1", 1, 2.0), ("sft-1-rank1", 2, 3.0),
+    ]
+    assert {json.loads(c)["_Group"] for c in configs.values()} == {"sft-1"}
