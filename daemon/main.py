@@ -392,6 +392,9 @@ class JsonProgress:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="exprd", description=__doc__.split("\n\n")[0])
+    from expr_tracker import __version__
+
+    p.add_argument("--version", action="version", version=f"exprd (expr-tracker) {__version__}")
     p.add_argument("--spool", help="spool root to tail (overrides the config)")
     p.add_argument("--state", help="state directory: checkpoints, quarantine, status.json")
     p.add_argument("--config", help="TOML config file (see exprd.config)")

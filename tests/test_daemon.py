@@ -448,3 +448,14 @@ def test_one_exprd_per_node_builds_the_same_run_dir(tmp_path: Path) -> None:
     nodes = _snapshot(root / "proj" / "multi")
     assert sorted(nodes) == sorted(single) and len(nodes) == 8
     assert nodes == single
+
+
+def test_version_and_help() -> None:
+    import subprocess
+    import sys
+
+    exprd = str(Path(sys.executable).parent / "exprd")
+    out = subprocess.run([exprd, "--version"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.startswith("exprd (expr-tracker) ")
+    out = subprocess.run([exprd, "--help"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and "--spool" in out.stdout and "--allow-root" in out.stdout
