@@ -3,16 +3,27 @@
 A run names the backends it wants (secret-free specs in its init event); exprd uses
 its own configured spec of that type (URLs and tokens live in the daemon's config and
 environment). Each backend consumer has its own checkpoint: the offset up to which
-every event was handed over and the backend's queue had drained. After a restart the
+every event was handed over and the backend had done with it. After a restart the
 events past that offset are sent again with the same `_id`, so a receiver can
 de-duplicate.
+
+Backends that send batches under one Idempotency-Key (http) also keep a batch journal,
+`{state}/batches/<spool file>.<backend>.jsonl`: every batch is journaled before it is
+sent, and events sent again after a restart are cut into the same batches, so a key
+always carries the same body. A journal forgets the batches before the checkpoint
+once that is on disk, and is deleted with its spool file.
 """
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import logging
+import re
 import threading
+from collections import deque
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -21,7 +32,33 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("exprd")
 HIGH_WATER = 5000  # records queued in one backend before its spool file is paused
+MAX_MARKS = 4096  # settle points remembered per backend; past it the newest is overwritten
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
 _warned: set[str] = set()
+
+
+def journal_stem(rel: str) -> str:
+    """The journal name part of spool file `rel` (relative to the spool root)."""
+    base = rel.rsplit("/", 1)[-1].removesuffix(".jsonl")
+    return f"{base}.{hashlib.sha256(rel.encode()).hexdigest()[:12]}"
+
+
+def journal_path(state: Path, rel: str, backend: str) -> Path:
+    """`{state}/batches/<stem>.<backend>.jsonl` (an odd backend name is hashed)."""
+    part = backend if _SAFE_NAME.match(backend) else \
+        "h" + hashlib.sha256(backend.encode()).hexdigest()[:12]
+    return state / "batches" / f"{journal_stem(rel)}.{part}.jsonl"
+
+
+def drop_journals(state: Path, rel: str) -> None:
+    """Delete the batch journals of spool file `rel` (its file is gone)."""
+    for path in (state / "batches").glob(glob.escape(journal_stem(rel)) + ".*"):
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("cannot delete batch journal %s: %s", path, exc.strerror or exc)
 
 
 def _kind(spec: Any) -> str | None:
@@ -31,6 +68,12 @@ def _kind(spec: Any) -> str | None:
         kind = spec.get("type")
         return kind if isinstance(kind, str) else None
     return None
+
+
+def spool_rel(spec: RunSpec) -> str:
+    """The spool file of `spec` relative to the spool root (as check_init verified it)."""
+    ident = spec.identity
+    return f"{ident['project']}/{ident['name']}/{spec.paths.stem}.{spec.session}.jsonl"
 
 
 def resolve(requested: list[Any], cfg: Config) -> dict[str, Any]:
@@ -59,6 +102,10 @@ class Forwarder:
                  enabled: bool) -> None:
         self._workers: dict[str, Any] = {}
         self.committed: dict[str, int] = {}
+        # per backend: (records queued, offset, seq at it) when settle() was asked; the
+        # offset is committed once the backend has done with that many records
+        self._marks: dict[str, deque[tuple[int, int, int | None]]] = {}
+        self._settled: dict[str, int] = {}  # seq at the committed offset, when known
         self._closers: list[threading.Thread] = []
         if not enabled or not spec.backends:
             return
@@ -66,6 +113,7 @@ class Forwarder:
         if not specs:
             return
         from expr_tracker.backends.base import Identity, make_backend
+        from expr_tracker.backends.http import BatchJournal
         from expr_tracker.backends.worker import BackendWorker
 
         ident = spec.identity
@@ -80,9 +128,15 @@ class Forwarder:
             except (TypeError, ValueError) as exc:
                 log.warning("backend %s: %s", name, exc)
                 continue
-            self._workers[name] = BackendWorker(backend, identity,
-                                                rank_metrics=spec.backend_rank_metrics)
+            journal = None
+            if cfg.state is not None and callable(getattr(backend, "log_batch", None)):
+                journal = BatchJournal(journal_path(cfg.state, spool_rel(spec), name))
+            self._workers[name] = BackendWorker(
+                backend, identity, rank_metrics=spec.backend_rank_metrics, journal=journal,
+                # a new batch is one POST, so its journal entry is its key
+                batch=int(getattr(backend, "batch", 100)) if journal is not None else 100)
             self.committed[name] = int(offsets.get(name, 0))
+            self._marks[name] = deque()
 
     @property
     def active(self) -> bool:
@@ -99,13 +153,40 @@ class Forwarder:
 
     def busy(self) -> bool:
         """True while some backend has a long queue: the file waits instead of dropping."""
-        return any(w.stats()["pending"] >= HIGH_WATER for w in self._workers.values())
+        return any(w.backlog() >= HIGH_WATER for w in self._workers.values())
 
-    def settle(self, offset: int) -> None:
-        """Advance the checkpoint of every backend whose queue has drained to `offset`."""
+    def settle(self, offset: int, seq: int | None = None) -> None:
+        """Every event before `offset` (the last of them `seq`, if known) has been submitted:
+        advance each backend's checkpoint to the latest such point it has done with."""
         for name, worker in self._workers.items():
-            if worker.stats()["pending"] == 0:
-                self.committed[name] = max(self.committed[name], offset)
+            queued, done = worker.progress()
+            marks = self._marks[name]
+            mark = (queued, offset, seq)
+            if marks and marks[-1][1] == offset:
+                pass
+            elif len(marks) >= MAX_MARKS:
+                marks[-1] = mark  # coarser, never wrong: a later point needs more done
+            else:
+                marks.append(mark)
+            while marks and marks[0][0] <= done:
+                _, off, at = marks.popleft()
+                if off >= self.committed[name]:
+                    self.committed[name] = off
+                    if at is not None:
+                        self._settled[name] = at
+
+    def checkpointed(self) -> None:
+        """The checkpoint holding `committed` is on disk: journals forget the batches
+        before it (they are never submitted again)."""
+        for name, worker in self._workers.items():
+            seq = self._settled.get(name)
+            if worker.journal is None or seq is None:
+                continue
+            try:
+                worker.journal.compact(seq)
+            except OSError as exc:
+                log.warning("cannot compact batch journal %s: %s", worker.journal.path,
+                            exc.strerror or exc)
 
     def stats(self) -> dict[str, Any]:
         return {name: w.stats() for name, w in self._workers.items()}

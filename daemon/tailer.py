@@ -24,6 +24,7 @@ from expr_tracker.spool import SpoolReader, proc_start
 
 from .applier import InitError, RunPipeline, ShardPool, check_init
 from .config import Config
+from .forwarder import drop_journals
 
 log = logging.getLogger("exprd")
 MAX_LOGGED = 10  # quarantine log lines per file; the rest are counted in status.json
@@ -180,6 +181,7 @@ class Tailer:
                  dry_run: bool = False, live: bool = True) -> None:
         self.cfg = cfg
         self.spool_root = spool_root
+        self.state = state
         self.dispatcher = dispatcher
         self.dry_run = dry_run
         self.live = live  # a daemon (time rules, retention) rather than a one-shot replay
@@ -215,11 +217,32 @@ class Tailer:
             tail.host, tail.pid = str(cp.get("host", "")), cp.get("pid")
             tail.pid_start = cp.get("pid_start")
             tail.backends = {str(k): int(v) for k, v in (cp.get("backends") or {}).items()}
-            if tail.backends:
-                # backends are behind the shard: read again from the slowest one
-                tail.offset = min(tail.offset, *tail.backends.values())
+            back = min(tail.backends.values(), default=tail.offset)
+            if back < tail.offset:
+                self._rewind(tail, back)
         self.tails[key] = tail
         return tail
+
+    def _rewind(self, tail: FileTail, offset: int) -> None:
+        """Backends are behind the shard: read again from the slowest one, as if first there.
+
+        The tail's seq becomes the one before the line at `offset` (from the start if that
+        line is unreadable), and a finished file is live until its finish is read again.
+        """
+        seq = None
+        for _start, _end, line in SpoolReader(tail.path).lines(offset, 1):
+            try:
+                ev = orjson.loads(line) if line is not None else None
+            except orjson.JSONDecodeError:
+                ev = None
+            seq = ev.get("_seq") if isinstance(ev, dict) else None
+            break  # lines() goes on to the end of the block it read
+        if type(seq) is int and seq > 0:
+            tail.offset, tail.seq = offset, seq - 1
+        else:
+            tail.offset, tail.seq = 0, -1
+        if tail.state == "finished":
+            tail.state = "live"
 
     def forget(self, tail: FileTail) -> None:
         if tail.run is not None:
@@ -227,6 +250,12 @@ class Tailer:
             tail.run = None
         self.tails.pop(tail.key, None)
         self.checkpoints.drop(tail.key)
+        if not self.dry_run and not tail.path.exists():
+            # the file is gone (retention, or by hand): its batch journals go with it
+            try:
+                drop_journals(self.state, tail.path.relative_to(self.spool_root).as_posix())
+            except ValueError:
+                pass  # not under the spool root: it has none
 
     def _log_bad(self, tail: FileTail, start: int, end: int, reason: str, copy: bool = True) -> None:
         tail.quarantined += 1
@@ -299,6 +328,7 @@ class Tailer:
             return False
         reader = SpoolReader(tail.path)
         run = tail.run
+        paused = False
         try:
             if run is None or not run.plain or tail.state != "live":
                 for start, end, line in reader.lines(tail.offset, budget):
@@ -310,6 +340,9 @@ class Tailer:
                     run = tail.run
                     if run is not None and run.plain and tail.state == "live":
                         break  # the init is in: the rest takes the plain path
+                    if run is not None and run.forwarder.active and run.forwarder.busy():
+                        paused = True  # a backend queue is full: read on once it drains
+                        break
                 else:
                     run = None
             if run is not None and run.plain and tail.state == "live":
@@ -320,7 +353,7 @@ class Tailer:
             self._warn(f"read:{tail.path}", f"cannot read {tail.path}: {exc.strerror or exc}")
             return False
         tail.size = reader.size
-        return reader.more
+        return reader.more or paused
 
     def _pump_plain(self, tail: FileTail, run: RunPipeline, reader: SpoolReader,
                     budget: int) -> None:
@@ -466,13 +499,11 @@ class Tailer:
             if run is None or slots_ok.get(id(run.slot), True):
                 tail.committed = tail.offset
             if run is not None:
-                run.forwarder.settle(tail.committed)
-                tail.backends = dict(run.forwarder.committed)
+                self._settle(tail, run)
                 if tail.state in ("finished", "crashed", "refused") and not any(
                     t.is_alive() for t in run.forwarder._closers
                 ):
-                    run.forwarder.settle(tail.committed)
-                    tail.backends = dict(run.forwarder.committed)
+                    self._settle(tail, run)
                     run.close()
                     tail.run = None
             lag = tail.size - tail.offset
@@ -481,6 +512,17 @@ class Tailer:
         self.pool.sidecars(0.0 if force else sidecar_interval)
         if force or now - self.checkpoints.saved_at >= self.cfg.checkpoint_interval:
             self.checkpoints.save()
+            if not self.checkpoints.dirty and not self.checkpoints.readonly:
+                for tail in self.tails.values():
+                    if tail.run is not None:
+                        tail.run.forwarder.checkpointed()
+
+    @staticmethod
+    def _settle(tail: FileTail, run: RunPipeline) -> None:
+        """Advance the backends' checkpoints to what they have done with."""
+        upto = min(tail.committed, tail.offset)
+        run.forwarder.settle(upto, tail.seq if upto == tail.offset else None)
+        tail.backends = dict(run.forwarder.committed)
 
     def tick(self, now: float) -> None:
         """Time rules of live files."""
@@ -520,8 +562,7 @@ class Tailer:
         for tail in self.tails.values():
             if tail.run is not None:
                 tail.run.forwarder.join(max(0.1, deadline - time.monotonic()))
-                tail.run.forwarder.settle(tail.committed)
-                tail.backends = dict(tail.run.forwarder.committed)
+                self._settle(tail, tail.run)
                 tail.run.close()
                 tail.run = None
             self.checkpoints.put(tail.key, tail.checkpoint())

@@ -22,7 +22,7 @@ import pytest
 from werkzeug import Request, Response
 
 from expr_tracker.backends import BackendWorker, Identity, make_backend, reportable
-from expr_tracker.backends.http import HttpBackend
+from expr_tracker.backends.http import BatchJournal, HttpBackend
 
 PY = sys.executable
 ROOT = Path(__file__).resolve().parents[1]
@@ -555,3 +555,128 @@ def test_worker_never_blocks_on_a_slow_backend_and_counts_what_it_drops() -> Non
     assert backend.thread is not None and backend.thread != threading.current_thread().name
     worker.submit({"_step": 9999, "_time": 0.0, "loss": 1.0})  # after close: counted, not raised
     assert worker.stats()["dropped"] == stats["dropped"] + 1
+
+
+# --- the batch journal (exprd's http batches keep their boundaries across restarts) --------
+
+
+def _until(pred: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def _journaled_worker(url: str, journal: BatchJournal) -> BackendWorker:
+    backend = make_backend({"type": "http", "url": url, "batch": 10, "backoff": 0.01})
+    return BackendWorker(backend, Identity("proj", "sft-1"), batch=10, journal=journal)
+
+
+def _bodies(rec: Recorder) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    for _, headers, body in rec.seen:
+        key = headers["Idempotency-Key"]
+        assert out.setdefault(key, body) == body, f"{key} sent with two bodies"
+    return out
+
+
+def test_journal_cuts_events_sent_again_into_the_same_batches(
+    tmp_path: Path, httpserver: Any
+) -> None:
+    rec = Recorder()
+    httpserver.expect_request("/ingest").respond_with_handler(rec)
+    url, path = httpserver.url_for("/ingest"), tmp_path / "batches" / "f.http.jsonl"
+    events = _events(40)
+    first = _journaled_worker(url, BatchJournal(path))
+    for lo, hi in ((0, 7), (7, 18), (18, 23), (23, 30)):  # batches as the events trickle in
+        for e in events[lo:hi]:
+            first.submit(e)
+        _until(lambda: first.stats()["pending"] == 0)
+    first.close()
+    before = _bodies(rec)
+    # a restart: the same events again, arriving in other chunks, then new ones
+    again = _journaled_worker(url, BatchJournal(path))
+    for lo in range(0, 40, 3):
+        for e in events[lo : lo + 3]:
+            again.submit(e)
+        time.sleep(0.005)
+    stats = again.close()
+    after = _bodies(rec)  # asserts no key ever came with another body
+    resent = {h["Idempotency-Key"] for _, h, _ in rec.seen[len(before) :]}
+    assert resent >= set(before)  # every old batch again, whole, with its old body
+    new = [e["_id"] for k in resent - set(before) for e in json.loads(after[k])["events"]]
+    assert sorted(new) == sorted(e["_id"] for e in events[30:])
+    ids = [e["_id"] for body in after.values() for e in json.loads(body)["events"]]
+    assert sorted(ids, key=lambda i: int(i.split(":")[1])) == [e["_id"] for e in events]
+    assert all(len(json.loads(after[k])["events"]) <= 10 for k in after)
+    assert (stats["sent"], stats["failed"], stats["pending"]) == (40, 0, 0)
+    journal = BatchJournal(path)
+    assert len(journal) == len(after)
+    assert journal.find("abc", 39) is not None and journal.find("abc", 40) is None
+    assert journal.find("other", 1) is None
+
+
+def test_journal_skips_the_rest_of_a_batch_that_went_out_before_the_checkpoint(
+    tmp_path: Path, httpserver: Any
+) -> None:
+    rec = Recorder()
+    httpserver.expect_request("/ingest").respond_with_handler(rec)
+    journal = BatchJournal(tmp_path / "j.jsonl")
+    journal.add("abc", 0, 9, 10)
+    worker = _journaled_worker(httpserver.url_for("/ingest"), journal)
+    for e in _events(15)[5:]:  # resumed mid-batch: 0..9 were delivered as one batch
+        worker.submit(e)
+    stats = worker.close()
+    assert rec.keys() == ["abc:10..abc:14"]
+    assert (stats["sent"], stats["skipped"], stats["pending"]) == (5, 5, 0)
+    assert worker.progress() == (10, 10)
+
+
+def test_journal_holds_part_of_a_batch_until_its_last_event(
+    tmp_path: Path, httpserver: Any
+) -> None:
+    rec = Recorder()
+    httpserver.expect_request("/ingest").respond_with_handler(rec)
+    url, path = httpserver.url_for("/ingest"), tmp_path / "j.jsonl"
+    BatchJournal(path).add("abc", 0, 9, 10)
+    events = _events(10)
+    worker = _journaled_worker(url, BatchJournal(path))
+    for e in events[:6]:
+        worker.submit(e)
+    worker.alert({"title": "t", "text": "x", "level": "info", "id": "alert-1"})
+    time.sleep(0.2)
+    assert rec.seen == [] and worker.stats()["pending"] == 6
+    # closing a running stream leaves the part for a later start, not done with
+    stats = worker.close(timeout=5, status="running")
+    assert rec.seen == [] and stats["dropped"] == 6
+    assert worker.progress() == (6, 0)
+    worker = _journaled_worker(url, BatchJournal(path))
+    for e in events[:6]:
+        worker.submit(e)
+    worker.alert({"title": "t", "text": "x", "level": "info", "id": "alert-2"})
+    time.sleep(0.1)
+    for e in events[6:]:
+        worker.submit(e)
+    stats = worker.close()
+    assert rec.keys() == ["abc:0..abc:9", "alert-2"]  # the batch whole, the alert behind it
+    assert [e["_id"] for e in json.loads(rec.seen[0][2])["events"]] == [e["_id"] for e in events]
+    assert (stats["sent"], stats["alerts"]["sent"]) == (10, 1)
+
+
+def test_journal_compacts_and_survives_a_torn_line(tmp_path: Path) -> None:
+    path = tmp_path / "j.jsonl"
+    journal = BatchJournal(path)
+    for lo in range(0, 50, 10):
+        journal.add("s1", lo, lo + 9, 10)
+    assert json.loads(path.read_bytes().splitlines()[0]) == {"first": "s1:0", "last": "s1:9", "n": 10}
+    with open(path, "ab") as fh:
+        fh.write(b'{"first":"s1:50","la')  # a write cut short
+    journal = BatchJournal(path)
+    assert len(journal) == 5 and path.read_bytes().endswith(b"\n")
+    assert journal.find("s1", 45) == (40, 49, 10) and journal.next_first("s1", 12) == 20
+    assert journal.compact(25) == 2  # batches ending at 9 and 19; 20..29 straddles and stays
+    assert [json.loads(x)["first"] for x in path.read_bytes().splitlines()] == [
+        "s1:20", "s1:30", "s1:40"]
+    assert len(BatchJournal(path)) == 3
+    assert journal.compact(49) == 3 and path.read_bytes() == b""
+    assert journal.compact(49) == 0 and len(BatchJournal(path)) == 0

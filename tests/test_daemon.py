@@ -187,12 +187,13 @@ def test_kill9_writer_keeps_complete_events_and_marks_crashed(tmp_path: Path) ->
         assert w.stdout is not None and w.stdout.readline().strip() == "ready"
         shard = root / "proj" / "crash" / "metrics.jsonl"
         wait_for(lambda: count_lines(shard) == 600, 20, "600 rows in the shard")
-        w.kill()
-        w.wait()
-        # the half line a dying writer can leave behind
+        # the half line a dying writer can leave behind, written while it still lives so
+        # exprd cannot finish with the file first
         spool_file = next(spool.rglob("*.jsonl"))
         with open(spool_file, "ab") as fh:
             fh.write(b'{"_step":600,"_time":1.0,"lo')
+        w.kill()
+        w.wait()
         meta = shard.with_name("metrics.meta.json")
         wait_for(lambda: sidecar(meta).get("status") == "crashed", 20, "status crashed")
     finally:

@@ -4,6 +4,11 @@
 backend, hands it batches in order and finishes it at `close()`. Every failure
 is caught, logged once per cause, and counted (DESIGN 7): nothing raises into
 the caller and nothing disappears uncounted.
+
+With a `BatchJournal` (exprd's http backend), batch boundaries survive a restart:
+each new batch is journaled before it is sent, and events submitted again later are
+cut into exactly the journaled batches, so one Idempotency-Key always names the
+same events and the same body.
 """
 
 from __future__ import annotations
@@ -16,10 +21,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from expr_tracker.backends.base import Backend, Counters, Identity, reportable
+from expr_tracker.backends.http import Batch, BatchJournal, position
 
 FINISH_GRACE = 5.0  # seconds close() waits for finish() after the drain deadline
 MAX_ALERTS = 1000  # alerts queue beside records (they are rare and matter more)
 _LOG, _ALERT = 0, 1
+_AGAIN = object()  # _take_journaled skipped records: look at the queue again
 
 
 class BackendWorker:
@@ -33,6 +40,7 @@ class BackendWorker:
         max_queue: int = 10000,
         batch: int = 100,
         rank_metrics: bool = False,
+        journal: BatchJournal | None = None,
     ) -> None:
         if max_queue < 1 or batch < 1:
             raise ValueError("max_queue and batch must be >= 1")
@@ -41,12 +49,17 @@ class BackendWorker:
         self.max_queue = max_queue
         self.batch = batch
         self.rank_metrics = rank_metrics
+        self.journal = journal
         self._counters = Counters()
         self._cond = threading.Condition()
         self._items: deque[tuple[int, dict[str, Any]]] = deque()
         self._queued_logs = 0
         self._queued_alerts = 0
         self._inflight = 0
+        self._accepted = 0  # records ever queued
+        self._completed = 0  # of those, the ones handed to the backend (or known sent before)
+        self._waiting = False  # the thread waits for the rest of a journaled batch
+        self._interrupted = False  # close() cut the backend short: the batch in flight may be lost
         self._closing = False
         self._deadline = math.inf
         self._status = "finished"
@@ -104,8 +117,9 @@ class BackendWorker:
             else:
                 self._items.append((_LOG, row))
                 self._queued_logs += 1
-                if len(self._items) == 1:
-                    # the thread only ever waits on an empty queue
+                self._accepted += 1
+                if len(self._items) == 1 or self._waiting:
+                    # the thread waits on an empty queue, or for a journaled batch's end
                     self._cond.notify()
                 return
         self._counters.error(cause, records=1, kind="dropped")
@@ -121,7 +135,7 @@ class BackendWorker:
             else:
                 self._items.append((_ALERT, dict(alert)))
                 self._queued_alerts += 1
-                if len(self._items) == 1:
+                if len(self._items) == 1 or self._waiting:
                     self._cond.notify()
                 return
         self._counters.error(cause, records=1, kind="alerts_dropped")
@@ -143,6 +157,7 @@ class BackendWorker:
         if thread is not None:
             thread.join(max(timeout, 0.0))
             if thread.is_alive():
+                self._interrupted = True
                 interrupt = getattr(self.backend, "interrupt", None)
                 if callable(interrupt):
                     try:
@@ -153,6 +168,25 @@ class BackendWorker:
                         )
                 thread.join(FINISH_GRACE)
         return self.stats()
+
+    def progress(self) -> tuple[int, int]:
+        """(records queued so far, of those the ones done with), both only ever growing.
+
+        Records are done with in the order they were queued, so once the second number
+        reaches the first as it was at some moment, everything queued before is done.
+        Records dropped at the close deadline, or in flight when close() interrupted the
+        backend, are not done with: exprd sends them again after a restart.
+        """
+        with self._cond:
+            return self._accepted, self._completed
+
+    def backlog(self) -> int:
+        """Records queued or in flight (cheap, no lock: a hint for flow control).
+
+        0 while the thread waits for the rest of a journaled batch: the caller must
+        go on submitting then, however long the queue.
+        """
+        return 0 if self._waiting else self._queued_logs + self._inflight
 
     def stats(self) -> dict[str, Any]:
         """Counts in records (`sent`, `failed`, `dropped`, `pending`, `skipped`).
@@ -186,24 +220,36 @@ class BackendWorker:
             },
         }
 
-    def _take(self) -> tuple[int, list[dict[str, Any]]] | None:
-        """Wait for work; return (kind, items), or None when closed and drained (or out of time)."""
+    def _take(self) -> tuple[int, list[dict[str, Any]], Batch | None] | None:
+        """Wait for work; return (kind, items, batch to journal first), or None when done.
+
+        None once closed and drained, or out of time, or (closing a running stream) when
+        only part of a journaled batch is queued: that part is left for a later start.
+        """
         with self._cond:
-            while not self._items and not self._closing:
-                self._cond.wait()
-            if not self._items:
-                return None
-            if time.monotonic() < self._deadline:
-                kind, first = self._items.popleft()
+            while True:
+                while not self._items and not self._closing:
+                    self._cond.wait()
+                if not self._items or time.monotonic() >= self._deadline:
+                    break
+                kind, first = self._items[0]
                 if kind == _ALERT:
+                    self._items.popleft()
                     self._queued_alerts -= 1
-                    return _ALERT, [first]
-                taken = [first]
-                while self._items and len(taken) < self.batch and self._items[0][0] == _LOG:
-                    taken.append(self._items.popleft()[1])
-                self._queued_logs -= len(taken)
-                self._inflight = len(taken)
-                return _LOG, taken
+                    return _ALERT, [first], None
+                if self.journal is None:
+                    return _LOG, self._pop(self.batch), None
+                work = self._take_journaled(self.journal)
+                if work is _AGAIN:
+                    continue
+                if work is not None:
+                    return work
+                if self._closing and self._status == "running":
+                    break
+                self._waiting = True
+                self._cond.wait(None if math.isinf(self._deadline)
+                                else max(self._deadline - time.monotonic(), 0.0))
+                self._waiting = False
             left, alerts = self._queued_logs, self._queued_alerts
             self._items.clear()
             self._queued_logs = self._queued_alerts = 0
@@ -219,6 +265,84 @@ class BackendWorker:
             self._counters.add("alerts_dropped", alerts)
         return None
 
+    def _pop(self, limit: int, stop: int | None = None, session: str | None = None
+             ) -> list[dict[str, Any]]:
+        """Pop the records at the head, up to `limit`, an alert, or seq `stop` of `session`."""
+        taken = [self._items.popleft()[1]]
+        while self._items and len(taken) < limit and self._items[0][0] == _LOG:
+            if session is not None:
+                pos = position(self._items[0][1])
+                if pos is None or pos[0] != session or (stop is not None and pos[1] >= stop):
+                    break
+            taken.append(self._items.popleft()[1])
+        self._queued_logs -= len(taken)
+        self._inflight = len(taken)
+        return taken
+
+    def _take_journaled(self, journal: BatchJournal) -> Any:
+        """The next batch when the head is a record: journaled or new; None to wait for
+        the rest of a journaled batch, `_AGAIN` after skipping records sent before."""
+        pos = position(self._items[0][1])
+        if pos is None:  # no event id: a batch as without a journal (its key hashes the body)
+            return _LOG, self._pop(1), None
+        session, seq = pos
+        batch = journal.find(session, seq)
+        if batch is None:
+            taken = self._pop(self.batch, journal.next_first(session, seq), session)
+            end = position(taken[-1])
+            assert end is not None
+            return _LOG, taken, (seq, end[1], len(taken))
+        first, last, n = batch
+        picked: list[int] = []
+        done = False
+        for i, (kind, row) in enumerate(self._items):
+            if kind == _ALERT:
+                continue  # alerts wait behind the batch: its records go out together
+            p = position(row)
+            if p is None or p[0] != session or p[1] > last:
+                done = True  # past the batch: the missing records are not coming
+                break
+            picked.append(i)
+            if p[1] == last:
+                done = True
+                break
+        if seq != first:
+            # the batch's head lies before the backend's checkpoint, so the whole batch
+            # was sent before that checkpoint was written: these records are delivered
+            skipped = len(self._remove(picked))
+            self._queued_logs -= skipped
+            self._completed += skipped
+            self._counters.add("skipped", skipped)
+            return _AGAIN
+        if not done and not (self._closing and self._status != "running"):
+            return None  # the rest of the batch is still to come
+        rows = self._remove(picked)
+        self._queued_logs -= len(rows)
+        self._inflight = len(rows)
+        if len(rows) != n or position(rows[-1]) != (session, last):
+            self._counters.error(f"{self._name}: batch journal: a batch came back incomplete",
+                                 f"{session}:{first}..{session}:{last} has {len(rows)} of {n}")
+        return _LOG, rows, None
+
+    def _remove(self, picked: list[int]) -> list[dict[str, Any]]:
+        """Take the records at queue positions `picked` (ascending) out of the queue."""
+        if picked and picked[-1] == len(picked) - 1:
+            return [self._items.popleft()[1] for _ in picked]  # the usual case: a plain prefix
+        chosen = set(picked)
+        rows = [row for i, (_k, row) in enumerate(self._items) if i in chosen]
+        self._items = deque(item for i, item in enumerate(self._items) if i not in chosen)
+        return rows
+
+    def _journal(self, items: list[dict[str, Any]], batch: Batch) -> None:
+        """Write a new batch ahead of its send; if that fails it goes out all the same."""
+        assert self.journal is not None
+        pos = position(items[0])
+        assert pos is not None
+        try:
+            self.journal.add(pos[0], *batch)
+        except (OSError, ValueError) as exc:
+            self._counters.error(f"{self._name}: batch journal: {type(exc).__name__}", str(exc))
+
     def _main(self) -> None:
         """The worker thread: open, deliver in order until closed, finish."""
         name = self._name
@@ -228,12 +352,16 @@ class BackendWorker:
         except Exception as exc:
             opened = False
             self._counters.error(f"{name}: open: {type(exc).__name__}", str(exc))
+        # a journaled batch is posted whole whatever the backend's own batch size
+        send = getattr(self.backend, "log_batch", None) if self.journal is not None else None
         while True:
             work = self._take()
             if work is None:
                 break
-            kind, items = work
+            kind, items, new = work
             try:
+                if new is not None and opened:
+                    self._journal(items, new)
                 if kind == _ALERT:
                     if opened:
                         self.backend.alert(items[0])
@@ -241,7 +369,7 @@ class BackendWorker:
                     else:
                         self._counters.error(f"{name}: not open", records=1, kind="alerts_failed")
                 elif opened:
-                    self.backend.log(items)
+                    (send or self.backend.log)(items)
                     self._counters.add("sent", len(items))
                 else:
                     self._counters.error(f"{name}: not open", records=len(items))
@@ -254,6 +382,8 @@ class BackendWorker:
             finally:
                 with self._cond:
                     self._inflight = 0
+                    if kind == _LOG and not self._interrupted:
+                        self._completed += len(items)
         if opened:
             try:
                 self.backend.finish(self._status)
