@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import statistics
@@ -216,6 +217,13 @@ def test_three_valued_logic_table() -> None:
         ("x and y", {"x": 2.0, "y": 0.0}, "F"),
         ("x or y", {"x": 2.0, "y": "n/a"}, "T"),
         ("isnan(x) + 1 > 1", {"x": math.nan}, "T"),
+        ("isnan(x) or isinf(x)", {"x": math.inf}, "T"),
+        ("isinf(x) or isnan(x)", {"x": math.nan}, "T"),
+        ("isnan(x) or isinf(x)", {"x": 1.5}, "F"),
+        ("isnan(x) or isinf(x)", {"x": 3}, "F"),
+        ("isnan(x) or isinf(x)", {"x": "text"}, "U"),
+        ("isnan(x) or isinf(x)", {"x": 10**400}, "U"),
+        ("isnan(x) or isinf(x)", {"y": 1.0}, "U"),
         ("eval.acc < 0.5", {"eval/acc": 0.3}, "T"),
         ("eval.acc < 0.5", {"eval.acc": 0.9, "eval/acc": 0.3}, "F"),
         ("`val loss` > 1", {"val loss": 2.0}, "T"),
@@ -278,3 +286,40 @@ def test_window_statistics_do_not_rescan() -> None:
     for i in range(60_000):
         assert rules.observe({"x": rng.random()}, i, float(i)) == []
     assert time.perf_counter() - started < 3.0
+
+
+@pytest.mark.parametrize("seconds", [False, True])
+def test_trends_match_a_rescan_with_ties_and_gaps(seconds: bool) -> None:
+    rng = random.Random(13)
+    rows: list[Row] = []
+    t = 0.0
+    for i in range(300):
+        t += rng.choice([0.5, 1.0, 3.0])
+        v = rng.choice([1.0, 2.0, 3.0]) if rng.random() < 0.5 else float(i % 4 == 0)
+        rows.append(({"x": v} if rng.random() < 0.9 else {"y": 1.0}, i, t))
+    window = "x[4s]" if seconds else "x[4]"
+    for name, pair in (("increasing", lambda a, b: b > a), ("decreasing", lambda a, b: b < a),
+                       ("stalled", lambda a, b: b == a)):
+        got = probe(f"{name}({window}) or not has(x) and has(y)", rows)
+        seen: list[tuple[float, float]] = []
+        for i, (row, _, now) in enumerate(rows):
+            if "x" not in row:
+                continue  # the has(y) row: the rule is true whatever the window holds
+            seen.append((now, row["x"]))
+            held = [v for ts, v in seen if ts > now - 4.0] if seconds else [v for _, v in seen[-4:]]
+            ready = len(held) >= 2 and (seconds or len(held) == 4)
+            want = all(pair(a, b) for a, b in itertools.pairwise(held)) if ready else None
+            assert got[i] == want, (name, i, held)
+
+
+@pytest.mark.parametrize("op", ["<", "<=", ">", ">=", "==", "!="])
+@pytest.mark.parametrize("c", [-1.0, 0.0, 0.5])
+def test_zscore_compared_to_a_constant_matches_the_zscore(op: str, c: float) -> None:
+    rows = series(120, 17)
+    rows += [({"x": 2.0}, 500 + i, 2000.0 + i) for i in range(8)]  # a flat window: UNKNOWN
+    zs = probe("zscore(x[6])", rows)
+    got = probe(f"zscore(x[6]) {op} {c}", rows)
+    cmp = {"<": float.__lt__, "<=": float.__le__, ">": float.__gt__, ">=": float.__ge__,
+           "==": float.__eq__, "!=": float.__ne__}[op]
+    assert got == [None if z is None else cmp(z, c) for z in zs]
+    assert zs[-1] is None and None not in zs[1:100]

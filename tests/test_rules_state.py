@@ -240,3 +240,62 @@ def test_add_accepts_specs_and_raises_rule_errors(bad: Any) -> None:
     with pytest.raises(ValueError):
         rules.add(bad)
     assert [r.name for r in rules.rules] == ["x > 1"]
+
+
+# -- rows that repeat a value object (a constant lr) ----------------------------------------
+
+
+def test_repeated_value_object_still_drives_for_steps_level_and_recovery() -> None:
+    lr = 3e-4  # one float object, logged row after row as a constant lr would be
+    rules = make({"condition": "lr > 0", "for_steps": 3})
+    assert feed(rules, [lr] * 5, key="lr") == ["2:fire"]
+    rules = make({"condition": "lr > 0", "mode": "level", "cooldown": 2})
+    assert feed(rules, [lr] * 5, key="lr") == ["0:fire", "2:fire", "4:fire"]
+    neg = -1.0
+    rules = make({"condition": "lr > 0", "notify_recovery": True})
+    assert feed(rules, [lr, lr, neg, neg, lr, lr], key="lr") == ["0:fire", "2:recover", "4:fire"]
+    # windows and history still take every row of a repeated object
+    rules = RuleSet([parse_rule("count(lr[3]) == 3"), parse_rule("diff(lr) == 0"),
+                     parse_rule("lr > 1")])
+    assert [f"{i}:{f.rule}" for i in range(4) for f in rules.observe({"lr": lr}, i, float(i))] \
+        == ["1:diff(lr) == 0", "2:count(lr[3]) == 3"]
+
+
+def test_rule_added_later_sees_a_repeated_value_object() -> None:
+    x = 7.5
+    rules = make("x > 100")
+    assert rules.observe({"x": x}, 0, 0.0) == []
+    assert rules.observe({"x": x}, 1, 1.0) == []
+    rules.add("x > 5")
+    assert [f.rule for f in rules.observe({"x": x}, 2, 2.0)] == ["x > 5"]
+
+
+def test_age_after_gaps_ticks_and_rule_changes() -> None:
+    rules = make({"condition": "age(x) >= 0", "mode": "level", "cooldown": 0,
+                  "message": "{value}"})
+
+    def age(row: dict[str, Any], t: float) -> str | None:
+        fired = rules.observe(row, None, t)
+        return fired[0].message if fired else None
+
+    assert age({"y": 1}, 1.0) is None  # never seen: UNKNOWN
+    assert age({"x": 1.0}, 2.0) == "0.0"
+    assert age({"x": "text"}, 3.0) == "0.0"  # present, though not a number
+    assert age({"y": 1}, 5.0) == "2.0"
+    assert [f.message for f in rules.tick(9.0)] == ["6.0"]
+    assert age({"y": 1}, 10.0) == "7.0"
+    assert age({"x": 1.0}, 11.0) == "0.0"
+    rules.add("y > 100")  # rebuilding the plan keeps what was seen
+    assert age({"y": 1}, 12.0) == "1.0"
+
+
+def test_diff_added_later_starts_from_the_last_row() -> None:
+    rules = make("x > 100")
+    rules.observe({"x": 1.0}, 0, 0.0)
+    rules.observe({"x": 2.0}, 1, 1.0)
+    rules.add({"name": "d", "condition": "diff(x) > 0", "message": "{value}"})
+    assert [f.message for f in rules.observe({"x": 5.0}, 2, 2.0)] == ["3.0"]
+
+
+def test_template_spec_on_a_huge_int_falls_back_to_text() -> None:
+    assert render("{x:.3g}", {"x": 10**400}, "has(x)") == str(10**400)

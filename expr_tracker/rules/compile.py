@@ -2,7 +2,7 @@
 
 Each closure returns a number, True/False, or None for UNKNOWN (missing metric, too few
 points, a non-finite input, division by zero, log of <= 0, ...). Metric leaves read the
-`MetricState` that `RuleSet.observe` fills once per row, and window functions read a
+`MetricState` that `RuleSet.observe` updates once per row, and window functions read a
 `Window` shared by every rule of the same `Env`, so evaluating a rule is a handful of
 Python calls and never rescans a window for the O(1) statistics.
 """
@@ -14,6 +14,7 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
+from expr_tracker.rules.metric import Ctx, MetricState, as_number
 from expr_tracker.rules.parser import (
     Binary,
     Call,
@@ -39,49 +40,6 @@ _ARITH = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 _CMP = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge,
         "==": operator.eq, "!=": operator.ne}
 _FLIP = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "==": "==", "!=": "!="}
-
-
-class Ctx:
-    """The time, step and clock of the row (or tick) being evaluated."""
-
-    __slots__ = ("last_record", "start", "step", "t")
-
-    def __init__(self, start: float | None) -> None:
-        self.t = 0.0
-        self.step: int | None = None
-        self.start = start
-        self.last_record: float | None = None
-
-
-class MetricState:
-    """What one row said about one metric, plus its last two numeric values and times."""
-
-    __slots__ = ("alias", "cur", "feeders", "last", "last_t", "name", "num", "present", "prev",
-                 "prev_t", "pushers", "seen_t", "value")
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        # `eval.acc` also matches the metric `eval/acc` when `eval.acc` itself is absent.
-        self.alias = name.replace(".", "/") if "." in name else None
-        self.present = False  # the row has a non-None value for it
-        self.value: Any = None  # that value as given
-        self.num: float | None = None  # as a float, non-finite included
-        self.cur: float | None = None  # finite value, else None (UNKNOWN)
-        self.last: float | None = None
-        self.prev: float | None = None
-        self.last_t = self.prev_t = 0.0
-        self.seen_t: float | None = None
-        self.feeders: list[Window | Ema] = []
-        # Bound push methods of the feeders, refreshed whenever their bookkeeping changes.
-        self.pushers: list[Callable[[float, float, int | None], None]] = []
-
-    def refresh(self) -> None:
-        self.pushers = [f.pusher() for f in self.feeders]
-
-    def clear(self) -> None:
-        """Forget the current row (for a tick, which has none)."""
-        self.present = False
-        self.value = self.num = self.cur = None
 
 
 class Env:
@@ -137,8 +95,16 @@ class Compiled:
         self.env = env
         self.fns: dict[int, Fn] = {}
         self.feeders: list[Window | Ema] = []
+        self.prev_metrics: set[str] = set()  # metrics whose previous value diff/rate/... read
         self.fn = self._compile(root)
         self.metrics = tuple(env.metric(n.name) for n in _unique_metrics(root))
+        # The result depends on the current values alone (no window, history, step or
+        # clock): the same values give the same result.
+        self.pure = all(
+            not (isinstance(n, Metric) and n.windowed)
+            and not (isinstance(n, Call) and n.name not in _PURE)
+            for n in walk(root)
+        )
 
     def _compile(self, node: Node) -> Fn:
         fn = self._build(node)
@@ -168,6 +134,9 @@ class Compiled:
         lf = self._compile(node.left)
         rf = self._compile(node.right)
         if op in ("and", "or"):
+            guarded = _nonfinite_guard(node)
+            if guarded is not None:
+                return _nonfinite(self.env.metric(guarded))
             return _logic(op == "and", _truth(lf, node.left), _truth(rf, node.right))
         if op in _CMP:
             left, right = node.left, node.right
@@ -178,6 +147,11 @@ class Compiled:
                 if isinstance(left, Metric):
                     ms = self.env.metric(left.name)
                     return _cmp_metric_const(op, ms, c)
+                if _is_point_call(left, "zscore"):  # the spike rule: compare inside the window
+                    assert isinstance(left, Call) and isinstance(left.args[0], Metric)
+                    feeder = self.env.feeder(left.args[0], "zscore")
+                    assert isinstance(feeder, Window)
+                    return feeder.zscore_fn(op, c)
                 return _cmp_const(op, lf, c)
             cmp = _CMP[op]
             return lambda: (None if (a := lf()) is None or (b := rf()) is None else cmp(a, b))
@@ -204,6 +178,8 @@ class Compiled:
             return self._window_call(name, arg)
         if isinstance(arg, Metric) and name not in _MATH:
             self.fns[id(arg)] = self._build(arg)
+            if name in _CHANGE:
+                self.prev_metrics.add(arg.name)
             return _metric_func(name, self.env.metric(arg.name), ctx)
         return _math(name, self._compile(arg))
 
@@ -214,7 +190,7 @@ class Compiled:
             return feeder.get
         method: Fn = getattr(feeder, name)
         if not feeder.is_time:
-            return method
+            return feeder.trend_fn(name) if name in _TRENDS else method
         # A time window also shrinks when no new point arrives: evict by the current time.
         evict, ctx = feeder.evict, self.env.ctx
 
@@ -258,6 +234,9 @@ class Compiled:
 
 
 _MATH = frozenset(("abs", "log", "exp", "sqrt", "floor", "ceil"))
+_CHANGE = frozenset(("diff", "rate", "pct_change"))
+_TRENDS = frozenset(("increasing", "decreasing", "stalled"))
+_PURE = _MATH | {"isnan", "isinf", "min", "max"}  # min/max of a window need a window
 _NO_TRACE = frozenset(("step",))
 
 
@@ -397,13 +376,33 @@ def _math(name: str, f: Fn) -> Fn:
 
 def _metric_func(name: str, ms: MetricState, ctx: Ctx) -> Fn:
     if name == "isnan":
-        return lambda: None if (v := ms.num) is None else v != v
+
+        def isnan() -> Value:
+            v = ms.value
+            if v.__class__ is not float and (v := as_number(v)) is None:
+                return None
+            return v != v
+
+        return isnan
     if name == "isinf":
-        return lambda: None if (v := ms.num) is None else v in (math.inf, -math.inf)
+
+        def isinf() -> Value:
+            v = ms.value
+            if v.__class__ is not float and (v := as_number(v)) is None:
+                return None
+            return v in (math.inf, -math.inf)
+
+        return isinf
     if name == "has":
-        return lambda: ms.present
+        return lambda: ms.value is not None
     if name == "age":
-        return lambda: None if (s := ms.seen_t) is None else ctx.t - s
+
+        def age() -> Value:
+            if ms.value is not None:
+                return 0.0
+            return None if (s := ms.seen_t) is None else ctx.t - s
+
+        return age
 
     def change() -> Value:
         cur, prev = ms.cur, ms.prev
@@ -418,6 +417,35 @@ def _metric_func(name: str, ms: MetricState, ctx: Ctx) -> Fn:
         return d / dt if dt > 0 else None
 
     return change
+
+
+def _is_point_call(node: Node, name: str) -> bool:
+    """`node` is `name(metric[N points])`."""
+    return (isinstance(node, Call) and node.name == name and isinstance(node.args[0], Metric)
+            and node.args[0].points is not None)
+
+
+def _nonfinite_guard(node: Binary) -> str | None:
+    """The metric of `isnan(m) or isinf(m)` (either order), the usual divergence guard."""
+    left, right = node.left, node.right
+    if (node.op == "or" and isinstance(left, Call) and isinstance(right, Call)
+            and {left.name, right.name} == {"isnan", "isinf"}):
+        a, b = left.args[0], right.args[0]
+        if (isinstance(a, Metric) and isinstance(b, Metric) and a.name == b.name
+                and not a.windowed and not b.windowed):
+            return a.name
+    return None
+
+
+def _nonfinite(ms: MetricState) -> Fn:
+    # One closure instead of three (or, isnan, isinf): inf - inf and nan - x are nan.
+    def nonfinite() -> Value:
+        v = ms.value
+        if v.__class__ is not float and (v := as_number(v)) is None:
+            return None
+        return v - v != 0.0
+
+    return nonfinite
 
 
 def _no_data(ctx: Ctx, seconds: float) -> Fn:

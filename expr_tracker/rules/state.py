@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from expr_tracker.errors import RuleError
-from expr_tracker.rules.compile import Compiled, Env, MetricState
+from expr_tracker.rules.compile import Compiled, Env, Fn
+from expr_tracker.rules.metric import MetricState, Update
 from expr_tracker.rules.rule import Rule, parse_rule
 
 
@@ -44,23 +45,41 @@ _CONTEXT_KEYS = frozenset(("run", "project", "rank", "stream"))
 class _Live:
     """A rule compiled into one RuleSet, with its firing state."""
 
-    __slots__ = ("compiled", "enabled", "every_row", "fires", "firing", "fn", "gate",
-                 "last_fire", "metrics", "rule", "streak")
+    __slots__ = ("active", "compiled", "enabled", "every_row", "fires", "firing", "fn", "gate",
+                 "last_fire", "metrics", "pure", "rule", "streak")
 
     def __init__(self, rule: Rule, env: Env) -> None:
         assert rule.tree is not None
         self.rule = rule
         self.compiled = Compiled(rule.tree, env)
-        self.fn = self.compiled.fn
         self.metrics: tuple[MetricState, ...] = self.compiled.metrics
         self.every_row = rule.every_row
-        # The one metric whose presence decides whether a single-metric rule runs.
+        # The one metric whose presence decides whether a single-metric rule runs; a rule
+        # of several metrics gets a closure that is UNKNOWN (no change) when all are absent.
         self.gate = self.metrics[0] if len(self.metrics) == 1 and not self.every_row else None
+        self.fn = self.compiled.fn
+        if self.gate is None and not self.every_row:
+            self.fn = _any_present(self.metrics, self.fn)
+        # Skipped on a row whose gate metric is `stale` while the rule is idle: the same
+        # value gives the same false or unknown result, which changes nothing.
+        self.pure = self.gate is not None and self.compiled.pure
         self.streak = 0  # consecutive true evaluations
         self.firing = False  # fired and not yet recovered
+        # streak or firing: a false result changes the state only while this is set
+        self.active = False
         self.fires = 0
         self.last_fire: float | None = None
         self.enabled = True  # False once max_fires is reached
+
+
+def _any_present(metrics: tuple[MetricState, ...], fn: Fn) -> Fn:
+    def gated() -> Any:
+        for ms in metrics:
+            if ms.value is not None:
+                return fn()
+        return None
+
+    return gated
 
 
 class RuleSet:
@@ -74,8 +93,14 @@ class RuleSet:
         self._live: list[_Live] = []
         self._time_live: list[_Live] = []
         self._mlist: tuple[MetricState, ...] = ()
+        # The per-row plan, rebuilt whenever rules change: one update closure per metric
+        # read, then (gate metric or None, pure, condition, rule) in the order rules were
+        # added (see _Live).
+        self._updates: tuple[Update, ...] = ()
+        self._plan: tuple[tuple[MetricState | None, bool, Fn, _Live], ...] = ()
         self._seen: set[str] = set()
-        self._observed = 0
+        self._sampled = 0
+        self._sample_in = 1  # rows until the next one goes into _seen
         for rule in rules:
             self.add(rule)
 
@@ -116,74 +141,58 @@ class RuleSet:
 
     def _refresh(self) -> None:
         used: dict[str, MetricState] = {}
+        prev: set[str] = set()
         for live in self._live:
             for ms in live.metrics:
                 used.setdefault(ms.name, ms)
+            prev |= live.compiled.prev_metrics
+        last_record = self._ctx.last_record
+        for ms in used.values():
+            ms.set_track_prev(ms.name in prev, last_record)
+        # Forget the last row: a metric no longer updated must not look present later, and
+        # a new rule must not be skipped as `stale` on a value it has not seen yet.
+        for ms in {*self._mlist, *used.values()}:
+            ms.clear(last_record)
         self._mlist = tuple(used.values())
         self._time_live = [lv for lv in self._live if lv.rule.is_time_rule]
+        self._updates = tuple(ms.updater(self._ctx) for ms in self._mlist)
+        self._plan = tuple((lv.gate, lv.pure, lv.fn, lv) for lv in self._live)
 
     def observe(self, row: Mapping[str, Any], step: int | None, t: float) -> list[Firing]:
         """Evaluate the rules on one record's user keys; return the firings it caused."""
         ctx = self._ctx
         ctx.t = t
         ctx.step = step
-        ctx.last_record = t
-        if ctx.start is None:
-            ctx.start = t
-        # every key logged, for "did you mean" at finish: all of the first rows, then a
-        # sample (a referenced metric's presence is tracked exactly by its MetricState)
-        n = self._observed = self._observed + 1
-        if n < 1024 or not n & 127:
-            self._seen.update(row)
+        left = self._sample_in - 1
+        if left:
+            self._sample_in = left
+        else:
+            self._sample(row, t)
         get = row.get
-        for ms in self._mlist:
-            v = get(ms.name)
-            if v is None and ms.alias is not None:
-                v = get(ms.alias)
-            if v is None:
-                if ms.present:
-                    ms.present = False
-                    ms.value = ms.num = ms.cur = None
-                continue
-            ms.present = True
-            ms.value = v
-            ms.seen_t = t
-            if v.__class__ is not float:
-                if v.__class__ is str or not isinstance(v, (int, float)):
-                    ms.num = ms.cur = None
-                    continue
-                try:
-                    v = float(v)
-                except OverflowError:  # an int beyond float range has no usable value
-                    ms.num = ms.cur = None
-                    continue
-            ms.prev = ms.last
-            ms.prev_t = ms.last_t
-            ms.last = ms.num = v
-            ms.last_t = t
-            if v - v == 0.0:
-                ms.cur = v
-                for push in ms.pushers:
-                    push(v, t, step)
-            else:
-                ms.cur = None  # non-finite: isnan/isinf see it, windows and arithmetic do not
+        for update in self._updates:
+            update(get, t, step)
+        # after the updates: a metric missing from this row reads the previous row's time
+        ctx.last_record = t
         out: list[Firing] = []
-        for live in self._live:
-            gate = live.gate
-            if gate is not None:
-                if not gate.present:
-                    continue
-            elif not live.every_row:
-                for ms in live.metrics:
-                    if ms.present:
-                        break
-                else:
-                    continue
-            res = live.fn()
-            if res is None or (not res and not live.streak and not live.firing):
+        for gate, pure, fn, live in self._plan:
+            if gate is not None and (
+                    gate.value is None or (pure and gate.stale and not live.active)):
                 continue
-            self._step_state(live, bool(res), row, out)
+            res = fn()
+            if res:
+                self._step_state(live, True, row, out)
+            elif res is not None and live.active:  # None (UNKNOWN) leaves the state alone
+                self._step_state(live, False, row, out)
         return out
+
+    def _sample(self, row: Mapping[str, Any], t: float) -> None:
+        # Every key logged, for "did you mean" at finish: all of the first rows, then every
+        # 128th (a referenced metric's presence is tracked exactly by its MetricState).
+        self._seen.update(row)
+        self._sampled += 1
+        self._sample_in = 1 if self._sampled < 1024 else 128
+        if self._ctx.start is None:  # the first row (sampled, like all early rows)
+            self._ctx.start = t
 
     def tick(self, t: float) -> list[Firing]:
         """Evaluate the time rules (no_data, age, elapsed) at time `t` without a new row."""
@@ -192,7 +201,7 @@ class RuleSet:
         if ctx.start is None:
             ctx.start = t
         for ms in self._mlist:
-            ms.clear()
+            ms.clear(ctx.last_record)
         out: list[Firing] = []
         for live in self._time_live:
             res = live.fn()
@@ -206,12 +215,14 @@ class RuleSet:
         t = self._ctx.t
         if not res:
             live.streak = 0
+            live.active = False
             if live.firing:
                 live.firing = False
                 if rule.notify_recovery:
                     out.append(self._firing(live, "recover", row))
             return
         live.streak += 1
+        live.active = True
         if live.streak < rule.for_steps or not live.enabled:
             return
         if rule.mode == "level":
@@ -265,7 +276,7 @@ class RuleSet:
             if _SAFE_SPEC.fullmatch(spec):
                 try:
                     return format(value, spec)
-                except (ValueError, TypeError):
+                except (ValueError, TypeError, OverflowError):
                     pass
             return str(value)
 
@@ -292,7 +303,8 @@ class RuleSet:
         return out
 
     def _was_seen(self, metric: str) -> bool:
-        if any(ms.name == metric and ms.seen_t is not None for ms in self._mlist):
+        if any(ms.name == metric and (ms.present or ms.seen_t is not None)
+               for ms in self._mlist):
             return True
         return metric in self._seen or ("." in metric and metric.replace(".", "/") in self._seen)
 

@@ -2,33 +2,39 @@
 
 One `Window` is shared by every rule and function that names the same (metric, window).
 It is fed only finite values. Per point it keeps running shifted sums (count, sum, mean,
-var, std, zscore in O(1)), counts of rising/falling/equal neighbour pairs (increasing,
-decreasing, stalled in O(1)) and, when asked, monotonic deques (min, max in amortised
-O(1)). Median and slope sort or scan the window, but only when a rule asks for them.
-Variance is the population variance (ddof 0), as `numpy.var`.
+var, std, zscore in O(1)), the direction and length of the newest run of rising, falling
+or equal neighbour pairs (increasing, decreasing, stalled in O(1)) and, when asked,
+monotonic deques (min, max in amortised O(1)). Median and slope sort or scan the window,
+but only when a rule asks for them. Variance is the population variance (ddof 0), as
+`numpy.var`.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 SUMS, PAIRS, MINMAX, STEPS = "sums", "pairs", "minmax", "steps"
 # A variance below this fraction of the mean squared deviation from the shift is rounding
 # noise of the running sums, not spread: call it 0 so zscore does not explode on flat data.
 _VAR_NOISE = 1e-12
 _REFIT = 1e-7  # below max-window 1/n, so a re-sum around a point of the window settles it
+_TREND_OF = {"increasing": 1, "decreasing": -1, "stalled": 0}
+_CMP = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge,
+        "==": operator.eq, "!=": operator.ne}
 
 
 class Window:
     """The values of one metric in the last `points` points or the last `seconds` seconds."""
 
     __slots__ = (
-        "_cap", "_down", "_eq", "_max", "_min", "_minmax", "_n_in", "_n_out", "_pairs",
-        "_removed", "_s1", "_s2", "_shift", "_span", "_steps", "_sums", "_times", "_up",
-        "points", "seconds", "values",
+        "_cap", "_max", "_min", "_minmax", "_n_in", "_n_out", "_pairs", "_refit_at",
+        "_removed", "_run", "_s1", "_s2", "_shift", "_span", "_steps", "_sums", "_times",
+        "_trend", "points", "seconds", "values",
     )
 
     def __init__(self, points: int | None = None, seconds: float | None = None) -> None:
@@ -41,8 +47,16 @@ class Window:
         self._steps: deque[int | None] | None = None
         self._sums = self._pairs = self._minmax = False
         self._shift = self._s1 = self._s2 = 0.0
-        self._removed = 0
-        self._up = self._down = self._eq = 0
+        self._removed = 0  # points removed since the running sums were last re-summed
+        # The points-only push re-sums past this many removals: 2 * length + 32 at its
+        # length after an append, computed once instead of per point
+        self._refit_at = 2 * (self._cap + 1) + 32
+        # The newest run of neighbour pairs: its direction (1 rising, -1 falling, 0 equal)
+        # and length. The window is a suffix of the stream, so all of its n - 1 pairs share
+        # one direction exactly when that run is at least n - 1 long: nothing to undo on
+        # eviction, unlike per-direction pair counts.
+        self._trend = 0
+        self._run = 0
         self._n_in = self._n_out = 0
         self._max: deque[tuple[int, float]] = deque()
         self._min: deque[tuple[int, float]] = deque()
@@ -58,10 +72,9 @@ class Window:
             self._recompute()
         elif feature == PAIRS and not self._pairs:
             self._pairs = True
-            self._up = self._down = self._eq = 0
-            vals = list(self.values)
-            for a, b in itertools.pairwise(vals):
-                self._count_pair(a, b, 1)
+            self._trend = self._run = 0
+            for a, b in itertools.pairwise(self.values):
+                self._count_pair(a, b)
         elif feature == MINMAX and not self._minmax:
             self._minmax = True
             # Indices are relative to the points held now (fast paths do not count).
@@ -87,14 +100,13 @@ class Window:
         vals.append(v)
         n = len(vals)
         if n > self._cap:
-            old = vals.popleft()
             k = self._shift
             d = v - k
-            e = old - k
+            e = vals.popleft() - k
             self._s1 += d - e
             self._s2 += d * d - e * e
             removed = self._removed + 1
-            if removed > 2 * n + 32:
+            if removed > self._refit_at:
                 self._recompute()
             else:
                 self._removed = removed
@@ -107,31 +119,24 @@ class Window:
             self._s2 += d * d
 
     def _push_points_pairs(self, v: float, t: float, step: int | None) -> None:
-        vals = self.values
+        vals = self.values  # _count_pair inlined: this runs per point
         if vals:
             a = vals[-1]
-            if v > a:
-                self._up += 1
-            elif v < a:
-                self._down += 1
+            trend = 0 if v == a else 1 if v > a else -1
+            if trend == self._trend:
+                self._run += 1
             else:
-                self._eq += 1
+                self._trend = trend
+                self._run = 1
         vals.append(v)
         if len(vals) > self._cap:
-            a = vals.popleft()
-            b = vals[0]
-            if b > a:
-                self._up -= 1
-            elif b < a:
-                self._down -= 1
-            else:
-                self._eq -= 1
+            vals.popleft()
 
     def push(self, v: float, t: float, step: int | None) -> None:
         """Add one finite value recorded at time `t` (and `step`), evicting what falls out."""
         vals = self.values
         if self._pairs and vals:
-            self._count_pair(vals[-1], v, 1)
+            self._count_pair(vals[-1], v)
         vals.append(v)
         if self._sums:
             if len(vals) == 1:
@@ -174,13 +179,13 @@ class Window:
             mn.pop()
         mn.append((idx, v))
 
-    def _count_pair(self, a: float, b: float, sign: int) -> None:
-        if b > a:
-            self._up += sign
-        elif b < a:
-            self._down += sign
+    def _count_pair(self, a: float, b: float) -> None:
+        trend = 0 if b == a else 1 if b > a else -1
+        if trend == self._trend:
+            self._run += 1
         else:
-            self._eq += sign
+            self._trend = trend
+            self._run = 1
 
     def _pop(self) -> None:
         vals = self.values
@@ -189,8 +194,6 @@ class Window:
             self._times.popleft()
         if self._steps is not None:
             self._steps.popleft()
-        if self._pairs and vals:
-            self._count_pair(v, vals[0], -1)
         self._n_out += 1
         if self._minmax:
             out = self._n_out
@@ -217,8 +220,11 @@ class Window:
         # Shift by a point of the window: a flat window then sums to exactly 0.
         k = vals[-1]
         self._shift = k
-        self._s1 = math.fsum(v - k for v in vals)
-        self._s2 = math.fsum((v - k) * (v - k) for v in vals)
+        # Lists, not generators: fsum over a list is several times faster, and this runs
+        # every ~2N points.
+        ds = [v - k for v in vals]
+        self._s1 = math.fsum(ds)
+        self._s2 = math.fsum([d * d for d in ds])
 
     def _moments(self, n: int) -> tuple[float, float]:
         """(mean - shift, population variance) of the n > 0 points held."""
@@ -257,18 +263,41 @@ class Window:
         return math.sqrt(self._moments(n)[1]) if n else None
 
     def zscore(self) -> float | None:
-        vals = self.values
-        n = len(vals)
-        if n < 2:
-            return None
-        m = self._s1 / n
-        m2 = self._s2 / n
-        var = m2 - m * m
-        if var < _REFIT * m2 or var <= _VAR_NOISE * m2:
-            m, var = self._moments(n)
-            if not var:
+        return self.zscore_fn()()
+
+    def zscore_fn(self, op: str | None = None, c: float = 0.0) -> Callable[[], Any]:
+        """zscore as a closure; with a comparison `op` it returns `zscore op c` (or None).
+
+        A rule like `zscore(loss[50]) > 4` then costs one Python call per row, not two, and
+        a point on the wrong side of the mean answers without a square root.
+        """
+        w, vals, moments, sqrt = self, self.values, self._moments, math.sqrt
+        cmp = _CMP[op] if op is not None else None
+        # z has the sign of (point - mean): when that sign alone makes the comparison false
+        above = (op == ">" and c >= 0) or (op == ">=" and c > 0)
+        below = (op == "<" and c <= 0) or (op == "<=" and c < 0)
+
+        def zscore() -> Any:
+            n = len(vals)
+            if n < 2:
                 return None
-        return (vals[-1] - self._shift - m) / math.sqrt(var)
+            m = w._s1 / n
+            m2 = w._s2 / n
+            var = m2 - m * m
+            # `var <= _VAR_NOISE * m2` (no spread: UNKNOWN) implies `var < _REFIT * m2`
+            # unless m2 is 0; both then go the slow way, which tells them apart.
+            if var < _REFIT * m2 or var <= 0.0:
+                m, var = moments(n)
+                if not var:
+                    return None
+            d = vals[-1] - w._shift - m
+            if cmp is None:
+                return d / sqrt(var)
+            if (above and d <= 0.0) or (below and d >= 0.0):
+                return False
+            return cmp(d / sqrt(var), c)
+
+        return zscore
 
     def median(self) -> float | None:
         if not self.values:
@@ -305,19 +334,36 @@ class Window:
             return None
         return math.fsum((x - mx) * (y - my) for x, y in pts) / sxx
 
-    def _ready(self) -> bool:
-        """Enough points for a trend: a full point window, or 2+ points of a time window."""
+    def _trend_is(self, want: int) -> bool | None:
+        """Whether all pairs go the `want` way; a trend needs a full point window, or 2+
+        points of a time window."""
         n = len(self.values)
-        return n >= 2 and (self._times is not None or n == self.points)
+        if n < 2 or (self._times is None and n != self._cap):
+            return None
+        return self._trend == want and self._run >= n - 1
+
+    def trend_fn(self, name: str) -> Callable[[], bool | None]:
+        """increasing, decreasing or stalled of a point window as one lean closure."""
+        want = _TREND_OF[name]
+        w, vals, cap, pairs = self, self.values, self._cap, self._cap - 1
+        if cap < 2:
+            return lambda: None  # a single point has no pair: never ready
+
+        def trend() -> bool | None:
+            if len(vals) != cap:
+                return None
+            return w._trend == want and w._run >= pairs
+
+        return trend
 
     def increasing(self) -> bool | None:
-        return self._up == len(self.values) - 1 if self._ready() else None
+        return self._trend_is(1)
 
     def decreasing(self) -> bool | None:
-        return self._down == len(self.values) - 1 if self._ready() else None
+        return self._trend_is(-1)
 
     def stalled(self) -> bool | None:
-        return self._eq == len(self.values) - 1 if self._ready() else None
+        return self._trend_is(0)
 
 
 class Ema:
