@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from expr_tracker.shard import write_atomic
-from expr_tracker.spool import SpoolReader, proc_start
+from expr_tracker.spool import SpoolReader, pid_alive
 
 from .applier import InitError, RunPipeline, ShardPool, check_init
 from .config import Config
@@ -29,27 +29,6 @@ from .forwarder import drop_journals
 log = logging.getLogger("exprd")
 MAX_LOGGED = 10  # quarantine log lines per file; the rest are counted in status.json
 HOST = socket.gethostname()
-
-
-def pid_alive(pid: int, start: int | None) -> bool:
-    """True if process `pid` runs (not a zombie) and, when known, started at `start`."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    tail = stat[stat.rfind(b")") + 2 :].split()
-    if not tail or tail[0] in (b"Z", b"X"):
-        return False
-    return start is None or proc_start(pid) == start
 
 
 class Checkpoints:

@@ -13,6 +13,7 @@ from typing import Any
 import typer
 
 from expr_tracker.shard import ShardReader, read_sidecar
+from expr_tracker.spool import pid_alive
 
 from .resolve import (
     DIR_OPT,
@@ -71,14 +72,8 @@ def _last_step(ref: ShardRef) -> int | None:
 
 def _pid_alive(pid: Any) -> bool:
     if type(pid) is not int or pid <= 0:
-        return True  # unknown: do not call it stale
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        return True  # unknown pid
+    return pid_alive(pid)
 
 
 def inspect_shard(ref: ShardRef) -> dict[str, Any]:

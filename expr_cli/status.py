@@ -11,6 +11,8 @@ from typing import Any
 
 import typer
 
+from expr_tracker.spool import pid_alive
+
 from .errors import CLIError
 from .resolve import JSON_OPT
 
@@ -30,15 +32,9 @@ def default_state() -> Path:
 
 
 def _alive(pid: Any) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    if type(pid) is not int or pid <= 0:
+        return False  # unknown pid
+    return pid_alive(pid)
 
 
 def read(state: Path) -> dict[str, Any]:

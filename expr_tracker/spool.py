@@ -53,6 +53,27 @@ def proc_start(pid: int) -> int | None:
         return None
 
 
+def pid_alive(pid: int, start: int | None = None) -> bool:
+    """True if process `pid` runs (not a zombie) and, when known, started at `start`."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    tail = stat[stat.rfind(b")") + 2 :].split()
+    if not tail or tail[0] in (b"Z", b"X"):
+        return False
+    return start is None or proc_start(pid) == start
+
+
 def make_private_dirs(path: Path) -> None:
     """Create `path` and any missing parents with mode 0700 (the spool is private)."""
     missing: list[Path] = []
