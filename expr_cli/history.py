@@ -2,24 +2,22 @@
 
 from __future__ import annotations
 
-import csv
 import sys
 from enum import Enum
-from typing import Any
-
-import typer
+from typing import TYPE_CHECKING, Any
 
 from expr_tracker.shard import ShardReader, select_rows
 
 from .errors import CLIError
 from .resolve import (
-    DIR_OPT,
-    JSON_OPT,
-    METRICS_OPT,
-    RANK_OPT,
-    RUN_ARG,
-    STREAM_OPT,
+    DIR_FLAGS,
+    JSON_FLAGS,
+    METRICS_FLAGS,
+    RANK_FLAGS,
+    STREAM_FLAGS,
+    FastOption,
     ShardRef,
+    int_arg,
     parse_metrics,
     parse_rank,
     parse_step_range,
@@ -28,6 +26,9 @@ from .resolve import (
     root_dir,
     unknown_metrics,
 )
+
+if TYPE_CHECKING:
+    import typer
 
 
 class Format(str, Enum):
@@ -126,6 +127,8 @@ def history_command(
     if as_json or fmt is Format.json:
         render.print_json(rows)
     elif fmt is Format.csv:
+        import csv
+
         writer = csv.writer(sys.stdout, lineterminator="\n")
         writer.writerow(["_step", "_time", *columns])
         for row in rows:
@@ -136,14 +139,37 @@ def history_command(
         render.history(rows, columns, f"{ref.label}  {shard.path.name}  (rank {shard.rank}, {count})")
 
 
-_ROWS_OPT = typer.Option(20, "-n", "--rows", help="How many of the last rows; -1 for all.")
-_RANGE_OPT = typer.Option(None, "--step-range", show_default=False, metavar="START:STOP",
-                          help="Half-open step range START:STOP (either side optional).")
-_FORMAT_OPT = typer.Option(Format.table, "--format", "-f", help="table, json or csv.")
+# `main` runs `expr history` without typer when it can parse the arguments with these
+# (the root group checks that they match the typer options below)
+FAST_ARGS = ("run",)
+FAST_OPTIONS = (
+    FastOption("rank", RANK_FLAGS),
+    FastOption("stream", STREAM_FLAGS),
+    FastOption("n", ("-n", "--rows"), int_arg, default=20),
+    FastOption("metrics", METRICS_FLAGS, multiple=True),
+    FastOption("step_range", ("--step-range",)),
+    FastOption("fmt", ("--format", "-f"), Format, default=Format.table),
+    FastOption("json", JSON_FLAGS, None, default=False),
+    FastOption("dir", DIR_FLAGS),
+)
+
+
+def fast_run(v: dict[str, Any]) -> None:
+    """`expr history` with arguments parsed by `resolve.parse_fast`."""
+    history_command(v["run"], v["dir"], v["rank"], v["stream"], v["n"], v["metrics"],
+                    v["step_range"], v["fmt"], v["json"])
 
 
 def register(app: typer.Typer) -> None:
     """Add `expr history`."""
+    import typer
+
+    from .resolve import DIR_OPT, JSON_OPT, METRICS_OPT, RANK_OPT, RUN_ARG, STREAM_OPT
+
+    rows_opt = typer.Option(20, "-n", "--rows", help="How many of the last rows; -1 for all.")
+    range_opt = typer.Option(None, "--step-range", show_default=False, metavar="START:STOP",
+                             help="Half-open step range START:STOP (either side optional).")
+    format_opt = typer.Option(Format.table, "--format", "-f", help="table, json or csv.")
 
     @app.command(
         "history",
@@ -153,10 +179,10 @@ def register(app: typer.Typer) -> None:
         run: str = RUN_ARG,
         rank: str | None = RANK_OPT,
         stream: str | None = STREAM_OPT,
-        n: int = _ROWS_OPT,
+        n: int = rows_opt,
         metrics: list[str] | None = METRICS_OPT,
-        step_range: str | None = _RANGE_OPT,
-        fmt: Format = _FORMAT_OPT,
+        step_range: str | None = range_opt,
+        fmt: Format = format_opt,
         json: bool = JSON_OPT,
         dir: str | None = DIR_OPT,
     ) -> None:

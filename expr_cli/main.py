@@ -5,26 +5,35 @@ breaking shell scripts, `entry()` hands any argument list that is not one of our
 commands to the system's `expr`. That decision is made before typer is imported:
 scripts call `expr $i + 1` in loops, and the fallthrough should cost a bare
 interpreter start, not a CLI framework's import.
+
+The read commands scripts call most (`history`, `summary`) skip typer too when their
+arguments are plain (`resolve.parse_fast`): typer, and the pydantic models it coerces
+parameters with, take longer to import than those commands take to run. Anything
+else (help, a usage error, completion) goes to the typer app, which registers only
+the command module it needs, and which checks that the fast paths parse what it does.
 """
 
 from __future__ import annotations
 
-import difflib
-import importlib
 import os
-import shutil
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import CLIError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from types import ModuleType
+
     import typer
 
 PROG = "expr"
 # Each module registers the command (or command group) of the same name.
 COMMAND_MODULES = ("runs", "shards", "history", "tail", "summary", "alerts", "rules", "replay", "status")
+# Commands whose modules declare FAST_ARGS, FAST_OPTIONS and fast_run: `entry` runs them
+# without typer when `resolve.parse_fast` understands the arguments. Importing typer, and
+# the pydantic models it coerces parameters with, costs more than the whole of `expr history`.
+FAST_COMMANDS = ("history", "summary")
 OWN_OPTIONS = ("--help", "-h", "--version", "--install-completion", "--show-completion")
 # coreutils keywords and operators: an argument list using them is always coreutils'
 COREUTILS_WORDS = frozenset(("match", "substr", "index", "length", "+"))
@@ -60,11 +69,16 @@ def is_ours(argv: list[str]) -> bool:
         return False
     if len(argv) > 1 and argv[1] in COREUTILS_OPERATORS:
         return False
+    import difflib
+
     return bool(difflib.get_close_matches(first, COMMAND_MODULES, n=1, cutoff=0.75))
 
 
 def coreutils_expr() -> str | None:
     """The system's `expr` on PATH, skipping this console script (and any copy of it)."""
+    import shutil
+    from pathlib import Path
+
     me = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else None
     here = Path(sys.prefix, "bin").resolve()
     dirs = [d for d in os.environ.get("PATH", os.defpath).split(os.pathsep) if d]
@@ -101,11 +115,68 @@ def _fall_through(argv: list[str]) -> None:
 
 
 def entry() -> None:
-    """Console script: coreutils fallthrough, then the typer app."""
+    """Console script: coreutils fallthrough, the fast path, then the typer app."""
     argv = sys.argv[1:]
-    if not os.environ.get(COMPLETE_VAR) and not is_ours(argv):
-        _fall_through(argv)
-    get_app()(prog_name=PROG)
+    command = argv[0] if argv else None
+    if not os.environ.get(COMPLETE_VAR):
+        if not is_ours(argv):
+            _fall_through(argv)
+        if argv == ["--version"]:
+            sys.stdout.write(version_text() + "\n")
+            sys.exit(0)
+        if command in FAST_COMMANDS:
+            _run_fast(_command_module(command), argv[1:])
+    else:
+        command = None  # completion may need any command
+    # `expr history ...` needs the history module only; `expr --help` needs all of them
+    get_app(command if command in COMMAND_MODULES else None)(prog_name=PROG)
+
+
+def _command_module(name: str) -> ModuleType:
+    import importlib
+
+    return importlib.import_module(f"{__package__}.{name}")
+
+
+def _run_fast(module: ModuleType, args: list[str]) -> None:
+    """Run the command without typer and exit, or return if typer must parse `args`."""
+    from .resolve import parse_fast
+
+    values = parse_fast(args, module.FAST_ARGS, module.FAST_OPTIONS)
+    if values is not None:
+        sys.exit(run_guarded(lambda: module.fast_run(values)))
+
+
+def run_guarded(call: Callable[[], object]) -> int:
+    """Call a command outside typer: a failure is one line on stderr; the exit code."""
+    try:
+        call()
+    except KeyboardInterrupt:
+        sys.stderr.write("\n")
+        return _report("aborted", 1)
+    except BrokenPipeError:
+        # the reader went away (`expr history RUN | head`); exit quietly, as click does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    except Exception as exc:
+        return failure_code(exc)
+    return 0
+
+
+def failure_code(exc: Exception) -> int:
+    """Report a command's failure as one line on stderr; the exit code (re-raise a bug
+    with `EXPR_DEBUG` set)."""
+    from expr_tracker.errors import TrackerError
+
+    if isinstance(exc, CLIError):
+        return _report(exc.message, exc.code)
+    if isinstance(exc, (TrackerError, FileNotFoundError, ValueError, OSError)):
+        return _report(_library_line(exc), 1)
+    if os.environ.get("EXPR_DEBUG"):
+        raise exc
+    # a bug: still one line, with what a bug report needs
+    return _report(f"internal error: {type(exc).__name__}: {exc} (EXPR_DEBUG=1 shows the traceback)", 1)
 
 
 # -- the app -------------------------------------------------------------------
@@ -126,10 +197,14 @@ def _group_class() -> type[Any]:
             UsageError,
         )
 
-    from expr_tracker.errors import TrackerError
-
     class ExprGroup(TyperGroup):
         """The root group: every failure ends here as one line and an exit code."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            for name, command in self.commands.items():
+                if name in FAST_COMMANDS:
+                    check_fast_path(name, command)
 
         def main(  # type: ignore[override]
             self,
@@ -152,21 +227,57 @@ def _group_class() -> type[Any]:
                 code = _report(exc.format_message(), exc.exit_code)
             except Abort:
                 code = _report("aborted", 1)
-            except CLIError as exc:
-                code = _report(exc.message, exc.code)
-            except (TrackerError, FileNotFoundError, ValueError, OSError) as exc:
-                code = _report(_library_line(exc), 1)
             except Exception as exc:
-                if os.environ.get("EXPR_DEBUG"):
-                    raise
-                # a bug: still one line, with what a bug report needs
-                code = _report(f"internal error: {type(exc).__name__}: {exc} "
-                               "(EXPR_DEBUG=1 shows the traceback)", 1)
+                code = failure_code(exc)
             if standalone_mode:
                 sys.exit(code)
             return code
 
     return ExprGroup
+
+
+def check_fast_path(name: str, command: Any) -> None:
+    """RuntimeError unless the fast path of command `name` parses what its typer command does.
+
+    Runs whenever the typer app is built (so in every CLI test), comparing the module's
+    FAST_ARGS and FAST_OPTIONS with the click parameters typer made.
+    """
+    module = _command_module(name)
+    fast = {o.dest: o for o in module.FAST_OPTIONS}
+    problems = []
+    args = tuple(p.name for p in command.params if p.param_type_name == "argument")
+    if args != tuple(module.FAST_ARGS):
+        problems.append(f"arguments {args} != {module.FAST_ARGS}")
+    for p in command.params:
+        if p.param_type_name != "option":
+            continue
+        o = fast.pop(p.name, None)
+        if o is None:
+            problems.append(f"option {p.name} missing")
+            continue
+        default = p.default() if callable(p.default) else p.default
+        if (set(o.flags) != {*p.opts, *p.secondary_opts} or (o.convert is None) != p.is_flag
+                or o.multiple != p.multiple or o.default != default or p.nargs != 1
+                or p.envvar or p.callback is not None or not _same_type(o, p)):
+            problems.append(f"option {p.name} differs")
+    problems.extend(f"option {d} is not the command's" for d in fast)
+    if problems:
+        raise RuntimeError(f"the fast path of expr {name} is out of date: {'; '.join(problems)}")
+
+
+def _same_type(option: Any, param: Any) -> bool:
+    """Whether the fast option converts to the type of the typer parameter."""
+    from typing import get_args, get_origin
+
+    from .resolve import int_arg
+
+    annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+    if annotation is None:
+        return True  # a typer without type descriptors: nothing to compare
+    if get_origin(annotation) is list:
+        annotation = get_args(annotation)[0]
+    want = {None: bool, int_arg: int, str: str}.get(option.convert, option.convert)
+    return bool(annotation is want)
 
 
 def _usage_line(exc: Any) -> str:
@@ -198,8 +309,8 @@ def _version(value: bool) -> None:
         raise typer.Exit(0)
 
 
-def build_app() -> typer.Typer:
-    """A fresh app with every command module that exists registered."""
+def build_app(only: str | None = None) -> typer.Typer:
+    """A fresh app with every command module that exists registered (or just `only`)."""
     import typer
 
     app = typer.Typer(
@@ -221,23 +332,22 @@ def build_app() -> typer.Typer:
     ) -> None:
         """Inspect expr-tracker runs from the terminal."""
 
-    for name in COMMAND_MODULES:
-        modname = f"{__package__}.{name}"
+    for name in COMMAND_MODULES if only is None else (only,):
         try:
-            module = importlib.import_module(modname)
+            module = _command_module(name)
         except ModuleNotFoundError as exc:
-            if exc.name == modname:
+            if exc.name == f"{__package__}.{name}":
                 continue  # that command group is not written yet
             raise
         module.register(app)
     return app
 
 
-def get_app() -> typer.Typer:
-    """The process-wide app, built on first use."""
+def get_app(only: str | None = None) -> typer.Typer:
+    """The process-wide app, built on first use; with `only`, that command alone."""
     global _APP
     if _APP is None:
-        _APP = build_app()
+        _APP = build_app(only)
     return _APP
 
 

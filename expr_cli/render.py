@@ -13,15 +13,14 @@ import os
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
-
-from rich import box
-from rich.console import Console
-from rich.style import Style
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING, Any
 
 from .resolve import compact_ranks
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
 
 # viridis at nine stops: perceptually uniform and readable by colour-blind people
 SCALE = (
@@ -46,6 +45,8 @@ def console(stderr: bool = False, soft_wrap: bool = False) -> Console:
     Markup is off: metric names, string values and alert texts are data, and `[x]` in
     them must print as written.
     """
+    from rich.console import Console
+
     return Console(stderr=stderr, highlight=False, soft_wrap=soft_wrap, emoji=False, markup=False)
 
 
@@ -133,26 +134,37 @@ def print_json(obj: Any) -> None:
 
 def error(message: str) -> None:
     """The one error line: red, on stderr."""
+    from rich.text import Text
+
     console(stderr=True, soft_wrap=True).print(Text(f"error: {message}", style="red"))
 
 
 def warning(message: str) -> None:
     """A warning line on stderr."""
+    from rich.text import Text
+
     console(stderr=True, soft_wrap=True).print(Text(f"warning: {message}", style="yellow"))
 
 
 def status(message: str) -> None:
     """A dim progress line on stderr (what `expr tail` is following)."""
+    from rich.text import Text
+
     console(stderr=True, soft_wrap=True).print(Text(message, style="dim"))
 
 
 def note(message: str) -> None:
     """A quiet line on stdout (empty results, hints)."""
+    from rich.text import Text
+
     console(soft_wrap=True).print(Text(message, style="dim"))
 
 
 def _table(headers: Sequence[str], right: Iterable[str] = (), keep: Iterable[str] = ()) -> Table:
     """A borderless table; `right` columns are right-aligned numbers, `keep` columns never wrap."""
+    from rich import box
+    from rich.table import Table
+
     table = Table(
         box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, header_style="bold",
         collapse_padding=True,
@@ -166,12 +178,16 @@ def _table(headers: Sequence[str], right: Iterable[str] = (), keep: Iterable[str
 
 def _show(out: Console, title: str | Text | None, table: Table, style: str = "bold") -> None:
     """A title line (never squeezed to the table's width), then the table."""
+    from rich.text import Text
+
     if title is not None:
         out.print(title if isinstance(title, Text) else Text(title, style=style), soft_wrap=True)
     out.print(table)
 
 
 def _status(status: str | None) -> Text:
+    from rich.text import Text
+
     return Text(status or "-", style=STATUS_STYLE.get(status or "", ""))
 
 
@@ -180,6 +196,8 @@ def _status(status: str | None) -> Text:
 
 def runs(rows: Sequence[Mapping[str, Any]], root: str) -> None:
     """`expr runs`: a row per run."""
+    from rich.text import Text
+
     table = _table(
         ["project", "run", "ranks", "streams", "last step", "status", "last write"],
         right=["last step"], keep=["run", "status"],
@@ -194,6 +212,8 @@ def runs(rows: Sequence[Mapping[str, Any]], root: str) -> None:
 
 def shards(rows: Sequence[Mapping[str, Any]], label: str) -> None:
     """`expr shards`: a row per shard file."""
+    from rich.text import Text
+
     headers = ["rank", "stream", "file", "rows", "last step", "size", "status", "last write", "sidecar"]
     table = _table(headers, right=["rank", "rows", "last step", "size"], keep=["file", "status"])
     for r in rows:
@@ -216,6 +236,8 @@ def history(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], title: st
 
 def tail_line(row: Mapping[str, Any], rank: int | None, metrics: Sequence[str] | None) -> None:
     """One followed row as a single line, flushed at once (readers sit on a pipe)."""
+    from rich.text import Text
+
     text = Text()
     if rank is not None:
         text.append(f"r{rank:<3} ", style="cyan")
@@ -233,6 +255,8 @@ def tail_line(row: Mapping[str, Any], rank: int | None, metrics: Sequence[str] |
 
 def alerts(rows: Sequence[Mapping[str, Any]], counts: Sequence[Mapping[str, Any]], label: str) -> None:
     """`expr alerts`: every alert in time order, then counts by rank."""
+    from rich.text import Text
+
     table = _table(["time", "rank", "level", "rule", "kind", "step", "", "text"],
                    right=["rank", "step"], keep=["time", "level"])
     level_style = {"critical": "bold red", "error": "red", "warning": "yellow", "info": "blue",
@@ -258,6 +282,8 @@ def alerts(rows: Sequence[Mapping[str, Any]], counts: Sequence[Mapping[str, Any]
 
 def rule_explain(info: Mapping[str, Any]) -> None:
     """`expr rules explain`: the parsed rule, one field per line."""
+    from rich.table import Table
+
     table = Table(box=None, show_header=False, pad_edge=False)
     table.add_column(style="bold")
     table.add_column()
@@ -272,6 +298,8 @@ def rule_explain(info: Mapping[str, Any]) -> None:
 
 def rule_firings(rows: Sequence[Mapping[str, Any]], title: str) -> None:
     """`expr rules test`: the steps where the rule fired or recovered."""
+    from rich.text import Text
+
     table = _table(["step", "time", "kind", "level", "values", "message"], right=["step"],
                    keep=["time"])
     for f in rows:
@@ -286,10 +314,22 @@ def rule_firings(rows: Sequence[Mapping[str, Any]], title: str) -> None:
 # -- summary -----------------------------------------------------------------
 
 STAT_COLUMNS = ("mean", "wmean", "min", "max", "range", "std", "p05", "p50", "p95")
+STAT_WIDTH = 7  # characters of a statistic in a narrow terminal (`fmt_fit`)
+
+
+def fmt_fit(x: Any, width: int) -> str:
+    """`fmt_num` with as many significant digits (4 at most) as fit in `width` characters."""
+    for digits in (4, 3, 2, 1):
+        text = fmt_num(x, digits)
+        if len(text) <= width:
+            break
+    return text
 
 
 def summary(view: Mapping[str, Any]) -> None:
     """`expr summary`: header, a stats table per key, outliers, coverage, heatmap."""
+    from rich.text import Text
+
     out = console()
     where = f"step {view['step']}" if view.get("step") is not None else (
         f"steps {view['steps'][0]}:{view['steps'][1]} ({view['n_steps']} steps, per-rank means)"
@@ -297,10 +337,11 @@ def summary(view: Mapping[str, Any]) -> None:
     head = Text()
     head.append(view["run"], style="bold")
     head.append(f" · {where} · world size {view['world_size']} · stream {view['stream_text']}")
-    out.print(head)
+    out.print(head, soft_wrap=True)  # one line, however narrow the terminal
+    narrow = _narrow_width(out.width, view["world_size"], [i["stats"] for i in view["keys"]])
     for item in view["keys"]:
         out.print()
-        _key_stats(out, item, view.get("outliers_all", False), view.get("threshold", 3.5))
+        _key_stats(out, item, view.get("outliers_all", False), view.get("threshold", 3.5), narrow)
     out.print()
     _coverage(out, view["coverage"], view["coverage_checked"])
     if view.get("heatmap"):
@@ -308,12 +349,35 @@ def summary(view: Mapping[str, Any]) -> None:
         heatmap(out, view["heatmap"])
 
 
-def _key_stats(out: Console, item: Mapping[str, Any], show_all: bool, threshold: float) -> None:
+def _narrow_width(width: int, world: int, stats: Sequence[Mapping[str, Any]]) -> int | None:
+    """None when the stats tables fit `width` with two spaces between columns; else how many
+    characters a number may take with one space between them (fewer than STAT_WIDTH only
+    for a world of 1000 ranks or a terminal under 80 columns). One answer for every key, so
+    that their tables line up."""
+    first = max(STAT_WIDTH, len(f"{world}/{world}"))
+    for st in stats:
+        if first + sum(max(STAT_WIDTH, len(fmt_num(st[c]))) + 2 for c in STAT_COLUMNS) > width:
+            return max(4, min(STAT_WIDTH, (width - first - len(STAT_COLUMNS)) // len(STAT_COLUMNS)))
+    return None
+
+
+def _key_stats(
+    out: Console, item: Mapping[str, Any], show_all: bool, threshold: float, narrow: int | None
+) -> None:
+    from rich.text import Text
+
     st = item["stats"]
-    table = _table(["n/world", *STAT_COLUMNS], right=["n/world", *STAT_COLUMNS])
+    headers = ["n/world", *STAT_COLUMNS]
+    table = _table(headers, right=headers)
+    if narrow is None:
+        cells = [fmt_num(st[c]) for c in STAT_COLUMNS]
+    else:
+        table.padding = (0, 0)  # the box still puts one space between columns
+        cells = [fmt_fit(st[c], narrow) for c in STAT_COLUMNS]
     for col in table.columns:
-        col.min_width = 7  # the same widths for every key, so the tables line up
-    table.add_row(f"{st['n']}/{st['world']}", *(fmt_num(st[c]) for c in STAT_COLUMNS))
+        col.min_width = narrow or STAT_WIDTH
+    cells.insert(0, f"{st['n']}/{st['world']}")
+    table.add_row(*cells)
     notes = []
     if st["missing"]:
         notes.append(f"missing ranks {_compact(st['missing'])}")
@@ -347,6 +411,8 @@ def _compact(ranks: Sequence[int]) -> str:
 
 
 def _coverage(out: Console, rows: Sequence[Mapping[str, Any]], checked: Mapping[str, Any]) -> None:
+    from rich.text import Text
+
     span = f"steps {checked['first']}..{checked['last']}" if checked["steps"] else "no steps"
     if not rows:
         out.print(Text(f"coverage: every rank reported at each of the last {checked['steps']} "
@@ -369,6 +435,8 @@ def heatmap_buckets(width: int, world: int) -> int:
 
 def heatmap(out: Console, hm: Mapping[str, Any]) -> None:
     """Rank x step-bucket cells on a sequential scale, with axis and legend."""
+    from rich.text import Text
+
     buckets = hm["buckets"]
     cells: Mapping[int, Sequence[float | None]] = hm["cells"]
     finite = [v for row in cells.values() for v in row if v is not None and math.isfinite(v)]
@@ -405,6 +473,9 @@ def heatmap(out: Console, hm: Mapping[str, Any]) -> None:
 
 def _cell(v: float | None, lo: float, hi: float, plain: bool, width: int = 1) -> Text:
     """One heatmap cell: a background colour (or a block glyph without colour)."""
+    from rich.style import Style
+    from rich.text import Text
+
     if v is None:
         return Text(MISSING * width, style="dim")
     if not math.isfinite(v):
@@ -418,6 +489,8 @@ def _cell(v: float | None, lo: float, hi: float, plain: bool, width: int = 1) ->
 
 def last_values(rows: Sequence[Mapping[str, Any]], label: str) -> None:
     """A run without rank records: each shard's last scalar values."""
+    from rich.text import Text
+
     out = console()
     out.print(Text(f"{label} has no rank records (log_rank_metrics); last values per shard:", style="yellow"))
     for r in rows:

@@ -7,12 +7,10 @@ Everything here raises `CLIError` with one line a person can act on.
 
 from __future__ import annotations
 
-import difflib
 import os
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
-
-import typer
+from typing import Any, NamedTuple
 
 from expr_tracker.layout import default_dir, parse_shard_name, validate_stream
 
@@ -22,8 +20,9 @@ RUN_HELP = "Run directory, shard file, project/name, or a run name under --dir."
 DIR_HELP = "Run root (default: $EXPR_DIR, else ./tracker/jsonl)."
 
 
-@dataclass(frozen=True)
-class ShardRef:
+# Immutable records as named tuples: a dataclass costs a millisecond to create at import,
+# and every `expr` command imports this module.
+class ShardRef(NamedTuple):
     """One shard file of a run, with what its name says."""
 
     path: Path
@@ -31,8 +30,7 @@ class ShardRef:
     rank: int
 
 
-@dataclass(frozen=True)
-class RunRef:
+class RunRef(NamedTuple):
     """A resolved run: its directory, a `project/name` label, and the shard file if one was named."""
 
     path: Path
@@ -73,6 +71,8 @@ def list_runs(root: Path) -> list[RunRef]:
 
 
 def _not_found(arg: str, root: Path) -> CLIError:
+    import difflib
+
     runs = list_runs(root)
     if not runs:
         return CLIError(f"no run {arg!r}: no runs under {root} (set --dir or $EXPR_DIR)")
@@ -229,6 +229,8 @@ def parse_rank(text: str | None, allow_all: bool = False) -> int | str | None:
 
 def unknown_metrics(wanted: list[str], available: set[str]) -> CLIError:
     """The error for metrics a shard or run does not have, listing those it has."""
+    import difflib
+
     missing = [m for m in wanted if m not in available]
     have = sorted(available)
     shown = ", ".join(have[:20]) + (f" and {len(have) - 20} more" if len(have) > 20 else "")
@@ -255,14 +257,116 @@ def complete_run(incomplete: str) -> list[str]:
     return sorted(set(out))
 
 
-# Arguments and options shared by the commands (module-level, so each is defined once).
-RUN_ARG = typer.Argument(..., help=RUN_HELP, autocompletion=complete_run, show_default=False,
-                         metavar="RUN")
-DIR_OPT = typer.Option(None, "--dir", "-d", help=DIR_HELP, show_default=False, metavar="DIR")
-JSON_OPT = typer.Option(False, "--json", help="Print JSON instead of tables.")
-RANK_OPT = typer.Option(None, "--rank", "-r", help="Rank of the shard (default 0).", show_default=False,
-                        metavar="RANK")
-STREAM_OPT = typer.Option(None, "--stream", "-s", help="Stream (default: the default stream).",
-                          show_default=False, metavar="STREAM")
-METRICS_OPT = typer.Option(None, "--metrics", "-m", show_default=False, metavar="KEYS",
-                           help="Comma-separated metric keys to show (repeatable).")
+# -- the fast path ----------------------------------------------------------------
+
+
+class FastOption(NamedTuple):
+    """One option of a command that `main` can run without typer (see `parse_fast`).
+
+    `dest` is the typer parameter's name; `convert` turns the text into the value (None for
+    a flag, which takes no value) and raises ValueError for text it does not accept.
+    """
+
+    dest: str
+    flags: tuple[str, ...]
+    convert: Callable[[str], Any] | None = str
+    multiple: bool = False
+    default: Any = None
+
+
+def int_arg(text: str) -> int:
+    """A plain decimal integer; anything fancier (`+5`, `1_000`, ` 5`) is left to typer."""
+    body = text[1:] if text[:1] == "-" else text
+    if not (body.isascii() and body.isdigit()):
+        raise ValueError(text)
+    return int(text)
+
+
+def parse_fast(
+    argv: Sequence[str], positional: Sequence[str], options: Sequence[FastOption]
+) -> dict[str, Any] | None:
+    """Parse `argv` as click would, for the plain cases; None for anything else.
+
+    Handled: the positional arguments, `--opt value`, `--opt=value`, `-o value`, `-ovalue`,
+    flags, repeated options. Everything else (help, `--`, bundled short flags, an unknown
+    option, a missing or invalid value) returns None: typer then parses it and reports any
+    error the usual way.
+    """
+    by_flag = {flag: opt for opt in options for flag in opt.flags}
+    values: dict[str, Any] = {opt.dest: opt.default for opt in options}
+    given: list[str] = []
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        if arg[:1] != "-" or arg == "-":
+            given.append(arg)
+            continue
+        if arg.startswith("--"):
+            flag, eq, attached = arg.partition("=")
+            text: str | None = attached if eq else None
+        else:
+            flag, text = arg[:2], arg[2:] or None
+        opt = by_flag.get(flag)
+        if opt is None:
+            return None
+        if opt.convert is None:
+            if text is not None:
+                return None
+            value: Any = True
+        else:
+            if text is None:
+                if not args:
+                    return None
+                text = args.pop(0)
+            try:
+                value = opt.convert(text)
+            except ValueError:
+                return None
+        if opt.multiple:
+            values[opt.dest] = [*(values[opt.dest] or ()), value]
+        else:
+            values[opt.dest] = value
+    if len(given) != len(positional):
+        return None
+    values.update(zip(positional, given, strict=True))
+    return values
+
+
+# Flags of the options shared by the commands; the fast path of `main` parses them too.
+DIR_FLAGS = ("--dir", "-d")
+JSON_FLAGS = ("--json",)
+RANK_FLAGS = ("--rank", "-r")
+STREAM_FLAGS = ("--stream", "-s")
+METRICS_FLAGS = ("--metrics", "-m")
+
+
+def _shared_options() -> dict[str, Any]:
+    import typer
+
+    return {
+        "RUN_ARG": typer.Argument(..., help=RUN_HELP, autocompletion=complete_run,
+                                  show_default=False, metavar="RUN"),
+        "DIR_OPT": typer.Option(None, *DIR_FLAGS, help=DIR_HELP, show_default=False, metavar="DIR"),
+        "JSON_OPT": typer.Option(False, *JSON_FLAGS, help="Print JSON instead of tables."),
+        "RANK_OPT": typer.Option(None, *RANK_FLAGS, help="Rank of the shard (default 0).",
+                                 show_default=False, metavar="RANK"),
+        "STREAM_OPT": typer.Option(None, *STREAM_FLAGS, help="Stream (default: the default stream).",
+                                   show_default=False, metavar="STREAM"),
+        "METRICS_OPT": typer.Option(None, *METRICS_FLAGS, show_default=False, metavar="KEYS",
+                                    help="Comma-separated metric keys to show (repeatable)."),
+    }
+
+
+_SHARED = frozenset(("RUN_ARG", "DIR_OPT", "JSON_OPT", "RANK_OPT", "STREAM_OPT", "METRICS_OPT"))
+_OPTIONS: dict[str, Any] = {}
+
+
+def __getattr__(name: str) -> Any:
+    # RUN_ARG, DIR_OPT, JSON_OPT, RANK_OPT, STREAM_OPT, METRICS_OPT: the arguments and options
+    # shared by the commands, made on first use (PEP 562) so that a command run without typer
+    # (main's fast path) does not import it
+    if name not in _SHARED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if not _OPTIONS:
+        _OPTIONS.update(_shared_options())
+    return _OPTIONS[name]

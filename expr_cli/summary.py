@@ -7,24 +7,19 @@ rank records it shows each shard's last step row instead.
 
 from __future__ import annotations
 
-import math
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import orjson
-import typer
-
-from expr_tracker import records
-from expr_tracker.shard import ShardReader
-
 from .errors import CLIError
 from .resolve import (
-    DIR_OPT,
-    JSON_OPT,
-    RUN_ARG,
-    STREAM_OPT,
+    DIR_FLAGS,
+    JSON_FLAGS,
+    STREAM_FLAGS,
+    FastOption,
     RunRef,
     ShardRef,
+    int_arg,
     parse_metrics,
     parse_step_range,
     resolve_run,
@@ -35,7 +30,12 @@ from .resolve import (
 )
 
 if TYPE_CHECKING:
-    from expr_tracker.reduce import RankTable
+    import typer
+
+    from expr_tracker.reduce import RankTable, Stats
+    from expr_tracker.scan import ColumnTable
+
+    Table = RankTable | ColumnTable
 
 COVERAGE_STEPS = 50  # how far back the coverage block looks
 THRESHOLD = 3.5  # DESIGN 10: robust score above which a rank is flagged
@@ -49,6 +49,10 @@ def iter_rank_records(shards: list[ShardRef], garbage: dict[str, int]) -> Iterat
     Only lines holding the text "rank" are parsed: step rows are the bulk of most
     shards and cannot be rank records without it (`"_kind": "rank"`).
     """
+    import orjson
+
+    from expr_tracker import records
+
     loads = records.loads
     fast = orjson.loads
     for shard in shards:
@@ -82,8 +86,32 @@ def iter_rank_records(shards: list[ShardRef], garbage: dict[str, int]) -> Iterat
             garbage[shard.path.name] = bad
 
 
+def load_table(shards: list[ShardRef]) -> tuple[Table, dict[str, int]]:
+    """The rank records of `shards` as a table, and the unparseable lines per file name.
+
+    Regular shards (see `expr_tracker.scan`) are read as columns: a `ColumnTable` when
+    every rank sits in one shard, else a `RankTable` built from the columns. Otherwise
+    every record goes through `reduce.collect`.
+    """
+    from expr_tracker import scan
+    from expr_tracker.reduce import collect
+
+    scans = scan.scan_shards([s.path for s in shards])
+    garbage = {s.path.name: sc.garbage for s, sc in zip(shards, scans, strict=True) if sc.garbage}
+    blocks = [b for sc in scans for b in sc.blocks or ()]
+    if all(sc.blocks is not None for sc in scans):
+        if len({b.rank for b in blocks}) == len(blocks):
+            return scan.ColumnTable(blocks), garbage
+        return scan.rank_table(blocks), garbage
+    del blocks, scans
+    garbage = {}
+    return collect(iter_rank_records(shards, garbage)), garbage
+
+
 def last_rows(shards: list[ShardRef], garbage: dict[str, int]) -> list[dict[str, Any]]:
     """Each shard's last step row (the fallback view of a run without rank records)."""
+    from expr_tracker.shard import ShardReader
+
     out = []
     for shard in shards:
         reader = ShardReader(shard.path)
@@ -97,17 +125,15 @@ def last_rows(shards: list[ShardRef], garbage: dict[str, int]) -> list[dict[str,
     return out
 
 
-def _window_means(table: RankTable, key: str, steps: list[int]) -> dict[int, float]:
-    """Each rank's mean of its finite values of `key` over `steps` (for window outliers)."""
-    acc: dict[int, list[float]] = {}
-    for s in steps:
-        for r, x in table.values(key, s).items():
-            if math.isfinite(x):
-                acc.setdefault(r, []).append(x)
-    return {r: math.fsum(xs) / len(xs) for r, xs in acc.items()}
+def _last_step(table: Table, key: str) -> int | None:
+    from expr_tracker.scan import ColumnTable
+
+    if isinstance(table, ColumnTable):
+        return table.last_step(key)
+    return next(iter(table.key_steps(key)[-1:]), None)
 
 
-def _pick_step(table: RankTable, keys: list[str], step: int | None) -> int:
+def _pick_step(table: Table, keys: list[str], step: int | None) -> int:
     steps = table.steps
     if step is not None:
         if step not in set(steps):
@@ -117,14 +143,41 @@ def _pick_step(table: RankTable, keys: list[str], step: int | None) -> int:
                 f"({len(steps)} steps), nearest {near}"
             )
         return step
-    with_keys = [s for k in keys for s in table.key_steps(k)[-1:]]
+    with_keys = [s for s in (_last_step(table, k) for k in keys) if s is not None]
     return max(with_keys) if with_keys else steps[-1]
+
+
+def _stats(
+    table: Table, key: str, step: int | None, window: tuple[int, int] | None
+) -> tuple[Stats, dict[int, float]]:
+    """Stats of `key` at `step` or over `window`, and the per-rank values they reduce."""
+    from expr_tracker import reduce
+    from expr_tracker.scan import ColumnTable
+
+    if window is not None:
+        lo, hi = window
+        if isinstance(table, ColumnTable):
+            return table.reduce_window(key, lo, hi), table.window_means(key, lo, hi)
+        return reduce.reduce_window(table, key, lo, hi), reduce.window_means(table, key, lo, hi)
+    assert step is not None
+    if isinstance(table, ColumnTable):
+        return table.reduce_step(key, step), table.values(key, step)
+    return reduce.reduce_step(table, key, step), table.values(key, step)
+
+
+def _coverage(table: Table, steps: list[int]) -> list[tuple[int, int, int, list[int]]]:
+    from expr_tracker import reduce
+    from expr_tracker.scan import ColumnTable
+
+    if isinstance(table, ColumnTable):
+        return table.coverage(steps)
+    return reduce.coverage(table, steps)
 
 
 def build_view(
     ref: RunRef,
     stream: str | None,
-    table: RankTable,
+    table: Table,
     metrics: list[str] | None,
     step: int | None,
     window: tuple[int | None, int | None] | None,
@@ -140,34 +193,33 @@ def build_view(
     if any(m not in available for m in wanted):
         raise unknown_metrics(wanted, available)
     keys = metrics or table.keys
+    all_steps = table.steps
     view: dict[str, Any] = {"run": ref.label, "path": str(ref.path), "stream": stream,
                             "stream_text": stream_label(stream), "world_size": table.world_size,
                             "step": None, "steps": None, "n_steps": None,
                             "threshold": THRESHOLD, "outliers_all": show_all}
+    span: tuple[int, int] | None = None
+    at: int | None = None
     if window is not None:
-        lo = window[0] if window[0] is not None else table.steps[0]
-        hi = window[1] if window[1] is not None else table.steps[-1] + 1
-        chosen = [s for s in table.steps if lo <= s < hi]
+        lo = window[0] if window[0] is not None else all_steps[0]
+        hi = window[1] if window[1] is not None else all_steps[-1] + 1
+        chosen = all_steps[bisect_left(all_steps, lo):bisect_left(all_steps, hi)]
         if not chosen:
             raise CLIError(
                 f"no rank records in steps {lo}:{hi}; they cover steps "
-                f"{table.steps[0]}..{table.steps[-1]}"
+                f"{all_steps[0]}..{all_steps[-1]}"
             )
+        span = (lo, hi)
         view.update(steps=[lo, hi], n_steps=len(chosen))
         recent = chosen[-COVERAGE_STEPS:]
     else:
         at = _pick_step(table, keys, step)
         view["step"] = at
         chosen = [at]
-        recent = [s for s in table.steps if s <= at][-COVERAGE_STEPS:]
+        recent = all_steps[:bisect_right(all_steps, at)][-COVERAGE_STEPS:]
     items = []
     for key in keys:
-        if window is not None:
-            stats = reduce.reduce_window(table, key, view["steps"][0], view["steps"][1])
-            values = _window_means(table, key, chosen)
-        else:
-            stats = reduce.reduce_step(table, key, chosen[0])
-            values = table.values(key, chosen[0])
+        stats, values = _stats(table, key, at, span)
         item: dict[str, Any] = {
             "key": key,
             "stats": stats.as_dict(),
@@ -181,13 +233,17 @@ def build_view(
     view["keys"] = items
     view["coverage"] = [
         {"step": s, "reported": n, "world": w, "missing": missing}
-        for s, n, w, missing in reduce.coverage(table, recent)
+        for s, n, w, missing in _coverage(table, recent)
         if missing
     ]
     view["coverage_checked"] = {"steps": len(recent), "first": recent[0] if recent else None,
                                 "last": recent[-1] if recent else None}
     if heatmap_key:
-        buckets, cells = reduce.heatmap(table, heatmap_key, heatmap_width,
+        from expr_tracker.scan import ColumnTable
+
+        # the heatmap reads one key at every step: a RankTable of that key alone
+        ht = table.rank_table([heatmap_key]) if isinstance(table, ColumnTable) else table
+        buckets, cells = reduce.heatmap(ht, heatmap_key, heatmap_width,
                                         steps=chosen if window is not None else None)
         view["heatmap"] = {"key": heatmap_key, "buckets": [list(b) for b in buckets],
                            "cells": {r: cells[r] for r in sorted(cells)}}
@@ -206,8 +262,6 @@ def summary_command(
     as_json: bool,
 ) -> None:
     """Load the rank records of RUN and print the summary."""
-    from expr_tracker.reduce import collect
-
     from . import render
 
     if step is not None and steps is not None:
@@ -215,8 +269,7 @@ def summary_command(
     window = parse_step_range(steps)
     ref = resolve_run(run, root_dir(dir))
     shards = shards_of(ref, stream)
-    garbage: dict[str, int] = {}
-    table = collect(iter_rank_records(shards, garbage))
+    table, garbage = load_table(shards)
     if garbage:
         where = ", ".join(f"{f}: {n}" for f, n in sorted(garbage.items()))
         n = sum(garbage.values())
@@ -230,9 +283,10 @@ def summary_command(
         else:
             render.last_values(rows, ref.label)
         return
-    width = render.console().width
+    # only the heatmap depends on the terminal's width (and asking rich for it costs an import)
+    buckets = render.heatmap_buckets(render.console().width, table.world_size) if heatmap_key else 1
     view = build_view(ref, stream, table, parse_metrics(metrics), step, window, heatmap_key,
-                      render.heatmap_buckets(width, table.world_size), show_all)
+                      buckets, show_all)
     if as_json:
         view.pop("stream_text")
         render.print_json(view)
@@ -240,19 +294,43 @@ def summary_command(
         render.summary(view)
 
 
-_METRIC_OPT = typer.Option(None, "--metric", "-m", show_default=False, metavar="KEY",
-                           help="Metric key to summarise (repeatable, or comma-separated).")
-_STEP_OPT = typer.Option(None, "--step", show_default=False, metavar="STEP",
-                         help="One step (default: the latest with rank records).")
-_STEPS_OPT = typer.Option(None, "--steps", show_default=False, metavar="START:STOP",
-                          help="Half-open window START:STOP; statistics of per-rank means.")
-_HEATMAP_OPT = typer.Option(None, "--heatmap", show_default=False, metavar="KEY",
-                            help="Draw the rank x step heatmap of this key.")
-_OUTLIERS_OPT = typer.Option(False, "--outliers", help="Show every rank's scores, not only flagged ones.")
+# `main` runs `expr summary` without typer when it can parse the arguments with these
+# (the root group checks that they match the typer options below)
+FAST_ARGS = ("run",)
+FAST_OPTIONS = (
+    FastOption("metric", ("--metric", "-m"), multiple=True),
+    FastOption("step", ("--step",), int_arg),
+    FastOption("steps", ("--steps",)),
+    FastOption("heatmap", ("--heatmap",)),
+    FastOption("outliers", ("--outliers",), None, default=False),
+    FastOption("stream", STREAM_FLAGS),
+    FastOption("json", JSON_FLAGS, None, default=False),
+    FastOption("dir", DIR_FLAGS),
+)
+
+
+def fast_run(v: dict[str, Any]) -> None:
+    """`expr summary` with arguments parsed by `resolve.parse_fast`."""
+    summary_command(v["run"], v["dir"], v["stream"], v["metric"], v["step"], v["steps"],
+                    v["heatmap"], v["outliers"], v["json"])
 
 
 def register(app: typer.Typer) -> None:
     """Add `expr summary`."""
+    import typer
+
+    from .resolve import DIR_OPT, JSON_OPT, RUN_ARG, STREAM_OPT
+
+    metric_opt = typer.Option(None, "--metric", "-m", show_default=False, metavar="KEY",
+                              help="Metric key to summarise (repeatable, or comma-separated).")
+    step_opt = typer.Option(None, "--step", show_default=False, metavar="STEP",
+                            help="One step (default: the latest with rank records).")
+    steps_opt = typer.Option(None, "--steps", show_default=False, metavar="START:STOP",
+                             help="Half-open window START:STOP; statistics of per-rank means.")
+    heatmap_opt = typer.Option(None, "--heatmap", show_default=False, metavar="KEY",
+                               help="Draw the rank x step heatmap of this key.")
+    outliers_opt = typer.Option(False, "--outliers",
+                                help="Show every rank's scores, not only flagged ones.")
 
     @app.command(
         "summary",
@@ -260,11 +338,11 @@ def register(app: typer.Typer) -> None:
     )
     def summary(
         run: str = RUN_ARG,
-        metric: list[str] | None = _METRIC_OPT,
-        step: int | None = _STEP_OPT,
-        steps: str | None = _STEPS_OPT,
-        heatmap: str | None = _HEATMAP_OPT,
-        outliers: bool = _OUTLIERS_OPT,
+        metric: list[str] | None = metric_opt,
+        step: int | None = step_opt,
+        steps: str | None = steps_opt,
+        heatmap: str | None = heatmap_opt,
+        outliers: bool = outliers_opt,
         stream: str | None = STREAM_OPT,
         json: bool = JSON_OPT,
         dir: str | None = DIR_OPT,

@@ -1,0 +1,572 @@
+"""Cross-rank reducers, coverage, outliers and heatmap cells (DESIGN 10). Pure functions, no I/O.
+
+`collect` groups rank records (any shard, file order) by `_rank` into a `RankTable` holding per
+key and rank one dict step -> value: file order fills that fastest, and nothing is created per
+record. Queries read per-key lists aligned with the sorted steps, built on first use.
+
+Decisions the DESIGN leaves open:
+
+- Only int and float values are metrics (bools, strings and None are ignored); ints become
+  floats. Non-finite values are stored, counted and kept out of every statistic.
+- A `_weight` that is missing, not a number, non-finite or negative counts as 1.0. A rank
+  record without an integer `_step`, or with `_rank` outside [0, 65536), is skipped and counted.
+- The MAD-0 fallback of the robust score divides by 1.2533 * mean(|x - mean|).
+- `reduce_window`: a rank is missing when it has no value of the key in the window; `nonfinite`
+  counts non-finite values (not ranks) and `nonfinite_ranks` lists the ranks that had any; a
+  rank's weight is the mean of its weights at the steps where its value was finite.
+- `heatmap` buckets the steps that carry the key into equal-count groups; a cell is None when the
+  rank has no value there and NaN when it has only non-finite ones.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from bisect import bisect_left
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from operator import mul
+from typing import Any, cast
+
+_fsum = math.fsum
+_isfinite = math.isfinite
+_hypot = math.hypot
+_NAN = math.nan
+_INF = math.inf
+_MAX_INT = 1 << 63
+# a corrupt _rank or _world_size must not make every reducer list a billion missing ranks
+_MAX_RANKS = 1 << 16
+
+HeatCell = float | None
+"""One heatmap cell: a bucket mean, NaN if the rank had only non-finite values, None if nothing."""
+
+# per-rank weights aligned with the values, one weight shared by every rank, or unweighted
+_Weights = list[float] | float | None
+
+
+class RankTable:
+    """Rank records grouped by key, rank and step; the latest record wins."""
+
+    def __init__(
+        self,
+        cols: dict[str, dict[int, dict[int, float]]] | None = None,
+        weights: dict[int, dict[int, float]] | None = None,
+        world_size: int = 0,
+        skipped: int = 0,
+    ) -> None:
+        """Build from key -> rank -> step -> value and rank -> step -> weight (see `collect`)."""
+        self._cols = cols if cols is not None else {}
+        self._wrank = weights if weights is not None else {}
+        self._steps: list[int] = sorted(set().union(*self._wrank.values()))
+        self._index = {s: i for i, s in enumerate(self._steps)}
+        self._keys = sorted(self._cols)
+        self._world = max(world_size, max(self._wrank, default=-1) + 1)
+        present = [w.values() for w in self._wrank.values() if w]
+        lo = min(map(min, present), default=1.0)
+        hi = max(map(max, present), default=1.0)
+        # one weight on every record (the common case) spares all per-rank weighting work
+        self._wconst: float | None = lo if lo == hi else None
+        self._columns: dict[str, _Column] = {}
+        self._wlists: dict[int, list[float | None]] = {}
+        self.skipped = skipped  # rank records without an integer _step or a sane _rank
+
+    @property
+    def world_size(self) -> int:
+        """The largest `_world_size` seen, at least the largest rank + 1."""
+        return self._world
+
+    @property
+    def steps(self) -> list[int]:
+        """Sorted steps that have any rank record."""
+        return list(self._steps)
+
+    @property
+    def keys(self) -> list[str]:
+        """Sorted metric keys."""
+        return list(self._keys)
+
+    def values(self, key: str, step: int) -> dict[int, float]:
+        """rank -> value of `key` at `step`, by rank (non-finite values included)."""
+        by_rank = self._cols.get(key, {})
+        return {r: by_rank[r][step] for r in sorted(by_rank) if step in by_rank[r]}
+
+    def weights(self, step: int) -> dict[int, float]:
+        """rank -> weight of every rank with a record at `step`, by rank."""
+        wr = self._wrank
+        return {r: wr[r][step] for r in sorted(wr) if step in wr[r]}
+
+    def ranks_at(self, step: int) -> set[int]:
+        """Ranks with a record at `step`."""
+        return {r for r, w in self._wrank.items() if step in w}
+
+    def key_steps(self, key: str) -> list[int]:
+        """Sorted steps at which some rank reported `key`."""
+        return sorted(set().union(*self._cols.get(key, {}).values()))
+
+    def __len__(self) -> int:
+        return sum(map(len, self._wrank.values()))
+
+    def _column(self, key: str) -> _Column:
+        col = self._columns.get(key)
+        if col is None:
+            col = self._columns[key] = _Column(self, key)
+        return col
+
+    def _wlist(self, rank: int) -> list[float | None]:
+        wl = self._wlists.get(rank)
+        if wl is None:
+            wl = self._wlists[rank] = list(map(self._wrank[rank].get, self._steps))
+        return wl
+
+
+class _Column:
+    """One key's values per rank aligned with the table's sorted steps (None: no value)."""
+
+    __slots__ = ("full", "gaps", "lists", "missing", "ranks", "rows", "wrows")
+
+    def __init__(self, table: RankTable, key: str) -> None:
+        steps = table._steps
+        by_rank = table._cols.get(key, {})
+        self.ranks = sorted(by_rank)
+        self.lists = [list(map(by_rank[r].get, steps)) for r in self.ranks]
+        self.full = [len(by_rank[r]) == len(steps) for r in self.ranks]
+        self.missing = _missing(set(self.ranks), table._world)
+        # Step-major raw doubles: one step's values then sit together in memory instead of in
+        # records parsed far apart, which was most of reduce_step's time. Steps where one of
+        # the key's ranks has no value (`gaps`) are read from the lists instead.
+        self.gaps: set[int] = set()
+        for values, full in zip(self.lists, self.full, strict=True):
+            if not full:
+                self.gaps.update(i for i, x in enumerate(values) if x is None)
+        self.rows = _step_major(self.lists, self.full)
+        self.wrows: array[float] | None = None
+
+    def weight_rows(self, table: RankTable) -> array[float]:
+        """Step-major weights of the key's ranks, like `rows`."""
+        if self.wrows is None:
+            self.wrows = _step_major(list(map(table._wlist, self.ranks)), self.full)
+        return self.wrows
+
+
+def _step_major(lists: list[list[float | None]], full: list[bool]) -> array[float]:
+    """Interleave per-rank lists into one array of rows (None becomes NaN)."""
+    width = len(lists)
+    out = array("d", bytes(8 * width * (len(lists[0]) if lists else 0)))
+    # strided slice stores run in C and create no per-step objects (the garbage collector
+    # would otherwise walk the caller's records again and again)
+    for k, (values, dense) in enumerate(zip(lists, full, strict=True)):
+        if dense:
+            out[k::width] = array("d", cast("list[float]", values))
+        else:
+            out[k::width] = array("d", [_NAN if x is None else x for x in values])
+    return out
+
+
+def collect(records: Iterable[Mapping[str, Any]]) -> RankTable:
+    """Group rank records by `_rank` (never by file), key and step; later records win."""
+    by_rank: dict[int, dict[str, dict[int, float]]] = {}
+    weights: dict[int, dict[int, float]] = {}
+    world = 0
+    skipped = 0
+    last = -1
+    cols: dict[str, dict[int, float]] = {}
+    wr: dict[int, float] = {}
+    float_ = float
+    int_ = int
+    # The hot loop: files hold runs of one rank, so the rank's dicts stay at hand and each
+    # metric value costs one dict lookup and one store.
+    for rec in records:
+        if rec.get("_kind") != "rank":
+            continue
+        step = rec.get("_step")
+        rank = rec.get("_rank")
+        if step.__class__ is not int_ or rank.__class__ is not int_ or not 0 <= rank < _MAX_RANKS:
+            skipped += 1
+            continue
+        ws = rec.get("_world_size")
+        if ws.__class__ is int_ and world < ws <= _MAX_RANKS:
+            world = ws
+        if rank != last:
+            last = rank
+            if rank in by_rank:
+                cols = by_rank[rank]
+                wr = weights[rank]
+            else:
+                cols = by_rank[rank] = {}
+                wr = weights[rank] = {}
+        w = rec.get("_weight", 1.0)
+        if w.__class__ is not float_ or not 0.0 <= w < _INF:
+            ok = w.__class__ is not bool and isinstance(w, (int_, float_)) and 0 <= w < _MAX_INT
+            w = float_(w) if ok else 1.0
+        wr[step] = w
+        for key, value in rec.items():
+            if key[0] == "_":
+                continue
+            if value.__class__ is not float_:
+                if value.__class__ is bool or not isinstance(value, (int_, float_)):
+                    continue
+                value = float_(value)
+            col = cols.get(key)
+            if col is None:
+                cols[key] = {step: value}
+            else:
+                col[step] = value
+    by_key: dict[str, dict[int, dict[int, float]]] = {}
+    for rank, per_key in by_rank.items():
+        for key, col in per_key.items():
+            by_key.setdefault(key, {})[rank] = col
+    return RankTable(by_key, weights, world, skipped)
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Cross-rank statistics of one key (at one step or over a window)."""
+
+    n: int
+    world: int
+    mean: float | None
+    wmean: float | None
+    min: float | None
+    max: float | None
+    range: float | None
+    std: float | None
+    p05: float | None
+    p50: float | None
+    p95: float | None
+    missing: list[int]
+    nonfinite: int
+    nonfinite_ranks: list[int]
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (lists copied)."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Outlier:
+    """One rank's distance from the others."""
+
+    rank: int
+    value: float
+    delta: float
+    z: float | None
+    robust: float
+    flagged: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return asdict(self)
+
+
+def _empty_stats(world: int, missing: list[int], nonfinite: int, bad: list[int]) -> Stats:
+    """Stats with no finite value: every float field is None."""
+    return Stats(
+        0, world, None, None, None, None, None, None, None, None, None, missing, nonfinite, bad
+    )
+
+
+def _pct(s: Sequence[float], q: float) -> float:
+    """Percentile of sorted `s` with numpy's default (linear) method; q in [0, 1]."""
+    n = len(s)
+    idx = q * (n - 1)
+    i = int(idx)
+    if i >= n - 1:
+        return s[n - 1]
+    t = idx - i
+    a = s[i]
+    b = s[i + 1]
+    d = b - a
+    # numpy lerps from the nearer end, which keeps the result monotone in q
+    return b - d * (1.0 - t) if t >= 0.5 else a + d * t
+
+
+def _mean(xs: Sequence[float]) -> float:
+    """Correctly rounded mean of finite values (scaled first if the sum would overflow)."""
+    n = len(xs)
+    try:
+        return _fsum(xs) / n
+    except OverflowError:
+        return _fsum([x / n for x in xs])
+
+
+def _std(xs: Sequence[float], m: float) -> float:
+    """Population standard deviation around `m`, two-pass like numpy."""
+    # hypot sums squares with extended precision and without overflow: accurate and fast
+    return _hypot(*[x - m for x in xs]) / math.sqrt(len(xs))
+
+
+def _wmean(ws: _Weights, xs: list[float], mean: float) -> float | None:
+    if ws is None:
+        return mean
+    if isinstance(ws, float):
+        return mean if ws > 0.0 else None
+    lo = min(ws)
+    try:
+        sw = _fsum(ws)
+    except (OverflowError, ValueError):
+        sw = _NAN
+    if not (lo >= 0.0 and sw - sw == 0.0):  # a finite sum means no NaN or infinite weight
+        raise ValueError("weights must be finite and >= 0")
+    if sw == 0.0:
+        return None
+    top = max(ws)
+    if lo == top:
+        return mean  # equal weights: exactly the mean
+    if not 2.0**-64 <= top <= 2.0**64:
+        # scale by a power of two (exact) so that products w * x don't underflow or overflow
+        e = -math.frexp(top)[1]
+        ws = [math.ldexp(w, e) for w in ws]
+        sw = _fsum(ws)
+    try:
+        return _fsum(map(mul, ws, xs)) / sw
+    except (OverflowError, ValueError):
+        return _fsum([(w / sw) * x for w, x in zip(ws, xs, strict=True)])
+
+
+_FULL: dict[int, frozenset[int]] = {}
+
+
+def _missing(present: Collection[int], world: int) -> list[int]:
+    """Sorted ranks in range(world) not in `present` (a set or dict keys)."""
+    full = _FULL.get(world)
+    if full is None:
+        full = frozenset(range(world))
+        if world <= 4096:
+            _FULL[world] = full
+    if present == full:
+        return []
+    return [r for r in range(world) if r not in present]
+
+
+def _reduce(
+    ranks: Sequence[int], xs: list[float], world: int, ws: _Weights, missing: list[int]
+) -> Stats:
+    """Stats over aligned ranks, values and weights; non-finite values are counted and dropped."""
+    try:
+        total = _fsum(xs)
+    except (OverflowError, ValueError):  # overflow, or inf + -inf: sorted out below
+        total = _NAN
+    if total - total == 0.0:
+        # a finite sum means every value is finite: the common, fast path
+        bad: list[int] = []
+        n = len(xs)
+        mean = total / n if n else _NAN
+    else:
+        keep = [i for i, x in enumerate(xs) if _isfinite(x)]
+        bad = sorted(ranks[i] for i, x in enumerate(xs) if not _isfinite(x))
+        xs = [xs[i] for i in keep]
+        if isinstance(ws, list):
+            ws = [ws[i] for i in keep]
+        n = len(xs)
+        mean = _mean(xs) if n else _NAN
+    if n == 0:
+        return _empty_stats(world, missing, len(bad), bad)
+    s = sorted(xs)
+    lo = s[0]
+    hi = s[-1]
+    if lo == hi:
+        mean = lo
+        std = 0.0
+    else:
+        std = _std(xs, mean)
+    wmean = _wmean(ws, xs, mean)
+    p05 = _pct(s, 0.05)
+    p50 = _pct(s, 0.5)
+    p95 = _pct(s, 0.95)
+    return Stats(n, world, mean, wmean, lo, hi, hi - lo, std, p05, p50, p95, missing, len(bad), bad)
+
+
+def reduce_values(
+    values: Mapping[int, float],
+    world_size: int,
+    weights: Mapping[int, float] | None = None,
+) -> Stats:
+    """Reduce one value per rank (DESIGN 10); ranks absent from `weights` weigh 1.0."""
+    if world_size < 0:
+        raise ValueError(f"world_size must be >= 0, got {world_size}")
+    ranks = list(values)
+    ws: _Weights = None
+    if weights is not None:
+        wv = weights.values()
+        if wv and weights.keys() >= values.keys():
+            c = min(wv)
+            total = sum(wv)
+            if c == max(wv) and total - total == 0.0:
+                if c < 0.0:
+                    raise ValueError("weights must be finite and >= 0")
+                ws = float(c)  # one weight for every rank: no per-rank work
+        if ws is None:
+            get = weights.get
+            ws = [get(r, 1.0) for r in ranks]
+    return _reduce(
+        ranks, list(values.values()), world_size, ws, _missing(values.keys(), world_size)
+    )
+
+
+def reduce_step(table: RankTable, key: str, step: int) -> Stats:
+    """Stats of `key` across ranks at one step."""
+    world = table._world
+    col = table._column(key)
+    i = table._index.get(step)
+    if i is None or not col.ranks:
+        return _empty_stats(world, list(range(world)), 0, [])
+    ws: _Weights = table._wconst
+    if i not in col.gaps:
+        # every rank of the key has a value here: read one row
+        rk = col.ranks
+        lo = i * len(rk)
+        hi = lo + len(rk)
+        xs = col.rows[lo:hi].tolist()
+        missing = col.missing[:]
+        if ws is None:
+            ws = col.weight_rows(table)[lo:hi].tolist()
+        return _reduce(rk, xs, world, ws, missing)
+    rk = []
+    xs = []
+    for r, values in zip(col.ranks, col.lists, strict=True):
+        x = values[i]
+        if x is not None:
+            rk.append(r)
+            xs.append(x)
+    if ws is None:
+        wl = table._wlist
+        ws = cast("list[float]", [wl(r)[i] for r in rk])
+    return _reduce(rk, xs, world, ws, _missing(set(rk), world))
+
+
+def _window_parts(
+    table: RankTable, key: str, lo: int, hi: int
+) -> tuple[list[int], list[float], list[float], set[int], int, list[int]]:
+    """Per rank over steps lo <= s < hi: ranks with a finite value, their means and mean
+    weights, ranks with any value, the non-finite count and the ranks that had one."""
+    steps = table._steps
+    i = bisect_left(steps, lo)
+    j = max(i, bisect_left(steps, hi))
+    col = table._column(key)
+    wconst = table._wconst
+    got: list[int] = []
+    means: list[float] = []
+    wmeans: list[float] = []
+    seen: set[int] = set()
+    bad: list[int] = []
+    nonfinite = 0
+    for r, values, complete in zip(col.ranks, col.lists, col.full, strict=True):
+        seg = cast("list[float]", values[i:j])
+        wseg = None if wconst is not None else cast("list[float]", table._wlist(r)[i:j])
+        try:
+            total = _fsum(seg) if complete else _NAN  # gaps (None) take the slow path
+        except (OverflowError, ValueError):
+            total = _NAN
+        if seg and total - total == 0.0:
+            seen.add(r)
+            mean = total / len(seg)
+        else:
+            have = [k for k, x in enumerate(seg) if x is not None]
+            if not have:
+                continue
+            seen.add(r)
+            keep = [k for k in have if _isfinite(seg[k])]
+            if len(keep) < len(have):
+                nonfinite += len(have) - len(keep)
+                bad.append(r)
+            if not keep:
+                continue
+            seg = [seg[k] for k in keep]
+            wseg = None if wseg is None else [wseg[k] for k in keep]
+            mean = _mean(seg)
+        got.append(r)
+        means.append(mean)
+        if wseg is not None:
+            wmeans.append(_fsum(wseg) / len(wseg))
+    return got, means, wmeans, seen, nonfinite, bad
+
+
+def reduce_window(table: RankTable, key: str, lo: int, hi: int) -> Stats:
+    """Stats of each rank's mean of `key` over steps lo <= s < hi (finite values only)."""
+    got, means, wmeans, seen, nonfinite, bad = _window_parts(table, key, lo, hi)
+    world = table._world
+    wconst = table._wconst
+    ws: _Weights = wconst if wconst is not None else wmeans
+    stats = _reduce(got, means, world, ws, _missing(seen, world))
+    return replace(stats, nonfinite=nonfinite, nonfinite_ranks=bad)
+
+
+def window_means(table: RankTable, key: str, lo: int, hi: int) -> dict[int, float]:
+    """rank -> mean of its finite values of `key` over steps lo <= s < hi (as `reduce_window`)."""
+    got, means, _, _, _, _ = _window_parts(table, key, lo, hi)
+    return dict(zip(got, means, strict=True))
+
+
+def outliers(values: Mapping[int, float], threshold: float = 3.5) -> list[Outlier]:
+    """Per rank delta, z and robust score (DESIGN 10), sorted by rank; finite values only."""
+    if not threshold >= 0.0:
+        raise ValueError(f"threshold must be >= 0, got {threshold}")
+    items = sorted((r, x) for r, x in values.items() if _isfinite(x))
+    if not items:
+        return []
+    xs = [x for _, x in items]
+    s = sorted(xs)
+    if s[0] == s[-1]:
+        mean = s[0]
+        std = 0.0
+    else:
+        mean = _mean(xs)
+        std = _std(xs, mean)
+    med = _pct(s, 0.5)
+    mad = _pct(sorted([abs(x - med) for x in xs]), 0.5)
+    if mad > 0.0:
+        num = 0.6745
+        scale = mad
+    else:
+        # more than half the ranks agree exactly: fall back to the mean absolute deviation
+        num = 1.0
+        scale = 1.2533 * _fsum([abs(x - mean) for x in xs]) / len(xs)
+    out = []
+    for r, x in items:
+        delta = x - mean
+        robust = num * (x - med) / scale if scale > 0.0 else 0.0
+        z = delta / std if std > 0.0 else None
+        out.append(Outlier(r, x, delta, z, robust, abs(robust) > threshold))
+    return out
+
+
+def coverage(
+    table: RankTable, steps: Iterable[int] | None = None
+) -> list[tuple[int, int, int, list[int]]]:
+    """Per step: (step, ranks reported, world size, missing ranks)."""
+    world = table._world
+    wrank = table._wrank
+    out = []
+    for s in table._steps if steps is None else steps:
+        got = {r for r, w in wrank.items() if s in w}
+        missing = _missing(got, world)
+        out.append((s, len(got), world, missing))
+    return out
+
+
+def heatmap(
+    table: RankTable, key: str, n_buckets: int, steps: Sequence[int] | None = None
+) -> tuple[list[tuple[int, int]], dict[int, list[HeatCell]]]:
+    """Bucket the steps carrying `key` (or `steps`) into at most `n_buckets` equal-count groups.
+
+    Returns the buckets as (first step, last step) and, per rank 0..world-1, the mean of its
+    finite values in each bucket: None when it reported nothing there, NaN when only non-finite.
+    """
+    if n_buckets < 1:
+        raise ValueError(f"n_buckets must be >= 1, got {n_buckets}")
+    chosen = table.key_steps(key) if steps is None else sorted(set(steps))
+    col = table._column(key)
+    index = table._index
+    nb = min(n_buckets, len(chosen))
+    buckets: list[tuple[int, int]] = []
+    grid: dict[int, list[HeatCell]] = {r: [None] * nb for r in range(table._world)}
+    for b in range(nb):
+        group = chosen[b * len(chosen) // nb : (b + 1) * len(chosen) // nb]
+        buckets.append((group[0], group[-1]))
+        pos = [index[s] for s in group if s in index]
+        for r, values in zip(col.ranks, col.lists, strict=True):
+            xs = [x for x in map(values.__getitem__, pos) if x is not None]
+            if xs:
+                good = [x for x in xs if _isfinite(x)]
+                grid[r][b] = _mean(good) if good else _NAN
+    return buckets, grid

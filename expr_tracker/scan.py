@@ -1,0 +1,499 @@
+"""Fast reading of rank records as columns, for cross-rank summaries of big runs (DESIGN 10).
+
+A typical shard holds the rank records of one rank (or, after an all-gather, of every rank),
+each rank's steps increasing and every record carrying the same keys. Such a shard is read
+as one `Block` per rank: the steps, the weights and one array of values per key, extracted
+with C-level `map` calls, so no Python code runs per value. Big runs are parsed in several
+processes, a share of the shards each.
+
+Anything else is *irregular* (a repeated step, keys that come and go, a value that is
+sometimes a number and sometimes not, a bad `_step` or `_rank`): `ShardScan.blocks` is then
+None and the caller reads the records with `reduce.collect`, which handles every case.
+`ColumnTable` answers the queries of `reduce.RankTable` that a summary needs, over blocks
+with one block per rank; `rank_table` turns any blocks into a `RankTable`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from array import array
+from bisect import bisect_left
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, replace
+from itertools import islice, repeat
+from operator import lt
+from typing import Any, cast
+
+import orjson
+
+from . import records
+
+# `reduce`'s bounds and mean, so that both readers agree to the last bit
+from .reduce import _MAX_INT, _MAX_RANKS, RankTable, Stats, _mean, reduce_values
+
+PARALLEL_BYTES = 8 << 20  # below this, starting worker processes costs more than it saves
+MAX_WORKERS = 4
+_CHUNK = 4 << 20  # bytes parsed at a time: bounds the parsed records held in memory
+_RANK_MARK = b'"rank"'  # a rank record holds `"_kind": "rank"`; step rows mostly do not
+_NUMBER = frozenset((float, int))
+_NONFINITE = records.DECODE_NONFINITE
+_get = dict.get
+
+
+class _Absent:
+    """The value `map(dict.get, ...)` gives for a key a record lacks (its type is checked)."""
+
+
+_ABSENT = _Absent()
+
+
+class _Irregular(Exception):
+    """The shard needs the general reader."""
+
+
+@dataclass(frozen=True)
+class Block:
+    """One rank's records of one shard: strictly increasing steps, the same keys at each."""
+
+    rank: int
+    world: int  # the largest `_world_size` of the records (0 if none)
+    steps: array[int]
+    weights: float | array[float]  # one weight for every step, or one per step
+    columns: dict[str, array[float]]  # metric key -> value per step (non-finite kept)
+
+
+@dataclass(frozen=True)
+class ShardScan:
+    """What one shard holds: its blocks (None if irregular) and its unparseable lines."""
+
+    path: str
+    blocks: list[Block] | None
+    garbage: int
+
+
+def _clean_weight(w: Any) -> float:
+    """`reduce.collect`'s rule: a missing, non-numeric, non-finite or negative weight is 1.0."""
+    if w.__class__ is float and 0.0 <= w < math.inf:
+        return float(w)
+    ok = w.__class__ is not bool and isinstance(w, (int, float)) and 0 <= w < _MAX_INT
+    return float(w) if ok else 1.0
+
+
+def _parse(body: bytes) -> tuple[list[dict[str, Any]], int]:
+    """The rank records among the lines of `body` (each ending in a newline), and how many
+    lines were garbage."""
+    first = body[: body.find(b"\n")]
+    last = body[body.rfind(b"\n", 0, len(body) - 1) + 1 :]
+    if _RANK_MARK in first and _RANK_MARK in last:
+        # Likely a shard of rank records only: parse all lines as one JSON array. If every
+        # line is one object there is no garbage, and step rows among them are dropped later
+        # by `_kind`; otherwise the careful path below counts garbage as `expr summary` does.
+        try:
+            recs = orjson.loads(b"[" + body[:-1].replace(b"\n", b",") + b"]")
+        except orjson.JSONDecodeError:
+            pass
+        else:
+            if len(recs) == body.count(b"\n") and set(map(type, recs)) == {dict}:
+                return recs, 0
+    lines = body.split(b"\n")
+    lines.pop()
+    return _parse_lines(lines)
+
+
+def _parse_lines(lines: list[bytes]) -> tuple[list[dict[str, Any]], int]:
+    """Parse the lines holding `"rank"`; count the others that are not `{...}` and those that
+    do not parse, as `expr summary` always has."""
+    recs: list[dict[str, Any]] = []
+    bad = 0
+    loads = orjson.loads
+    for line in lines:
+        if _RANK_MARK not in line:
+            stripped = line.strip()
+            if stripped and not (stripped[:1] == b"{" and stripped[-1:] == b"}"):
+                bad += 1
+            continue
+        try:
+            # the full decoder where a non-finite value may hide ("NaN", "inf")
+            rec = records.loads(line) if b"NaN" in line or b"nf" in line or b"nan" in line else loads(line)
+        except ValueError:  # orjson.JSONDecodeError is a ValueError
+            bad += 1
+            continue
+        if rec.__class__ is dict:
+            recs.append(rec)
+        else:
+            bad += 1
+    return recs, bad
+
+
+class _Acc:
+    """One rank's columns, grown chunk by chunk."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.world = 0
+        self.steps: array[int] = array("q")
+        self.weights: float | array[float] | None = None
+        self.columns: dict[str, array[float]] = {}
+        self.keys: tuple[str, ...] | None = None  # every key of the records, metric or not
+
+    def add(self, recs: list[dict[str, Any]]) -> None:
+        """Append the records of this rank (file order); _Irregular if they don't fit."""
+        n = len(recs)
+        steps = cast("list[int]", list(map(_get, recs, repeat("_step"))))
+        if set(map(type, steps)) != {int}:
+            raise _Irregular
+        try:
+            step_array = array("q", steps)
+        except OverflowError:
+            raise _Irregular from None
+        if (self.steps and steps[0] <= self.steps[-1]) or not all(
+            map(lt, steps, islice(steps, 1, None))
+        ):
+            raise _Irregular  # a repeated step: the later record wins, per key
+        keys = tuple(recs[0])
+        if self.keys is None:
+            self.keys = keys
+        elif set(keys) != set(self.keys):
+            raise _Irregular
+        if n > 1 and set(map(len, recs)) != {len(keys)}:
+            raise _Irregular
+        cols: dict[str, array[float]] = {}
+        for key in keys:
+            if key in ("_kind", "_step", "_rank"):
+                continue  # present in every record: checked by the caller and above
+            if key[:1] == "_" and key not in ("_weight", "_world_size"):
+                if sum(map(dict.__contains__, recs, repeat(key))) != n:
+                    raise _Irregular  # the same number of keys, but other keys
+                continue
+            col = list(map(_get, recs, repeat(key), repeat(_ABSENT)))
+            types = set(map(type, col))
+            if _Absent in types:
+                raise _Irregular  # the same number of keys, but other keys
+            if key[:1] == "_":
+                if key == "_weight":
+                    self._add_weights(col, types)
+                elif key == "_world_size":
+                    sizes = [w for w in col if w.__class__ is int and w <= _MAX_RANKS]
+                    self.world = max([self.world, *sizes])
+                continue
+            if str in types:
+                # non-finite values are written as "NaN", "Infinity", "-Infinity"
+                col = [_NONFINITE.get(x, x) if x.__class__ is str else x for x in col]
+                types = set(map(type, col))
+            if types <= _NUMBER:
+                try:
+                    cols[key] = array("d", col)
+                except OverflowError:
+                    raise _Irregular from None
+            elif types & _NUMBER:
+                raise _Irregular  # a number at some steps only
+        if "_weight" not in keys:
+            self._add_weights([1.0] * n, {float})
+        if self.steps and set(cols) != set(self.columns):
+            raise _Irregular
+        for key, values in cols.items():
+            self.columns.setdefault(key, array("d")).extend(values)
+        self.steps.extend(step_array)
+
+    def _add_weights(self, col: list[Any], types: set[type]) -> None:
+        distinct = set(col) if types <= _NUMBER else None  # (a JSON list is not hashable)
+        one = _clean_weight(col[0]) if distinct is not None and len(distinct) == 1 else None
+        if self.weights is None and one is not None:
+            self.weights = one
+            return
+        if isinstance(self.weights, float) and one == self.weights:
+            return
+        if self.weights is None:
+            self.weights = array("d")
+        elif isinstance(self.weights, float):
+            self.weights = array("d", repeat(self.weights, len(self.steps)))
+        self.weights.extend(map(_clean_weight, col))
+
+    def block(self) -> Block:
+        weights = 1.0 if self.weights is None else self.weights
+        return Block(self.rank, self.world, self.steps, weights, self.columns)
+
+
+def _add_chunk(accs: dict[int, _Acc], recs: list[dict[str, Any]]) -> None:
+    kinds = list(map(_get, recs, repeat("_kind")))
+    if kinds.count("rank") != len(recs):
+        recs = [r for r, k in zip(recs, kinds, strict=True) if k == "rank"]
+    if not recs:
+        return
+    ranks = cast("list[int]", list(map(_get, recs, repeat("_rank"))))
+    if set(map(type, ranks)) != {int} or min(ranks) < 0 or max(ranks) >= _MAX_RANKS:
+        raise _Irregular  # `reduce.collect` skips (and counts) such records
+    first = ranks[0]
+    groups: dict[int, list[dict[str, Any]]] = {}
+    if ranks.count(first) == len(ranks):
+        groups[first] = recs
+    else:
+        for r, rec in zip(ranks, recs, strict=True):
+            groups.setdefault(r, []).append(rec)
+    for r, group in groups.items():
+        acc = accs.get(r)
+        if acc is None:
+            acc = accs[r] = _Acc(r)
+        acc.add(group)
+
+
+def scan_shard(path: str | os.PathLike[str]) -> ShardScan:
+    """Read one shard's rank records as blocks (an unterminated last line is ignored)."""
+    accs: dict[int, _Acc] = {}
+    garbage = 0
+    regular = True
+    with open(path, "rb") as fh:
+        carry = b""
+        while True:
+            block = fh.read(_CHUNK)
+            if not block:
+                break
+            data = carry + block
+            end = data.rfind(b"\n") + 1
+            carry = data[end:]
+            if not end:
+                continue
+            recs, bad = _parse(data[:end])
+            garbage += bad
+            if regular:
+                try:
+                    _add_chunk(accs, recs)
+                except _Irregular:
+                    regular = False
+                    accs.clear()
+    blocks = [acc.block() for acc in accs.values()] if regular else None
+    return ShardScan(os.fspath(path), blocks, garbage)
+
+
+def _scan_all(paths: Sequence[str]) -> list[ShardScan]:
+    return [scan_shard(p) for p in paths]
+
+
+def scan_shards(paths: Sequence[str | os.PathLike[str]]) -> list[ShardScan]:
+    """`scan_shard` of each path, in order; shared among processes when the shards are big."""
+    names = [os.fspath(p) for p in paths]
+    sizes = []
+    for name in names:
+        try:
+            sizes.append(os.path.getsize(name))
+        except OSError:
+            sizes.append(0)  # let the reader raise the error
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    workers = min(cpus or 1, MAX_WORKERS, len(names))
+    if workers < 2 or sum(sizes) < PARALLEL_BYTES or not _can_fork():
+        return _scan_all(names)
+    import multiprocessing
+    from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
+
+    # largest first onto the least loaded share: shares of about equal bytes
+    shares: list[list[int]] = [[] for _ in range(workers)]
+    loads = [0] * workers
+    for i in sorted(range(len(names)), key=lambda i: -sizes[i]):
+        k = loads.index(min(loads))
+        shares[k].append(i)
+        loads[k] += sizes[i]
+    out: list[ShardScan | None] = [None] * len(names)
+
+    def put(share: list[int], results: list[ShardScan]) -> None:
+        for i, result in zip(share, results, strict=True):
+            out[i] = result
+
+    try:
+        with ProcessPoolExecutor(workers - 1, mp_context=multiprocessing.get_context("fork")) as pool:
+            futures = [(share, pool.submit(_scan_all, [names[i] for i in share]))
+                       for share in shares[1:]]
+            # this process reads the first share itself instead of waiting
+            put(shares[0], _scan_all([names[i] for i in shares[0]]))
+            for share, future in futures:
+                put(share, future.result())
+    except (OSError, BrokenExecutor):  # no fork allowed, a worker killed
+        for share in shares:
+            if out[share[0]] is None:
+                put(share, _scan_all([names[i] for i in share]))  # a real read error raises here
+    return cast("list[ShardScan]", out)
+
+
+def _can_fork() -> bool:
+    """Worker processes by fork only: they start at once with this process's imports, where
+    a fresh interpreter would import them again (and run the caller's `__main__`). Fork is
+    safe on Linux while this process has a single thread."""
+    import sys
+    import threading
+
+    return sys.platform == "linux" and threading.active_count() == 1
+
+
+# -- tables ------------------------------------------------------------------------------
+
+
+def rank_table(blocks: Iterable[Block], keys: Collection[str] | None = None) -> RankTable:
+    """A `RankTable` of blocks in file order (a later block wins a repeated rank, step and
+    key), of every key or of `keys` only (steps, ranks and world size stay those of all)."""
+    cols: dict[str, dict[int, dict[int, float]]] = {}
+    weights: dict[int, dict[int, float]] = {}
+    world = 0
+    for b in blocks:
+        world = max(world, b.world)
+        w = [b.weights] * len(b.steps) if isinstance(b.weights, float) else b.weights
+        weights.setdefault(b.rank, {}).update(zip(b.steps, w, strict=True))
+        for key, values in b.columns.items():
+            if keys is None or key in keys:
+                by_rank = cols.setdefault(key, {})
+                by_rank.setdefault(b.rank, {}).update(zip(b.steps, values, strict=True))
+    return RankTable(cols, weights, world)
+
+
+class ColumnTable:
+    """Blocks with one block per rank, with the summary queries of `reduce.RankTable`.
+
+    Results equal those of `reduce` over a `RankTable` of the same records.
+    """
+
+    def __init__(self, blocks: Iterable[Block]) -> None:
+        """Raises ValueError if two blocks have the same rank (use `rank_table` then)."""
+        self._blocks = sorted(blocks, key=lambda b: b.rank)
+        ranks = [b.rank for b in self._blocks]
+        if len(set(ranks)) != len(ranks):
+            raise ValueError("several blocks of one rank")
+        first = self._blocks[0].steps if self._blocks else array("q")
+        if all(b.steps == first for b in self._blocks):
+            self._steps = list(first)  # every rank at every step: the usual case
+        else:
+            self._steps = sorted(set().union(*(b.steps for b in self._blocks)))
+        self._keys = sorted(set().union(*(b.columns for b in self._blocks)))
+        self._world = max([b.world for b in self._blocks] + [r + 1 for r in ranks] + [0])
+        distinct: set[float] = set()
+        for b in self._blocks:
+            distinct.update([b.weights] if isinstance(b.weights, float) else b.weights)
+            if len(distinct) > 1:
+                break
+        # one weight on every record, as `RankTable` finds it: the statistics then ignore weights
+        self._wconst = next(iter(distinct)) if len(distinct) == 1 else None
+        self._last_window: tuple[Any, Any] = (None, None)
+
+    @property
+    def world_size(self) -> int:
+        """The largest `_world_size` seen, at least the largest rank + 1."""
+        return self._world
+
+    @property
+    def steps(self) -> list[int]:
+        """Sorted steps that have any rank record."""
+        return list(self._steps)
+
+    @property
+    def keys(self) -> list[str]:
+        """Sorted metric keys."""
+        return list(self._keys)
+
+    def key_steps(self, key: str) -> list[int]:
+        """Sorted steps at which some rank reported `key`."""
+        return sorted(set().union(*(b.steps for b in self._blocks if key in b.columns)))
+
+    def last_step(self, key: str) -> int | None:
+        """The last step at which some rank reported `key`."""
+        return max((b.steps[-1] for b in self._blocks if key in b.columns and b.steps), default=None)
+
+    def _at(self, step: int) -> list[tuple[Block, int]]:
+        out = []
+        for b in self._blocks:
+            i = bisect_left(b.steps, step)
+            if i < len(b.steps) and b.steps[i] == step:
+                out.append((b, i))
+        return out
+
+    def values(self, key: str, step: int) -> dict[int, float]:
+        """rank -> value of `key` at `step`, by rank (non-finite values included)."""
+        return {b.rank: b.columns[key][i] for b, i in self._at(step) if key in b.columns}
+
+    def reduce_step(self, key: str, step: int) -> Stats:
+        """`reduce.reduce_step`: stats of `key` across ranks at one step."""
+        at = [(b, i) for b, i in self._at(step) if key in b.columns]
+        values = {b.rank: b.columns[key][i] for b, i in at}
+        weights = {
+            b.rank: b.weights if isinstance(b.weights, float) else b.weights[i] for b, i in at
+        }
+        return reduce_values(values, self._world, weights)
+
+    def _window(
+        self, key: str, lo: int, hi: int
+    ) -> tuple[dict[int, float], dict[int, float], list[int], int, list[int]]:
+        """Per rank the mean of its finite values and of their weights; who reported; bad."""
+        # a summary asks for the stats and then the means of each key: sum once
+        if self._last_window[0] == (key, lo, hi):
+            return self._last_window[1]
+        parts = self._window_parts(key, lo, hi)
+        self._last_window = ((key, lo, hi), parts)
+        return parts
+
+    def _window_parts(
+        self, key: str, lo: int, hi: int
+    ) -> tuple[dict[int, float], dict[int, float], list[int], int, list[int]]:
+        means: dict[int, float] = {}
+        wmeans: dict[int, float] = {}
+        seen: list[int] = []
+        bad: list[int] = []
+        nonfinite = 0
+        wconst = self._wconst
+        for b in self._blocks:
+            values = b.columns.get(key)
+            if values is None:
+                continue
+            i = bisect_left(b.steps, lo)
+            j = bisect_left(b.steps, hi)
+            if j <= i:
+                continue
+            seen.append(b.rank)
+            seg = values[i:j]
+            wseg: Sequence[float] | None = None
+            if wconst is None:
+                w = b.weights
+                wseg = [w] * (j - i) if isinstance(w, float) else w[i:j]
+            try:
+                total = math.fsum(seg)
+            except (OverflowError, ValueError):
+                total = math.nan
+            if total - total == 0.0:
+                means[b.rank] = total / len(seg)
+            else:
+                keep = [k for k, x in enumerate(seg) if math.isfinite(x)]
+                if len(keep) < len(seg):
+                    nonfinite += len(seg) - len(keep)
+                    bad.append(b.rank)
+                if not keep:
+                    continue
+                means[b.rank] = _mean([seg[k] for k in keep])
+                if wseg is not None:
+                    wseg = [wseg[k] for k in keep]
+            # the mean weight of the steps whose value counted, as `reduce.reduce_window`
+            if wseg is not None:
+                wmeans[b.rank] = math.fsum(wseg) / len(wseg)
+            elif wconst is not None:
+                wmeans[b.rank] = wconst
+        return means, wmeans, seen, nonfinite, bad
+
+    def window_means(self, key: str, lo: int, hi: int) -> dict[int, float]:
+        """rank -> mean of its finite values of `key` over steps lo <= s < hi."""
+        return dict(self._window(key, lo, hi)[0])
+
+    def reduce_window(self, key: str, lo: int, hi: int) -> Stats:
+        """`reduce.reduce_window`: stats of each rank's mean of `key` over lo <= s < hi."""
+        means, wmeans, seen, nonfinite, bad = self._window(key, lo, hi)
+        stats = reduce_values(means, self._world, wmeans)
+        present = set(seen)
+        missing = [r for r in range(self._world) if r not in present]
+        return replace(stats, missing=missing, nonfinite=nonfinite, nonfinite_ranks=bad)
+
+    def rank_table(self, keys: Collection[str]) -> RankTable:
+        """The `RankTable` of `keys` (for `reduce.heatmap`)."""
+        return rank_table(self._blocks, keys)
+
+    def coverage(self, steps: Iterable[int]) -> list[tuple[int, int, int, list[int]]]:
+        """`reduce.coverage`: per step (step, ranks reported, world size, missing ranks)."""
+        out = []
+        for s in steps:
+            got = {b.rank for b, _ in self._at(s)}
+            missing = [r for r in range(self._world) if r not in got]
+            out.append((s, len(got), self._world, missing))
+        return out
