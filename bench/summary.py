@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -112,10 +113,16 @@ def main() -> None:
             for chunk in range(100):
                 fh.write(b"".join(orjson.dumps({"_step": chunk * 10000 + i, "_time": 1.7e9 + i, "loss": 0.5},
                                                option=orjson.OPT_APPEND_NEWLINE) for i in range(10000)))
+        # an installed package has its bytecode cached; this sandbox sets
+        # PYTHONDONTWRITEBYTECODE, so let the first (untimed) run write it
+        warm = {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}
+        cmd = [expr, "history", str(big), "-n", "50", "--format", "json"]
+        subprocess.run(cmd, capture_output=True, env=warm, check=True)
         hist = []
-        for _ in range(5):
-            wall, _, _ = timed([expr, "history", str(big), "-n", "50", "--format", "json"], env)
-            hist.append(wall)
+        for _ in range(7):
+            t0 = time.perf_counter()
+            subprocess.run(cmd, capture_output=True, env=warm, check=True)
+            hist.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         subprocess.run([expr, "--version"], capture_output=True, check=True)
         startup = time.perf_counter() - t0
@@ -131,7 +138,8 @@ def main() -> None:
     print(f"| summary --steps 0:{steps} --json, wall | {ours_wall:.2f} s | {duck_wall:.2f} s | "
           f"{ours_wall / duck_wall:.2f}x | <= 2x |")
     print(f"| summary, peak RSS | {ours_rss:.0f} MiB | {duck_rss:.0f} MiB | {ours_rss / duck_rss:.2f}x | |")
-    print(f"| history -n 50, 1M-row shard, whole command | {min(hist) * 1000:.0f} ms | | | < 100 ms |")
+    print(f"| history -n 50, 1M-row shard, whole command (median of 7) | "
+          f"{statistics.median(hist) * 1000:.0f} ms | | | < 100 ms |")
     print(f"| history(50) in process, 1M-row shard | {in_proc:.1f} ms | | | |")
     print(f"| expr --version (interpreter + CLI start-up) | {startup * 1000:.0f} ms | | | |")
 

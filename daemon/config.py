@@ -52,7 +52,7 @@ class Config:
     backends: dict[str, Any] = field(default_factory=dict)
     trust_run_backends: bool = False
     checkpoint_interval: float = 1.0
-    status_interval: float = 2.0
+    status_interval: float = 5.0
     source: str | None = None
 
     def allows(self, path: Path) -> bool:

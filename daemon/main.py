@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import logging
 import os
 import resource
@@ -39,6 +40,7 @@ from .notify import Notifier
 from .tailer import FileTail, Tailer
 
 log = logging.getLogger("exprd")
+STATUS_HEARTBEAT = 30.0  # seconds between status.json rewrites when nothing changed
 DRAIN_SECONDS = 6.0  # of the 10 s systemd (and the tests) allow after SIGTERM
 Progress = Callable[[int, int, int], None]
 SUMMARY_KEYS = ("files", "applied", "skipped", "quarantined", "finished", "crashed", "refused",
@@ -182,11 +184,19 @@ class Daemon:
                                dispatcher=self.dispatcher,
                                extra={"refused_paths": dict(self.refused)})
         if not self.dry_run:
-            try:
-                status_mod.write(self.state, doc)
-            except OSError as exc:
-                log.error("cannot write status.json: %s", exc.strerror or exc)
+            # an idle daemon must stay idle: rewrite only what changed, plus a heartbeat
+            same = {k: v for k, v in doc.items() if k != "updated"}
+            now = time.monotonic()
+            if same != self._last_status or now - self._status_written >= STATUS_HEARTBEAT:
+                try:
+                    status_mod.write(self.state, doc)
+                    self._last_status, self._status_written = same, now
+                except OSError as exc:
+                    log.error("cannot write status.json: %s", exc.strerror or exc)
         return doc
+
+    _last_status: dict[str, Any] | None = None
+    _status_written = float("-inf")
 
     # -- the daemon loop -------------------------------------------------------------------
     def _changed(self) -> list[FileTail]:
@@ -230,6 +240,9 @@ class Daemon:
         self._ping()
         log.info("ready: %s (%d files, %s)", self.spool, len(self.tailer.tails),
                  "poll" if self.poll else "inotify")
+        # what start-up built lives as long as the daemon: keep the collector off it
+        gc.collect()
+        gc.freeze()
         now = time.monotonic()
         next_rescan = next_status = now + rescan
         next_tick = now + 1.0
@@ -260,9 +273,11 @@ class Daemon:
                 self.check_crashes()
                 self.tailer.expire(time.time())
             busy = self.pump(list(due_now.values()))
-            self.tailer.commit()
+            if due_now or self.tailer.forwarding():
+                self.tailer.commit()  # an idle daemon has nothing to flush or checkpoint
             if now >= next_tick:
-                next_tick = now + 1.0
+                # time rules (no_data, age, elapsed) need a clock; without them, no wake-ups
+                next_tick = now + (1.0 if self.tailer.has_time_rules() else self.cfg.rescan_interval)
                 self.tailer.tick(time.time())
             if now >= next_status:
                 next_status = now + self.cfg.status_interval

@@ -503,6 +503,18 @@ class Tailer:
         run.forwarder.settle(upto, tail.seq if upto == tail.offset else None)
         tail.backends = dict(run.forwarder.committed)
 
+    def forwarding(self) -> bool:
+        """True if some run feeds backends (their progress moves checkpoints on its own)."""
+        return any(t.run is not None and t.run.forwarder.active for t in self.tails.values())
+
+    def has_time_rules(self) -> bool:
+        """True if some live run has a rule that needs the clock (no_data, age, elapsed)."""
+        for tail in self.tails.values():
+            rules = tail.run.rules if tail.run is not None else None
+            if rules is not None and rules.has_time_rules:
+                return True
+        return False
+
     def tick(self, now: float) -> None:
         """Time rules of live files."""
         for tail in self.tails.values():
