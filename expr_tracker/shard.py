@@ -269,6 +269,9 @@ class ShardWriter:
                 os.close(self._fd)
             self._fd = None
             self.paths.run_dir.mkdir(parents=True, exist_ok=True)
+        else:
+            # never opened: the run root was unwritable (or missing) at init; try again now
+            self.paths.run_dir.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.paths.shard, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         return self._fd
 
@@ -357,7 +360,7 @@ class ShardWriter:
         key = f"{op}:{cause}"
         self.errors[key] = self.errors.get(key, 0) + 1
         self._warn(
-            key,
+            f"shard:{cause}",  # one warning per cause (ENOSPC, EROFS...), whatever the operation
             f"expr_tracker: cannot {op} shard {self.paths.shard}: {exc.strerror or exc}; "
             "rows are kept in memory and retried",
         )
