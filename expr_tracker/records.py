@@ -14,6 +14,8 @@ from typing import Any
 
 import orjson
 
+from .ranks import MAX_WORLD
+
 Scalar = int | float | bool | str | None
 
 NAN_TEXT = "NaN"
@@ -189,3 +191,71 @@ def user_items(record: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
     for key, value in record.items():
         if key[:1] != "_":
             yield key, value
+
+
+def check_step(step: object, field: str = "step") -> int:
+    """A step: an int >= 0 (numpy/torch integer scalars unwrapped); TypeError/ValueError otherwise."""
+    if step.__class__ is not int:
+        if isinstance(step, bool) or not isinstance(step, int):
+            item = getattr(step, "item", None)
+            if callable(item) and getattr(step, "shape", ()) == ():
+                return check_step(item(), field)
+            raise TypeError(f"{field} must be an int, got {type(step).__name__}")
+        step = int(step)
+    assert isinstance(step, int)
+    if step < 0:
+        raise ValueError(f"{field} must be >= 0, got {step}")
+    return step
+
+
+
+def rank_record(
+    metrics: Any,
+    step: Any,
+    rank: Any,
+    world_size: Any,
+    local_rank: Any,
+    weight: Any,
+) -> tuple[dict[str, Any], bool]:
+    """Validate `log_rank_metrics` arguments and build its record; errors name the argument."""
+    import time
+
+    step = check_step(step)
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
+    if not 1 <= world_size <= MAX_WORLD:
+        raise ValueError(f"world_size must be between 1 and {MAX_WORLD}, got {world_size}")
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(f"rank must be an int, got {type(rank).__name__}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must satisfy 0 <= rank < world_size ({world_size}), got {rank}")
+    if local_rank is not None and (
+        isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0
+    ):
+        raise ValueError(f"local_rank must be an int >= 0 or None, got {local_rank!r}")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+        raise TypeError(f"weight must be a number, got {type(weight).__name__}")
+    if not (math.isfinite(weight) and weight >= 0):
+        raise ValueError(f"weight must be finite and >= 0, got {weight}")
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"metrics must be a dict of metric name to number, got {type(metrics).__name__}")
+    if not metrics:
+        raise ValueError("metrics must not be empty")
+    for key, value in metrics.items():
+        if isinstance(value, bool) or value is None or isinstance(value, str):
+            raise TypeError(f"metrics[{key!r}] must be a number, got {type(value).__name__}")
+    row, nonfinite = encode_row(metrics, "metrics")
+    for key, value in row.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise TypeError(f"metrics[{key!r}] must be a number, got {type(value).__name__}")
+    record: dict[str, Any] = {
+        "_kind": "rank",
+        "_step": step,
+        "_time": time.time(),
+        "_rank": rank,
+        "_world_size": world_size,
+        "_local_rank": local_rank,
+        "_weight": float(weight),
+    }
+    record.update(row)
+    return record, nonfinite

@@ -8,7 +8,6 @@ reported once per cause, counted, and never raised into the training loop.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import time
@@ -68,20 +67,6 @@ def _check_rank_option(value: object, field: str, world: int) -> int | None:
     if not 0 <= value < world:
         raise ValueError(f"{field}={value} is outside the job's ranks 0..{world - 1}")
     return value
-
-
-def _check_step(step: object, field: str = "step") -> int:
-    if step.__class__ is not int:
-        if isinstance(step, bool) or not isinstance(step, int):
-            item = getattr(step, "item", None)
-            if callable(item) and getattr(step, "shape", ()) == ():
-                return _check_step(item(), field)
-            raise TypeError(f"{field} must be an int, got {type(step).__name__}")
-        step = int(step)
-    assert isinstance(step, int)
-    if step < 0:
-        raise ValueError(f"{field} must be >= 0, got {step}")
-    return step
 
 
 class Run:
@@ -299,7 +284,7 @@ class Run:
                     return
         row, nonfinite = records.encode_row(data)
         if step is not None:
-            step = _check_step(step)
+            step = records.check_step(step)
         if commit is not None and not isinstance(commit, bool):
             raise TypeError(f"commit must be True, False or None, got {type(commit).__name__}")
         with self._lock:
@@ -360,50 +345,14 @@ class Run:
         weight: float = 1.0,
     ) -> None:
         """Record per-rank values of `step` for `rank` (any rank: e.g. rank 0 after an all-gather)."""
-        step = _check_step(step)
-        if world_size is None:
-            world_size = self.world_size
-        if isinstance(world_size, bool) or not isinstance(world_size, int):
-            raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
-        if not 1 <= world_size <= MAX_WORLD:
-            raise ValueError(f"world_size must be between 1 and {MAX_WORLD}, got {world_size}")
         if rank is None:
             rank = self.rank
             if local_rank is None:
                 local_rank = self.local_rank
-        if isinstance(rank, bool) or not isinstance(rank, int):
-            raise TypeError(f"rank must be an int, got {type(rank).__name__}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must satisfy 0 <= rank < world_size ({world_size}), got {rank}")
-        if local_rank is not None and (
-            isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0
-        ):
-            raise ValueError(f"local_rank must be an int >= 0 or None, got {local_rank!r}")
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-            raise TypeError(f"weight must be a number, got {type(weight).__name__}")
-        if not (math.isfinite(weight) and weight >= 0):
-            raise ValueError(f"weight must be finite and >= 0, got {weight}")
-        if not isinstance(metrics, Mapping):
-            raise TypeError(f"metrics must be a dict of metric name to number, got {type(metrics).__name__}")
-        if not metrics:
-            raise ValueError("metrics must not be empty")
-        for key, value in metrics.items():
-            if isinstance(value, bool) or value is None or isinstance(value, str):
-                raise TypeError(f"metrics[{key!r}] must be a number, got {type(value).__name__}")
-        row, nonfinite = records.encode_row(metrics, "metrics")
-        for key, value in row.items():
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise TypeError(f"metrics[{key!r}] must be a number, got {type(value).__name__}")
-        record: dict[str, Any] = {
-            "_kind": "rank",
-            "_step": step,
-            "_time": time.time(),
-            "_rank": rank,
-            "_world_size": world_size,
-            "_local_rank": local_rank,
-            "_weight": float(weight),
-        }
-        record.update(row)
+        record, nonfinite = records.rank_record(
+            metrics, step, rank, self.world_size if world_size is None else world_size,
+            local_rank, weight,
+        )
         with self._lock:
             if self._finished:
                 raise UsageError("this run is finished; call expr_tracker.init() to start another")
