@@ -71,6 +71,24 @@ def measure(tmp: str, calls: int, rounds: int) -> tuple[float, float, float]:
     return statistics.median(floors), statistics.median(plains), statistics.median(ruled)
 
 
+def spool_vs_direct(tmp: str, calls: int, rounds: int) -> tuple[float, float]:
+    """Median per-call ns of `Run.log` in direct mode and in spool mode, interleaved."""
+    from expr_tracker.run import Run
+
+    direct = Run("bench", "direct", dir=tmp)
+    spool = Run("bench", "spool", dir=tmp, upload_mode="spool", spool_dir=os.path.join(tmp, "spool"))
+    d_log, s_log = direct.log, spool.log
+    d, sp = [], []
+    try:
+        for _ in range(rounds):
+            d.append(per_call(lambda i: d_log({"loss": 1.0 / (i + 1), "lr": 3e-4}), calls))
+            sp.append(per_call(lambda i: s_log({"loss": 1.0 / (i + 1), "lr": 3e-4}), calls))
+    finally:
+        direct.finish()
+        spool.finish()
+    return statistics.median(d), statistics.median(sp)
+
+
 def import_ms() -> float:
     best = []
     for _ in range(5):
@@ -88,12 +106,15 @@ def main() -> None:
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 15
     with tempfile.TemporaryDirectory() as tmp:
         fl, plain, ruled = measure(tmp, calls, rounds)
+        direct, spooled = spool_vs_direct(tmp, calls, rounds)
     imp = import_ms()
     print(f"{rounds} rounds of {calls:,} calls each, medians\n")
     print("| measure | value | target |\n|---|---|---|")
     print(f"| floor: orjson.dumps + buffered append | {fl:.0f} ns/call | |")
     print(f"| et.log, no rules | {plain:.0f} ns/call ({plain / fl:.2f}x floor) | <= 2.5x |")
     print(f"| et.log, 5 rules | {ruled:.0f} ns/call ({ruled / plain:.2f}x no rules) | <= 3x |")
+    print(f"| Run.log, spool mode vs direct mode | {spooled:.0f} vs {direct:.0f} ns/call "
+          f"({spooled / direct:.2f}x) | <= 1x (no more than direct) |")
     print(f"| import expr_tracker | {imp:.1f} ms | <= 60 ms |")
 
 

@@ -185,6 +185,7 @@ class Run:
         self._flush_bytes = FLUSH_BYTES
         self._last_step: int | None = None
         self._pid = os.getpid()
+        self._spool_seq: int | None = None  # the next spool event number (spool mode)
         self._sink = self._make_sink()
         self._step = self._sink.next_step
         self._rows_base = self._sink.rows
@@ -267,7 +268,12 @@ class Run:
                         step = self._step
                         self._step = step + 1
                         self._last_step = step
-                        record = {"_step": step, "_time": _time(), **data}
+                        seq = self._spool_seq
+                        if seq is None:
+                            record = {"_step": step, "_time": _time(), **data}
+                        else:  # spool mode: every event is numbered
+                            record = {"_step": step, "_time": _time(), "_seq": seq, **data}
+                            self._spool_seq = seq + 1
                         line = _dumps(record, nonfinite) if nonfinite else _orjson_dumps(record, option=_NL)
                         fast(line)
                         after = self._sink.after_write

@@ -260,7 +260,7 @@ class SpoolSink:
                 last = step
         self.last_step = last
         self.next_step = 0 if last is None else last + 1
-        self._seq = 0
+        run._spool_seq = 0  # Run's hot path numbers records; events here share the counter
         try:
             make_private_dirs(self.path.parent)
         except OSError as exc:
@@ -275,35 +275,30 @@ class SpoolSink:
         )
         self.writer.open()
         # rank_aware=False records carry `_rank`, which Run's fast path does not add
-        self._queue = self.writer.queue
-        self.fast_append = self._fast_append if run.rank_aware else None
+        # Run.log's hot path queues whole record lines, `_seq` included (it numbers them)
+        self.fast_append = self.writer.queue if run.rank_aware else None
         self.after_write = None  # exprd runs the rules and backends
         self._emit(init_event(run, self.path))
         self.writer.flush()  # exprd learns about the run at once
 
     # -- writing --------------------------------------------------------------------
-    def _fast_append(self, line: bytes) -> None:
-        """Run.log's hot path: `line` is a whole record line; add `_seq` and queue it.
-
-        Run counts the bytes and calls `flush_full()` at the flush threshold.
-        """
-        seq = self._seq
-        self._seq = seq + 1
-        self._queue(b'%b,"_seq":%d}\n' % (line[:-2], seq))
 
     def flush_full(self) -> None:
         """The hot path buffered a flush's worth: write now unless a flush is running."""
         self.writer.flush_nowait()
 
     def _emit(self, event: dict[str, Any]) -> None:
-        event["_seq"] = self._seq
-        self._seq += 1
+        seq = self.run._spool_seq
+        assert seq is not None  # set in __init__
+        event["_seq"] = seq
+        self.run._spool_seq = seq + 1
         self.writer.append(orjson.dumps(event, option=orjson.OPT_APPEND_NEWLINE))
 
     def apply(self, record: dict[str, Any], nonfinite: bool | None) -> None:
         """Append one record event (the record plus `_seq`)."""
-        seq = self._seq
-        self._seq = seq + 1
+        seq = self.run._spool_seq
+        assert seq is not None  # set in __init__
+        self.run._spool_seq = seq + 1
         record["_seq"] = seq
         self.writer.append(records.dumps(record, nonfinite))
 
@@ -339,7 +334,7 @@ class SpoolSink:
     def info(self) -> dict[str, Any]:
         return {
             "spool_file": str(self.path),
-            "spool_seq": self._seq,
+            "spool_seq": self.run._spool_seq,
             "buffered_bytes": self.writer.buffered(),
             "errors": dict(self.writer.errors),
             "alerting": self.alerting,
