@@ -114,3 +114,13 @@ def test_summary_of_an_empty_shard(cli):
     result = cli("summary", "zero")
     assert result.exit_code == 1
     assert result.stderr.startswith("error: run proj/zero has no rows")
+
+
+def test_summary_fits_80_columns_with_every_statistic(cli):
+    result = cli("summary", "run-1", COLUMNS="80")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert max(len(line.rstrip()) for line in lines) <= 80
+    header = next(line for line in lines if "n/world" in line)
+    for name in ("mean", "wmean", "min", "max", "range", "std", "p05", "p50", "p95"):
+        assert name in header.split(), (name, header)
