@@ -58,15 +58,8 @@ def iter_rank_records(shards: list[ShardRef], garbage: dict[str, int]) -> Iterat
     for shard in shards:
         bad = 0
         with open(shard.path, "rb") as fh:
-            carry = b""
-            while True:
-                block = fh.read(_BLOCK)
-                if not block:
-                    break
-                data = carry + block
-                end = data.rfind(b"\n") + 1
-                carry = data[end:]
-                for line in data[:end].split(b"\n")[:-1]:
+            for _, data in records.complete_blocks(fh, _BLOCK):
+                for line in data.split(b"\n")[:-1]:
                     if _RANK_MARK not in line:
                         stripped = line.strip()
                         if stripped and not (stripped[:1] == b"{" and stripped[-1:] == b"}"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, BinaryIO
 
 import orjson
 
@@ -179,6 +179,26 @@ def iter_lines(data: bytes) -> Iterator[tuple[int, bytes]]:
         nl = data.index(b"\n", pos)
         yield pos, data[pos:nl]
         pos = nl + 1
+
+
+def complete_blocks(fh: BinaryIO, size: int, start: int = 0) -> Iterator[tuple[int, bytes]]:
+    """(offset, data) chunks of an open file from `start`, each ending at a newline.
+
+    About `size` bytes at a time; an unterminated last line (a writer mid-append, or a
+    torn tail) is never yielded.
+    """
+    fh.seek(start)
+    pos, carry = start, b""
+    while True:
+        block = fh.read(size)
+        if not block:
+            return
+        data = carry + block
+        end = data.rfind(b"\n") + 1
+        if end:
+            yield pos, data[:end]
+            pos += end
+        carry = data[end:]
 
 
 def is_rank_record(record: Mapping[str, Any]) -> bool:

@@ -244,17 +244,8 @@ def scan_shard(path: str | os.PathLike[str]) -> ShardScan:
     garbage = 0
     regular = True
     with open(path, "rb") as fh:
-        carry = b""
-        while True:
-            block = fh.read(_CHUNK)
-            if not block:
-                break
-            data = carry + block
-            end = data.rfind(b"\n") + 1
-            carry = data[end:]
-            if not end:
-                continue
-            recs, bad = _parse(data[:end])
+        for _, data in records.complete_blocks(fh, _CHUNK):
+            recs, bad = _parse(data)
             garbage += bad
             if regular:
                 try:

@@ -426,26 +426,11 @@ class ShardReader:
     def iter_records(self, start: int = 0) -> Iterator[tuple[int, dict[str, Any]]]:
         """Yield (end offset, record) for every complete, parseable line from `start`."""
         with open(self.path, "rb") as fh:
-            fh.seek(start)
-            pos = start
-            carry = b""
-            while True:
-                block = fh.read(4 * _READ_BLOCK)
-                if not block:
-                    return
-                data = carry + block
-                base = pos - len(carry)
-                last = data.rfind(b"\n")
-                if last < 0:
-                    carry = data
-                    pos += len(block)
-                    continue
-                for off, line in records.iter_lines(data[: last + 1]):
+            for base, data in records.complete_blocks(fh, 4 * _READ_BLOCK, start):
+                for off, line in records.iter_lines(data):
                     rec = self._parse(line) if line.strip() else None
                     if rec is not None:
                         yield base + off + len(line) + 1, rec
-                carry = data[last + 1 :]
-                pos += len(block)
 
     def records(self) -> list[dict[str, Any]]:
         """Every complete record in file order."""
