@@ -79,17 +79,7 @@ class Follower:
     def last(self, n: int) -> list[dict[str, Any]]:
         """The last `n` kept records; the offset moves to the end of the last complete line."""
         with open(self.shard.path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            end = size
-            # only complete lines count: cut back to the last newline
-            while end > 0:
-                start = max(0, end - _BLOCK)
-                fh.seek(start)
-                nl = fh.read(end - start).rfind(b"\n")
-                if nl >= 0:
-                    end = start + nl + 1
-                    break
-                end = start
+            end = records.complete_end(fh, _BLOCK)  # only complete lines count
             self.offset = end
             out: list[dict[str, Any]] = []
             pos, carry = end, b""

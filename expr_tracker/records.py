@@ -201,6 +201,19 @@ def complete_blocks(fh: BinaryIO, size: int, start: int = 0) -> Iterator[tuple[i
         carry = data[end:]
 
 
+def complete_end(fh: BinaryIO, size: int = 256 * 1024) -> int:
+    """The offset just past the last newline of an open file (0 if it has none)."""
+    end = fh.seek(0, 2)
+    while end > 0:
+        start = max(0, end - size)
+        fh.seek(start)
+        nl = fh.read(end - start).rfind(b"\n")
+        if nl >= 0:
+            return start + nl + 1
+        end = start
+    return 0
+
+
 def is_rank_record(record: Mapping[str, Any]) -> bool:
     """True for records written by `log_rank_metrics`."""
     return record.get("_kind") == "rank"

@@ -439,16 +439,7 @@ class ShardReader:
     def iter_reverse(self) -> Iterator[dict[str, Any]]:
         """Complete records from the last to the first, reading the file backwards in blocks."""
         with open(self.path, "rb") as fh:
-            end = fh.seek(0, os.SEEK_END)
-            # only terminated lines count: find the end of the last complete line first
-            while end > 0:
-                start = max(0, end - _READ_BLOCK)
-                fh.seek(start)
-                nl = fh.read(end - start).rfind(b"\n")
-                if nl >= 0:
-                    end = start + nl + 1
-                    break
-                end = start
+            end = records.complete_end(fh, _READ_BLOCK)  # only terminated lines count
             carry = b""
             while end > 0:
                 start = max(0, end - _READ_BLOCK)
