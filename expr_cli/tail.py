@@ -21,6 +21,7 @@ from expr_tracker import records
 from .errors import CLIError
 from .resolve import (
     DIR_OPT,
+    JSON_OPT,
     METRICS_OPT,
     RUN_ARG,
     STREAM_OPT,
@@ -135,8 +136,9 @@ class Tail:
     """The followers of one `expr tail` and how their rows are printed."""
 
     def __init__(self, ref: RunRef, shards: list[ShardRef], all_ranks: bool, stream: str | None,
-                 metrics: list[str] | None, keep: Keep) -> None:
+                 metrics: list[str] | None, keep: Keep, json: bool = False) -> None:
         self.ref = ref
+        self.json = json
         self.all_ranks = all_ranks
         self.stream = stream
         self.metrics = metrics
@@ -150,7 +152,16 @@ class Tail:
         if self.all_ranks:
             batch.sort(key=_order)  # interleave ranks by step
         for rank, rec in batch:
-            render.tail_line(rec, rank if self.all_ranks else None, self.metrics)
+            if self.json:
+                # JSON lines for jq and scripts: the record as stored, plus its rank
+                out = {k: v for k, v in rec.items() if k not in ("_sid", "_seq")}
+                if self.all_ranks:
+                    out["_rank"] = rank
+                line = records.dumps(out)
+                sys.stdout.buffer.write(line)
+                sys.stdout.flush()
+            else:
+                render.tail_line(rec, rank if self.all_ranks else None, self.metrics)
         garbage = sum(f.garbage for f in self.followers.values())
         if garbage and not self.warned:
             self.warned = True
@@ -209,7 +220,8 @@ def _observe(path: str, wake: threading.Event) -> Any:
 
 
 def tail_command(run: str, dir: str | None, rank: str | None, stream: str | None,
-                 metrics: list[str] | None, n: int, follow: bool, rank_records: bool) -> None:
+                 metrics: list[str] | None, n: int, follow: bool, rank_records: bool,
+                 json: bool = False) -> None:
     """Print the last `n` rows of RUN, then follow it until Ctrl-C."""
     from . import render
 
@@ -224,7 +236,7 @@ def tail_command(run: str, dir: str | None, rank: str | None, stream: str | None
         assert not isinstance(r, str)
         shards = [pick_shard(ref, stream, r)]
         stream = shards[0].stream
-    tail = Tail(ref, shards, r == "all", stream, wanted, make_filter(wanted, rank_records))
+    tail = Tail(ref, shards, r == "all", stream, wanted, make_filter(wanted, rank_records), json)
     try:
         tail.start(max(n, 0))
         if follow:
@@ -259,9 +271,11 @@ def register(app: typer.Typer) -> None:
         follow: bool = _FOLLOW_OPT,
         rank_records: bool = _RANK_RECORDS_OPT,
         dir: str | None = DIR_OPT,
+        json: bool = JSON_OPT,
     ) -> None:
         """The last rows of RUN, then new rows live as they are written; Ctrl-C stops.
 
         With --rank all, the shards of every rank are interleaved by step, with a rank column.
+        --json prints each row as one JSON line (with `_rank` under --rank all).
         """
-        tail_command(run, dir, rank, stream, metrics, n, follow, rank_records)
+        tail_command(run, dir, rank, stream, metrics, n, follow, rank_records, json)

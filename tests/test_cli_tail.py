@@ -36,6 +36,16 @@ def test_all_ranks_interleave_by_step_with_a_rank_column(cli):
     assert rows[-1][-1] == "loss=0.12"  # 2/40 + 0.01 * 7
 
 
+def test_json_lines_with_the_rank_under_all(cli):
+    import json
+
+    result = cli("tail", "run-1", "--rank", "all", "-n", "3", "--no-follow", "-m", "loss", "--json")
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(r["_rank"], r["_step"]) for r in rows] == [(5, 39), (6, 39), (7, 39)]
+    assert all(set(r) == {"_step", "_time", "_rank", "loss"} for r in rows)
+
+
 def test_rank_records_on_request(cli):
     result = cli("tail", "run-1", "-n", "2", "--no-follow", "--rank-records", "-m", "train/loss")
     assert result.exit_code == 0, result.output
