@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from expr_tracker import records, scan
@@ -65,7 +65,7 @@ def _same_stats(s1, s2):
             assert _same(d1[k], d2[k]), (k, d1[k], d2[k])
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(runs())
 def test_columnar_reader_matches_collect(tmp_path_factory, shards):
     tmp = tmp_path_factory.mktemp("run")
