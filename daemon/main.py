@@ -38,6 +38,7 @@ from . import status as status_mod
 from .config import Config, ConfigError
 from .notify import Notifier
 from .tailer import FileTail, Tailer
+from .waker import Waker
 
 log = logging.getLogger("exprd")
 STATUS_HEARTBEAT = 30.0  # seconds between status.json rewrites when nothing changed
@@ -80,7 +81,7 @@ class Daemon:
         self.dispatcher = None if dry_run else build_dispatcher(cfg)
         self.tailer = Tailer(cfg, self.spool, self.state, dispatcher=self.dispatcher,
                              dry_run=dry_run, live=not replay)
-        self.wake = threading.Event()
+        self.wake = Waker()  # set from signal handlers too: never a threading.Event
         self.stopping = False
         self.reload_requested = False
         self.started = time.time()

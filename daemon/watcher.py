@@ -25,6 +25,8 @@ from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 from watchdog.observers.polling import PollingObserver
 
+from .waker import Waker
+
 log = logging.getLogger("exprd")
 
 # Opened/closed events are left out on purpose: exprd's own reads would wake it up.
@@ -47,7 +49,7 @@ class _Handler(FileSystemEventHandler):
 class Watcher:
     """Collects paths of spool files that changed and wakes the main loop."""
 
-    def __init__(self, root: Path, wake: threading.Event, *, poll: bool = False,
+    def __init__(self, root: Path, wake: Waker | threading.Event, *, poll: bool = False,
                  poll_interval: float = 1.0) -> None:
         self.root = root
         self.wake = wake

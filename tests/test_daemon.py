@@ -460,3 +460,24 @@ def test_version_and_help() -> None:
     assert out.returncode == 0 and out.stdout.startswith("exprd (expr-tracker) ")
     out = subprocess.run([exprd, "--help"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and "--spool" in out.stdout and "--allow-root" in out.stdout
+
+
+def test_signal_storm_never_deadlocks_and_sigterm_still_stops(tmp_path: Path) -> None:
+    """Signals land at any moment, also while the main loop holds its wake-up's lock.
+
+    exprd used a threading.Event set from the signal handler, which deadlocked when
+    the signal arrived inside Event.wait(); the wake-up is now a self-pipe.
+    """
+    spool, state, root = tmp_path / "spool", tmp_path / "state", tmp_path / "runs"
+    spool.mkdir(mode=0o700)
+    cfg = write_config(tmp_path / "exprd.toml", spool, state, [root])
+    d = start_exprd(cfg)
+    try:
+        wait_for(lambda: (state / "status.json").exists(), 20, "exprd ready")
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:  # reload requests: each one wakes the loop
+            d.send_signal(signal.SIGHUP)
+        assert d.poll() is None, "exprd died under a burst of SIGHUP"
+    finally:
+        code = stop(d)
+    assert code == 0
