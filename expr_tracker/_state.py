@@ -47,7 +47,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
     run = current
     if run is not None and run._pid == os.getpid():
         try:
-            run.finish("crashed")
+            run._terminate()
         except Exception:
             pass
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -456,6 +456,28 @@ class Run:
 
         _state.forget(self)
 
+    def _terminate(self) -> None:
+        """SIGTERM: save what can be saved, then let the process die.
+
+        The handler runs on the main thread between two bytecodes, possibly inside
+        log() or flush() with their locks held: so every lock is taken with a timeout,
+        and backends and alert delivery are not waited for.
+        """
+        if self._lock.acquire(timeout=0.5):
+            try:
+                if self._open and not self._finished and not self._detached:
+                    self._commit()
+                self._finished = True
+                self._fast_ok = False
+            finally:
+                self._lock.release()
+        self._stop.set()
+        writer = self._sink.writer
+        writer.flush_within(1.0)
+        writer.status = "crashed"
+        writer.end_time = time.time()
+        writer.write_sidecar()
+
     def __enter__(self) -> Run:
         return self
 

@@ -300,6 +300,16 @@ class ShardWriter:
         with self._io_lock:
             return self._flush_locked()
 
+    def flush_within(self, timeout: float) -> bool:
+        """Flush unless the write lock stays taken for `timeout` s (a signal handler must
+        not wait forever on a lock the code it interrupted may hold)."""
+        if not self._io_lock.acquire(timeout=timeout):
+            return False
+        try:
+            return self._flush_locked()
+        finally:
+            self._io_lock.release()
+
     def _flush_locked(self) -> bool:
         buf = self._buf
         n = len(buf)
