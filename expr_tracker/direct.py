@@ -59,10 +59,6 @@ class DirectSink:
         # what must see a record after it is queued (rules, backends), or None
         self.after_write = None if idle else self.pipeline.after_write
 
-    def flush_full(self) -> None:
-        """The hot path buffered `FLUSH_BYTES`: write now unless a flush is running."""
-        self.writer.flush_nowait()
-
     def _dispatcher(self) -> Any:
         from .alerts import Dispatcher, load_config
 

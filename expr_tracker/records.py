@@ -28,8 +28,8 @@ DECODE_NONFINITE: dict[str, float] = {
     "inf": math.inf,
     "-inf": -math.inf,
 }
-_INT_MIN = -(2**63)
-_INT_MAX = 2**64 - 1
+INT_MIN = -(2**63)  # the integers orjson can write
+INT_MAX = 2**64 - 1
 _DUMPS = orjson.dumps
 _NEWLINE = orjson.OPT_APPEND_NEWLINE
 
@@ -61,7 +61,7 @@ def encode_value(key: str, value: Any) -> Scalar:
             return NAN_TEXT
         return _ENCODE_NONFINITE[value]
     if cls is int:
-        if _INT_MIN <= value <= _INT_MAX:
+        if INT_MIN <= value <= INT_MAX:
             return value
         raise ValueError(f"value of key {key!r} is an integer too large to store: {value}")
     if cls is bool or value is None:
@@ -112,7 +112,7 @@ def encode_row(data: Any, field: str = "data") -> tuple[dict[str, Scalar], bool]
             if value - value != 0.0:
                 nonfinite = True
             out[key] = value
-        elif cls is int and _INT_MIN <= value <= _INT_MAX:
+        elif cls is int and INT_MIN <= value <= INT_MAX:
             out[key] = value
         else:
             value = encode_value(key, value)

@@ -30,15 +30,13 @@ from .layout import (
     validate_stream,
 )
 from .ranks import MAX_WORLD
-from .shard import FLUSH_BYTES
 
 _time = time.time
-_monotonic = time.monotonic
 _dumps = records.dumps
 _orjson_dumps = orjson.dumps
 _NL = orjson.OPT_APPEND_NEWLINE
-_INT_MIN = -(2**63)
-_INT_MAX = 2**64 - 1
+_INT_MIN = records.INT_MIN
+_INT_MAX = records.INT_MAX
 
 RESUME_MODES = ("allow", "must", "never")
 UPLOAD_MODES = ("direct", "spool")
@@ -180,9 +178,7 @@ class Run:
         self._finished = False
         self._detached = False  # a forked child: never write the parent's data
         self._rows_committed = 0
-        self._fast_rows = 0  # rows committed by the hot path
         self._fast_ok = True  # no open row, not finished, not detached: log() may take the hot path
-        self._flush_bytes = FLUSH_BYTES
         self._last_step: int | None = None
         self._pid = os.getpid()
         self._spool_seq: int | None = None  # the next spool event number (spool mode)
@@ -279,14 +275,16 @@ class Run:
                         after = self._sink.after_write
                         if after is not None:
                             after(record)
-                        n = self._fast_rows = self._fast_rows + 1
+                        n = self._rows_committed = self._rows_committed + 1
                         # every 256 rows: has the buffer reached the flush size?
-                        if n & 255 or self._sink.writer.buffered() < self._flush_bytes:
+                        writer = self._sink.writer
+                        if n & 255 or writer.buffered() < writer.flush_bytes:
                             return
                     else:
                         fast = None
                 if fast is not None:
-                    self._sink.flush_full()
+                    # a flush's worth is buffered: write now unless a flush is running
+                    self._sink.writer.flush_nowait()
                     return
         row, nonfinite = records.encode_row(data)
         if step is not None:
@@ -472,11 +470,7 @@ class Run:
             finally:
                 self._lock.release()
         self._stop.set()
-        writer = self._sink.writer
-        writer.flush_within(1.0)
-        writer.status = "crashed"
-        writer.end_time = time.time()
-        writer.write_sidecar()
+        self._sink.writer.close("crashed", flush_timeout=1.0)
 
     def __enter__(self) -> Run:
         return self
@@ -525,7 +519,7 @@ class Run:
                 "session": self.session,
                 "shard": str(self.paths.shard),
                 "step": self._step,
-                "rows": self._rows_base + self._rows_committed + self._fast_rows,
+                "rows": self._rows_base + self._rows_committed,
                 "last_step": self._last_step,
                 "finished": self._finished,
                 "rules": self._ruleset.info() if self._ruleset is not None else [],

@@ -399,9 +399,16 @@ class ShardWriter:
         except OSError as exc:
             self._fail("sidecar", exc)
 
-    def close(self, status: str = "finished") -> None:
-        """Flush, mark the status in the sidecar and close the file."""
-        self.flush()
+    def close(self, status: str = "finished", flush_timeout: float | None = None) -> None:
+        """Flush, mark the status in the sidecar and close the file.
+
+        With `flush_timeout`, the write lock is waited for at most that long (see
+        `flush_within`): a signal handler calls this.
+        """
+        if flush_timeout is None:
+            self.flush()
+        else:
+            self.flush_within(flush_timeout)
         self.status = status
         self.end_time = time.time()
         self.write_sidecar()

@@ -283,10 +283,6 @@ class SpoolSink:
 
     # -- writing --------------------------------------------------------------------
 
-    def flush_full(self) -> None:
-        """The hot path buffered a flush's worth: write now unless a flush is running."""
-        self.writer.flush_nowait()
-
     def _emit(self, event: dict[str, Any]) -> None:
         seq = self.run._spool_seq
         assert seq is not None  # set in __init__
