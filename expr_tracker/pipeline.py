@@ -81,28 +81,7 @@ class Pipeline:
     @rules.setter
     def rules(self, value: RuleSet | None) -> None:
         self._rules = value
-        observe = value.observe if value is not None and len(value) else None
-        self._observe = observe
-        if observe is None:
-            self.__dict__.pop("after_write", None)
-            return
-        fire, warn = self.fire, self._warn
-        general = Pipeline.after_write.__get__(self)
-
-        def rules_only(record: dict[str, Any]) -> None:
-            # the common direct-mode case (rules, no backends) without the general path's checks
-            if self.backends:
-                return general(record)
-            try:
-                firings = observe(record, record.get("_step"), record.get("_time") or time.time())
-            except Exception as exc:  # a rule engine bug must never reach the training loop
-                warn(f"rules:{type(exc).__name__}", f"expr_tracker: rule evaluation failed: {exc!r}")
-                return None
-            for firing in firings:
-                fire(firing)
-            return None
-
-        self.after_write = rules_only  # type: ignore[method-assign]
+        self._observe = value.observe if value is not None and len(value) else None
 
     def tick(self, now: float | None = None) -> None:
         """Evaluate time rules (no_data, age, elapsed) without a new record."""
