@@ -40,41 +40,24 @@ if TYPE_CHECKING:
 COVERAGE_STEPS = 50  # how far back the coverage block looks
 THRESHOLD = 3.5  # DESIGN 10: robust score above which a rank is flagged
 _BLOCK = 4 << 20
-_RANK_MARK = b'"rank"'
 
 
 def iter_rank_records(shards: list[ShardRef], garbage: dict[str, int]) -> Iterator[dict[str, Any]]:
     """Rank records of `shards` in file order; lines that do not parse are counted in `garbage`.
 
-    Only lines holding the text "rank" are parsed: step rows are the bulk of most
-    shards and cannot be rank records without it (`"_kind": "rank"`).
+    The same line parser as the columnar scan (`scan.parse_rank_lines`); what it returns
+    beside rank records, `collect` drops by `_kind`.
     """
-    import orjson
-
     from expr_tracker import records
+    from expr_tracker.scan import parse_rank_lines
 
-    loads = records.loads
-    fast = orjson.loads
     for shard in shards:
         bad = 0
         with open(shard.path, "rb") as fh:
             for _, data in records.complete_blocks(fh, _BLOCK):
-                for line in data.split(b"\n")[:-1]:
-                    if _RANK_MARK not in line:
-                        stripped = line.strip()
-                        if stripped and not (stripped[:1] == b"{" and stripped[-1:] == b"}"):
-                            bad += 1
-                        continue
-                    try:
-                        # the full decoder only where a non-finite value may hide ("NaN", "inf")
-                        rec = loads(line) if b"NaN" in line or b"nf" in line or b"nan" in line else fast(line)
-                    except ValueError:  # orjson.JSONDecodeError is a ValueError
-                        bad += 1
-                        continue
-                    if isinstance(rec, dict):
-                        yield rec
-                    else:
-                        bad += 1
+                recs, n_bad = parse_rank_lines(data)
+                bad += n_bad
+                yield from recs
         if bad:
             garbage[shard.path.name] = bad
 

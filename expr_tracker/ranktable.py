@@ -23,7 +23,30 @@ _MAX_INT = 1 << 63
 _MAX_RANKS = 1 << 16
 
 
-class RankTable:
+class TableShape:
+    """World size, steps and keys: what every table of rank records answers alike."""
+
+    _world: int
+    _steps: list[int]
+    _keys: list[str]
+
+    @property
+    def world_size(self) -> int:
+        """The largest `_world_size` seen, at least the largest rank + 1."""
+        return self._world
+
+    @property
+    def steps(self) -> list[int]:
+        """Sorted steps that have any rank record."""
+        return list(self._steps)
+
+    @property
+    def keys(self) -> list[str]:
+        """Sorted metric keys."""
+        return list(self._keys)
+
+
+class RankTable(TableShape):
     """Rank records grouped by key, rank and step; the latest record wins."""
 
     def __init__(
@@ -48,21 +71,6 @@ class RankTable:
         self._columns: dict[str, _Column] = {}
         self._wlists: dict[int, list[float | None]] = {}
         self.skipped = skipped  # rank records without an integer _step or a sane _rank
-
-    @property
-    def world_size(self) -> int:
-        """The largest `_world_size` seen, at least the largest rank + 1."""
-        return self._world
-
-    @property
-    def steps(self) -> list[int]:
-        """Sorted steps that have any rank record."""
-        return list(self._steps)
-
-    @property
-    def keys(self) -> list[str]:
-        """Sorted metric keys."""
-        return list(self._keys)
 
     def values(self, key: str, step: int) -> dict[int, float]:
         """rank -> value of `key` at `step`, by rank (non-finite values included)."""

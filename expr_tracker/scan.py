@@ -28,6 +28,7 @@ from typing import Any, cast
 import orjson
 
 from . import records
+from .ranktable import TableShape
 
 # `reduce`'s bounds and mean, so that both readers agree to the last bit
 from .reduce import _MAX_INT, _MAX_RANKS, RankTable, Stats, _mean, reduce_values
@@ -80,7 +81,7 @@ def _clean_weight(w: Any) -> float:
     return float(w) if ok else 1.0
 
 
-def _parse(body: bytes) -> tuple[list[dict[str, Any]], int]:
+def parse_rank_lines(body: bytes) -> tuple[list[dict[str, Any]], int]:
     """The rank records among the lines of `body` (each ending in a newline), and how many
     lines were garbage."""
     first = body[: body.find(b"\n")]
@@ -245,7 +246,7 @@ def scan_shard(path: str | os.PathLike[str]) -> ShardScan:
     regular = True
     with open(path, "rb") as fh:
         for _, data in records.complete_blocks(fh, _CHUNK):
-            recs, bad = _parse(data)
+            recs, bad = parse_rank_lines(data)
             garbage += bad
             if regular:
                 try:
@@ -335,7 +336,7 @@ def rank_table(blocks: Iterable[Block], keys: Collection[str] | None = None) -> 
     return RankTable(cols, weights, world)
 
 
-class ColumnTable:
+class ColumnTable(TableShape):
     """Blocks with one block per rank, with the summary queries of `reduce.RankTable`.
 
     Results equal those of `reduce` over a `RankTable` of the same records.
@@ -362,21 +363,6 @@ class ColumnTable:
         # one weight on every record, as `RankTable` finds it: the statistics then ignore weights
         self._wconst = next(iter(distinct)) if len(distinct) == 1 else None
         self._last_window: tuple[Any, Any] = (None, None)
-
-    @property
-    def world_size(self) -> int:
-        """The largest `_world_size` seen, at least the largest rank + 1."""
-        return self._world
-
-    @property
-    def steps(self) -> list[int]:
-        """Sorted steps that have any rank record."""
-        return list(self._steps)
-
-    @property
-    def keys(self) -> list[str]:
-        """Sorted metric keys."""
-        return list(self._keys)
 
     def key_steps(self, key: str) -> list[int]:
         """Sorted steps at which some rank reported `key`."""
