@@ -179,8 +179,9 @@ def _line_boundary(fd: int, offset: int) -> bool:
 class ShardWriter:
     """Buffered, append-only writer of one shard file and its sidecar.
 
-    Not thread-safe for `append`; `flush` may run on another thread concurrently
-    with `append` (the buffer swap is under a lock, the write outside it).
+    `append` (one thread) and `flush` (any thread) may run concurrently: the buffer is
+    a bytearray taken and trimmed by single operations under the GIL, and flushes are
+    serialized by a lock.
     Failures never raise: they are reported once per cause through `warn` and
     counted in `dropped` when data had to be given up.
     """
@@ -212,8 +213,6 @@ class ShardWriter:
         self.start_time = time.time()
         self.end_time: float | None = None
         self.last_write: float | None = None
-        # appended by the training thread, popped by the flusher: deque ops are atomic,
-        # so the hot path takes no lock
         # whole lines appended by the training thread, taken by the flusher: bytearray
         # extend and slice-delete are single operations under the GIL, so the hot path
         # takes no lock and allocates nothing that lives past the flush
@@ -247,8 +246,9 @@ class ShardWriter:
         if not self.shared:
             yield
             return
-        lock_path = self.paths.run_dir / f".{self.paths.stem}.lock"
-        fd = os.open(lock_path, os.O_WRONLY | os.O_CREAT, 0o644)
+        # the same lock every flush of a shared shard takes: a repair must not cut off
+        # a line another rank appends meanwhile
+        fd = os.open(self.paths.shard, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
