@@ -111,17 +111,8 @@ def repair_and_scan(paths: ShardPaths, hint: Mapping[str, Any] | None) -> tuple[
         return Cursor(), hint is not None and bool(hint.get("cursor", {}).get("bytes"))
     try:
         size = os.fstat(fd).st_size
-        # find the last complete line by reading backwards
-        end = size
-        tail_start = 0
-        while end > 0:
-            start = max(0, end - _READ_BLOCK)
-            block = os.pread(fd, end - start, start)
-            nl = block.rfind(b"\n")
-            if nl >= 0:
-                tail_start = start + nl + 1
-                break
-            end = start
+        with open(fd, "rb", closefd=False) as fh:
+            tail_start = records.complete_end(fh, _READ_BLOCK)
         original = size
         if tail_start < size:
             torn = os.pread(fd, size - tail_start, tail_start)
@@ -133,27 +124,37 @@ def repair_and_scan(paths: ShardPaths, hint: Mapping[str, Any] | None) -> tuple[
                 os.close(tfd)
             os.ftruncate(fd, tail_start)
             size = tail_start
-        cur = (hint or {}).get("cursor") or {}
-        cursor = Cursor()
-        hint_bytes = cur.get("bytes")
-        if isinstance(hint_bytes, int) and 0 < hint_bytes <= size and _line_boundary(fd, hint_bytes):
-            cursor.bytes = hint_bytes
-            cursor.rows = int(cur.get("rows") or 0)
-            cursor.last_step = cur.get("last_step")
-            applied = cur.get("applied") or {}
-            cursor.applied = {str(k): int(v) for k, v in applied.items()}
+        hint_bytes = ((hint or {}).get("cursor") or {}).get("bytes")
         repaired = original != size or (original > 0 and hint_bytes != size)
-        pos = cursor.bytes
-        while pos < size:
-            block = os.pread(fd, min(16 * _READ_BLOCK, size - pos), pos)
-            last_nl = block.rfind(b"\n")
-            if last_nl < 0:
-                break
-            _scan(block[: last_nl + 1], cursor, pos)
-            pos = cursor.bytes
-        return cursor, repaired
+        return cursor_from(fd, size, hint), repaired
     finally:
         os.close(fd)
+
+
+def cursor_from(fd: int, size: int, hint: Mapping[str, Any] | None) -> Cursor:
+    """The cursor of the first `size` bytes of a shard, reading only.
+
+    Starts from the sidecar `hint` when its byte count ends on a line boundary, then
+    scans the complete lines after it: the whole file only when the hint is no use.
+    """
+    cur = (hint or {}).get("cursor") or {}
+    cursor = Cursor()
+    hint_bytes = cur.get("bytes")
+    if isinstance(hint_bytes, int) and 0 < hint_bytes <= size and _line_boundary(fd, hint_bytes):
+        cursor.bytes = hint_bytes
+        cursor.rows = int(cur.get("rows") or 0)
+        step = cur.get("last_step")
+        cursor.last_step = step if isinstance(step, int) else None
+        cursor.applied = {str(k): int(v) for k, v in (cur.get("applied") or {}).items()}
+    pos = cursor.bytes
+    while pos < size:
+        block = os.pread(fd, min(16 * _READ_BLOCK, size - pos), pos)
+        last_nl = block.rfind(b"\n")
+        if last_nl < 0:
+            break
+        _scan(block[: last_nl + 1], cursor, pos)
+        pos = cursor.bytes
+    return cursor
 
 
 def _last_row_step(data: bytes) -> int | None:

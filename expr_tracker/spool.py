@@ -21,7 +21,7 @@ import orjson
 
 from . import records
 from .layout import ShardPaths, spool_path
-from .shard import Cursor, ShardReader, ShardWriter, _scan, read_sidecar, select_rows
+from .shard import Cursor, ShardReader, ShardWriter, cursor_from, read_sidecar, select_rows
 
 if TYPE_CHECKING:
     from .run import Run
@@ -155,33 +155,14 @@ def scan_shard(paths: ShardPaths) -> Cursor:
     Starts from the sidecar hint when it is consistent with the file, like the writer's
     repair scan, but never repairs: spool-mode processes and dry runs must not write.
     """
-    cursor = Cursor()
     try:
-        fh = open(paths.shard, "rb")  # noqa: SIM115 - closed by the `with` below
+        fd = os.open(paths.shard, os.O_RDONLY)
     except OSError:
-        return cursor
-    with fh:
-        size = os.fstat(fh.fileno()).st_size
-        cur = ((read_sidecar(paths.sidecar) or {}).get("cursor")) or {}
-        hint = cur.get("bytes")
-        if isinstance(hint, int) and 0 < hint <= size:
-            fh.seek(hint - 1)
-            if fh.read(1) == b"\n":
-                cursor.bytes = hint
-                cursor.rows = int(cur.get("rows") or 0)
-                step = cur.get("last_step")
-                cursor.last_step = step if isinstance(step, int) else None
-                cursor.applied = {str(k): int(v) for k, v in (cur.get("applied") or {}).items()}
-        pos = cursor.bytes
-        while pos < size:
-            fh.seek(pos)
-            block = fh.read(min(16 * _BLOCK, size - pos))
-            last = block.rfind(b"\n")
-            if last < 0:
-                break
-            _scan(block[: last + 1], cursor, pos)
-            pos = cursor.bytes
-    return cursor
+        return Cursor()
+    try:
+        return cursor_from(fd, os.fstat(fd).st_size, read_sidecar(paths.sidecar))
+    finally:
+        os.close(fd)
 
 
 def iter_spool_events(path: Path) -> Iterator[dict[str, Any]]:
@@ -191,24 +172,14 @@ def iter_spool_events(path: Path) -> Iterator[dict[str, Any]]:
     except OSError:
         return
     with fh:
-        carry = b""
-        while True:
-            block = fh.read(4 * _BLOCK)
-            if not block:
-                return
-            data = carry + block
-            last = data.rfind(b"\n")
-            if last < 0:
-                carry = data
-                continue
-            for _, line in records.iter_lines(data[: last + 1]):
+        for _, data in records.complete_blocks(fh, 4 * _BLOCK):
+            for _, line in records.iter_lines(data):
                 try:
                     ev = records.loads(line)
                 except ValueError:
                     continue
                 if type(ev.get("_seq")) is int:
                     yield ev
-            carry = data[last + 1 :]
 
 
 def unapplied_rows(paths: ShardPaths, spool_dir: Path, cursor: Cursor) -> list[dict[str, Any]]:
