@@ -12,6 +12,7 @@ from typing import Any
 
 import typer
 
+from expr_tracker import records
 from expr_tracker.shard import ShardReader, read_sidecar
 from expr_tracker.spool import pid_alive
 
@@ -27,18 +28,6 @@ from .resolve import (
 )
 
 _BLOCK = 1 << 20
-
-
-def _complete_end(fd: int, size: int) -> int:
-    """Offset just after the last newline (the end of the last complete line)."""
-    end = size
-    while end > 0:
-        start = max(0, end - _BLOCK)
-        nl = os.pread(fd, end - start, start).rfind(b"\n")
-        if nl >= 0:
-            return start + nl + 1
-        end = start
-    return 0
 
 
 def _count_lines(fd: int, start: int, end: int) -> int:
@@ -83,7 +72,7 @@ def inspect_shard(ref: ShardRef) -> dict[str, Any]:
     with open(ref.path, "rb") as fh:
         fd = fh.fileno()
         st = os.fstat(fd)
-        complete = _complete_end(fd, st.st_size)
+        complete = records.complete_end(fh, _BLOCK)
         cursor = (meta or {}).get("cursor") or {}
         hint, hint_rows = cursor.get("bytes"), cursor.get("rows")
         # trust the sidecar's row count up to its cursor when that is a line boundary
