@@ -19,6 +19,7 @@ from expr_tracker.layout import (
     ShardPaths,
     run_dir,
     shard_stem,
+    spool_path,
     validate_name,
     validate_stream,
 )
@@ -89,7 +90,7 @@ def check_init(ev: Mapping[str, Any], path: Path, spool_root: Path, cfg: Config)
         raise InitError(f"bad rank/world_size in init: {rank!r}/{world!r}")
     rank_aware = ident.get("rank_aware", True) is not False
     stem = shard_stem(stream, rank if rank_aware else 0)
-    expected = spool_root / project / name / f"{stem}.{session}.jsonl"
+    expected = spool_path(spool_root, project, name, stem, session)
     if path != expected:
         raise InitError(f"init identity says {expected.relative_to(spool_root)}, "
                         f"not {path.relative_to(spool_root)}")

@@ -110,7 +110,7 @@ def init_event(run: Run, session_path: Path) -> dict[str, Any]:
         "_time": time.time(),
         "version": SPOOL_VERSION,
         "identity": run.identity(),
-        "dir": str(Path(run.root).absolute()),
+        "dir": str(run.root),  # absolute since init
         "stem": run.paths.stem,
         "spool_file": session_path.name,
         "host": socket.gethostname(),
