@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from expr_tracker.layout import (
+from expr_tracker.pipeline import Pipeline
+from expr_tracker.spool import SPOOL_VERSION, event_id, scan_shard
+from expr_tracker.store.layout import (
     ShardPaths,
     run_dir,
     shard_stem,
@@ -23,10 +25,8 @@ from expr_tracker.layout import (
     validate_name,
     validate_stream,
 )
-from expr_tracker.pipeline import Pipeline
-from expr_tracker.records import DECODE_NONFINITE
-from expr_tracker.shard import ShardWriter, read_sidecar
-from expr_tracker.spool import SPOOL_VERSION, event_id, scan_shard
+from expr_tracker.store.records import DECODE_NONFINITE
+from expr_tracker.store.shard import ShardWriter, read_sidecar
 
 from .config import Config
 from .forwarder import Forwarder
@@ -274,7 +274,7 @@ class RunPipeline:
     def _ruleset(self, specs: list[Any]) -> Any:
         if not specs:
             return None
-        from expr_tracker.rules import RuleSet, parse_rule
+        from expr_tracker.alerts.rules import RuleSet, parse_rule
 
         rules = []
         for i, spec in enumerate(specs):

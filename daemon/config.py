@@ -118,7 +118,7 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
         backends = raw["backends"]
         if not isinstance(backends, Mapping):
             raise ConfigError("backends must be a table of name -> backend spec")
-        from expr_tracker.backends.base import make_backend
+        from expr_tracker.backends.registry import make_backend
 
         for name, spec in backends.items():
             try:

@@ -112,8 +112,9 @@ class Forwarder:
         specs = resolve(spec.backends, cfg)
         if not specs:
             return
-        from expr_tracker.backends.base import Identity, make_backend
-        from expr_tracker.backends.http import BatchJournal
+        from expr_tracker.backends.base import Identity
+        from expr_tracker.backends.journal import BatchJournal
+        from expr_tracker.backends.registry import make_backend
         from expr_tracker.backends.worker import BackendWorker
 
         ident = spec.identity

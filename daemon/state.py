@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from expr_tracker.shard import write_atomic
+from expr_tracker.store.shard import write_atomic
 
 log = logging.getLogger("exprd")
 

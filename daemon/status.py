@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from expr_tracker.shard import write_atomic
+from expr_tracker.store.shard import write_atomic
 
 if TYPE_CHECKING:
     from .tailer import Tailer

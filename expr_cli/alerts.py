@@ -7,7 +7,7 @@ from typing import Any
 
 import typer
 
-from expr_tracker import records
+from expr_tracker.store import records
 
 from .resolve import DIR_OPT, JSON_OPT, RUN_ARG, RunRef, resolve_run, root_dir
 

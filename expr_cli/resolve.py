@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from expr_tracker.layout import default_dir, parse_shard_name, validate_stream
+from expr_tracker.store.layout import default_dir, parse_shard_name, validate_stream
 
 from .errors import CLIError
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import typer
 
-from expr_tracker.shard import ShardReader
+from expr_tracker.store.shard import ShardReader
 
 from .resolve import (
     DIR_OPT,
@@ -27,7 +27,7 @@ MAX_TICKS_PER_GAP = 100  # a day-long pause in a run must not cost millions of t
 
 def explain_command(rule: str, as_json: bool) -> None:
     """Print the parsed rule."""
-    from expr_tracker.rules import explain
+    from expr_tracker.alerts.rules import explain
 
     from . import render
 
@@ -44,7 +44,7 @@ def replay(rule_text: str, records: list[dict[str, Any]], context: dict[str, Any
     Time rules are evaluated between records every TICK seconds of recorded time, the
     way a live run evaluates them.
     """
-    from expr_tracker.rules import RuleSet, parse_rule
+    from expr_tracker.alerts.rules import RuleSet, parse_rule
 
     rules = RuleSet([parse_rule(rule_text)], context=context)
     firings = []
@@ -68,7 +68,7 @@ def replay(rule_text: str, records: list[dict[str, Any]], context: dict[str, Any
 def test_command(rule: str, run: str, dir: str | None, rank: str | None, stream: str | None,
                  as_json: bool) -> None:
     """Replay `rule` over one shard of RUN and list its firings."""
-    from expr_tracker.rules import parse_rule
+    from expr_tracker.alerts.rules import parse_rule
 
     from . import render
     from .history import warn_garbage

@@ -12,9 +12,9 @@ from typing import Any
 
 import typer
 
-from expr_tracker import records
-from expr_tracker.shard import ShardReader, read_sidecar
 from expr_tracker.spool import pid_alive
+from expr_tracker.store import records
+from expr_tracker.store.shard import ShardReader, read_sidecar
 
 from .resolve import (
     DIR_OPT,

@@ -32,8 +32,8 @@ from .resolve import (
 if TYPE_CHECKING:
     import typer
 
-    from expr_tracker.reduce import RankTable, Stats
-    from expr_tracker.scan import ColumnTable
+    from expr_tracker.stats.reduce import RankTable, Stats
+    from expr_tracker.stats.scan import ColumnTable
 
     Table = RankTable | ColumnTable
 
@@ -48,8 +48,8 @@ def iter_rank_records(shards: list[ShardRef], garbage: dict[str, int]) -> Iterat
     The same line parser as the columnar scan (`scan.parse_rank_lines`); what it returns
     beside rank records, `collect` drops by `_kind`.
     """
-    from expr_tracker import records
-    from expr_tracker.scan import parse_rank_lines
+    from expr_tracker.stats.scan import parse_rank_lines
+    from expr_tracker.store import records
 
     for shard in shards:
         bad = 0
@@ -65,12 +65,12 @@ def iter_rank_records(shards: list[ShardRef], garbage: dict[str, int]) -> Iterat
 def load_table(shards: list[ShardRef]) -> tuple[Table, dict[str, int]]:
     """The rank records of `shards` as a table, and the unparseable lines per file name.
 
-    Regular shards (see `expr_tracker.scan`) are read as columns: a `ColumnTable` when
+    Regular shards (see `expr_tracker.stats.scan`) are read as columns: a `ColumnTable` when
     every rank sits in one shard, else a `RankTable` built from the columns. Otherwise
     every record goes through `reduce.collect`.
     """
-    from expr_tracker import scan
-    from expr_tracker.reduce import collect
+    from expr_tracker.stats import scan
+    from expr_tracker.stats.reduce import collect
 
     scans = scan.scan_shards([s.path for s in shards])
     garbage = {s.path.name: sc.garbage for s, sc in zip(shards, scans, strict=True) if sc.garbage}
@@ -86,7 +86,7 @@ def load_table(shards: list[ShardRef]) -> tuple[Table, dict[str, int]]:
 
 def last_rows(shards: list[ShardRef], garbage: dict[str, int]) -> list[dict[str, Any]]:
     """Each shard's last step row (the fallback view of a run without rank records)."""
-    from expr_tracker.shard import ShardReader
+    from expr_tracker.store.shard import ShardReader
 
     out = []
     for shard in shards:
@@ -102,7 +102,7 @@ def last_rows(shards: list[ShardRef], garbage: dict[str, int]) -> list[dict[str,
 
 
 def _last_step(table: Table, key: str) -> int | None:
-    from expr_tracker.scan import ColumnTable
+    from expr_tracker.stats.scan import ColumnTable
 
     if isinstance(table, ColumnTable):
         return table.last_step(key)
@@ -127,8 +127,8 @@ def _stats(
     table: Table, key: str, step: int | None, window: tuple[int, int] | None
 ) -> tuple[Stats, dict[int, float]]:
     """Stats of `key` at `step` or over `window`, and the per-rank values they reduce."""
-    from expr_tracker import reduce
-    from expr_tracker.scan import ColumnTable
+    from expr_tracker.stats import reduce
+    from expr_tracker.stats.scan import ColumnTable
 
     if window is not None:
         lo, hi = window
@@ -142,8 +142,8 @@ def _stats(
 
 
 def _coverage(table: Table, steps: list[int]) -> list[tuple[int, int, int, list[int]]]:
-    from expr_tracker import reduce
-    from expr_tracker.scan import ColumnTable
+    from expr_tracker.stats import reduce
+    from expr_tracker.stats.scan import ColumnTable
 
     if isinstance(table, ColumnTable):
         return table.coverage(steps)
@@ -162,7 +162,7 @@ def build_view(
     show_all: bool,
 ) -> dict[str, Any]:
     """The summary as JSON-ready data (what `--json` prints and `render.summary` draws)."""
-    from expr_tracker import reduce
+    from expr_tracker.stats import reduce
 
     available = set(table.keys)
     wanted = [*(metrics or ()), *([heatmap_key] if heatmap_key else [])]
@@ -215,7 +215,7 @@ def build_view(
     view["coverage_checked"] = {"steps": len(recent), "first": recent[0] if recent else None,
                                 "last": recent[-1] if recent else None}
     if heatmap_key:
-        from expr_tracker.scan import ColumnTable
+        from expr_tracker.stats.scan import ColumnTable
 
         # the heatmap reads one key at every step: a RankTable of that key alone
         ht = table.rank_table([heatmap_key]) if isinstance(table, ColumnTable) else table

@@ -16,7 +16,7 @@ from typing import Any
 
 import typer
 
-from expr_tracker import records
+from expr_tracker.store import records
 
 from .errors import CLIError
 from .resolve import (

@@ -15,9 +15,9 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from . import _state
-from .errors import RuleError, RunNotFoundError, TrackerError, UsageError
-from .run import Run
+from expr_tracker import _state
+from expr_tracker.errors import RuleError, RunNotFoundError, TrackerError, UsageError
+from expr_tracker.run import Run
 
 __version__ = "0.1.0"
 
@@ -102,7 +102,7 @@ def log_rank_metrics(
 
 def history(n: int | None = 50, **kwargs: Any) -> Any:
     """The last `n` committed rows of a shard; works without `init` when `run=` is given."""
-    from .query import history as _history
+    from expr_tracker.query import history as _history
 
     return _history(n, **kwargs)
 

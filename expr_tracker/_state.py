@@ -8,10 +8,10 @@ import signal
 import threading
 from typing import TYPE_CHECKING
 
-from .errors import UsageError
+from expr_tracker.errors import UsageError
 
 if TYPE_CHECKING:
-    from .run import Run
+    from expr_tracker.run import Run
 
 _lock = threading.Lock()
 current: Run | None = None

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .pipeline import Pipeline
-from .shard import ShardWriter
+from expr_tracker.pipeline import Pipeline
+from expr_tracker.store.shard import ShardWriter
 
 FINISH_TIMEOUT = 30.0
 
 if TYPE_CHECKING:
-    from .run import Run
+    from expr_tracker.run import Run
 
 
 class DirectSink:
@@ -60,7 +60,7 @@ class DirectSink:
         self.after_write = None if idle else self.pipeline.after_write
 
     def _dispatcher(self) -> Any:
-        from .alerts import Dispatcher, load_config
+        from expr_tracker.alerts import Dispatcher, load_config
 
         cfg = self.run._alert_config if self.run._alert_config is not None else load_config(None)
         return Dispatcher.from_config(cfg)
@@ -68,8 +68,8 @@ class DirectSink:
     def _backends(self) -> list[Any]:
         if not self.run._backend_objs:
             return []
-        from .backends.base import Identity
-        from .backends.worker import BackendWorker
+        from expr_tracker.backends.base import Identity
+        from expr_tracker.backends.worker import BackendWorker
 
         run = self.run
         ident = Identity(

@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from . import records
-from .layout import alerts_name
-from .shard import ShardWriter
+from expr_tracker.store import records
+from expr_tracker.store.layout import alerts_name
+from expr_tracker.store.shard import ShardWriter
 
 if TYPE_CHECKING:
-    from .alerts import Alert, Dispatcher
-    from .backends.worker import BackendWorker
-    from .rules import Firing, RuleSet
+    from expr_tracker.alerts import Alert, Dispatcher
+    from expr_tracker.alerts.rules import Firing, RuleSet
+    from expr_tracker.backends.worker import BackendWorker
 
 
 class Pipeline:
@@ -91,7 +91,7 @@ class Pipeline:
 
     def fire(self, firing: Firing) -> None:
         """Record a rule firing in the alerts file and deliver it from the alerting rank."""
-        from .alerts import make_alert
+        from expr_tracker.alerts import make_alert
 
         rule = next((r for r in self.rules.rules if r.name == firing.rule), None) if self.rules else None
         alert = make_alert(
@@ -117,7 +117,7 @@ class Pipeline:
 
     def manual_alert(self, title: str, text: str, level: str) -> Alert:
         """`et.alert(...)`: validated at the call, then recorded and delivered like a rule's."""
-        from .alerts import make_alert
+        from expr_tracker.alerts import make_alert
 
         alert = make_alert(title=title, text=text, level=level, rule=None, kind="manual",
                            step=None, time=time.time(), **self._alert_identity())

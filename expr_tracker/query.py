@@ -6,12 +6,12 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import RunNotFoundError
-from .layout import parse_shard_name, shard_stem, validate_stream
-from .shard import ShardReader, select_rows
+from expr_tracker.errors import RunNotFoundError
+from expr_tracker.store.layout import parse_shard_name, shard_stem, validate_stream
+from expr_tracker.store.shard import ShardReader, select_rows
 
 if TYPE_CHECKING:
-    from .run import Run
+    from expr_tracker.run import Run
 
 
 def resolve_shard(run: str | os.PathLike[str], stream: str | None = None, rank: int | None = None) -> Path:
@@ -72,7 +72,7 @@ def history(
     rng = _parse_range(step_range)
     if run is None:
         if run_obj is None:
-            from . import _state
+            from expr_tracker import _state
 
             run_obj = _state.get()
         if (stream is not ... and stream != run_obj.stream) or (rank is not None and rank != run_obj.rank):

@@ -6,8 +6,6 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-MAX_WORLD = 512
-
 
 @dataclass(frozen=True)
 class RankInfo:

@@ -18,10 +18,10 @@ from typing import Any
 
 import orjson
 
-from . import ranks as _ranks
-from . import records
-from .errors import UsageError
-from .layout import (
+from expr_tracker import ranks as _ranks
+from expr_tracker.errors import UsageError
+from expr_tracker.store import records
+from expr_tracker.store.layout import (
     ShardPaths,
     default_dir,
     default_spool,
@@ -29,7 +29,7 @@ from .layout import (
     validate_name,
     validate_stream,
 )
-from .ranks import MAX_WORLD
+from expr_tracker.store.records import MAX_WORLD
 
 _time = time.time
 _dumps = records.dumps
@@ -136,13 +136,13 @@ class Run:
         alert_rules = list(alert_rules)
         self._ruleset: Any = None
         if alert_rules:
-            from .rules import RuleSet, parse_rule
+            from expr_tracker.alerts.rules import RuleSet, parse_rule
 
             rule_list = [parse_rule(spec, index=i) for i, spec in enumerate(alert_rules)]
             self._ruleset = RuleSet(rule_list, context=self._context(), start_time=time.time())
         self._alert_config: Any = None
         if alert is not None or os.environ.get("EXPR_ALERT_CONFIG"):
-            from .alerts import load_config
+            from expr_tracker.alerts import load_config
 
             self._alert_config = load_config(alert)
         if isinstance(backends, (str, Mapping)):
@@ -150,7 +150,7 @@ class Run:
         self._backend_specs = list(backends)
         self._backend_objs: list[Any] = []
         if self._backend_specs:
-            from .backends.base import make_backend
+            from expr_tracker.backends.registry import make_backend
 
             self._backend_objs = [make_backend(spec) for spec in self._backend_specs]
             if mode == "spool" and any(not isinstance(b, (str, Mapping)) for b in self._backend_specs):
@@ -217,10 +217,10 @@ class Run:
 
     def _make_sink(self) -> Any:
         if self.mode == "spool":
-            from .spool import SpoolSink
+            from expr_tracker.spool import SpoolSink
 
             return SpoolSink(self)
-        from .direct import DirectSink
+        from expr_tracker.direct import DirectSink
 
         return DirectSink(self)
 
@@ -368,7 +368,7 @@ class Run:
     # -- alerts ------------------------------------------------------------
     def alert(self, title: str, text: str = "", level: str = "info") -> None:
         """Raise an alert now; delivered from the alerting rank, recorded on every rank."""
-        from .alerts import make_alert
+        from expr_tracker.alerts import make_alert
 
         make_alert(title=title, text=text, level=level, rule=None, kind="manual", step=None,
                    time=0.0, project=self.project, run=self.name, stream=self.stream, rank=self.rank)
@@ -380,7 +380,7 @@ class Run:
 
     def add_alert_rule(self, rule: str | Mapping[str, Any]) -> str:
         """Compile and add a rule; returns its name. Raises RuleError on bad text."""
-        from .rules import RuleSet, parse_rule
+        from expr_tracker.alerts.rules import RuleSet, parse_rule
 
         with self._lock:
             count = len(self._ruleset.rules) if self._ruleset is not None else 0
@@ -450,7 +450,7 @@ class Run:
                     f"never_seen:{rule_name}:{metric}",
                     f"expr_tracker: rule {rule_name!r} uses metric {metric!r}, which was never logged{hint}",
                 )
-        from . import _state
+        from expr_tracker import _state
 
         _state.forget(self)
 
@@ -498,7 +498,7 @@ class Run:
 
     def history(self, n: int | None = 50, **kwargs: Any) -> Any:
         """The last `n` committed rows of this run; see `expr_tracker.history`."""
-        from .query import history
+        from expr_tracker.query import history
 
         return history(n, run_obj=self, **kwargs)
 

@@ -19,12 +19,19 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from . import records
-from .layout import ShardPaths, spool_path
-from .shard import Cursor, ShardReader, ShardWriter, cursor_from, read_sidecar, select_rows
+from expr_tracker.store import records
+from expr_tracker.store.layout import ShardPaths, spool_path
+from expr_tracker.store.shard import (
+    Cursor,
+    ShardReader,
+    ShardWriter,
+    cursor_from,
+    read_sidecar,
+    select_rows,
+)
 
 if TYPE_CHECKING:
-    from .run import Run
+    from expr_tracker.run import Run
 
 SPOOL_VERSION = 1
 MAX_LINE = 16 * 1024 * 1024  # a longer spool line is quarantined by exprd

@@ -22,7 +22,8 @@ import pytest
 from werkzeug import Request, Response
 
 from expr_tracker.backends import BackendWorker, Identity, make_backend, reportable
-from expr_tracker.backends.http import BatchJournal, HttpBackend
+from expr_tracker.backends.http import HttpBackend
+from expr_tracker.backends.journal import BatchJournal
 
 PY = sys.executable
 ROOT = Path(__file__).resolve().parents[1]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from expr_tracker import layout
+from expr_tracker.store import layout
 
 
 @pytest.mark.parametrize(

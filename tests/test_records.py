@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from expr_tracker import records
+from expr_tracker.store import records
 
 
 def test_nonfinite_roundtrip_as_strict_json():

@@ -12,8 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from expr_tracker import records
-from expr_tracker.reduce import (
+from expr_tracker.stats.reduce import (
     HeatCell,
     Outlier,
     RankTable,
@@ -27,6 +26,7 @@ from expr_tracker.reduce import (
     reduce_window,
     window_means,
 )
+from expr_tracker.store import records
 
 NAN = math.nan
 INF = math.inf

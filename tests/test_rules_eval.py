@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from expr_tracker.rules import RuleSet, parse_rule
+from expr_tracker.alerts.rules import RuleSet, parse_rule
 
 Row = tuple[dict[str, Any], "int | None", float]
 

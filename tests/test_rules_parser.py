@@ -1,4 +1,4 @@
-"""Parsing, checking and explaining alert rules (expr_tracker.rules)."""
+"""Parsing, checking and explaining alert rules (expr_tracker.alerts.rules)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from expr_tracker.alerts.rules import LEVELS, Rule, RuleSet, explain, parse_rule
 from expr_tracker.errors import RuleError
-from expr_tracker.rules import LEVELS, Rule, RuleSet, explain, parse_rule
 
 
 def parens(text: str) -> str:

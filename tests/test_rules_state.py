@@ -1,4 +1,4 @@
-"""Rule state machine, RuleSet bookkeeping and message templates (expr_tracker.rules)."""
+"""Rule state machine, RuleSet bookkeeping and message templates (expr_tracker.alerts.rules)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from expr_tracker.rules import Firing, RuleSet, parse_rule
+from expr_tracker.alerts.rules import Firing, RuleSet, parse_rule
 
 
 def make(spec: str | dict[str, Any], **context: Any) -> RuleSet:

@@ -1,4 +1,4 @@
-"""The columnar shard reader (`expr_tracker.scan`) agrees with `reduce.collect` on every run."""
+"""The columnar shard reader (`expr_tracker.stats.scan`) agrees with `reduce.collect` on every run."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import math
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from expr_tracker import records, scan
-from expr_tracker.reduce import collect, reduce_step, reduce_window
+from expr_tracker.stats import scan
+from expr_tracker.stats.reduce import collect, reduce_step, reduce_window
+from expr_tracker.store import records
 
 KEYS = ("a", "b")
 values = st.one_of(

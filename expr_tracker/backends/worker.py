@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from expr_tracker.backends.base import Backend, Counters, Identity, reportable
-from expr_tracker.backends.http import Batch, BatchJournal, position
+from expr_tracker.backends.journal import Batch, BatchJournal, position
 
 FINISH_GRACE = 5.0  # seconds close() waits for finish() after the drain deadline
 MAX_ALERTS = 1000  # alerts queue beside records (they are rare and matter more)

@@ -14,7 +14,7 @@ full point window (2 points for a time window); ema is seeded with the first val
 
 from __future__ import annotations
 
-from expr_tracker.rules.rule import LEVELS, Rule, explain, parse_rule
-from expr_tracker.rules.state import Firing, RuleSet
+from expr_tracker.alerts.rules.rule import LEVELS, Rule, explain, parse_rule
+from expr_tracker.alerts.rules.state import Firing, RuleSet
 
 __all__ = ["LEVELS", "Firing", "Rule", "RuleSet", "explain", "parse_rule"]

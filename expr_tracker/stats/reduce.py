@@ -26,11 +26,13 @@ from dataclasses import asdict, dataclass, replace
 from operator import mul
 from typing import Any, cast
 
-from .ranktable import _MAX_INT as _MAX_INT  # re-exported: scan reads the same bounds
-from .ranktable import _MAX_RANKS as _MAX_RANKS
-from .ranktable import RankTable as RankTable
-from .ranktable import _missing
-from .ranktable import collect as collect
+from expr_tracker.stats.ranktable import (
+    _MAX_INT as _MAX_INT,  # re-exported: scan reads the same bounds
+)
+from expr_tracker.stats.ranktable import _MAX_RANKS as _MAX_RANKS
+from expr_tracker.stats.ranktable import RankTable as RankTable
+from expr_tracker.stats.ranktable import _missing
+from expr_tracker.stats.ranktable import collect as collect
 
 _fsum = math.fsum
 _isfinite = math.isfinite

@@ -14,7 +14,9 @@ from typing import Any, BinaryIO
 
 import orjson
 
-from .ranks import MAX_WORLD
+# a sanity bound on world sizes (DESIGN 14): far above any job, low enough to catch garbage
+MAX_WORLD = 512
+
 
 Scalar = int | float | bool | str | None
 

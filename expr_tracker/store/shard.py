@@ -20,8 +20,8 @@ from typing import Any
 
 import orjson
 
-from . import records
-from .layout import ShardPaths
+from expr_tracker.store import records
+from expr_tracker.store.layout import ShardPaths
 
 FLUSH_BYTES = 64 * 1024
 MAX_BUFFER_BYTES = 64 * 1024 * 1024

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from expr_tracker.rules.windows import Ema, Window
+from expr_tracker.alerts.rules.windows import Ema, Window
 
 Push = Callable[[float, float, "int | None"], None]
 Get = Callable[[str], Any]

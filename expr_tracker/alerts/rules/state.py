@@ -15,10 +15,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from expr_tracker.alerts.rules.compile import Compiled, Env, Fn
+from expr_tracker.alerts.rules.metric import MetricState, Update
+from expr_tracker.alerts.rules.rule import Rule, parse_rule
 from expr_tracker.errors import RuleError
-from expr_tracker.rules.compile import Compiled, Env, Fn
-from expr_tracker.rules.metric import MetricState, Update
-from expr_tracker.rules.rule import Rule, parse_rule
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 
-from expr_tracker.rules.lexer import DUR, END, NAME, NUM, OP, QNAME, Token, fail, tokenize
+from expr_tracker.alerts.rules.lexer import DUR, END, NAME, NUM, OP, QNAME, Token, fail, tokenize
 
 AGGREGATES = ("mean", "std", "var", "median", "sum", "min", "max", "first", "last", "count")
 WINDOW_FUNCS = ("slope", "zscore", "ema", "increasing", "decreasing", "stalled")
@@ -40,7 +40,7 @@ _ATOM_PREC = 8
 class Node:
     """Base of AST nodes; `pos` is the 0-based offset of the node's first character."""
 
-    # Plain slotted classes, not dataclasses: they keep `import expr_tracker.rules` cheap.
+    # Plain slotted classes, not dataclasses: they keep `import expr_tracker.alerts.rules` cheap.
     __slots__ = ("pos",)
 
     def __init__(self, pos: int) -> None:

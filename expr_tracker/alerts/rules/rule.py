@@ -9,9 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from expr_tracker.errors import RuleError
-from expr_tracker.rules.lexer import DURATION_UNITS, fail
-from expr_tracker.rules.parser import (
+from expr_tracker.alerts.rules.lexer import DURATION_UNITS, fail
+from expr_tracker.alerts.rules.parser import (
     EVERY_ROW_FUNCS,
     TIME_FUNCS,
     Call,
@@ -21,6 +20,7 @@ from expr_tracker.rules.parser import (
     render,
     walk,
 )
+from expr_tracker.errors import RuleError
 
 LEVELS = ("debug", "info", "warning", "error", "critical")
 MODES = ("edge", "level")

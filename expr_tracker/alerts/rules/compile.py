@@ -14,8 +14,8 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-from expr_tracker.rules.metric import Ctx, MetricState, as_number
-from expr_tracker.rules.parser import (
+from expr_tracker.alerts.rules.metric import Ctx, MetricState, as_number
+from expr_tracker.alerts.rules.parser import (
     Binary,
     Call,
     Metric,
@@ -26,7 +26,7 @@ from expr_tracker.rules.parser import (
     render,
     walk,
 )
-from expr_tracker.rules.windows import MINMAX, PAIRS, STEPS, SUMS, Ema, Window
+from expr_tracker.alerts.rules.windows import MINMAX, PAIRS, STEPS, SUMS, Ema, Window
 
 Value = Any  # float | int | bool | None
 Fn = Callable[[], Value]

@@ -15,16 +15,14 @@ import shutil
 import sys
 import time as _clock
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 import orjson
 
-from expr_tracker.alert_config import LEVELS, ChannelConfig, Policy, _check_url
+from expr_tracker.alerts.alert import Alert, format_line, one_line, redact_url
+from expr_tracker.alerts.config import LEVELS, ChannelConfig, Policy, _check_url
 from expr_tracker.errors import TrackerError
-
-if TYPE_CHECKING:
-    from expr_tracker.alerts import Alert
 
 MAX_RETRY_AFTER = 300.0
 
@@ -83,7 +81,6 @@ class LogChannel(Channel):
     type = "log"
 
     def send(self, alert: Alert, timeout: float) -> None:
-        from expr_tracker.alerts import format_line  # lazy: alerts imports this module
 
         line = format_line(alert)
         # Without any handler configured, logging's last-resort handler would print the
@@ -144,7 +141,6 @@ class WebhookChannel(Channel):
         self._transport: Any = None
 
     def describe(self) -> str:
-        from expr_tracker.alerts import redact_url  # lazy: alerts imports this module
 
         return f"{self.type} {redact_url(self._url)}"
 
@@ -204,10 +200,9 @@ def _slack_escape(s: str) -> str:
 
 def slack_payload(alert: Alert) -> dict[str, Any]:
     """The Slack incoming-webhook body: fallback `text` plus a coloured attachment of blocks."""
-    from expr_tracker.alerts import _one_line, format_line  # lazy: alerts imports this module
 
     emoji, colour = _SLACK_STYLE.get(alert.level, _SLACK_STYLE["info"])
-    title = _slack_escape(_one_line(alert.title))
+    title = _slack_escape(one_line(alert.title))
     head = f"{emoji} *{title}*" + (f"\n{_slack_escape(alert.text)}" if alert.text else "")
     where = format_line(alert).rsplit(" (", 1)[-1].rstrip(")")
     return {

@@ -1,16 +1,14 @@
-"""Alerts: the Alert value and the Dispatcher that delivers it (DESIGN 7).
+"""The Dispatcher that delivers alerts to their channels (DESIGN 7).
 
-An Alert comes from a rule firing or recovering, or from `et.alert(...)`. Once it
-must be delivered it goes to a `Dispatcher`, which never blocks and never raises
+An Alert (`expr_tracker.alerts.alert`) that must be delivered goes to a `Dispatcher`, which never blocks and never raises
 into the caller: one background daemon thread delivers to every channel with a
 per-channel token bucket, a dedup window, a bounded queue and retries. What is not
 delivered is counted in `stats()`; each failure cause is logged once per channel
 on the `expr_tracker.alerts` logger (never `warnings.warn`: it runs off-thread).
 
 Configuration (`load_config`, `AlertConfig`, `ChannelConfig`, `Policy`) is parsed in
-`expr_tracker.alert_config`, whose docstring describes the file format; the channels
-(`build_channel`, `DeliveryError`, `WebhookChannel`, ...) live in `expr_tracker.alert_channels`.
-This module re-exports both, so callers import everything from here.
+`expr_tracker.alerts.config`, whose docstring describes the file format; the channels
+(`build_channel`, `DeliveryError`, `WebhookChannel`, ...) live in `expr_tracker.alerts.channels`.
 
 Secrets (webhook URLs, HMAC keys) come only from the environment or the config
 file: a literal `secret` is refused in the `alert=` dict, which travels in the
@@ -23,163 +21,20 @@ config whose variables only the daemon has.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time as _clock
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, fields
 from typing import Any
-from urllib.parse import urlsplit
 
-from expr_tracker.alert_channels import (
-    MAX_RETRY_AFTER,
-    Channel,
-    CommandChannel,
-    DeliveryError,
-    LogChannel,
-    SlackChannel,
-    WebhookChannel,
-    build_channel,
-    slack_payload,
-)
-from expr_tracker.alert_config import (
-    _RANK,
-    CHANNEL_TYPES,
-    CONFIG_ENV,
-    LEVELS,
-    AlertConfig,
-    ChannelConfig,
-    Policy,
-    load_config,
-)
+from expr_tracker.alerts.alert import Alert
+from expr_tracker.alerts.channels import Channel, DeliveryError, build_channel
+from expr_tracker.alerts.config import _RANK, AlertConfig, Policy, load_config
 
-__all__ = [
-    "CHANNEL_TYPES",
-    "CONFIG_ENV",
-    "KINDS",
-    "LEVELS",
-    "MAX_BACKOFF",
-    "MAX_RETRY_AFTER",
-    "Alert",
-    "AlertConfig",
-    "Channel",
-    "ChannelConfig",
-    "CommandChannel",
-    "DeliveryError",
-    "Dispatcher",
-    "LogChannel",
-    "Policy",
-    "SlackChannel",
-    "WebhookChannel",
-    "build_channel",
-    "format_line",
-    "load_config",
-    "make_alert",
-    "redact_url",
-    "slack_payload",
-]
-
-KINDS = ("fire", "recover", "manual")
 MAX_BACKOFF = 30.0
 
 _log = logging.getLogger("expr_tracker.alerts")
-
-
-@dataclass(frozen=True)
-class Alert:
-    """One alert to deliver: a rule firing or recovering, or a manual `et.alert`."""
-
-    title: str
-    text: str
-    level: str
-    rule: str | None
-    kind: str
-    step: int | None
-    time: float
-    project: str
-    run: str
-    stream: str | None
-    rank: int
-    event_id: str | None
-
-    def as_dict(self) -> dict[str, Any]:
-        """Return the alert as a JSON-safe dict; non-finite floats are left out."""
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        return {k: v for k, v in out.items() if not (isinstance(v, float) and not math.isfinite(v))}
-
-
-def _text(value: object, name: str) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
-    return value
-
-
-def make_alert(
-    title: object,
-    text: object = "",
-    level: object = "info",
-    *,
-    rule: str | None = None,
-    kind: str = "manual",
-    step: int | None = None,
-    time: float | None = None,
-    project: str = "",
-    run: str = "",
-    stream: str | None = None,
-    rank: int = 0,
-    event_id: str | None = None,
-) -> Alert:
-    """Build a validated Alert; a bad argument is a TypeError/ValueError naming it."""
-    if not _text(title, "title").strip():
-        raise ValueError("title must not be empty")
-    lvl = _text(level, "level").lower()
-    if lvl not in _RANK:
-        raise ValueError(f"level must be one of {', '.join(LEVELS)}, got {level!r}")
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
-        raise TypeError(f"step must be an int or None, got {type(step).__name__}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise ValueError(f"rank must be a non-negative int, got {rank!r}")
-    when = _clock.time() if time is None else time
-    if isinstance(when, bool) or not isinstance(when, (int, float)) or not math.isfinite(when):
-        raise ValueError(f"time must be a finite number, got {time!r}")
-    for name, value in (("rule", rule), ("stream", stream), ("event_id", event_id)):
-        if value is not None:
-            _text(value, name)
-    return Alert(
-        title=str(title), text=_text(text, "text"), level=lvl, rule=rule, kind=kind,
-        step=step, time=float(when), project=_text(project, "project"), run=_text(run, "run"),
-        stream=stream, rank=rank, event_id=event_id,
-    )
-
-
-def redact_url(url: str) -> str:
-    """Show a URL as `scheme://host[:port]/…`: paths and queries of webhooks carry tokens."""
-    try:
-        parts = urlsplit(url)
-        host = parts.hostname or "?"
-        port = f":{parts.port}" if parts.port else ""
-    except ValueError:
-        return "<invalid url>"
-    return f"{parts.scheme or '?'}://{host}{port}/…"
-
-
-def _one_line(s: str) -> str:
-    return " ".join(part.strip() for part in s.splitlines() if part.strip())
-
-
-def format_line(alert: Alert) -> str:
-    """The one-line text form of an alert (the `log` channel writes it)."""
-    where = f"{alert.project}/{alert.run}" + (f"/{alert.stream}" if alert.stream else "")
-    where += f" rank {alert.rank}" + (f" step {alert.step}" if alert.step is not None else "")
-    if alert.rule is not None:
-        where += f" rule {alert.rule} {alert.kind}"
-    body = _one_line(alert.title) + (f": {_one_line(alert.text)}" if alert.text.strip() else "")
-    return f"expr alert [{alert.level}] {body} ({where})"
-
 
 # -- dispatcher ----------------------------------------------------------------------------
 

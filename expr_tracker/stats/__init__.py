@@ -1,0 +1,1 @@
+"""Cross-rank statistics: rank tables, reducers and outliers (pure), and the columnar shard scan."""

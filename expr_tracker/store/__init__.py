@@ -1,0 +1,1 @@
+"""Files on disk: names (layout), record encoding (records), shards and sidecars (shard)."""
