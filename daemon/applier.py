@@ -11,115 +11,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from expr_tracker.pipeline import Pipeline
-from expr_tracker.spool import SPOOL_VERSION, event_id, scan_shard
-from expr_tracker.store.layout import (
-    ShardPaths,
-    run_dir,
-    shard_stem,
-    spool_path,
-    validate_name,
-    validate_stream,
-)
+from expr_tracker.spool import event_id, scan_shard
 from expr_tracker.store.records import DECODE_NONFINITE
 from expr_tracker.store.shard import ShardWriter, read_sidecar
 
 from .config import Config
 from .forwarder import Forwarder
+from .spec import RunSpec
 
 log = logging.getLogger("exprd")
 _NONFINITE_TOKENS = (b'"NaN"', b'Infinity"', b'"nan"', b'inf"')
-
-
-class InitError(ValueError):
-    """An init event that exprd refuses to apply (the message is the reason)."""
-
-
-@dataclass
-class RunSpec:
-    """What an init event says, checked."""
-
-    identity: dict[str, Any]
-    session: str
-    rank: int
-    rank_aware: bool
-    paths: ShardPaths
-    time: float
-    host: str
-    pid: int | None
-    pid_start: int | None
-    rules: list[Any] = field(default_factory=list)
-    alert_on_rank: int | None = 0
-    backend_on_rank: int | None = 0
-    backend_rank_metrics: bool = False
-    backends: list[Any] = field(default_factory=list)
-
-    def writer_identity(self) -> dict[str, Any]:
-        return {**self.identity, "source": "spool", "origin_host": self.host,
-                "origin_pid": self.pid}
-
-
-def _opt_rank(ev: Mapping[str, Any], key: str) -> int | None:
-    value = ev.get(key, 0)
-    if value is None or (type(value) is int and value >= 0):
-        return value
-    raise InitError(f"{key} must be a rank or null, got {value!r}")
-
-
-def check_init(ev: Mapping[str, Any], path: Path, spool_root: Path, cfg: Config) -> RunSpec:
-    """Validate an init event against its file name and the allowed run roots."""
-    version = ev.get("version")
-    if type(version) is not int or version > SPOOL_VERSION:
-        raise InitError(f"unsupported spool version {version!r}")
-    ident = ev.get("identity")
-    if not isinstance(ident, dict):
-        raise InitError("init has no identity")
-    try:
-        project = validate_name(ident.get("project"), "project")
-        name = validate_name(ident.get("name"), "name")
-        stream = validate_stream(ident.get("stream"))
-        session = validate_name(ident.get("session"), "session")
-    except (TypeError, ValueError) as exc:
-        raise InitError(f"bad name in init: {exc}") from None
-    rank, world = ident.get("rank"), ident.get("world_size")
-    if type(rank) is not int or type(world) is not int or not 0 <= rank < world:
-        raise InitError(f"bad rank/world_size in init: {rank!r}/{world!r}")
-    rank_aware = ident.get("rank_aware", True) is not False
-    stem = shard_stem(stream, rank if rank_aware else 0)
-    expected = spool_path(spool_root, project, name, stem, session)
-    if path != expected:
-        raise InitError(f"init identity says {expected.relative_to(spool_root)}, "
-                        f"not {path.relative_to(spool_root)}")
-    raw_dir = ev.get("dir")
-    if not isinstance(raw_dir, str) or not raw_dir.startswith("/") or "\x00" in raw_dir:
-        raise InitError(f"run dir {raw_dir!r} is not an absolute path")
-    root = Path(raw_dir).resolve()
-    rdir = run_dir(root, project, name)
-    if not cfg.allows(root) or not cfg.allows(rdir.resolve()):
-        raise InitError(f"run dir {raw_dir} is outside allowed_roots")
-    pid = ev.get("pid")
-    pid_start = ev.get("pid_start")
-    when = ev.get("_time")
-    return RunSpec(
-        identity=dict(ident),
-        session=session,
-        rank=rank,
-        rank_aware=rank_aware,
-        paths=ShardPaths(rdir, stem),
-        time=float(when) if isinstance(when, (int, float)) else 0.0,
-        host=str(ev.get("host") or ""),
-        pid=pid if type(pid) is int and pid > 0 else None,
-        pid_start=pid_start if type(pid_start) is int else None,
-        rules=list(ev.get("rules") or []),
-        alert_on_rank=_opt_rank(ev, "alert_on_rank"),
-        backend_on_rank=_opt_rank(ev, "backend_on_rank"),
-        backend_rank_metrics=ev.get("backend_rank_metrics") is True,
-        backends=list(ev.get("backends") or []),
-    )
 
 
 class ShardSlot:

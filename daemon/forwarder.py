@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .applier import RunSpec
     from .config import Config
+    from .spec import RunSpec
 
 log = logging.getLogger("exprd")
 HIGH_WATER = 5000  # records queued in one backend before its spool file is paused

@@ -20,9 +20,10 @@ import orjson
 
 from expr_tracker.spool import SpoolReader, pid_alive
 
-from .applier import InitError, RunPipeline, ShardPool, check_init
+from .applier import RunPipeline, ShardPool
 from .config import Config
 from .forwarder import drop_journals
+from .spec import InitError, check_init
 from .state import Checkpoints, Quarantine
 
 log = logging.getLogger("exprd")
