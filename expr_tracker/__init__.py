@@ -102,6 +102,8 @@ def log_rank_metrics(
 
 def history(n: int | None = 50, **kwargs: Any) -> Any:
     """The last `n` committed rows of a shard; works without `init` when `run=` is given."""
+    if kwargs.get("run") is None:
+        return _state.get().history(n, **kwargs)
     from expr_tracker.query import history as _history
 
     return _history(n, **kwargs)

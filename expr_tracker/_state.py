@@ -6,18 +6,16 @@ import atexit
 import os
 import signal
 import threading
-from typing import TYPE_CHECKING
+from typing import Any
 
 from expr_tracker.errors import UsageError
 
-if TYPE_CHECKING:
-    from expr_tracker.run import Run
-
 _lock = threading.Lock()
-current: Run | None = None
+# the current Run; typed loosely because this module sits below run.py and never imports it
+current: Any = None
 
 
-def set_current(run: Run) -> None:
+def set_current(run: Any) -> None:
     global current
     with _lock:
         if current is not None and not current._finished:
@@ -54,14 +52,14 @@ def _on_sigterm(signum: int, frame: object) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def forget(run: Run) -> None:
+def forget(run: Any) -> None:
     global current
     with _lock:
         if current is run:
             current = None
 
 
-def get() -> Run:
+def get() -> Any:
     run = current
     if run is None:
         raise UsageError("no active run: call expr_tracker.init() first")

@@ -2,24 +2,23 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from expr_tracker.context import RunContext
 from expr_tracker.pipeline import Pipeline
 from expr_tracker.store.shard import ShardWriter
 
 FINISH_TIMEOUT = 30.0
 
-if TYPE_CHECKING:
-    from expr_tracker.run import Run
-
 
 class DirectSink:
     """Writes the process's shard, evaluates its rules, delivers alerts and feeds backends."""
 
-    def __init__(self, run: Run) -> None:
+    def __init__(self, run: RunContext) -> None:
         self.run = run
-        self.alerting = run.alert_on_rank is None or run.alert_on_rank == run.rank
-        self.reporting = run.backend_on_rank is None or run.backend_on_rank == run.rank
+        self.seq = None  # direct mode does not number records (spool events do)
+        self.alerting = run.alerting
+        self.reporting = run.reporting
         self.writer = ShardWriter(
             run.paths,
             run.identity(),
@@ -37,14 +36,14 @@ class DirectSink:
         self.pipeline = Pipeline(
             self.writer,
             run.identity(),
-            rules=run._ruleset,
+            rules=run.ruleset,
             dispatcher=None,
             backends=self._backends() if self.reporting else (),
             alerting=self.alerting,
             reporting=self.reporting,
             warn=run.warn_once,
         )
-        if self.alerting and (run._alert_config is not None or run._ruleset is not None):
+        if self.alerting and (run.alert_config is not None or run.ruleset is not None):
             self.pipeline.dispatcher = self._dispatcher()
         self.fast_append: Any = None
         self.after_write: Any = None
@@ -62,11 +61,11 @@ class DirectSink:
     def _dispatcher(self) -> Any:
         from expr_tracker.alerts import Dispatcher, load_config
 
-        cfg = self.run._alert_config if self.run._alert_config is not None else load_config(None)
+        cfg = self.run.alert_config if self.run.alert_config is not None else load_config(None)
         return Dispatcher.from_config(cfg)
 
     def _backends(self) -> list[Any]:
-        if not self.run._backend_objs:
+        if not self.run.backend_objs:
             return []
         from expr_tracker.backends.base import Identity
         from expr_tracker.backends.worker import BackendWorker
@@ -76,7 +75,7 @@ class DirectSink:
             project=run.project, name=run.name, stream=run.stream, rank=run.rank,
             world_size=run.world_size, config=run.config, dir="",  # backends use their own dirs (WANDB_DIR)
         )
-        return [BackendWorker(b, ident, rank_metrics=run.backend_rank_metrics) for b in run._backend_objs]
+        return [BackendWorker(b, ident, rank_metrics=run.backend_rank_metrics) for b in run.backend_objs]
 
     # -- the sink interface used by Run ---------------------------------------
     def apply(self, record: dict[str, Any], nonfinite: bool | None) -> None:
@@ -87,8 +86,9 @@ class DirectSink:
             self.pipeline.dispatcher = self._dispatcher()
         self.pipeline.manual_alert(title, text, level)
 
-    def rules_changed(self) -> None:
-        self.pipeline.rules = self.run._ruleset
+    def rules_changed(self, ruleset: Any) -> None:
+        self.run.ruleset = ruleset
+        self.pipeline.rules = ruleset
         self._update_fast_path()
         if self.alerting and self.pipeline.dispatcher is None:
             self.pipeline.dispatcher = self._dispatcher()

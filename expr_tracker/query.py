@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from expr_tracker.errors import RunNotFoundError
 from expr_tracker.store.layout import parse_shard_name, shard_stem, validate_stream
 from expr_tracker.store.shard import ShardReader, select_rows
-
-if TYPE_CHECKING:
-    from expr_tracker.run import Run
 
 
 def resolve_shard(run: str | os.PathLike[str], stream: str | None = None, rank: int | None = None) -> Path:
@@ -51,44 +48,40 @@ def _parse_range(step_range: Any) -> tuple[int | None, int | None] | None:
     raise TypeError("step_range must be a (start, stop) pair, half-open like range()")
 
 
-def history(
-    n: int | None = 50,
-    *,
-    metrics: list[str] | str | None = None,
-    step_range: Any = None,
-    run: str | os.PathLike[str] | None = None,
-    stream: Any = ...,
-    rank: int | None = None,
-    output_type: str = "dict",
-    run_obj: Run | None = None,
-) -> Any:
-    """The last `n` committed rows (all for n=-1 or None), oldest first, as dicts."""
+def history_args(n: Any, metrics: list[str] | str | None, step_range: Any, output_type: str
+                 ) -> tuple[list[str] | None, tuple[int | None, int | None] | None]:
+    """Check `history`'s arguments; return the metrics list and the step range."""
     if n is not None and (isinstance(n, bool) or not isinstance(n, int)):
         raise TypeError(f"n must be an int or None, got {type(n).__name__}")
     if output_type not in ("dict", "pandas"):
         raise ValueError(f"output_type must be 'dict' or 'pandas', got {output_type!r}")
     if isinstance(metrics, str):
         metrics = [metrics]
-    rng = _parse_range(step_range)
-    if run is None:
-        if run_obj is None:
-            from expr_tracker import _state
-
-            run_obj = _state.get()
-        if (stream is not ... and stream != run_obj.stream) or (rank is not None and rank != run_obj.rank):
-            path = resolve_shard(run_obj.paths.run_dir, None if stream is ... else stream, rank)
-        else:
-            path = run_obj.paths.shard
-            run_obj.flush()  # read-your-writes
-            if run_obj.mode == "spool":
-                return _to_output(run_obj._sink.history(n, metrics, rng), output_type)
-    else:
-        path = resolve_shard(run, None if stream is ... else stream, rank)
-    rows = select_rows(ShardReader(path), n, metrics=metrics, step_range=rng)
-    return _to_output(rows, output_type)
+    return metrics, _parse_range(step_range)
 
 
-def _to_output(rows: list[dict[str, Any]], output_type: str) -> Any:
+def history(
+    n: int | None = 50,
+    *,
+    metrics: list[str] | str | None = None,
+    step_range: Any = None,
+    run: str | os.PathLike[str],
+    stream: Any = ...,
+    rank: int | None = None,
+    output_type: str = "dict",
+) -> Any:
+    """The last `n` committed rows (all for n=-1 or None) of a shard of `run`, oldest first.
+
+    Reads files only; the current run's own rows (read-your-writes, spool mode) are
+    `Run.history`'s.
+    """
+    metric_list, rng = history_args(n, metrics, step_range, output_type)
+    path = resolve_shard(run, None if stream is ... else stream, rank)
+    rows = select_rows(ShardReader(path), n, metrics=metric_list, step_range=rng)
+    return to_output(rows, output_type)
+
+
+def to_output(rows: list[dict[str, Any]], output_type: str) -> Any:
     if output_type == "pandas":
         try:
             import pandas as pd

@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 
 from expr_tracker import ranks as _ranks
+from expr_tracker.context import RunContext
 from expr_tracker.errors import UsageError
 from expr_tracker.store import records
 from expr_tracker.store.layout import (
@@ -181,7 +182,6 @@ class Run:
         self._fast_ok = True  # no open row, not finished, not detached: log() may take the hot path
         self._last_step: int | None = None
         self._pid = os.getpid()
-        self._spool_seq: int | None = None  # the next spool event number (spool mode)
         self._sink = self._make_sink()
         self._step = self._sink.next_step
         self._rows_base = self._sink.rows
@@ -201,28 +201,24 @@ class Run:
             "world_size": self.world_size,
         }
 
-    def identity(self) -> dict[str, Any]:
-        """Who writes this shard (stored in the sidecar and the spool's init event)."""
-        return {
-            "project": self.project,
-            "name": self.name,
-            "stream": self.stream,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "local_rank": self.local_rank,
-            "session": self.session,
-            "rank_aware": self.rank_aware,
-            "config": self.config,
-        }
-
     def _make_sink(self) -> Any:
+        ctx = RunContext(
+            project=self.project, name=self.name, stream=self.stream, rank=self.rank,
+            world_size=self.world_size, local_rank=self.local_rank, session=self.session,
+            rank_aware=self.rank_aware, config=self.config, root=self.root,
+            spool_root=self.spool_root, paths=self.paths, alert_on_rank=self.alert_on_rank,
+            backend_on_rank=self.backend_on_rank, backend_rank_metrics=self.backend_rank_metrics,
+            time_rule_interval=self.time_rule_interval, warn_once=self.warn_once,
+            dropped=self.dropped, ruleset=self._ruleset, alert_config=self._alert_config,
+            backend_specs=self._backend_specs, backend_objs=self._backend_objs,
+        )
         if self.mode == "spool":
             from expr_tracker.spool import SpoolSink
 
-            return SpoolSink(self)
+            return SpoolSink(ctx)
         from expr_tracker.direct import DirectSink
 
-        return DirectSink(self)
+        return DirectSink(ctx)
 
     # -- warnings ----------------------------------------------------------
     def warn_once(self, cause: str, message: str) -> None:
@@ -264,20 +260,21 @@ class Run:
                         step = self._step
                         self._step = step + 1
                         self._last_step = step
-                        seq = self._spool_seq
+                        sink = self._sink
+                        seq = sink.seq
                         if seq is None:
                             record = {"_step": step, "_time": _time(), **data}
                         else:  # spool mode: every event is numbered
                             record = {"_step": step, "_time": _time(), "_seq": seq, **data}
-                            self._spool_seq = seq + 1
+                            sink.seq = seq + 1
                         line = _dumps(record, nonfinite) if nonfinite else _orjson_dumps(record, option=_NL)
                         fast(line)
-                        after = self._sink.after_write
+                        after = sink.after_write
                         if after is not None:
                             after(record)
                         n = self._rows_committed = self._rows_committed + 1
                         # every 256 rows: has the buffer reached the flush size?
-                        writer = self._sink.writer
+                        writer = sink.writer
                         if n & 255 or writer.buffered() < writer.flush_bytes:
                             return
                     else:
@@ -388,14 +385,14 @@ class Run:
             if self._ruleset is None:
                 self._ruleset = RuleSet((), context=self._context(), start_time=time.time())
             self._ruleset.add(parsed)
-            self._sink.rules_changed()
+            self._sink.rules_changed(self._ruleset)
         return parsed.name
 
     def remove_alert_rule(self, name: str) -> bool:
         """Remove a rule by name; False if there was none."""
         with self._lock:
             removed = self._ruleset.remove(name) if self._ruleset is not None else False
-            self._sink.rules_changed()
+            self._sink.rules_changed(self._ruleset)
         return bool(removed)
 
     # -- lifecycle ---------------------------------------------------------
@@ -496,11 +493,35 @@ class Run:
         """The shard this process writes (direct mode) or would write (spool mode)."""
         return self.paths.shard
 
-    def history(self, n: int | None = 50, **kwargs: Any) -> Any:
+    def history(
+        self,
+        n: int | None = 50,
+        *,
+        metrics: list[str] | str | None = None,
+        step_range: Any = None,
+        run: str | os.PathLike[str] | None = None,
+        stream: Any = ...,
+        rank: int | None = None,
+        output_type: str = "dict",
+    ) -> Any:
         """The last `n` committed rows of this run; see `expr_tracker.history`."""
-        from expr_tracker.query import history
+        from expr_tracker import query
 
-        return history(n, run_obj=self, **kwargs)
+        if run is not None or (stream is not ... and stream != self.stream) or (
+            rank is not None and rank != self.rank
+        ):
+            where = self.paths.run_dir if run is None else run
+            return query.history(n, metrics=metrics, step_range=step_range, run=where,
+                                 stream=stream, rank=rank, output_type=output_type)
+        metric_list, rng = query.history_args(n, metrics, step_range, output_type)
+        self.flush()  # read-your-writes
+        if self.mode == "spool":
+            rows = self._sink.history(n, metric_list, rng)
+        else:
+            from expr_tracker.store.shard import ShardReader, select_rows
+
+            rows = select_rows(ShardReader(self.paths.shard), n, metrics=metric_list, step_range=rng)
+        return query.to_output(rows, output_type)
 
     def info(self) -> dict[str, Any]:
         """Where this process stands: rank, shard, rows, drops, rules, alerts, backends."""

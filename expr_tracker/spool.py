@@ -15,10 +15,11 @@ import socket
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
+from expr_tracker.context import RunContext
 from expr_tracker.store import records
 from expr_tracker.store.layout import ShardPaths, spool_path
 from expr_tracker.store.shard import (
@@ -29,9 +30,6 @@ from expr_tracker.store.shard import (
     read_sidecar,
     select_rows,
 )
-
-if TYPE_CHECKING:
-    from expr_tracker.run import Run
 
 SPOOL_VERSION = 1
 MAX_LINE = 16 * 1024 * 1024  # a longer spool line is quarantined by exprd
@@ -105,12 +103,12 @@ def backend_spec_for_spool(spec: str | Mapping[str, Any]) -> str | dict[str, Any
     return {k: v for k, v in spec.items() if k in _SAFE_BACKEND_KEYS}
 
 
-def init_event(run: Run, session_path: Path) -> dict[str, Any]:
+def init_event(run: RunContext, session_path: Path) -> dict[str, Any]:
     """The first line of a spool file: everything exprd needs to apply the run, no secret."""
-    ruleset = run._ruleset
+    ruleset = run.ruleset
     channels: list[str] = []
-    if run._alert_config is not None:
-        channels = [c.name for c in run._alert_config.channels]
+    if run.alert_config is not None:
+        channels = [c.name for c in run.alert_config.channels]
     return {
         "_event": "init",
         "_seq": 0,
@@ -128,7 +126,7 @@ def init_event(run: Run, session_path: Path) -> dict[str, Any]:
         "alert_channels": channels,
         "backend_on_rank": run.backend_on_rank,
         "backend_rank_metrics": run.backend_rank_metrics,
-        "backends": [backend_spec_for_spool(s) for s in run._backend_specs],
+        "backends": [backend_spec_for_spool(s) for s in run.backend_specs],
         "time_rule_interval": run.time_rule_interval,
     }
 
@@ -223,7 +221,7 @@ class _ListReader(ShardReader):
 class SpoolSink:
     """The spool-mode sink of a Run: one O_APPEND spool file, buffered like a shard."""
 
-    def __init__(self, run: Run) -> None:
+    def __init__(self, run: RunContext) -> None:
         self.run = run
         self.path = spool_path(run.spool_root, run.project, run.name, run.paths.stem, run.session)
         self.alerting = False  # exprd evaluates rules and delivers alerts
@@ -238,7 +236,7 @@ class SpoolSink:
                 last = step
         self.last_step = last
         self.next_step = 0 if last is None else last + 1
-        run._spool_seq = 0  # Run's hot path numbers records; events here share the counter
+        self.seq = 0  # the next event number; Run's hot path numbers records with it too
         try:
             make_private_dirs(self.path.parent)
         except OSError as exc:
@@ -262,17 +260,15 @@ class SpoolSink:
     # -- writing --------------------------------------------------------------------
 
     def _emit(self, event: dict[str, Any]) -> None:
-        seq = self.run._spool_seq
-        assert seq is not None  # set in __init__
+        seq = self.seq
         event["_seq"] = seq
-        self.run._spool_seq = seq + 1
+        self.seq = seq + 1
         self.writer.append(orjson.dumps(event, option=orjson.OPT_APPEND_NEWLINE))
 
     def apply(self, record: dict[str, Any], nonfinite: bool | None) -> None:
         """Append one record event (the record plus `_seq`)."""
-        seq = self.run._spool_seq
-        assert seq is not None  # set in __init__
-        self.run._spool_seq = seq + 1
+        seq = self.seq
+        self.seq = seq + 1
         record["_seq"] = seq
         self.writer.append(records.dumps(record, nonfinite))
 
@@ -281,9 +277,9 @@ class SpoolSink:
         self._emit({"_event": "alert", "_time": time.time(), "title": title, "text": text,
                     "level": level})
 
-    def rules_changed(self) -> None:
+    def rules_changed(self, ruleset: Any) -> None:
         """Rules were added or removed: the spool carries the new rule texts."""
-        ruleset = self.run._ruleset
+        self.run.ruleset = ruleset
         specs = [r.to_spec() for r in ruleset.rules] if ruleset is not None else []
         self._emit({"_event": "rules", "_time": time.time(), "rules": specs})
 
@@ -308,7 +304,7 @@ class SpoolSink:
     def info(self) -> dict[str, Any]:
         return {
             "spool_file": str(self.path),
-            "spool_seq": self.run._spool_seq,
+            "spool_seq": self.seq,
             "buffered_bytes": self.writer.buffered(),
             "errors": dict(self.writer.errors),
             "alerting": self.alerting,
