@@ -29,6 +29,7 @@ test: $(STAMP) $(TORCH_STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
 
 bench: $(STAMP)
 	$(PY) -m pip install -q duckdb
