@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,wandb,trackio]'
+	$(PY) -m pip install -q -e '.[dev,wandb,trackio,plot,export,query]'
 	touch $(STAMP)
 
 demo: $(STAMP)
