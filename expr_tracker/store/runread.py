@@ -114,7 +114,7 @@ class RunReader:
         self.metrics = list(metrics) if metrics else None
         self.ranks = frozenset(ranks) if ranks is not None else None
         self.step_range = step_range or (None, None)
-        self.garbage = 0  # lines that did not parse, over every shard read so far
+        self.garbage = 0  # lines that did not parse, in the latest pass over the run
         self.reserved = RANK_COLUMNS if rank_records else ROW_COLUMNS
 
     def _rows_of(self, shard: RunShard) -> Iterator[dict[str, Any]]:
@@ -166,6 +166,7 @@ class RunReader:
 
     def rows(self) -> Iterator[dict[str, Any]]:
         """Every matching row, shard after shard."""
+        self.garbage = 0
         for shard in self.shards:
             yield from self._rows_of(shard)
 
