@@ -165,7 +165,7 @@ def _panels_json(panels: Iterable[Panel]) -> list[dict[str, Any]]:
     out = []
     for p in panels:
         item: dict[str, Any] = {"metric": p.metric, "note": p.note,
-                                "lines": [l._asdict() for l in p.lines]}
+                                "lines": [line._asdict() for line in p.lines]}
         item["band"] = p.band._asdict() if p.band is not None else None
         out.append(item)
     return out

@@ -202,6 +202,4 @@ def read_run(
         columns = list(reader.columns())
         return pd.DataFrame.from_records(list(reader.rows()), columns=columns)
     schema, batches = iter_arrow(reader)
-    import pyarrow as pa
-
-    return pa.Table.from_batches(list(batches), schema=schema).to_pandas()
+    return need_pyarrow().Table.from_batches(list(batches), schema=schema).to_pandas()

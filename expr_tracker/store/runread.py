@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 from expr_tracker.store.layout import parse_shard_name, validate_stream
 from expr_tracker.store.shard import ShardReader
@@ -64,8 +64,12 @@ def run_shards(run_dir: str | os.PathLike[str], stream: Any = ALL_STREAMS) -> li
     return out
 
 
-def _int(v: Any) -> bool:
+def _int(v: Any) -> TypeGuard[int]:
     return type(v) is int
+
+
+def _num(v: Any) -> TypeGuard[int | float]:
+    return type(v) is int or type(v) is float
 
 
 def value_kind(v: Any) -> str | None:
@@ -140,14 +144,14 @@ class RunReader:
                     "_rank": rank,
                     "_stream": shard.stream,
                     "_step": step,
-                    "_time": float(t) if type(t) in (int, float) else None,
+                    "_time": float(t) if _num(t) else None,
                 }
                 if want_kind is not None:
                     for k in ("_world_size", "_local_rank"):
                         v = rec.get(k)
                         row[k] = v if _int(v) else None
                     w = rec.get("_weight")
-                    row["_weight"] = float(w) if type(w) in (int, float) else None
+                    row["_weight"] = float(w) if _num(w) else None
                 if metrics is None:
                     for k, v in rec.items():
                         if k[:1] != "_":
