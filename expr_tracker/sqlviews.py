@@ -21,9 +21,11 @@ left out.
 
 Read-only: the database lives in memory; before any file is read, external access is
 turned off except for exactly the files of the views (`allowed_paths`), extensions cannot be
-installed or loaded, and the configuration is locked. `run_query` accepts one SELECT (or
-EXPLAIN) statement, so COPY ... TO, ATTACH, CREATE, SET and friends are refused before they
-run, and DuckDB would refuse any file they name anyway.
+installed or loaded, and the configuration is locked: DuckDB refuses to open any other file
+for reading or writing. It would still write to those allowed files (`COPY ... TO` a shard
+with `USE_TMP_FILE false`), so `run_query` runs only a single SELECT statement: COPY, ATTACH,
+CREATE, SET, PRAGMA, CALL and EXPLAIN (whose ANALYZE form runs its statement) are refused
+before anything runs.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ INCIDENT_COLUMNS = {
     "first_seen": "DOUBLE", "last_seen": "DOUBLE", "detail": "JSON", "state": "VARCHAR",
     "delivered": "BOOLEAN",
 }
-READ_ONLY_TYPES = ("SELECT", "EXPLAIN")
+# not EXPLAIN: `EXPLAIN ANALYZE COPY ... TO` runs the COPY
+READ_ONLY_TYPES = ("SELECT",)
 # the rank and the stream of a row, from the path of its shard (DuckDB's `_file` column)
 _FILE_RANK = r"coalesce(TRY_CAST(regexp_extract(_file, '\.rank([0-9]+)\.jsonl$', 1) AS BIGINT), 0)"
 _FILE_STREAM = (r"NULLIF(regexp_extract(regexp_replace(_file, '(\.rank[0-9]+)?\.jsonl$', ''), "
