@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,wandb,trackio]'
+	$(PY) -m pip install -q -e '.[dev,wandb,trackio,plot,export,query]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(PY) bench/log_overhead.py
 	$(PY) bench/summary.py
 	$(PY) bench/daemon.py
+	$(PY) bench/views.py
 
 completions: $(STAMP)
 	$(PY) -m expr_cli.completions completions

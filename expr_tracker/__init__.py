@@ -37,6 +37,7 @@ __all__ = [
     "init",
     "log",
     "log_rank_metrics",
+    "read_run",
     "remove_alert_rule",
 ]
 
@@ -107,6 +108,13 @@ def history(n: int | None = 50, **kwargs: Any) -> Any:
     from expr_tracker.query import history as _history
 
     return _history(n, **kwargs)
+
+
+def read_run(run: str | os.PathLike[str], **kwargs: Any) -> Any:
+    """Every rank's rows of a run as one pandas DataFrame (or Arrow table, or list of dicts)."""
+    from expr_tracker.export import read_run as _read_run
+
+    return _read_run(run, **kwargs)
 
 
 def info() -> dict[str, Any]:

@@ -1,0 +1,102 @@
+"""`expr export --format parquet` and `expr query` on a synthetic 4,096-rank run.
+
+The run: RANKS shards of STEPS step rows each (`loss`, `lr`, `grad_norm`, `tokens`; one
+`loss` in 997 is the string "NaN"), written as the SDK writes them. Each command runs in its
+own process; wall time is measured around it and peak RSS is that child's own
+(`os.wait4` rusage). Prints a markdown table.
+
+    python bench/views.py [ranks] [steps]
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import orjson
+
+EXPR = [sys.executable, "-c", "from expr_cli.main import entry; entry()"]
+
+
+def make_run(run: Path, ranks: int, steps: int) -> int:
+    """Write the shards; the bytes written."""
+    run.mkdir(parents=True)
+    rnd = random.Random(7)
+    total = 0
+    for r in range(ranks):
+        lines = []
+        for s in range(steps):
+            loss = 2.0 / (1 + s / 50) + rnd.gauss(0, 0.02)
+            row = {"_step": s, "_time": 1.7e9 + s * 0.5 + r * 1e-4,
+                   "loss": "NaN" if (r * steps + s) % 997 == 0 else loss,
+                   "lr": 3e-4, "grad_norm": abs(rnd.gauss(1.0, 0.1)), "tokens": 4096 * (s + 1)}
+            lines.append(orjson.dumps(row))
+        body = b"\n".join(lines) + b"\n"
+        name = "metrics.jsonl" if r == 0 else f"metrics.rank{r}.jsonl"
+        (run / name).write_bytes(body)
+        total += len(body)
+    return total
+
+
+def measure(args: list[str], cwd: Path) -> tuple[float, float, str]:
+    """(seconds, peak RSS MiB, stdout) of one child process."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([*EXPR, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd)
+    out = proc.stdout.read()  # type: ignore[union-attr]
+    err = proc.stderr.read()  # type: ignore[union-attr]
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    dt = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{args}: exit {proc.returncode}: {err.decode()}")
+    return dt, usage.ru_maxrss / 1024, out.decode()
+
+
+def main() -> None:
+    ranks = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
+    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 200
+    with tempfile.TemporaryDirectory(prefix="expr-bench-views-") as tmp:
+        root = Path(tmp)
+        run = root / "proj" / "big"
+        t0 = time.perf_counter()
+        size = make_run(run, ranks, steps)
+        made = time.perf_counter() - t0
+        rows = ranks * steps
+        print(f"run: {ranks} ranks x {steps} steps = {rows:,} rows, {size / 2**20:.0f} MiB in "
+              f"{ranks} shards (written in {made:.1f} s)\n")
+        cases = [
+            ("`expr export --format parquet`", ["export", str(run), "--format", "parquet",
+                                                "--out", str(root / "big.parquet")]),
+            ("`expr export --format csv`", ["export", str(run), "--format", "csv",
+                                            "--out", str(root / "big.csv")]),
+            ("`expr query` count per rank", ["query", str(run), "--csv",
+                                             "SELECT _rank, count(*) AS n FROM metrics GROUP BY 1"]),
+            ("`expr query` NaN count, mean loss over steps 100:200",
+             ["query", str(run), "--csv",
+              "SELECT count(*) FILTER (WHERE isnan(loss)) AS nans, "
+              "avg(loss) FILTER (WHERE NOT isnan(loss) AND _step >= 100) AS mean FROM metrics"]),
+            ("`expr query` DESCRIBE metrics (views only)", ["query", str(run), "--csv",
+                                                           "DESCRIBE metrics"]),
+        ]
+        print("| command | wall time | peak RSS |")
+        print("|---|---|---|")
+        for label, args in cases:
+            dt, rss, out = measure(args, root)
+            if "count per rank" in label:
+                assert out.count("\n") == ranks + 1, out[:200]
+            print(f"| {label} | {dt:.1f} s | {rss:.0f} MiB |")
+        import pyarrow.parquet as pq
+
+        meta = pq.ParquetFile(root / "big.parquet").metadata
+        assert meta.num_rows == rows, meta.num_rows
+        print(f"\nparquet: {meta.num_rows:,} rows, {meta.num_row_groups} row groups, "
+              f"{(root / 'big.parquet').stat().st_size / 2**20:.1f} MiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""A whole run as one table: `et.read_run` (pandas, Arrow) and the writers of `expr export`.
+
+Every writer streams `RunReader` batches (memory bounded by the batch size) into a temp
+file beside the output and renames it into place at the end, so a failure never leaves a
+half-written file under the output's name. Parquet and CSV need the columns first:
+`RunReader.columns()` is a first pass over the run, the rows are the second.
+
+Column types (parquet, Arrow, pandas): `_rank`, `_step`, `_world_size`, `_local_rank` int64;
+`_time`, `_weight` float64; `_stream` string; a metric key is int64 when every value is an
+integer, float64 when every value is a number (NaN/Infinity included, stored as IEEE
+floats), bool, string, or, for a key whose values mix types, a string holding each value's
+JSON text. CSV writes non-finite floats as `NaN`, `Infinity`, `-Infinity`, booleans as
+`true`/`false` and nulls as empty cells; JSONL rows are written as shards are (strict JSON).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import math
+import os
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+
+from expr_tracker.errors import RunNotFoundError
+from expr_tracker.store import records
+from expr_tracker.store.runread import ALL_STREAMS, BATCH_ROWS, RunReader
+
+FORMATS = ("parquet", "csv", "jsonl")
+OUTPUT_TYPES = ("pandas", "arrow", "dict")
+
+
+def open_run(
+    run: str | os.PathLike[str],
+    *,
+    stream: Any = ALL_STREAMS,
+    rank_records: bool = False,
+    metrics: Sequence[str] | str | None = None,
+) -> RunReader:
+    """A RunReader over a run directory (a shard file stands for its directory)."""
+    path = Path(run)
+    if path.is_file():
+        path = path.parent
+    if not path.is_dir():
+        raise RunNotFoundError(f"no run directory at {path}")
+    if isinstance(metrics, str):
+        metrics = [metrics]
+    reader = RunReader(path, stream=stream, rank_records=rank_records, metrics=metrics)
+    if not reader.shards:
+        what = "" if stream is ALL_STREAMS else f" of stream {stream or '(default)'}"
+        raise RunNotFoundError(f"no metrics*.jsonl shards{what} in {path}")
+    return reader
+
+
+def need_pyarrow() -> Any:
+    """`pyarrow`, or ImportError naming the extra that installs it."""
+    try:
+        import pyarrow
+    except ImportError:
+        raise ImportError("needs pyarrow: pip install 'expr-tracker[export]'") from None
+    return pyarrow
+
+
+def _json_text(v: Any) -> str | None:
+    if v is None or type(v) is str:
+        return v
+    return orjson.dumps(records._finite_copy({"v": v})["v"]).decode()
+
+
+def arrow_schema(columns: dict[str, str]) -> Any:
+    """The Arrow schema of `RunReader.columns()`."""
+    pa = need_pyarrow()
+    types = {"int": pa.int64(), "float": pa.float64(), "bool": pa.bool_(), "str": pa.string(),
+             "json": pa.string()}
+    return pa.schema([pa.field(k, types[kind]) for k, kind in columns.items()])
+
+
+def arrow_batch(batch: list[dict[str, Any]], columns: dict[str, str], schema: Any) -> Any:
+    """One Arrow RecordBatch of rows, with every column of `columns` (absent = null)."""
+    pa = need_pyarrow()
+    arrays = []
+    for (key, kind), field in zip(columns.items(), schema, strict=True):
+        values = [row.get(key) for row in batch]
+        if kind == "json":
+            values = [_json_text(v) for v in values]
+        arrays.append(pa.array(values, type=field.type))
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def iter_arrow(reader: RunReader, batch_rows: int = BATCH_ROWS) -> tuple[Any, Iterator[Any]]:
+    """(schema, iterator of RecordBatches) of the run; two passes over the files."""
+    columns = reader.columns()
+    schema = arrow_schema(columns)
+    return schema, (arrow_batch(b, columns, schema) for b in reader.batches(batch_rows))
+
+
+@contextlib.contextmanager
+def _atomic_output(out: Path, binary: bool) -> Iterator[tuple[Path, IO[Any]]]:
+    """A temp file beside `out`, renamed to `out` only when the body finishes."""
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    fh: IO[Any] = open(tmp, "wb") if binary else open(tmp, "w", newline="", encoding="utf-8")  # noqa: SIM115
+    try:
+        yield tmp, fh
+        fh.close()
+        os.replace(tmp, out)
+    except BaseException:
+        fh.close()
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def write_parquet(reader: RunReader, out: str | os.PathLike[str], batch_rows: int = BATCH_ROWS) -> int:
+    """Write the run as one parquet file (a row group per batch); the number of rows."""
+    need_pyarrow()
+    import pyarrow.parquet as pq
+    schema, batches = iter_arrow(reader, batch_rows)
+    n = 0
+    with _atomic_output(Path(out), binary=True) as (_, fh):
+        writer = pq.ParquetWriter(fh, schema)
+        try:
+            for batch in batches:
+                writer.write_batch(batch)
+                n += batch.num_rows
+        finally:
+            writer.close()
+    return n
+
+
+def _csv_cell(v: Any) -> Any:
+    if v is None:
+        return ""
+    t = type(v)
+    if t is float:
+        if not math.isfinite(v):
+            return "NaN" if v != v else ("Infinity" if v > 0 else "-Infinity")
+        return repr(v)
+    if t is bool:
+        return "true" if v else "false"
+    if t in (int, str):
+        return v
+    return _json_text(v)
+
+
+def write_csv(reader: RunReader, out: str | os.PathLike[str], batch_rows: int = BATCH_ROWS) -> int:
+    """Write the run as one CSV file with a header row; the number of rows."""
+    columns = list(reader.columns())
+    n = 0
+    with _atomic_output(Path(out), binary=False) as (_, fh):
+        writer = csv.writer(fh, lineterminator="\n")
+        writer.writerow(columns)
+        for batch in reader.batches(batch_rows):
+            writer.writerows([_csv_cell(row.get(c)) for c in columns] for row in batch)
+            n += len(batch)
+    return n
+
+
+def write_jsonl(reader: RunReader, out: str | os.PathLike[str], batch_rows: int = BATCH_ROWS) -> int:
+    """Write the run as JSON lines (one pass); the number of rows."""
+    n = 0
+    with _atomic_output(Path(out), binary=True) as (_, fh):
+        for batch in reader.batches(batch_rows):
+            fh.write(b"".join(records.dumps(row) for row in batch))
+            n += len(batch)
+    return n
+
+
+WRITERS: dict[str, Callable[[RunReader, str | os.PathLike[str], int], int]] = {
+    "parquet": write_parquet, "csv": write_csv, "jsonl": write_jsonl,
+}
+
+
+def read_run(
+    run: str | os.PathLike[str],
+    *,
+    stream: Any = ALL_STREAMS,
+    rank_records: bool = False,
+    metrics: Sequence[str] | str | None = None,
+    output_type: str = "pandas",
+) -> Any:
+    """Every rank's rows of a run as one table: pandas DataFrame, Arrow table or list of dicts."""
+    if output_type not in OUTPUT_TYPES:
+        raise ValueError(f"output_type must be one of {', '.join(OUTPUT_TYPES)}, got {output_type!r}")
+    reader = open_run(run, stream=stream, rank_records=rank_records, metrics=metrics)
+    if output_type == "dict":
+        return list(reader.rows())
+    if output_type == "arrow":
+        pa = need_pyarrow()
+        schema, batches = iter_arrow(reader)
+        return pa.Table.from_batches(list(batches), schema=schema)
+    try:
+        import pandas as pd
+    except ImportError:
+        raise ImportError("output_type='pandas' needs pandas: pip install pandas") from None
+    try:
+        need_pyarrow()
+    except ImportError:
+        columns = list(reader.columns())
+        return pd.DataFrame.from_records(list(reader.rows()), columns=columns)
+    schema, batches = iter_arrow(reader)
+    return need_pyarrow().Table.from_batches(list(batches), schema=schema).to_pandas()
