@@ -66,8 +66,6 @@ class Session:
     """
 
     def __init__(self, project: str, name: str | None, init_kwargs: dict[str, Any]) -> None:
-        if "project" in init_kwargs or "name" in init_kwargs:
-            raise TypeError("pass project and name as the first arguments, not in init_kwargs")
         self.project = project
         self.name = name
         config = init_kwargs.pop("config", None)
