@@ -3,27 +3,54 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+CONSTRAINTS := constraints.txt
+PIP := $(PY) -m pip install -q -c $(CONSTRAINTS)
 
 .PHONY: demo test lint bench completions clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,wandb,trackio,plot,export,query]'
+	$(PIP) -e '.[dev,wandb,trackio,plot,export,query]'
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
-# torch only for the 0-d tensor test, and only from a local wheel: never a multi-GB download
+# torch comes only from the local CPU wheel, with its dependencies from PyPI (DDP needs
+# sympy and networkx): never a multi-GB CUDA download. constraints.txt pins that build for
+# every later install, so the extras below can never swap in another torch.
+TORCH_WHEEL := /opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl
 TORCH_STAMP := $(VENV)/.torch
+EXTRAS_STAMP := $(VENV)/.extras
+# why an optional install failed, one file per extra: tests/extras.py prints it when skipping
+MISSING := $(VENV)/missing
+INTEGRATIONS := transformers lightning accelerate
 
-$(TORCH_STAMP): $(STAMP)
-	-$(PY) -m pip install -q --no-deps --no-index --find-links /opt/wheels 'torch==2.13.0' 2>/dev/null \
-		|| echo "torch is not available offline here; its test will skip"
+$(TORCH_STAMP): $(STAMP) $(CONSTRAINTS)
+	@mkdir -p $(MISSING) && rm -f $(MISSING)/torch
+	@if [ ! -f $(TORCH_WHEEL) ]; then \
+		echo "no local wheel $(TORCH_WHEEL)" > $(MISSING)/torch; \
+	elif ! $(PIP) $(TORCH_WHEEL) > $(MISSING)/torch.log 2>&1; then \
+		echo "pip install $(TORCH_WHEEL) failed (see $(MISSING)/torch.log)" > $(MISSING)/torch; \
+	fi
+	@if [ -f $(MISSING)/torch ]; then echo "torch not installed: $$(cat $(MISSING)/torch); its tests will skip"; fi
 	touch $(TORCH_STAMP)
 
-test: $(STAMP) $(TORCH_STAMP)
+# each integration extra on its own: one that cannot be installed skips only its own tests
+$(EXTRAS_STAMP): $(TORCH_STAMP)
+	@for extra in $(INTEGRATIONS); do \
+		rm -f $(MISSING)/$$extra; \
+		if [ -f $(MISSING)/torch ]; then \
+			echo "needs torch: $$(cat $(MISSING)/torch)" > $(MISSING)/$$extra; \
+		elif ! $(PIP) -e ".[$$extra]" > $(MISSING)/$$extra.log 2>&1; then \
+			echo "pip install -e '.[$$extra]' failed (see $(MISSING)/$$extra.log)" > $(MISSING)/$$extra; \
+		fi; \
+		if [ -f $(MISSING)/$$extra ]; then echo "extra $$extra not installed: $$(cat $(MISSING)/$$extra)"; fi; \
+	done
+	touch $(EXTRAS_STAMP)
+
+test: $(STAMP) $(EXTRAS_STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 lint: $(STAMP)
@@ -32,7 +59,7 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports --no-cache
 
 bench: $(STAMP)
-	$(PY) -m pip install -q duckdb
+	$(PIP) duckdb
 	$(PY) bench/log_overhead.py
 	$(PY) bench/summary.py
 	$(PY) bench/daemon.py

@@ -32,6 +32,7 @@ __all__ = [
     "alert",
     "finish",
     "flush",
+    "get_run",
     "history",
     "info",
     "init",
@@ -77,6 +78,14 @@ def init(
         time_rule_interval=time_rule_interval,
     )
     _state.set_current(run)
+    return run
+
+
+def get_run() -> Run | None:
+    """The current run of this process, or None before `init` and after `finish`."""
+    run = _state.current
+    if run is None or run._finished:
+        return None
     return run
 
 

@@ -86,6 +86,17 @@ def test_second_init_raises_and_writes_nothing(tmp_path):
     assert not (tmp_path / "p" / "other").exists()
 
 
+def test_get_run_is_the_current_run_or_none(tmp_path):
+    assert et.get_run() is None
+    run = et.init("p", "r", dir=tmp_path)
+    assert et.get_run() is run
+    run.finish()
+    assert et.get_run() is None
+    with et.init("p", "r2", dir=tmp_path) as second:
+        assert et.get_run() is second
+    assert et.get_run() is None
+
+
 def test_log_before_init_raises():
     with pytest.raises(UsageError, match="init"):
         et.log({"x": 1})

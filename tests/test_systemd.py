@@ -19,6 +19,16 @@ from tests.test_daemon import EXPRD, write_config
 
 UNITS = Path(__file__).resolve().parent.parent / "daemon"
 VENV_EXPRD = Path(sys.executable).parent / "exprd"
+README = UNITS.parent / "README.md"
+EXAMPLE_CONFIG = UNITS / "exprd.toml.example"
+INSTALLED_EXPRD = "/opt/exprd/venv/bin/exprd"  # where the README installs exprd
+EXPOSURE = 2.0  # `systemd-analyze security --offline` of exprd.service, as the README says
+
+
+def unit_values(text: str, key: str) -> list[str]:
+    """Every value of `key=` in a unit file, split on whitespace, in order."""
+    return [v for line in text.splitlines() if line.startswith(f"{key}=")
+            for v in line.split("=", 1)[1].split()]
 
 
 def _verify(unit: Path, tmp_path: Path, *, user: bool) -> None:
@@ -27,7 +37,7 @@ def _verify(unit: Path, tmp_path: Path, *, user: bool) -> None:
         pytest.skip("systemd-analyze is not installed (.ci/run installs the systemd package)")
     assert VENV_EXPRD.exists(), VENV_EXPRD
     text = unit.read_text()
-    start = "%h/.local/bin/exprd" if user else "/usr/local/bin/exprd"
+    start = "%h/.local/bin/exprd" if user else INSTALLED_EXPRD
     assert f"ExecStart={start} " in text
     copy = tmp_path / ("exprd.service" if not user else "exprd-user.service")
     copy.write_text(text.replace(f"ExecStart={start} ", f"ExecStart={VENV_EXPRD} "))
@@ -96,3 +106,94 @@ def test_notify_ready_watchdog_stopping_over_a_real_socket(tmp_path: Path) -> No
             proc.wait()
         sock.close()
     assert proc.stderr is not None and b"Traceback" not in proc.stderr.read()
+
+
+def test_security_exposure_is_what_the_readme_says() -> None:
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed (.ci/run installs the systemd package)")
+    proc = subprocess.run(["systemd-analyze", "security", "--offline=true",
+                           str(UNITS / "exprd.service")], capture_output=True, text=True, timeout=60,
+                          env=env_for({"SYSTEMD_COLORS": "0"}))
+    last = [line for line in proc.stdout.splitlines() if "Overall exposure level" in line]
+    assert last, proc.stdout + proc.stderr
+    score = float(last[0].split(":")[1].split()[0])
+    assert score <= EXPOSURE, last[0]
+    assert f"exposure level {EXPOSURE}" in README.read_text()
+
+
+def test_readme_installs_what_the_unit_starts() -> None:
+    readme = README.read_text()
+    text = (UNITS / "exprd.service").read_text()
+    assert unit_values(text, "ExecStart")[0] == INSTALLED_EXPRD
+    assert "python3 -m venv /opt/exprd/venv" in readme
+    assert "/opt/exprd/venv/bin/pip install" in readme
+    assert "daemon/exprd.toml.example /etc/exprd/exprd.toml" in readme
+    assert "--allow-root" in readme
+
+
+def test_example_config_loads_and_documents_every_key() -> None:
+    from exprd import config
+
+    cfg = config.load(EXAMPLE_CONFIG)
+    text = EXAMPLE_CONFIG.read_text()
+    for key in config.KEYS:
+        assert f"\n{key} = " in text or f"[{key}." in text, key
+    # the unit may write where the example config points exprd: spool and run roots
+    rw = unit_values((UNITS / "exprd.service").read_text(), "ReadWritePaths")
+    assert str(cfg.spool) in rw
+    assert [str(r) for r in cfg.allowed_roots or []] == rw[1:]
+    assert unit_values((UNITS / "exprd.service").read_text(), "ExecStart")[2] == "/etc/exprd/exprd.toml"
+
+
+TRAINER_UID, EXPRD_UID = 61001, 61002  # users with no passwd entry: ids are enough here
+
+
+def _hardened(unit: str, rw: list[Path], cmd: list[str]) -> list[str]:
+    """`cmd` as the unit would run it: another user with only the unit's ambient
+    capabilities, in a mount namespace where the file system holding the test is read-only
+    except `rw` (ProtectSystem=strict with ReadWritePaths=)."""
+    caps = ",".join("+" + c.lower().removeprefix("cap_") for c in unit_values(unit, "AmbientCapabilities"))
+    binds = "; ".join(f"mount --bind {p} {p}" for p in rw)
+    script = (f"set -e; mount --make-rprivate /; {binds}; "
+              f"mount -o remount,bind,ro $(findmnt -n -o TARGET -T {rw[0].parent}); "
+              f'exec setpriv --reuid={EXPRD_UID} --regid={EXPRD_UID} --clear-groups '
+              f'--inh-caps={caps} --ambient-caps={caps} "$@"')
+    return ["unshare", "--mount", "sh", "-c", script, "sh", *cmd]
+
+
+def test_retention_deletes_under_the_hardened_unit(tmp_path: Path) -> None:
+    """A training user's 0700 spool directory, the unit's capabilities and writable paths:
+    exprd applies the file, then retention deletes it."""
+    if os.geteuid() != 0 or not all(shutil.which(t) for t in ("unshare", "setpriv", "findmnt")):
+        pytest.skip("needs root and util-linux (unshare, setpriv, findmnt) to play the unit")
+    from tests.test_daemon import lines_of, make_spool, stop, wait_for, wait_ready
+
+    unit = (UNITS / "exprd.service").read_text()
+    spool, state, runs = tmp_path / "spool", tmp_path / "state", tmp_path / "runs"
+    done = make_spool(spool, runs, "old", 5)
+    os.utime(done, (time.time() - 3 * 86400, time.time() - 3 * 86400))
+    for path in [spool, *spool.rglob("*")]:  # the training user's, as the SDK made them (0700)
+        os.chown(path, TRAINER_UID, TRAINER_UID)
+    assert (done.parent.stat().st_mode & 0o777) == 0o700
+    for path in (state, runs):
+        path.mkdir(mode=0o755)
+        os.chown(path, EXPRD_UID, EXPRD_UID)
+    cfg = write_config(tmp_path / "exprd.toml", spool, state, [runs], extra='retention = "1d"\n')
+    check = subprocess.run(_hardened(unit, [spool, state, runs], ["touch", str(tmp_path / "x")]),
+                           capture_output=True, text=True, timeout=30)
+    if "Operation not permitted" in check.stderr and "mount" in check.stderr:
+        pytest.skip(f"no mount namespaces here: {check.stderr.strip()}")
+    assert check.returncode != 0 and "Read-only file system" in check.stderr, check.stderr
+    with open(tmp_path / "exprd.log", "wb") as err:
+        daemon = subprocess.Popen(_hardened(unit, [spool, state, runs], [*EXPRD[:3], "--config", str(cfg)]),
+                                  stdout=subprocess.DEVNULL, stderr=err, env=env_for())
+    try:
+        wait_ready(state, daemon)
+        wait_for(lambda: not done.exists(), 20, "retention to delete the applied spool file")
+    finally:
+        code = stop(daemon)
+    log = (tmp_path / "exprd.log").read_text()
+    assert code == 0, log
+    assert [r["k"] for r in lines_of(runs / "proj" / "old" / "metrics.jsonl")] == list(range(5))
+    assert (runs / "proj" / "old" / "metrics.jsonl").stat().st_uid == EXPRD_UID
+    assert "deleted" in log and "Traceback" not in log

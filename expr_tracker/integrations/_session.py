@@ -1,0 +1,121 @@
+"""The run an adapter drives: started late (when the config is known), one per process.
+
+Trainers hand over their configuration at different moments: Transformers at train begin,
+Lightning after it has already touched the logger, Accelerate after `start()`. `Session`
+starts the run on first use and folds a configuration that arrives after the start into
+the sidecar by resuming the shard with the merged config (the same shard, a new session).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import expr_tracker as et
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def jsonable(value: Any, depth: int = 0) -> Any:
+    """A JSON-safe copy of a trainer's config: containers kept, anything else as its text."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, _SCALARS):
+        return value
+    if depth > 20:  # a self-referencing config: stop, never recurse forever
+        return repr(value)
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [jsonable(v, depth + 1) for v in value]
+    item = getattr(value, "item", None)
+    if callable(item) and getattr(value, "ndim", None) == 0:  # numpy scalars, 0-d tensors
+        try:
+            return jsonable(item(), depth + 1)
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    enum_value = getattr(value, "value", None)
+    if isinstance(enum_value, _SCALARS) and type(value).__module__ != "builtins":
+        return enum_value  # an Enum member (IntervalStrategy.STEPS -> "steps")
+    return str(value)
+
+
+def metrics(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The loggable part of a trainer's metrics: numbers, bools, strings, 0-d tensors.
+
+    Lists, dicts and anything else a trainer puts next to its metrics are left out (the
+    SDK would reject them), as are keys the SDK reserves (leading `_`).
+    """
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if not isinstance(key, str) or not key or key.startswith("_"):
+            continue
+        if isinstance(value, _SCALARS):
+            out[key] = value
+        elif getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
+            out[key] = value  # unwrapped by the SDK
+    return out
+
+
+class Session:
+    """One process's run for an adapter: `init` on first use, `finish` when the trainer ends.
+
+    If the training code already called `et.init`, that run is used and left open at the
+    end: the code that started it finishes it.
+    """
+
+    def __init__(self, project: str, name: str | None, init_kwargs: dict[str, Any]) -> None:
+        self.project = project
+        self.name = name
+        config = init_kwargs.pop("config", None)
+        if config is not None and not isinstance(config, Mapping):
+            raise TypeError(f"config must be a dict, got {type(config).__name__}")
+        self.config: dict[str, Any] = jsonable(dict(config or {}))
+        self.init_kwargs = init_kwargs
+        self.run: et.Run | None = None
+        self.owned = False
+
+    @property
+    def started(self) -> bool:
+        """True while this session's run is open."""
+        return self.run is not None and et.get_run() is self.run
+
+    def ensure(self) -> et.Run:
+        """The open run, started now if need be (a finished one is resumed: same shard)."""
+        if self.started:
+            assert self.run is not None
+            return self.run
+        current = et.get_run()
+        if current is not None:
+            self.run, self.owned = current, False
+            return current
+        self.run = et.init(self.project, self.name, config=self.config, **self.init_kwargs)
+        self.owned = True
+        self.name = self.run.name  # a resumed session keeps the name every rank agreed on
+        return self.run
+
+    def update_config(self, values: Mapping[str, Any]) -> None:
+        """Merge into the run's config; an open run of ours is resumed to record it."""
+        merged = {**self.config, **jsonable(dict(values))}
+        if merged == self.config:
+            return
+        self.config = merged
+        if self.started and self.owned:
+            assert self.run is not None
+            # the sidecar's config is written at init: resume the shard with the new one
+            self.run.finish()
+            self.run = None
+            self.ensure()
+
+    def log(self, values: Mapping[str, Any], step: int | None = None) -> None:
+        """Log the loggable part of `values` at the trainer's `step`."""
+        row = metrics(values)
+        if row:
+            self.ensure().log(row, step=step)
+
+    def finish(self, status: str = "finished") -> None:
+        """Finish the run if this session started it."""
+        if self.run is not None and self.owned and self.started:
+            self.run.finish(status)
+        self.run = None

@@ -1,0 +1,54 @@
+"""Transformers: `ExprTrackerCallback`, a `TrainerCallback` that records a `Trainer` run.
+
+    from expr_tracker.integrations.transformers import ExprTrackerCallback
+    trainer = Trainer(model, args, train_dataset=ds, callbacks=[ExprTrackerCallback("proj", "sft-1")])
+
+Unlike the built-in reporters it runs on every process: under torchrun each rank writes its
+own shard. The run config is the model config with the `TrainingArguments` over it (the
+shape wandb's callback uses); `to_dict()` has already masked the hub token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import TrainerCallback
+
+from expr_tracker.integrations._session import Session, jsonable
+
+
+class ExprTrackerCallback(TrainerCallback):
+    """Records a `Trainer` run: init at train begin, each `on_log` at its global step, finish at the end.
+
+    `init_kwargs` go to `expr_tracker.init` (dir, stream, upload_mode, alert_rules, ...);
+    a `config=` there is merged under the trainer's.
+    """
+
+    def __init__(self, project: str, name: str | None = None, **init_kwargs: Any) -> None:
+        self.session = Session(project, name, init_kwargs)
+
+    @property
+    def run(self) -> Any:
+        """The `expr_tracker.Run` of this process once training has begun, else None."""
+        return self.session.run
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
+                       **kwargs: Any) -> None:
+        """Start (or resume) this process's shard with the trainer's config."""
+        config: dict[str, Any] = {}
+        model_config = getattr(model, "config", None)
+        if model_config is not None:
+            config.update(model_config if isinstance(model_config, dict) else model_config.to_dict())
+        config.update(args.to_dict())
+        self.session.config = {**self.session.config, **jsonable(config)}
+        self.session.ensure()
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
+               **kwargs: Any) -> None:
+        """Log the trainer's numbers at `state.global_step` (same-step calls share one row)."""
+        if logs:
+            self.session.log(logs, step=int(state.global_step))
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Finish the run (a run the training code started itself is left to it)."""
+        self.session.finish()

@@ -1,0 +1,134 @@
+"""The Transformers callback with the real Trainer on a tiny GPT-2 built in code, on CPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import orjson
+import pytest
+
+import expr_tracker as et
+from tests.extras import need
+from tests.procs import env_for
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# a training script: tiny model and data made in code (no download), every rank the same
+SCRIPT = """
+import sys, torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from expr_tracker.integrations.transformers import ExprTrackerCallback
+
+torch.manual_seed(0)
+config = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16,
+                    bos_token_id=0, eos_token_id=0)
+model = GPT2LMHeadModel(config)
+data = [{"input_ids": torch.randint(0, 64, (8,)), "labels": torch.randint(0, 64, (8,))}
+        for _ in range(48)]
+distributed = len(sys.argv) > 2
+args = TrainingArguments(output_dir=sys.argv[1] + "/out", max_steps=6, logging_steps=2,
+                         per_device_train_batch_size=4, report_to=[], save_strategy="no",
+                         use_cpu=True, disable_tqdm=True, learning_rate=1e-3,
+                         **({"ddp_backend": "gloo"} if distributed else {}))
+callback = ExprTrackerCallback("hf", "tiny", dir=sys.argv[1] + "/runs",
+                               config={"dataset": "random-48"})
+Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
+import expr_tracker as et
+assert et.get_run() is None, "the callback finishes the run it started"
+"""
+
+
+def _rows(path: Path) -> list[dict]:
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+
+
+def _check_shard(run_dir: Path, shard: str, rank: int, world: int) -> None:
+    rows = _rows(run_dir / f"{shard}.jsonl")
+    # logging_steps=2 over 6 steps: rows at 2, 4, 6; the summary joins step 6's row
+    assert [r["_step"] for r in rows] == [2, 4, 6]
+    assert all(isinstance(r["loss"], float) and "learning_rate" in r for r in rows)
+    assert "train_loss" in rows[-1] and "train_runtime" in rows[-1]
+    side = json.loads((run_dir / f"{shard}.meta.json").read_text())
+    assert side["status"] == "finished"
+    assert (side["rank"], side["world_size"]) == (rank, world)
+    config = side["config"]
+    assert config["n_embd"] == 16 and config["model_type"] == "gpt2"  # the model config
+    assert config["max_steps"] == 6 and config["logging_steps"] == 2  # TrainingArguments
+    assert config["dataset"] == "random-48"  # the caller's own config
+
+
+def test_trainer_single_process_writes_one_shard(tmp_path: Path) -> None:
+    need("transformers", "transformers")
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env_for(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    run_dir = tmp_path / "runs" / "hf" / "tiny"
+    _check_shard(run_dir, "metrics", 0, 1)
+    assert sorted(p.name for p in run_dir.glob("*.jsonl")) == ["metrics.jsonl"]
+
+
+def test_trainer_under_torchrun_writes_a_shard_per_rank(tmp_path: Path) -> None:
+    need("transformers", "transformers")
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(script), str(tmp_path), "ddp"]
+    proc = subprocess.run(cmd, env=env_for({"OMP_NUM_THREADS": "1"}), capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_dir = tmp_path / "runs" / "hf" / "tiny"
+    _check_shard(run_dir, "metrics", 0, 2)
+    _check_shard(run_dir, "metrics.rank1", 1, 2)
+
+
+def test_callback_in_process_reuses_a_run_the_code_started(tmp_path: Path) -> None:
+    need("transformers", "transformers")
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from expr_tracker.integrations.transformers import ExprTrackerCallback
+
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True)
+    state, control = TrainerState(), TrainerControl()
+    mine = et.init("hf", "mine", dir=tmp_path)
+    callback = ExprTrackerCallback("hf", "ignored", dir=tmp_path)
+    callback.on_train_begin(args, state, control)
+    assert callback.run is mine
+    state.global_step = 3
+    callback.on_log(args, state, control, logs={"loss": 0.5, "per_class": [1, 2], "_x": 1})
+    callback.on_train_end(args, state, control)
+    assert et.get_run() is mine  # the code that started it finishes it
+    mine.finish()
+    assert [(r["_step"], r["loss"]) for r in _rows(mine.shard_path)] == [(3, 0.5)]
+    assert not (tmp_path / "hf" / "ignored").exists()
+
+
+def test_bad_arguments_raise_at_the_call(tmp_path: Path) -> None:
+    need("transformers", "transformers")
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from expr_tracker.integrations.transformers import ExprTrackerCallback
+
+    with pytest.raises(TypeError, match="config must be a dict"):
+        ExprTrackerCallback("hf", "x", config=[1, 2])
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True)
+    callback = ExprTrackerCallback("hf", "x", dir=tmp_path, stream="a/b")
+    with pytest.raises(ValueError, match="stream"):
+        callback.on_train_begin(args, TrainerState(), TrainerControl())
+    assert not (tmp_path / "hf").exists()
+
+
+def test_import_expr_tracker_does_not_import_integrations() -> None:
+    code = textwrap.dedent("""
+        import sys, expr_tracker
+        print([m for m in sys.modules if m.startswith(("expr_tracker.integrations", "transformers",
+               "lightning", "pytorch_lightning", "accelerate", "torch"))])
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=ROOT)
+    assert out.stdout.strip() == "[]"
