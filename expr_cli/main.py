@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 PROG = "expr"
 # Each module registers the command (or command group) of the same name.
-COMMAND_MODULES = ("runs", "shards", "history", "tail", "summary", "alerts", "rules", "replay", "status")
+COMMAND_MODULES = ("runs", "shards", "history", "tail", "summary", "alerts", "rules", "replay", "status",
+                   "query")
 # Commands whose modules declare FAST_ARGS, FAST_OPTIONS and fast_run: `entry` runs them
 # without typer when `resolve.parse_fast` understands the arguments. Importing typer, and
 # the pydantic models it coerces parameters with, costs more than the whole of `expr history`.
@@ -135,7 +136,13 @@ def entry() -> None:
 def _command_module(name: str) -> ModuleType:
     import importlib
 
-    return importlib.import_module(f"{__package__}.{name}")
+    try:
+        return importlib.import_module(f"{__package__}.{name}")
+    except ModuleNotFoundError as exc:
+        if name == "query" and exc.name == f"{__package__}.query":
+            # until `expr query RUN SQL` (DuckDB) lands, `expr query` is the team store's path
+            return importlib.import_module(f"{__package__}.store")
+        raise
 
 
 def _run_fast(module: ModuleType, args: list[str]) -> None:

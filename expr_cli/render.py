@@ -234,6 +234,17 @@ def history(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], title: st
     _show(console(), title, table)
 
 
+def query_table(names: Sequence[str], rows: Sequence[Sequence[Any]], title: str) -> None:
+    """`expr query --store`: the answer's rows under their column names."""
+    numeric = [n for i, n in enumerate(names)
+               if rows and all(isinstance(r[i], (int, float)) or r[i] is None for r in rows)]
+    table = _table(list(names), right=numeric)
+    for row in rows:
+        table.add_row(*(fmt_cell(v) if not isinstance(v, (list, dict)) else json.dumps(v)
+                        for v in row))
+    _show(console(), title, table)
+
+
 def tail_line(row: Mapping[str, Any], rank: int | None, metrics: Sequence[str] | None) -> None:
     """One followed row as a single line, flushed at once (readers sit on a pipe)."""
     from rich.text import Text

@@ -23,6 +23,7 @@ from expr_tracker.backends.base import MAX_BACKOFF, RETRY_STATUS, Counters, Iden
 from expr_tracker.backends.journal import idempotency_key
 from expr_tracker.store.records import encode_value
 
+
 def _wire(event: Mapping[str, Any]) -> dict[str, Any]:
     """A record in strict JSON form: non-finite floats become "NaN"/"Infinity" strings."""
     out: dict[str, Any] = {}
