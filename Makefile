@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(PY) bench/log_overhead.py
 	$(PY) bench/summary.py
 	$(PY) bench/daemon.py
+	-$(PY) bench/clickhouse.py
 
 completions: $(STAMP)
 	$(PY) -m expr_cli.completions completions
