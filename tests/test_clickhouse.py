@@ -419,7 +419,7 @@ def test_exprd_without_clickhouse_config_warns_and_forwards_nothing(
     proc = exprd_once(write_config(tmp_path / "exprd.toml", spool, state, [root]))
     assert "backend 'clickhouse'" in proc.stderr
     assert not _exists(server, db)
-    assert (root / "proj" / "nocfg" / "metrics.jsonl").read_bytes().count(b"\n") == 10
+    assert (root / "proj" / "nocfg" / "metrics.jsonl").read_bytes().count(b"\n") == 20
 
 
 # -- incidents ---------------------------------------------------------------------------
