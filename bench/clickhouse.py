@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.daemon import EXPRD, spawn_writer  # noqa: E402
-from tests.chserver import ClickHouse  # noqa: E402
+from bench.daemon import EXPRD, spawn_writer
+from tests.chserver import ClickHouse
 
 WRITERS = 8
 
