@@ -64,6 +64,7 @@ bench: $(STAMP)
 	$(PY) bench/summary.py
 	$(PY) bench/daemon.py
 	$(PY) bench/views.py
+	-$(PY) bench/clickhouse.py
 
 completions: $(STAMP)
 	$(PY) -m expr_cli.completions completions

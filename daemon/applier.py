@@ -144,9 +144,8 @@ class RunPipeline:
         self.applied = 0
         self.skipped = 0
         self.alerting = spec.alert_on_rank is None or spec.alert_on_rank == spec.rank
-        reporting = spec.backend_on_rank is None or spec.backend_on_rank == spec.rank
-        self.forwarder = Forwarder(spec, cfg, backend_offsets,
-                                   enabled=reporting and not dry_run)
+        # which backends this rank feeds is decided per backend (backend_on_rank "auto")
+        self.forwarder = Forwarder(spec, cfg, backend_offsets, enabled=not dry_run)
         self.rules = self._ruleset(spec.rules)
         self.pipeline = Pipeline(
             self.slot.writer, spec.identity, rules=self.rules,

@@ -16,6 +16,13 @@
     type = "http"
     url = "https://metrics.example/ingest"
     token_env = "METRICS_TOKEN"
+
+    [backends.clickhouse]                # the team store (README "Team store")
+    type = "clickhouse"
+    url = "http://ch.internal:8123"
+    database = "expr"
+    user_env = "CLICKHOUSE_USER"
+    password_env = "CLICKHOUSE_PASSWORD"
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ class Forwarder:
         specs = resolve(spec.backends, cfg)
         if not specs:
             return
-        from expr_tracker.backends.base import Identity
+        from expr_tracker.backends.base import Identity, reports_on_rank
         from expr_tracker.backends.journal import BatchJournal
         from expr_tracker.backends.registry import make_backend
         from expr_tracker.backends.worker import BackendWorker
@@ -122,12 +122,16 @@ class Forwarder:
             project=ident["project"], name=ident["name"], stream=ident.get("stream"),
             rank=spec.rank, world_size=ident["world_size"],
             config=dict(ident.get("config") or {}), dir=str(spec.paths.run_dir),
+            session=spec.session, start=spec.time,
         )
         for name, bspec in specs.items():
             try:
                 backend = make_backend(bspec)
             except (TypeError, ValueError) as exc:
                 log.warning("backend %s: %s", name, exc)
+                continue
+            if not reports_on_rank(spec.backend_on_rank, spec.rank,
+                                   getattr(backend, "every_rank", False)):
                 continue
             journal = None
             if cfg.state is not None and callable(getattr(backend, "log_batch", None)):

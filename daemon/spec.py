@@ -43,7 +43,7 @@ class RunSpec:
     pid_start: int | None
     rules: list[Any] = field(default_factory=list)
     alert_on_rank: int | None = 0
-    backend_on_rank: int | None = 0
+    backend_on_rank: int | str | None = 0  # a rank, None (every rank) or "auto" (per backend)
     backend_rank_metrics: bool = False
     backends: list[Any] = field(default_factory=list)
 
@@ -105,7 +105,8 @@ def check_init(ev: Mapping[str, Any], path: Path, spool_root: Path, cfg: Config)
         pid_start=pid_start if type(pid_start) is int else None,
         rules=list(ev.get("rules") or []),
         alert_on_rank=_opt_rank(ev, "alert_on_rank"),
-        backend_on_rank=_opt_rank(ev, "backend_on_rank"),
+        backend_on_rank="auto" if ev.get("backend_on_rank") == "auto"
+        else _opt_rank(ev, "backend_on_rank"),
         backend_rank_metrics=ev.get("backend_rank_metrics") is True,
         backends=list(ev.get("backends") or []),
     )

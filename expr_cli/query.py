@@ -8,6 +8,7 @@ import decimal
 import json
 import math
 import sys
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .errors import CLIError
@@ -59,21 +60,30 @@ def query_command(run: str, sql: str, dir: str | None, as_json: bool, as_csv: bo
     ref = resolve_run(run, root_dir(dir))
     with connect(ref.path) as con:
         result = run_query(con, sql)
-        columns = [d[0] for d in result.description]
-        if as_json:
-            _print_json(columns, result)
-        elif as_csv:
-            writer = csv.writer(sys.stdout, lineterminator="\n")
-            writer.writerow(columns)
-            for rows in _chunks(result):
-                writer.writerows([_csv(v) for v in row] for row in rows)
-            sys.stdout.flush()
-        else:
-            from . import render_views
+        print_result([d[0] for d in result.description], _chunks(result), as_json, as_csv)
 
-            shown = result.fetchmany(TABLE_ROWS)
-            more = sum(len(rows) for rows in _chunks(result))
-            render_views.query_table(columns, shown, more)
+
+def print_result(columns: list[str], chunks: Iterator[Sequence[Sequence[Any]]], as_json: bool,
+                 as_csv: bool) -> None:
+    """A result set as a JSON array, CSV or a table: the local views and the team store alike."""
+    if as_json:
+        _print_json(columns, chunks)
+    elif as_csv:
+        writer = csv.writer(sys.stdout, lineterminator="\n")
+        writer.writerow(columns)
+        for rows in chunks:
+            writer.writerows([_csv(v) for v in row] for row in rows)
+        sys.stdout.flush()
+    else:
+        from . import render_views
+
+        shown: list[Sequence[Any]] = []
+        more = 0
+        for rows in chunks:
+            room = TABLE_ROWS - len(shown)
+            shown.extend(rows[:room])
+            more += max(len(rows) - room, 0)
+        render_views.query_table(columns, shown, more)
 
 
 def _csv(v: Any) -> Any:
@@ -89,12 +99,12 @@ def _csv(v: Any) -> Any:
     return v
 
 
-def _print_json(columns: list[str], result: Any) -> None:
+def _print_json(columns: list[str], chunks: Iterator[Sequence[Sequence[Any]]]) -> None:
     """A JSON array of row objects, written as rows arrive (memory bounded by a chunk)."""
     out = sys.stdout
     out.write("[")
     first = True
-    for rows in _chunks(result):
+    for rows in chunks:
         for row in rows:
             obj = {c: plain(v) for c, v in zip(columns, row, strict=True)}
             out.write(("\n  " if first else ",\n  ") + json.dumps(obj, allow_nan=False))
@@ -107,26 +117,53 @@ def register(app: typer.Typer) -> None:
     """Add `expr query`."""
     import typer
 
-    from .resolve import DIR_OPT, JSON_OPT, RUN_ARG
+    from .resolve import DIR_OPT, JSON_OPT
 
-    sql_arg = typer.Argument(..., metavar="SQL", show_default=False,
-                             help="One SELECT over the views metrics, ranks, alerts, incidents.")
+    args_arg = typer.Argument(..., metavar="[RUN] SQL", show_default=False,
+                              help="RUN and one SELECT over its views metrics, ranks, alerts, "
+                                   "incidents; with --store only the SQL.")
     csv_opt = typer.Option(False, "--csv", help="Print CSV instead of a table.")
+    store_opt = typer.Option(None, "--store", metavar="URL",
+                             help="Query the team store (ClickHouse HTTP URL) instead of a run.")
+    user_opt = typer.Option("CLICKHOUSE_USER", "--user-env", metavar="VAR",
+                            help="With --store: the variable holding the user name.")
+    password_opt = typer.Option("CLICKHOUSE_PASSWORD", "--password-env", metavar="VAR",
+                                help="With --store: the variable holding the password.")
+    timeout_opt = typer.Option(30.0, "--timeout", help="With --store: seconds to wait.")
 
     @app.command(
         "query",
-        epilog='Example: expr query sft-1 "SELECT _rank, max(loss) AS worst FROM metrics GROUP BY _rank"',
+        epilog='Examples: expr query sft-1 "SELECT _rank, max(loss) AS worst FROM metrics GROUP BY _rank"'
+               ' | expr query --store http://ch:8123 "SELECT name, max(step) FROM expr.metrics FINAL'
+               ' GROUP BY name"',
     )
     def query(
-        run: str = RUN_ARG,
-        sql: str = sql_arg,
+        args: list[str] = args_arg,
         json: bool = JSON_OPT,
         as_csv: bool = csv_opt,
         dir: str | None = DIR_OPT,
+        store: str | None = store_opt,
+        user_env: str = user_opt,
+        password_env: str = password_opt,
+        timeout: float = timeout_opt,
     ) -> None:
         """SQL over RUN with DuckDB, read-only: views metrics (step rows of every rank, with
-        _rank and _stream), ranks (rank records), alerts and incidents.
+        _rank and _stream), ranks (rank records), alerts and incidents; or, with --store, over
+        the team store (ClickHouse tables metrics, rank_metrics, runs, alerts, incidents).
 
         Non-finite values are DOUBLE NaN/inf; see `expr query RUN "DESCRIBE metrics"`.
         """
-        query_command(run, sql, dir, json, as_csv)
+        if store is not None:
+            if len(args) != 1:
+                raise CLIError("with --store, give only the SQL (no RUN)", 2)
+            from .store import run_store_query
+
+            if json and as_csv:
+                raise CLIError("--json and --csv exclude each other", 2)
+            names, rows = run_store_query(store, args[0], user_env=user_env,
+                                          password_env=password_env, timeout=timeout)
+            print_result(names, iter([rows]), json, as_csv)
+            return
+        if len(args) != 2:
+            raise CLIError("expr query takes RUN and SQL (or --store URL and SQL)", 2)
+        query_command(args[0], args[1], dir, json, as_csv)

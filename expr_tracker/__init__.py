@@ -56,7 +56,7 @@ def init(
     alert_on_rank: int | None = 0,
     alert: Mapping[str, Any] | None = None,
     backends: Sequence[str | Mapping[str, Any]] = (),
-    backend_on_rank: int | None = 0,
+    backend_on_rank: int | str | None = "auto",
     backend_rank_metrics: bool = False,
     upload_mode: str | None = None,
     spool_dir: str | os.PathLike[str] | None = None,

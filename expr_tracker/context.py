@@ -33,7 +33,7 @@ class RunContext:
     spool_root: Path
     paths: ShardPaths
     alert_on_rank: int | None
-    backend_on_rank: int | None
+    backend_on_rank: int | str | None  # a rank, None (every rank) or "auto" (per backend)
     backend_rank_metrics: bool
     time_rule_interval: float
     warn_once: Callable[[str, str], None]
@@ -61,8 +61,3 @@ class RunContext:
     def alerting(self) -> bool:
         """Does this rank deliver alerts (`alert_on_rank` is it, or None for every rank)?"""
         return self.alert_on_rank is None or self.alert_on_rank == self.rank
-
-    @property
-    def reporting(self) -> bool:
-        """Does this rank feed the backends (`backend_on_rank` is it, or None)?"""
-        return self.backend_on_rank is None or self.backend_on_rank == self.rank

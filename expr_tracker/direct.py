@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from expr_tracker.context import RunContext
@@ -18,7 +19,6 @@ class DirectSink:
         self.run = run
         self.seq = None  # direct mode does not number records (spool events do)
         self.alerting = run.alerting
-        self.reporting = run.reporting
         self.writer = ShardWriter(
             run.paths,
             run.identity(),
@@ -33,12 +33,14 @@ class DirectSink:
         self.last_step = cursor.last_step
         self.next_step = 0 if cursor.last_step is None else cursor.last_step + 1
         self.writer.write_sidecar()
+        backends = self._backends()
+        self.reporting = bool(backends)
         self.pipeline = Pipeline(
             self.writer,
             run.identity(),
             rules=run.ruleset,
             dispatcher=None,
-            backends=self._backends() if self.reporting else (),
+            backends=backends,
             alerting=self.alerting,
             reporting=self.reporting,
             warn=run.warn_once,
@@ -67,15 +69,20 @@ class DirectSink:
     def _backends(self) -> list[Any]:
         if not self.run.backend_objs:
             return []
-        from expr_tracker.backends.base import Identity
+        from expr_tracker.backends.base import Identity, reports_on_rank
         from expr_tracker.backends.worker import BackendWorker
 
         run = self.run
+        mine = [b for b in run.backend_objs
+                if reports_on_rank(run.backend_on_rank, run.rank, getattr(b, "every_rank", False))]
+        if not mine:
+            return []
         ident = Identity(
             project=run.project, name=run.name, stream=run.stream, rank=run.rank,
             world_size=run.world_size, config=run.config, dir="",  # backends use their own dirs (WANDB_DIR)
+            session=run.session, start=time.time(),
         )
-        return [BackendWorker(b, ident, rank_metrics=run.backend_rank_metrics) for b in run.backend_objs]
+        return [BackendWorker(b, ident, rank_metrics=run.backend_rank_metrics) for b in mine]
 
     # -- the sink interface used by Run ---------------------------------------
     def apply(self, record: dict[str, Any], nonfinite: bool | None) -> None:

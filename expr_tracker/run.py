@@ -85,7 +85,7 @@ class Run:
         alert_on_rank: int | None = 0,
         alert: Mapping[str, Any] | None = None,
         backends: Sequence[str | Mapping[str, Any]] = (),
-        backend_on_rank: int | None = 0,
+        backend_on_rank: int | str | None = "auto",
         backend_rank_metrics: bool = False,
         upload_mode: str | None = None,
         spool_dir: str | os.PathLike[str] | None = None,
@@ -129,7 +129,13 @@ class Run:
             raise ValueError(f"WORLD_SIZE={info.world_size} is over the supported {MAX_WORLD}")
         self.rank, self.world_size, self.local_rank = info.rank, info.world_size, info.local_rank
         self.alert_on_rank = _check_rank_option(alert_on_rank, "alert_on_rank", self.world_size)
-        self.backend_on_rank = _check_rank_option(backend_on_rank, "backend_on_rank", self.world_size)
+        # "auto": each backend's default (backends.base.reports_on_rank): rank 0, or every
+        # rank for the team store, whose rows carry their rank
+        if isinstance(backend_on_rank, str) and backend_on_rank != "auto":
+            raise ValueError(f"backend_on_rank must be 'auto', a rank or None, not {backend_on_rank!r}")
+        self.backend_on_rank: int | str | None = (
+            "auto" if backend_on_rank == "auto"
+            else _check_rank_option(backend_on_rank, "backend_on_rank", self.world_size))
         self.backend_rank_metrics = bool(backend_rank_metrics)
 
         if isinstance(alert_rules, (str, Mapping)):

@@ -7,9 +7,12 @@ implementation modules when a backend is opened.
 
 from __future__ import annotations
 
+import email.utils
 import importlib.util
 import logging
+import math
 import threading
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,8 +22,29 @@ from expr_tracker.store.layout import validate_name, validate_stream
 
 log = logging.getLogger("expr_tracker.backends")
 
+RETRY_STATUS = frozenset({408, 429})  # client errors worth retrying
+_MAX_RETRY_AFTER = 300.0  # seconds; a server asking for longer is treated as this
+MAX_BACKOFF = 60.0  # seconds; the longest pause between two retries of one send
 _WARNED_MISSING: set[str] = set()
 _WARNED_LOCK = threading.Lock()
+
+
+def retry_after(value: str | None) -> float | None:
+    """Seconds to wait from a Retry-After header (delta seconds or an HTTP date)."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        seconds = when.timestamp() - time.time()
+    if math.isnan(seconds):
+        return None
+    return min(max(seconds, 0.0), _MAX_RETRY_AFTER)
 
 
 @dataclass(frozen=True)
@@ -34,6 +58,10 @@ class Identity:
     world_size: int = 1
     config: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     dir: str = ""
+    # the shard session (spool session id, or the SDK's per-init id) and when it started;
+    # a backend that keeps one row per session (the team store's `runs`) keys on them
+    session: str = field(default="", compare=False)
+    start: float = field(default=0.0, compare=False)
 
     def __post_init__(self) -> None:
         validate_name(self.project, "project")
@@ -181,3 +209,18 @@ def reportable(record: Mapping[str, Any], rank_metrics: bool) -> dict[str, Any] 
 def user_row(record: Mapping[str, Any]) -> dict[str, Any]:
     """The metric items of a record (reserved `_` keys removed)."""
     return {k: v for k, v in record.items() if k[:1] != "_"}
+
+
+AUTO_RANK = "auto"  # backend_on_rank default: each backend's own choice of reporting ranks
+
+
+def reports_on_rank(on_rank: int | str | None, rank: int, every_rank: bool) -> bool:
+    """Whether `rank` feeds a backend, from the run's `backend_on_rank`.
+
+    A rank: only that one; None: every rank; "auto": the backend's own default, which is
+    every rank for backends whose rows carry their rank (`every_rank`, the team store)
+    and rank 0 for the others (a remote run of wandb or trackio has one step axis).
+    """
+    if on_rank == AUTO_RANK:
+        return every_rank or rank == 0
+    return on_rank is None or on_rank == rank

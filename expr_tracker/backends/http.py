@@ -12,41 +12,16 @@ placed in the Authorization header.
 
 from __future__ import annotations
 
-import email.utils
-import math
 import os
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import orjson
 
-from expr_tracker.backends.base import Counters, Identity
+from expr_tracker.backends.base import MAX_BACKOFF, RETRY_STATUS, Counters, Identity, retry_after
 from expr_tracker.backends.journal import idempotency_key
 from expr_tracker.store.records import encode_value
-
-_RETRY_STATUS = frozenset({408, 429})
-_MAX_RETRY_AFTER = 300.0  # seconds; a server asking for longer is treated as this
-_MAX_BACKOFF = 60.0
-
-
-def retry_after(value: str | None) -> float | None:
-    """Seconds to wait from a Retry-After header (delta seconds or an HTTP date)."""
-    if not value:
-        return None
-    value = value.strip()
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError):
-            return None
-        seconds = when.timestamp() - time.time()
-    if math.isnan(seconds):
-        return None
-    return min(max(seconds, 0.0), _MAX_RETRY_AFTER)
 
 
 def _wire(event: Mapping[str, Any]) -> dict[str, Any]:
@@ -152,13 +127,13 @@ class HttpBackend:
                 if resp.status_code < 300:
                     return
                 cause = f"http{what}: status {resp.status_code}"
-                if resp.status_code < 500 and resp.status_code not in _RETRY_STATUS:
+                if resp.status_code < 500 and resp.status_code not in RETRY_STATUS:
                     self.counters.error(cause, "not retried", records=records)
                     return
                 wait = retry_after(resp.headers.get("Retry-After"))
             if attempt == self.retries:
                 break
-            pause = wait if wait is not None else min(delay, _MAX_BACKOFF)
+            pause = wait if wait is not None else min(delay, MAX_BACKOFF)
             delay *= 2
             if self._stop.wait(pause):
                 cause = f"http{what}: interrupted"

@@ -18,6 +18,8 @@ _SPEC_KEYS: dict[str, frozenset[str]] = {
     "wandb": frozenset({"entity", "project", "mode"}),
     "trackio": frozenset({"project"}),
     "http": frozenset({"url", "token_env", "batch", "timeout", "retries", "backoff"}),
+    "clickhouse": frozenset({"url", "database", "user_env", "password_env", "create", "batch",
+                             "timeout", "retries", "backoff"}),
 }
 
 
@@ -33,40 +35,56 @@ def _check_spec(kind: str, spec: Mapping[str, Any]) -> dict[str, Any]:
                 f"backend {kind!r}: unknown key {key!r}; allowed: {', '.join(sorted(allowed))}"
             )
         kwargs[key] = value
-    for key in ("entity", "project", "mode", "url", "token_env"):
+    for key in ("entity", "project", "mode", "url", "token_env", "database", "user_env",
+                "password_env"):
         if key in kwargs and not isinstance(kwargs[key], str):
             raise ValueError(f"backend {kind!r}: {key} must be a string")
     if kind == "wandb" and kwargs.get("mode") not in (None, "online", "offline", "disabled"):
         raise ValueError(
             f"backend 'wandb': mode must be online, offline or disabled, not {kwargs['mode']!r}"
         )
-    if kind == "http":
-        url = kwargs.get("url")
-        if not url:
-            raise ValueError("backend 'http': url is required")
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(
-                f"backend 'http': url must start with http:// or https://, not {url!r}"
-            )
-        if "token_env" in kwargs and not _ENV_NAME.match(kwargs["token_env"]):
-            raise ValueError(
-                f"backend 'http': token_env {kwargs['token_env']!r} is not a variable name"
-            )
-        for key, lo in (("batch", 1), ("retries", 0)):
-            value = kwargs.get(key, lo)
-            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-                raise ValueError(f"backend 'http': {key} must be an integer >= {lo}")
-        for key in ("timeout", "backoff"):
-            value = kwargs.get(key, 1.0)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"backend 'http': {key} must be a positive number")
+    if kind in ("http", "clickhouse"):
+        _check_remote(kind, kwargs)
     return kwargs
+
+
+def _check_remote(kind: str, kwargs: dict[str, Any]) -> None:
+    """The keys of the backends that send to a URL (http, clickhouse)."""
+    url = kwargs.get("url")
+    if not url:
+        raise ValueError(f"backend {kind!r}: url is required")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"backend {kind!r}: url must start with http:// or https://, not {url!r}")
+    if "@" in url.split("://", 1)[1].split("/", 1)[0]:
+        # a URL is logged and shown; credentials belong in the environment
+        raise ValueError(f"backend {kind!r}: url must not hold credentials; "
+                         "name environment variables with user_env/password_env or token_env")
+    for key in ("token_env", "user_env", "password_env"):
+        if key in kwargs and not _ENV_NAME.match(kwargs[key]):
+            raise ValueError(f"backend {kind!r}: {key} {kwargs[key]!r} is not a variable name")
+    if "database" in kwargs:
+        from expr_tracker.backends.clickhouse import DATABASE_RE
+
+        if not DATABASE_RE.match(kwargs["database"]):
+            raise ValueError(f"backend {kind!r}: database {kwargs['database']!r} must be letters, "
+                             "digits and _, not starting with a digit")
+    if "create" in kwargs and not isinstance(kwargs["create"], bool):
+        raise ValueError(f"backend {kind!r}: create must be true or false")
+    for key, lo in (("batch", 1), ("retries", 0)):
+        value = kwargs.get(key, lo)
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+            raise ValueError(f"backend {kind!r}: {key} must be an integer >= {lo}")
+    for key in ("timeout", "backoff"):
+        value = kwargs.get(key, 1.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"backend {kind!r}: {key} must be a positive number")
 
 
 def make_backend(spec: str | Mapping[str, Any] | Backend) -> Backend:
     """Build a backend from `"wandb"`, `"trackio"` or a mapping with a `type` key.
 
-    For example `{"type": "http", "url": ..., "token_env": "EXPR_HTTP_TOKEN", "batch": 100}`.
+    For example `{"type": "http", "url": ..., "token_env": "EXPR_HTTP_TOKEN", "batch": 100}`
+    or `{"type": "clickhouse", "url": "http://ch:8123", "database": "expr"}`.
 
     Raises ValueError naming the field for an unknown type or key. Imports no
     optional package: a missing one is reported when the backend is opened.
@@ -77,7 +95,7 @@ def make_backend(spec: str | Mapping[str, Any] | Backend) -> Backend:
     elif isinstance(spec, Mapping):
         spec_type = spec.get("type")
         if not isinstance(spec_type, str):
-            raise ValueError("backend spec: type is required (wandb, trackio or http)")
+            raise ValueError("backend spec: type is required (wandb, trackio, http or clickhouse)")
         kind, options = spec_type, spec
     elif all(callable(getattr(spec, m, None)) for m in ("open", "log", "alert", "finish")):
         return spec  # a user's own backend object (direct mode only)
@@ -99,6 +117,10 @@ def make_backend(spec: str | Mapping[str, Any] | Backend) -> Backend:
         from expr_tracker.backends.trackio import TrackioBackend
 
         return TrackioBackend(**kwargs)
+    if kind == "clickhouse":
+        from expr_tracker.backends.clickhouse import ClickHouseBackend
+
+        return ClickHouseBackend(**kwargs)
     from expr_tracker.backends.http import HttpBackend
 
     return HttpBackend(**kwargs)

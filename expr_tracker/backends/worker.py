@@ -50,6 +50,8 @@ class BackendWorker:
         self.batch = batch
         self.rank_metrics = rank_metrics
         self.journal = journal
+        # a backend that stores rank records as they are (the team store) gets every record
+        self._raw = getattr(backend, "raw_records", False) is True
         self._counters = Counters()
         self._cond = threading.Condition()
         self._items: deque[tuple[int, dict[str, Any]]] = deque()
@@ -97,7 +99,7 @@ class BackendWorker:
     def submit(self, record: Mapping[str, Any]) -> None:
         """Queue one record. Never blocks, never raises; a full queue counts it `dropped`."""
         try:
-            row = reportable(record, self.rank_metrics)
+            row = dict(record) if self._raw else reportable(record, self.rank_metrics)
         except Exception as exc:
             self._counters.error(
                 f"{self._name}: unreadable record: {type(exc).__name__}", str(exc), records=1

@@ -1,0 +1,380 @@
+"""The team store: records forwarded to ClickHouse over its HTTP interface (DESIGN 16).
+
+Every batch becomes `INSERT INTO <db>.<table> FORMAT JSONEachRow` requests: one row per
+value of a step row into `metrics`, one row per value of a `log_rank_metrics` record into
+`rank_metrics`. The tables are `ReplacingMergeTree`s whose sorting key ends in the event
+id, so an event sent twice (a retry, exprd restarted, `expr replay`) collapses to one row
+under `FINAL` (and after merges). Where the server knows `insert_deduplication_token`,
+the batch key (`first..last` event id, kept across restarts by exprd's batch journal) is
+sent as that token too.
+
+Nothing touches the network before the first send: the schema (`create = true`) is made
+then, inside the same retry loop, so a server that is down when a run starts costs
+retries, not the run's data. Credentials come from the environment variables named by
+`user_env` / `password_env` and only ever travel in the Authorization header.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import orjson
+
+from expr_tracker.backends.base import MAX_BACKOFF, Counters, Identity, retry_after
+from expr_tracker.backends.journal import idempotency_key
+
+DATABASE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
+TABLES = ("metrics", "rank_metrics", "runs", "alerts", "incidents")
+_CODE = re.compile(rb"Code: (\d+)")
+# ClickHouse error codes of data the server cannot parse or convert: the same body sent
+# again cannot succeed. Everything else (down, overloaded, a wrong password or a missing
+# grant an operator fixes) is retried: within `retries` in direct mode, until it works in
+# exprd, whose spool holds the data meanwhile.
+_DATA_ERRORS = frozenset({6, 26, 27, 38, 41, 53, 62, 69, 70, 72, 117})
+_NONFINITE = {"nan": "nan", "inf": "inf", "-inf": "-inf"}
+
+_VALUE_COLUMNS = "step Int64, time Float64, key String, value Float64, text String, event_id String"
+_ORDER = "ORDER BY (project, name, stream, rank, key, step, event_id)"
+
+
+def schema(db: str) -> list[str]:
+    """The statements that create database `db` and its five tables (idempotent)."""
+    q = f"`{db}`"
+    ident = "project String, name String, stream String, rank UInt32"
+    return [
+        f"CREATE DATABASE IF NOT EXISTS {q}",
+        f"CREATE TABLE IF NOT EXISTS {q}.metrics ({ident}, {_VALUE_COLUMNS}) "
+        f"ENGINE = ReplacingMergeTree {_ORDER}",
+        f"CREATE TABLE IF NOT EXISTS {q}.rank_metrics ({ident}, world_size UInt32, "
+        f"local_rank Nullable(UInt32), weight Float64, {_VALUE_COLUMNS}) "
+        f"ENGINE = ReplacingMergeTree {_ORDER}",
+        # one row per shard session; the newest version (status change) wins under FINAL
+        f"CREATE TABLE IF NOT EXISTS {q}.runs ({ident}, session String, world_size UInt32, "
+        "config String, status String, start_time Float64, end_time Float64, version UInt64) "
+        "ENGINE = ReplacingMergeTree(version) ORDER BY (project, name, stream, rank, session)",
+        f"CREATE TABLE IF NOT EXISTS {q}.alerts ({ident}, time Float64, step Nullable(Int64), "
+        "kind String, level String, rule String, title String, text String, event_id String) "
+        "ENGINE = ReplacingMergeTree ORDER BY (project, name, stream, rank, time, kind, rule, title)",
+        # DESIGN 13 incident lines; one row per (kind, ranks, first_seen), the last change wins
+        f"CREATE TABLE IF NOT EXISTS {q}.incidents (project String, name String, stream String, "
+        "kind String, ranks Array(UInt32), hosts Array(String), step Nullable(Int64), "
+        "first_seen Float64, last_seen Float64, detail String, state String, delivered UInt8, "
+        "version UInt64) ENGINE = ReplacingMergeTree(version) "
+        "ORDER BY (project, name, stream, kind, ranks, first_seen)",
+    ]
+
+
+class _Failure(Exception):
+    """One failed request: `retry` says whether the same request may succeed later."""
+
+    def __init__(self, cause: str, detail: str = "", *, retry: bool, wait: float | None = None):
+        super().__init__(cause)
+        self.cause, self.detail, self.retry, self.wait = cause, detail, retry, wait
+
+
+def _value(value: Any) -> tuple[Any, str] | None:
+    """(value column, text column) of one record value, or None to skip it.
+
+    Numbers go to `value` (non-finite ones as ClickHouse's `nan`/`inf`/`-inf`); booleans
+    to `value` as 1/0 with "true"/"false" in `text`; strings to `text` with `value` nan.
+    """
+    cls = value.__class__
+    if cls is float:
+        if value - value == 0.0:
+            return value, ""
+        return ("nan" if value != value else "inf" if value > 0 else "-inf"), ""
+    if cls is int:
+        return float(value), ""
+    if cls is bool:
+        return (1.0, "true") if value else (0.0, "false")
+    if cls is str:
+        return "nan", value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return _value(float(value))
+    return None
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return ""
+    return value if isinstance(value, str) else orjson.dumps(value).decode()
+
+
+class ClickHouseBackend:
+    """Inserts records, alerts, incidents and run rows into a ClickHouse database."""
+
+    name = "clickhouse"
+    every_rank = True  # rows carry their rank: every rank reports unless backend_on_rank says
+    raw_records = True  # rank records go to `rank_metrics` as they are, not as rank/<r>/<key>
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        database: str = "expr",
+        user_env: str = "CLICKHOUSE_USER",
+        password_env: str = "CLICKHOUSE_PASSWORD",
+        create: bool = True,
+        batch: int = 1000,
+        timeout: float = 10.0,
+        retries: int = 8,
+        backoff: float = 0.5,
+    ) -> None:
+        self.url = url.rstrip("/") + "/"
+        self.database = database
+        self.user_env = user_env
+        self.password_env = password_env
+        self.create = create
+        self.batch = batch
+        self.timeout = float(timeout)
+        self.retries = retries
+        self.backoff = float(backoff)
+        self.counters = Counters()
+        self.identity: Identity | None = None
+        self._client: Any = None
+        self._stop = threading.Event()
+        self._ready = False  # schema made (or create = false) and the server's settings known
+        self._token = False  # the server knows insert_deduplication_token
+        self._run_row = False  # this session's `runs` row says running
+        self._last_time = 0.0
+
+    # -- the Backend protocol ------------------------------------------------------------
+    def open(self, identity: Identity) -> None:
+        """Create the HTTP client (credentials read from the environment now); no request."""
+        import httpx
+
+        self.identity = identity
+        user = os.environ.get(self.user_env)
+        password = os.environ.get(self.password_env, "")
+        auth = httpx.BasicAuth(user, password) if user else None
+        self._client = httpx.Client(auth=auth, timeout=self.timeout,
+                                    headers={"User-Agent": "expr-tracker"})
+
+    def interrupt(self) -> None:
+        """Cut retry waits short: pending retries give up (thread-safe)."""
+        self._stop.set()
+
+    def log(self, events: Sequence[Mapping[str, Any]]) -> None:
+        """Insert `events` in batches of `batch`, each retried at most `retries` times."""
+        for start in range(0, len(events), self.batch):
+            self._send(events[start : start + self.batch], keep=False)
+
+    def log_batch(self, events: Sequence[Mapping[str, Any]]) -> None:
+        """Insert one journaled batch (exprd): retried until the server acknowledges it.
+
+        exprd's checkpoint passes a batch only once this returns, so a server that is down
+        for a long time holds the batch (and, past exprd's high-water mark, its spool
+        file) instead of losing it. `interrupt()` (exprd stopping) cuts it short: the batch
+        is sent again after the restart, under the same key.
+        """
+        self._send(events, keep=True)
+
+    def alert(self, alert: Mapping[str, Any]) -> None:
+        """Insert one alert (from the run's alerting rank) into `alerts`."""
+        ident = self._ident()
+        row = {
+            **self._key(ident, alert.get("rank", ident.rank)),
+            "time": float(alert.get("time") or 0.0),
+            "step": alert.get("step") if isinstance(alert.get("step"), int) else None,
+            **{k: _text(alert.get(k)) for k in ("kind", "level", "rule", "title", "text")},
+            "event_id": _text(alert.get("event_id")),
+        }
+        if not self._insert("alerts", [orjson.dumps(row)], None, keep=False):
+            raise RuntimeError("the alert was not stored (see the clickhouse/alerts error)")
+
+    def incident(self, incident: Mapping[str, Any]) -> None:
+        """Insert one incident line (DESIGN 13: kind, ranks, hosts, step, first_seen,
+        last_seen, detail, state, delivered); the newest line of an incident wins."""
+        ident = self._ident()
+        last = float(incident.get("last_seen") or 0.0)
+        resolved = incident.get("state") == "resolved"
+        step = incident.get("step")
+        row = {
+            "project": ident.project, "name": ident.name, "stream": ident.stream or "",
+            "kind": _text(incident.get("kind")),
+            "ranks": sorted(int(r) for r in incident.get("ranks") or ()),
+            "hosts": [str(h) for h in incident.get("hosts") or ()],
+            "step": step if isinstance(step, int) and not isinstance(step, bool) else None,
+            "first_seen": float(incident.get("first_seen") or 0.0),
+            "last_seen": last,
+            "detail": _text(incident.get("detail")),
+            "state": _text(incident.get("state")),
+            "delivered": 1 if incident.get("delivered") else 0,
+            # later lines win; of two lines at one instant, the resolution
+            "version": int(last * 1000) * 2 + resolved,
+        }
+        if not self._insert("incidents", [orjson.dumps(row)], None, keep=False):
+            raise RuntimeError("the incident was not stored (see the clickhouse/incidents error)")
+
+    def finish(self, status: str) -> None:
+        """Record the session's final status in `runs`, then close the client.
+
+        exprd stopping closes a live run's backend with status `running`: nothing is
+        written then (the run goes on, and a later exprd finishes it).
+        """
+        try:
+            if self._client is not None and status in ("finished", "crashed"):
+                self._runs_row(status, keep=False)
+        finally:
+            client, self._client = self._client, None
+            if client is not None:
+                client.close()
+
+    # -- rows ------------------------------------------------------------------------------
+    def _ident(self) -> Identity:
+        if self.identity is None or self._client is None:
+            raise RuntimeError("clickhouse backend used before open()")
+        return self.identity
+
+    @staticmethod
+    def _key(ident: Identity, rank: Any) -> dict[str, Any]:
+        return {"project": ident.project, "name": ident.name, "stream": ident.stream or "",
+                "rank": rank if type(rank) is int and rank >= 0 else ident.rank}
+
+    def rows(self, events: Sequence[Mapping[str, Any]]) -> tuple[list[bytes], list[bytes]]:
+        """The JSONEachRow lines of `events`: (metrics rows, rank_metrics rows)."""
+        ident = self._ident()
+        metrics: list[bytes] = []
+        ranks: list[bytes] = []
+        dumps = orjson.dumps
+        for ev in events:
+            kind = ev.get("_kind")
+            if kind is not None and kind != "rank":
+                continue
+            when = ev.get("_time")
+            when = float(when) if isinstance(when, (int, float)) else 0.0
+            self._last_time = max(self._last_time, when)
+            step = ev.get("_step")
+            base = self._key(ident, ev.get("_rank"))
+            base["step"] = step if type(step) is int else 0
+            base["time"] = when
+            base["event_id"] = ev.get("_id") or ""
+            out = metrics
+            if kind == "rank":
+                out = ranks
+                world, local, weight = ev.get("_world_size"), ev.get("_local_rank"), ev.get("_weight")
+                base["world_size"] = world if type(world) is int else ident.world_size
+                base["local_rank"] = local if type(local) is int else None
+                base["weight"] = float(weight) if isinstance(weight, (int, float)) else 1.0
+            for key, raw in ev.items():
+                if key[:1] == "_":
+                    continue
+                got = _value(raw)
+                if got is None:
+                    continue
+                base["key"] = key
+                base["value"], base["text"] = got
+                out.append(dumps(base))
+        return metrics, ranks
+
+    # -- sending ---------------------------------------------------------------------------
+    def _send(self, events: Sequence[Mapping[str, Any]], *, keep: bool) -> None:
+        """Insert one batch; its failure is counted once, in events, under `failed`."""
+        self._ident()
+        if not events:
+            return
+        metrics, ranks = self.rows(events)
+        key = idempotency_key(events, b"\n".join(metrics + ranks))
+        ok = True
+        if not self._run_row:
+            self._run_row = self._runs_row("running", keep=keep)
+            ok = self._run_row or not keep
+        for table, lines in (("metrics", metrics), ("rank_metrics", ranks)):
+            if ok and lines:
+                ok = self._insert(table, lines, f"{key}/{table}", keep=keep)
+        if not ok:
+            self.counters.add("failed", len(events))
+
+    def _runs_row(self, status: str, *, keep: bool) -> bool:
+        ident = self._ident()
+        running = status == "running"
+        row = {
+            **self._key(ident, ident.rank),
+            "session": ident.session,
+            "world_size": ident.world_size,
+            "config": orjson.dumps(ident.config).decode(),
+            "status": status,
+            "start_time": ident.start,
+            "end_time": 0.0 if running else (self._last_time or time.time()),
+            "version": time.time_ns() // 1000,
+        }
+        return self._insert("runs", [orjson.dumps(row)], None, keep=keep)
+
+    def _insert(self, table: str, lines: list[bytes], token: str | None, *, keep: bool) -> bool:
+        """INSERT `lines` into `table`; True once the server acknowledged them."""
+        body = b"\n".join(lines) + b"\n"
+        sql = f"INSERT INTO `{self.database}`.{table} FORMAT JSONEachRow"
+
+        def attempt() -> None:
+            self._prepare()
+            params = {"query": sql}
+            if token is not None and self._token:
+                params["insert_deduplication_token"] = token
+            self._request(params, body)
+
+        return self._retry(f"clickhouse/{table}", attempt, keep=keep)
+
+    def _prepare(self) -> None:
+        """Create the schema (once, if `create`) and learn the server's settings."""
+        if self._ready:
+            return
+        if self.create:
+            for statement in schema(self.database):
+                self._request({"query": statement}, b"")
+        found = self._request({"query": "SELECT count() FROM system.settings "
+                               "WHERE name = 'insert_deduplication_token'"}, b"")
+        self._token = found.strip() not in (b"", b"0")
+        self._ready = True
+
+    def _request(self, params: dict[str, str], body: bytes) -> bytes:
+        """POST one statement; raises `_Failure` unless the server answers 200."""
+        import httpx
+
+        if self._client is None:
+            raise _Failure("closed", retry=False)
+        try:
+            resp = self._client.post(self.url, params=params, content=body)
+        except httpx.TransportError as exc:
+            raise _Failure(type(exc).__name__, str(exc), retry=True) from None
+        if resp.status_code == 200:
+            return bytes(resp.content)
+        text = bytes(resp.content[:300])
+        m = _CODE.search(text)
+        code = int(m.group(1)) if m else None
+        detail = text.decode("utf-8", "replace").strip().splitlines()[0] if text else ""
+        cause = f"status {resp.status_code}" + (f", code {code}" if code is not None else "")
+        raise _Failure(cause, detail, retry=code not in _DATA_ERRORS,
+                       wait=retry_after(resp.headers.get("Retry-After")))
+
+    def _retry(self, what: str, attempt: Callable[[], None], *, keep: bool) -> bool:
+        """Run `attempt` until it succeeds, is refused, is interrupted or (unless `keep`)
+        runs out of retries; every failure is counted under its cause, the first logged."""
+        delay = self.backoff
+        tries = 0
+        while True:
+            if self._stop.is_set():
+                self.counters.error(f"{what}: interrupted")
+                return False
+            try:
+                attempt()
+                return True
+            except _Failure as exc:
+                tries += 1
+                if not exc.retry:
+                    self.counters.error(f"{what}: {exc.cause}", f"{exc.detail}; not retried")
+                    return False
+                if not keep and tries > self.retries:
+                    self.counters.error(f"{what}: not delivered",
+                                        f"{exc.cause}; gave up after {tries} attempts")
+                    return False
+                self.counters.error(f"{what}: {exc.cause}", f"{exc.detail}; retrying")
+                pause = exc.wait if exc.wait is not None else min(delay, MAX_BACKOFF)
+                delay *= 2
+            if self._stop.wait(pause):
+                self.counters.error(f"{what}: interrupted")
+                return False
