@@ -111,13 +111,25 @@ class RunState:
         steps = [r.last_step for r in self.ranks.values() if r.last_step is not None]
         return max(steps) if steps else None
 
+    @property
+    def lead(self) -> int | None:
+        """The latest step any live rank has reported (any rank once none is live)."""
+        steps = [r.last_step for r in self.live if r.last_step is not None]
+        if not steps:
+            steps = [r.last_step for r in self.ranks.values() if r.last_step is not None]
+        return max(steps) if steps else None
+
     def behind(self, rank: int) -> int | None:
-        """How many steps `rank` is short of the frontier (0 at or past it; None if unknown)."""
-        front = self.frontier
+        """How many steps `rank` is short of the lead (0 for the leaders; None if unknown).
+
+        The frontier is the slowest live rank, so nobody is behind *it*: a rank is behind
+        the ranks ahead of it (DESIGN 13's `behind` detector counts from the lead).
+        """
+        lead = self.lead
         state = self.ranks.get(rank)
-        if front is None or state is None or state.last_step is None:
+        if lead is None or state is None or state.last_step is None:
             return None
-        return max(0, front - state.last_step)
+        return max(0, lead - state.last_step)
 
 
 class _ShardTail:
