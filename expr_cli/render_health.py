@@ -56,6 +56,13 @@ def incident_lines(incidents: Sequence[Incident], label: str, as_json: bool) -> 
         out.print(incident_text(inc.as_line()))
 
 
+def no_incidents(label: str) -> None:
+    """`expr watch --once` found nothing open."""
+    from rich.text import Text
+
+    console(soft_wrap=True).print(Text(f"no open incidents in {label}", style="green"))
+
+
 def _age(seconds: float | None) -> str:
     if seconds is None:
         return "-"

@@ -71,6 +71,8 @@ def watch_command(run: str, dir: str | None, stream: str | None, once: bool, as_
                            {c.key for c in changes}]
         render_health.incident_lines(first, ref.label, as_json)
         if once:
+            if not first and not as_json:
+                render_health.no_incidents(ref.label)
             disp.flush(FLUSH_TIMEOUT)
             return 1 if watcher.open else 0
         while True:
