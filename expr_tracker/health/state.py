@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,7 @@ class RankState:
     step_times: list[tuple[int, float]] = field(default_factory=list)  # recent (step, _time)
     last_row: dict[str, Any] | None = None  # the latest step row (for `expr top -m KEY`)
 
-    @property
+    @cached_property
     def live(self) -> bool:
         """Still training: status running (a dead writer on this host is already `crashed`)."""
         return self.status == "running"
@@ -81,7 +82,8 @@ class RunState:
     rank_records: dict[int, list[dict[str, Any]]]  # by the records' own `_rank`, oldest first
     read_time: float  # wall clock when the pass started
 
-    @property
+    # computed once per pass: the detectors ask for them per rank
+    @cached_property
     def world_size(self) -> int | None:
         """The largest world size any sidecar or rank record names (None if none does)."""
         sizes = [r.world_size for r in self.ranks.values() if r.world_size]
@@ -91,12 +93,12 @@ class RunState:
                 sizes.append(ws)
         return max(sizes) if sizes else None
 
-    @property
+    @cached_property
     def live(self) -> list[RankState]:
         """The live ranks (status running), ascending."""
         return [r for r in self.ranks.values() if r.live]
 
-    @property
+    @cached_property
     def frontier(self) -> int | None:
         """The latest step every live rank has reported (DESIGN 13).
 
@@ -111,7 +113,7 @@ class RunState:
         steps = [r.last_step for r in self.ranks.values() if r.last_step is not None]
         return max(steps) if steps else None
 
-    @property
+    @cached_property
     def lead(self) -> int | None:
         """The latest step any live rank has reported (any rank once none is live)."""
         steps = [r.last_step for r in self.live if r.last_step is not None]
