@@ -18,7 +18,8 @@ from typing import Any
 
 import orjson
 
-from expr_tracker.spool import SpoolReader, pid_alive
+from expr_tracker.procs import pid_alive
+from expr_tracker.spool import SpoolReader
 
 from .applier import RunPipeline, ShardPool
 from .config import Config

@@ -12,7 +12,7 @@ from typing import Any
 
 import typer
 
-from expr_tracker.spool import pid_alive
+from expr_tracker.procs import pid_alive
 from expr_tracker.store import records
 from expr_tracker.store.shard import ShardReader, read_sidecar
 

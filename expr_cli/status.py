@@ -11,7 +11,7 @@ from typing import Any
 
 import typer
 
-from expr_tracker.spool import pid_alive
+from expr_tracker.procs import pid_alive
 
 from .errors import CLIError
 from .resolve import JSON_OPT

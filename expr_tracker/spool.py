@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 
 from expr_tracker.context import RunContext
+from expr_tracker.procs import proc_start
 from expr_tracker.store import records
 from expr_tracker.store.layout import ShardPaths, spool_path
 from expr_tracker.store.shard import (
@@ -43,40 +44,6 @@ _SESSION_RE = r"[A-Za-z0-9_\-]+"
 def event_id(session: str, seq: int) -> str:
     """The id of a spool event: the Idempotency-Key of every remote delivery of it."""
     return f"{session}:{seq}"
-
-
-def proc_start(pid: int) -> int | None:
-    """The start time of process `pid` in clock ticks since boot (Linux), else None.
-
-    Stored in the init event so exprd can tell a dead writer from a reused pid.
-    """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
-        return int(stat[stat.rfind(b")") + 2 :].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def pid_alive(pid: int, start: int | None = None) -> bool:
-    """True if process `pid` runs (not a zombie) and, when known, started at `start`."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            stat = fh.read()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    tail = stat[stat.rfind(b")") + 2 :].split()
-    if not tail or tail[0] in (b"Z", b"X"):
-        return False
-    return start is None or proc_start(pid) == start
 
 
 def make_private_dirs(path: Path) -> None:
