@@ -258,16 +258,25 @@ class Run:
                 with self._lock:
                     if self._fast_ok and data:
                         step = self._step
-                        self._step = step + 1
-                        self._last_step = step
                         sink = self._sink
                         seq = sink.seq
                         if seq is None:
                             record = {"_step": step, "_time": _time(), **data}
                         else:  # spool mode: every event is numbered
                             record = {"_step": step, "_time": _time(), "_seq": seq, **data}
+                        try:
+                            line = _dumps(record, nonfinite) if nonfinite else _orjson_dumps(record, option=_NL)
+                        except TypeError:
+                            # a key orjson cannot encode (a lone surrogate): nothing has
+                            # changed yet; the full path below refuses it naming the key
+                            line = None
+                    else:
+                        line = None
+                    if line is not None:
+                        self._step = step + 1
+                        self._last_step = step
+                        if seq is not None:
                             sink.seq = seq + 1
-                        line = _dumps(record, nonfinite) if nonfinite else _orjson_dumps(record, option=_NL)
                         fast(line)
                         after = sink.after_write
                         if after is not None:

@@ -42,7 +42,7 @@ def test_stream_with_a_rank_segment_is_refused_at_init(tmp_path):
 
 @pytest.mark.parametrize("stream", ["rank2.data", "a.rank10.b", "x.rank0"])
 def test_rank_segments_anywhere_are_refused(stream):
-    with pytest.raises(ValueError, match="^stream"):
+    with pytest.raises(ValueError, match=r"^stream"):
         et.init("p", "r", stream=stream)
 
 
@@ -51,3 +51,81 @@ def test_rank_like_words_are_fine(stream, tmp_path):
     run = et.init("p", "r", dir=tmp_path, stream=stream)
     et.finish()
     assert run.stream == stream
+
+
+# -- case 12: a key or value orjson cannot encode -------------------------------------
+
+UNENCODABLE = """
+import glob, json, expr_tracker as et
+run = et.init("p", "r", dir={root!r}, upload_mode={mode!r}, spool_dir={spool!r})
+errors = []
+et.log({{"x": 0.0}})
+for bad, kw in (({{"\\ud800": 1.0}}, {{}}), ({{"ok": 1.0, "\\udfff": 2}}, {{"commit": False}}),
+                ({{"text": "a\\ud800b"}}, {{}}), ({{"y": 1.0, "k\\udc80": 1.0}}, {{"step": 1}})):
+    try:
+        et.log(bad, **kw)
+    except ValueError as exc:
+        errors.append(str(exc))
+for i in range(1, 4):
+    et.log({{"x": float(i)}})
+info = et.info()
+et.finish()
+if {mode!r} == "spool":
+    (path,) = glob.glob({spool!r} + "/p/r/*.jsonl")
+    lines = [json.loads(x) for x in open(path)]
+    rows = [e["x"] for e in lines if "_event" not in e]
+    seqs = [e["_seq"] for e in lines]
+else:
+    rows = [json.loads(x)["x"] for x in open(run.shard_path)]
+    seqs = None
+print(json.dumps({{"errors": errors, "rows": rows, "seqs": seqs, "dropped": info["dropped"],
+                  "steps": info["last_step"]}}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["direct", "spool"])
+def test_unencodable_keys_and_values_are_refused_at_the_call(tmp_path, mode):
+    code = UNENCODABLE.format(root=str(tmp_path / "runs"), mode=mode, spool=str(tmp_path / "spool"))
+    (out,) = run_all([spawn(code)])
+    got = json.loads(out)
+    assert len(got["errors"]) == 4, got
+    for err, key in zip(got["errors"], ["'\\ud800'", "'\\udfff'", "'text'", "'k\\udc80'"], strict=True):
+        assert key in err, (err, key)
+    assert got["rows"] == [0.0, 1.0, 2.0, 3.0]  # nothing else affected, nothing lost
+    assert got["dropped"] == {} and got["steps"] == 3
+    if mode == "spool":
+        assert got["seqs"] == list(range(len(got["seqs"])))  # no hole in the numbering
+
+
+# -- case 19: the string-size limit, at the call, in both modes ---------------------
+
+BIG_STRING = """
+import glob, json, expr_tracker as et
+run = et.init("p", "r", dir={root!r}, upload_mode={mode!r}, spool_dir={spool!r})
+errors = []
+for row in ({{"sample": "x" * (17 * 1024 * 1024)}},
+            {{f"t{{i}}": "y" * (1024 * 1024) for i in range(10)}}):
+    try:
+        et.log(row)
+    except ValueError as exc:
+        errors.append(str(exc)[:200])
+et.log({{"sample": "z" * 1000, "x": 1.0}})
+et.finish()
+print(json.dumps(errors))
+"""
+
+
+@pytest.mark.parametrize("mode", ["direct", "spool"])
+def test_a_huge_string_is_refused_at_the_call(tmp_path, mode):
+    spool = tmp_path / "spool"
+    code = BIG_STRING.format(root=str(tmp_path / "runs"), mode=mode, spool=str(spool))
+    (out,) = run_all([spawn(code)])
+    errors = json.loads(out)
+    assert len(errors) == 2
+    assert "'sample'" in errors[0] and "bytes" in errors[0]
+    assert "'t" in errors[1] and "row" in errors[1]
+    files = list(spool.rglob("*.jsonl")) if mode == "spool" else [tmp_path / "runs/p/r/metrics.jsonl"]
+    (path,) = files
+    assert path.stat().st_size < 64 * 1024  # nothing of the refused rows reached the disk
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [r["x"] for r in rows if "x" in r] == [1.0]
