@@ -129,3 +129,64 @@ def test_a_huge_string_is_refused_at_the_call(tmp_path, mode):
     assert path.stat().st_size < 64 * 1024  # nothing of the refused rows reached the disk
     rows = [json.loads(x) for x in path.read_text().splitlines()]
     assert [r["x"] for r in rows if "x" in r] == [1.0]
+
+
+# -- case 13: rank options against an unknown world size -----------------------------
+
+UNKNOWN_WORLD = """
+import json, expr_tracker as et
+run = et.init("p", "r", dir={root!r}, alert_on_rank=3, backend_on_rank=2, upload_mode={mode!r},
+              spool_dir={spool!r})
+for step in range(3):
+    run.log_rank_metrics({{"step_time": 0.1 * (run.rank + 1)}}, step=step)
+    et.log({{"loss": 1.0}})
+info = et.info()
+et.finish()
+print(json.dumps({{"world_size": info["world_size"], "alerting": info["alerting"],
+                  "reporting": info["reporting"]}}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["direct", "spool"])
+def test_rank_options_with_no_world_size_do_not_crash(tmp_path, mode):
+    """`RANK=k python train.py` without WORLD_SIZE: the world size is unknown, not k + 1."""
+    root, spool = tmp_path / "runs", tmp_path / "spool"
+    code = UNKNOWN_WORLD.format(root=str(root), mode=mode, spool=str(spool))
+    infos = [json.loads(o) for o in run_all([spawn(code, {"RANK": str(r)}) for r in range(4)])]
+    assert [i["world_size"] for i in infos] == [None] * 4
+    if mode == "direct":
+        assert [i["alerting"] for i in infos] == [False, False, False, True]
+        assert [i["reporting"] for i in infos] == [False, False, True, False]
+    else:
+        from .test_daemon import exprd_once, write_config
+
+        exprd_once(write_config(tmp_path / "exprd.toml", spool, tmp_path / "state", [root]))
+    run_dir = root / "p" / "r"
+    for r in range(4):
+        stem = "metrics" if r == 0 else f"metrics.rank{r}"
+        side = json.loads((run_dir / f"{stem}.meta.json").read_text())
+        assert side["rank"] == r and side["world_size"] is None  # stored as null: unknown
+        recs = [json.loads(x) for x in (run_dir / f"{stem}.jsonl").read_text().splitlines()]
+        ranks = [x for x in recs if x.get("_kind") == "rank"]
+        assert len(ranks) == 3 and all(x["_world_size"] is None for x in ranks)
+    # readers keep working: the world is what the rank records show
+    from typer.testing import CliRunner
+
+    from expr_cli.main import build_app
+
+    result = CliRunner().invoke(build_app(), ["summary", str(run_dir), "--json"])
+    assert result.exit_code == 0, result.output
+    assert '"step_time"' in result.output
+
+
+def test_rank_options_are_checked_against_a_known_world_size(tmp_path):
+    code = f"""
+    import expr_tracker as et
+    try:
+        et.init("p", "r", dir={str(tmp_path)!r}, alert_on_rank=3)
+    except ValueError as exc:
+        print(exc)
+    """
+    (out,) = run_all([spawn(code, {"RANK": "0", "WORLD_SIZE": "2"})])
+    assert "alert_on_rank=3" in out and "WORLD_SIZE=2" in out
+    assert not (tmp_path / "p").exists()

@@ -288,14 +288,17 @@ def rank_record(
     import time
 
     step = check_step(step)
-    if isinstance(world_size, bool) or not isinstance(world_size, int):
-        raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
-    if not 1 <= world_size <= MAX_WORLD:
-        raise ValueError(f"world_size must be between 1 and {MAX_WORLD}, got {world_size}")
+    # world_size None: unknown (the launcher did not set WORLD_SIZE); written as null
+    if world_size is not None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int):
+            raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
+        if not 1 <= world_size <= MAX_WORLD:
+            raise ValueError(f"world_size must be between 1 and {MAX_WORLD}, got {world_size}")
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise TypeError(f"rank must be an int, got {type(rank).__name__}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must satisfy 0 <= rank < world_size ({world_size}), got {rank}")
+    bound = MAX_WORLD if world_size is None else world_size
+    if not 0 <= rank < bound:
+        raise ValueError(f"rank must satisfy 0 <= rank < world_size ({bound}), got {rank}")
     if local_rank is not None and (
         isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0
     ):
