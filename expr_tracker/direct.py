@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from expr_tracker.context import RunContext
+from expr_tracker.errors import UsageError
 from expr_tracker.pipeline import Pipeline
-from expr_tracker.store.shard import ShardWriter
+from expr_tracker.store.shard import ShardBusyError, ShardWriter
 
 FINISH_TIMEOUT = 30.0
 
@@ -27,8 +28,13 @@ class DirectSink:
             write_sidecar=run.rank_aware or run.rank == 0,
             warn=run.warn_once,
             dropped=run.dropped,
+            exclusive=True,  # one writer per shard (DESIGN 5); per rank in a shared file
+            own_rank=run.rank,  # a shared file resumes after this rank's own rows
         )
-        cursor = self.writer.open()
+        try:
+            cursor = self.writer.open()
+        except ShardBusyError as exc:
+            raise UsageError(str(exc)) from None
         self.rows = cursor.rows
         self.last_step = cursor.last_step
         self.next_step = 0 if cursor.last_step is None else cursor.last_step + 1

@@ -190,3 +190,131 @@ def test_rank_options_are_checked_against_a_known_world_size(tmp_path):
     (out,) = run_all([spawn(code, {"RANK": "0", "WORLD_SIZE": "2"})])
     assert "alert_on_rank=3" in out and "WORLD_SIZE=2" in out
     assert not (tmp_path / "p").exists()
+
+
+# -- case 9: one writer per shard ------------------------------------------------------
+
+HOLDER = """
+import json, sys, expr_tracker as et
+run = et.init("p", "r", dir={root!r}, rank_aware={aware!r})
+for i in range(5):
+    et.log({{"x": float(i)}})
+et.flush()
+print(json.dumps({{"pid": __import__("os").getpid()}}), flush=True)
+sys.stdin.readline()  # hold the shard until the test says so
+et.finish()
+"""
+
+SECOND = """
+import json, expr_tracker as et
+try:
+    run = et.init("p", "r", dir={root!r}, rank_aware={aware!r})
+except Exception as exc:
+    print(json.dumps({{"error": type(exc).__name__, "message": str(exc)}}))
+else:
+    first = run.step
+    for i in range(3):
+        et.log({{"x": 100.0 + i}})
+    et.finish()
+    print(json.dumps({{"error": None, "first_step": first}}))
+"""
+
+
+def _hold(root, rank: str, aware: bool):
+    import subprocess
+
+    proc = spawn(HOLDER.format(root=str(root), aware=aware), {"RANK": rank, "WORLD_SIZE": "4"},
+                 stdin=subprocess.PIPE)
+    line = proc.stdout.readline()
+    assert line, proc.stderr.read()
+    return proc, json.loads(line)["pid"]
+
+
+def _release(proc) -> None:
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    run_all([proc])
+
+
+@pytest.mark.parametrize("aware", [True, False])
+def test_a_second_writer_of_a_shard_fails_at_init_naming_the_holder(tmp_path, aware):
+    import socket
+
+    holder, pid = _hold(tmp_path, "2", aware)
+    try:
+        (out,) = run_all([spawn(SECOND.format(root=str(tmp_path), aware=aware),
+                                {"RANK": "2", "WORLD_SIZE": "4"})])
+        got = json.loads(out)
+        assert got["error"] == "UsageError", got
+        shard = "metrics.rank2.jsonl" if aware else "metrics.jsonl"
+        for part in ("rank 2", shard, f"pid {pid}", socket.gethostname()):
+            assert part in got["message"], (part, got["message"])
+        if not aware:
+            # other ranks of the shared file are not held up by rank 2's lock
+            (out,) = run_all([spawn(SECOND.format(root=str(tmp_path), aware=aware),
+                                    {"RANK": "1", "WORLD_SIZE": "4"})])
+            assert json.loads(out) == {"error": None, "first_step": 0}
+    finally:
+        _release(holder)
+    # the holder is gone: its lock went with it, and the next writer resumes its rows
+    (out,) = run_all([spawn(SECOND.format(root=str(tmp_path), aware=aware), {"RANK": "2", "WORLD_SIZE": "4"})])
+    assert json.loads(out) == {"error": None, "first_step": 5}
+    shard = tmp_path / "p" / "r" / ("metrics.rank2.jsonl" if aware else "metrics.jsonl")
+    rows = [json.loads(x) for x in shard.read_text().splitlines()]
+    mine = [r["_step"] for r in rows if aware or r["_rank"] == 2]
+    assert mine == [0, 1, 2, 3, 4, 5, 6, 7]  # no step twice
+
+
+def test_a_killed_holder_does_not_block_the_next_writer(tmp_path):
+    holder, _ = _hold(tmp_path, "1", True)
+    holder.kill()
+    holder.wait()
+    (out,) = run_all([spawn(SECOND.format(root=str(tmp_path), aware=True), {"RANK": "1", "WORLD_SIZE": "4"})])
+    assert json.loads(out) == {"error": None, "first_step": 5}
+
+
+def test_a_live_writer_on_another_host_is_seen_in_the_sidecar(tmp_path):
+    """Where locks do not reach (a network filesystem across hosts), the sidecar does."""
+    run_dir = tmp_path / "p" / "r"
+    run_dir.mkdir(parents=True)
+    side = {"version": 1, "project": "p", "name": "r", "stream": None, "rank": 3, "world_size": 4,
+            "host": "node-17", "pid": 4242, "status": "running",
+            "cursor": {"bytes": 0, "rows": 0, "last_step": None, "next_step": 0, "applied": {}}}
+    (run_dir / "metrics.rank3.meta.json").write_text(json.dumps(side))
+    code = SECOND.format(root=str(tmp_path), aware=True)
+    (out,) = run_all([spawn(code, {"RANK": "3", "WORLD_SIZE": "4"})])
+    got = json.loads(out)
+    assert got["error"] == "UsageError" and "host node-17 pid 4242" in got["message"]
+    # a sidecar nobody rewrote for a while is a crashed writer, not a live one
+    import os
+
+    os.utime(run_dir / "metrics.rank3.meta.json", (1, 1))
+    (out,) = run_all([spawn(code, {"RANK": "3", "WORLD_SIZE": "4"})])
+    assert json.loads(out) == {"error": None, "first_step": 0}
+
+
+# -- case 11: rank_aware=False resumes each rank after its own rows -----------------
+
+
+def test_shared_shard_resume_cursor_is_per_rank(tmp_path):
+    code = """
+    import json, expr_tracker as et
+    run = et.init("p", "shared", dir={root!r}, rank_aware=False)
+    first = run.step
+    for i in range({n}):
+        et.log({{"i": i}})
+    et.finish()
+    print(first)
+    """
+    root = str(tmp_path)
+    # ranks starting one after the other: each starts at 0, whatever the others wrote
+    starts = [int(run_all([spawn(code.format(root=root, n=100 * (r + 1)), {"RANK": str(r), "WORLD_SIZE": "3"})])[0])
+              for r in (2, 0, 1)]
+    assert starts == [0, 0, 0]
+    # a resumed rank continues after its own largest step, not the file's
+    again = [int(run_all([spawn(code.format(root=root, n=10), {"RANK": str(r), "WORLD_SIZE": "3"})])[0])
+             for r in (0, 1, 2)]
+    assert again == [100, 200, 300]
+    rows = [json.loads(x) for x in (tmp_path / "p" / "shared" / "metrics.jsonl").read_text().splitlines()]
+    for r, n in ((0, 110), (1, 210), (2, 310)):
+        assert [x["_step"] for x in rows if x["_rank"] == r] == list(range(n))

@@ -172,6 +172,51 @@ def _last_row_step(data: bytes) -> int | None:
     return None
 
 
+def rank_last_step(fd: int, size: int, rank: int) -> int | None:
+    """The largest `_step` of rank `rank`'s own step rows in a shared (rank_aware=False)
+    shard, reading backwards from `size`: a rank's rows are appended in step order, so its
+    last row holds its largest step. None if the rank has no row (a fresh rank starts at 0)."""
+    needle = b'"_rank":%d' % rank
+    end, carry = size, b""
+    while end > 0:
+        start = max(0, end - _READ_BLOCK)
+        data = os.pread(fd, end - start, start) + carry
+        lines = data.split(b"\n")
+        carry = lines[0] if start > 0 else b""
+        for line in reversed(lines[1:] if start > 0 else lines):
+            if needle not in line or line.startswith(b'{"_kind"'):
+                continue
+            try:
+                rec = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue
+            step = rec.get("_step") if isinstance(rec, dict) else None
+            if rec.get("_rank") == rank and "_kind" not in rec and type(step) is int:
+                return step
+        end = start
+    return None
+
+
+class ShardBusyError(RuntimeError):
+    """Another live process holds the exclusive writer lock of a shard (DESIGN 5)."""
+
+
+def _lock_path(paths: ShardPaths, rank: int | None) -> Path:
+    # inside the run directory, hidden (readers list `metrics*.jsonl` only); in a shared
+    # rank_aware=False file each rank has a lock of its own
+    suffix = "" if rank is None else f".rank{rank}"
+    return paths.run_dir / f".{paths.stem}.jsonl{suffix}.lock"
+
+
+def _holder(path: Path) -> str:
+    """`host H pid P` from a lock file's contents (best effort)."""
+    try:
+        info = orjson.loads(path.read_bytes())
+        return f"host {info['host']} pid {info['pid']}"
+    except (OSError, orjson.JSONDecodeError, KeyError, TypeError):
+        return "an unknown process"
+
+
 def _line_boundary(fd: int, offset: int) -> bool:
     """True if `offset` is the start of a line (the byte before it is a newline)."""
     return os.pread(fd, 1, offset - 1) == b"\n"
@@ -198,8 +243,15 @@ class ShardWriter:
         dropped: dict[str, int] | None = None,
         flush_bytes: int = FLUSH_BYTES,
         max_buffer_bytes: int = MAX_BUFFER_BYTES,
+        exclusive: bool = False,
+        own_rank: int | None = None,
     ) -> None:
+        """`exclusive`: hold the shard's writer lock (a second writer gets ShardBusyError
+        from `open`). `own_rank` (shared files): the cursor's last step is that rank's."""
         self.paths = paths
+        self.exclusive = exclusive
+        self.own_rank = own_rank
+        self._lock_fd: int | None = None
         self.identity = dict(identity)
         self.shared = shared
         self.sidecar_enabled = write_sidecar
@@ -233,14 +285,65 @@ class ShardWriter:
         try:
             self.paths.run_dir.mkdir(parents=True, exist_ok=True)
             hint = read_sidecar(self.paths.sidecar)
+            if self.exclusive:
+                self._take_lock(hint)
             with self._locked_file():
                 self.cursor, self.repaired = repair_and_scan(self.paths, hint)
+                if self.shared and self.own_rank is not None:
+                    self.cursor.last_step = self._own_last_step()
             if hint and isinstance(hint.get("start_time"), (int, float)) and self.cursor.rows:
                 self.start_time = float(hint["start_time"])
             self._open_fd()
         except OSError as exc:
             self._fail("open", exc)
         return self.cursor
+
+    def _own_last_step(self) -> int | None:
+        try:
+            fd = os.open(self.paths.shard, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            assert self.own_rank is not None
+            return rank_last_step(fd, self.cursor.bytes, self.own_rank)
+        finally:
+            os.close(fd)
+
+    def _take_lock(self, hint: Mapping[str, Any] | None) -> None:
+        """Take the shard's writer lock, or raise ShardBusyError naming the holder.
+
+        flock on a lock file in the run directory, held until `close` (or exit). Where
+        locks do not reach (some network filesystems), the sidecar's host and pid of a
+        writer still running, rewritten within the last STALE_SIDECAR seconds, refuse too.
+        """
+        rank = self.own_rank if self.shared else None
+        path = _lock_path(self.paths, rank)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ShardBusyError(self._busy(path, _holder(path))) from None
+        except OSError:
+            os.close(fd)  # a filesystem without locks: the sidecar check below still runs
+            fd = -1
+        if not self.shared:
+            other = _live_writer(self.paths.sidecar, hint)
+            if other:
+                if fd >= 0:
+                    os.close(fd)
+                raise ShardBusyError(self._busy(path, other))
+        if fd >= 0:
+            me = orjson.dumps({"host": os.uname().nodename, "pid": os.getpid()})
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, me, 0)
+            self._lock_fd = fd
+
+    def _busy(self, path: Path, holder: str) -> str:
+        rank = self.identity.get("rank", self.own_rank)
+        return (f"rank {rank}: shard {self.paths.shard} already has a writer, {holder} "
+                f"(lock {path.name}); two processes with the same rank? check RANK")
 
     @contextlib.contextmanager
     def _locked_file(self) -> Iterator[None]:
@@ -422,6 +525,31 @@ class ShardWriter:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
+        if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._lock_fd)  # releases the writer lock
+            self._lock_fd = None
+
+
+STALE_SIDECAR = 15.0  # three sidecar periods: a writer that rewrote it since is alive
+
+
+def _live_writer(sidecar: Path, hint: Mapping[str, Any] | None) -> str | None:
+    """`host H pid P` if the sidecar names another writer that looks alive, else None."""
+    if not hint or hint.get("status") != "running":
+        return None
+    host, pid = hint.get("host"), hint.get("pid")
+    if type(pid) is not int or not isinstance(host, str):
+        return None
+    if host == os.uname().nodename:
+        return None  # one kernel: the flock has already answered
+    try:
+        age = time.time() - sidecar.stat().st_mtime
+    except OSError:
+        return None
+    if age > STALE_SIDECAR:
+        return None  # crashed a while ago (kill -9 leaves `running`)
+    return f"host {host} pid {pid}"
 
 
 # -- reading -------------------------------------------------------------
