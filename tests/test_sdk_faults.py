@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -318,3 +319,155 @@ def test_shared_shard_resume_cursor_is_per_rank(tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "p" / "shared" / "metrics.jsonl").read_text().splitlines()]
     for r, n in ((0, 110), (1, 210), (2, 310)):
         assert [x["_step"] for x in rows if x["_rank"] == r] == list(range(n))
+
+
+# -- case 11 in spool mode: pending spool rows count for their own rank only ---------
+
+
+def test_shared_shard_resume_in_spool_mode_is_per_rank(tmp_path):
+    code = """
+    import expr_tracker as et
+    run = et.init("p", "shared", dir={root!r}, rank_aware=False, upload_mode="spool",
+                  spool_dir={spool!r})
+    print(run.step)
+    for i in range({n}):
+        et.log({{"i": i}})
+    et.finish()
+    """
+    kw = {"root": str(tmp_path / "runs"), "spool": str(tmp_path / "spool")}
+    starts = [int(run_all([spawn(code.format(n=50 * (r + 1), **kw), {"RANK": str(r), "WORLD_SIZE": "2"})])[0])
+              for r in (0, 1, 0, 1)]
+    assert starts == [0, 0, 50, 100]
+
+
+# -- case 20: init and history(5) over a large spool not applied yet ------------------
+
+
+def test_init_and_history_over_a_large_unapplied_spool_are_bounded(tmp_path):
+    n = 200_000
+    kw = {"root": str(tmp_path / "runs"), "spool": str(tmp_path / "spool")}
+    fill = """
+    import expr_tracker as et
+    et.init("p", "big", dir={root!r}, upload_mode="spool", spool_dir={spool!r})
+    for i in range({n}):
+        et.log({{"loss": 1.0 / (i + 1), "i": i, "lr": 3e-4}})
+    et.finish()
+    """
+    run_all([spawn(fill.format(n=n, **kw))], timeout=120)
+    size = sum(p.stat().st_size for p in (tmp_path / "spool").rglob("*.jsonl"))
+    assert size > 10_000_000
+    probe = """
+    import json, resource, time, expr_tracker as et
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    run = et.init("p", "big", dir={root!r}, upload_mode="spool", spool_dir={spool!r})
+    rows = et.history(5)
+    took = time.perf_counter() - t0
+    grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    print(json.dumps({{"step": run.step, "rows": et.info()["rows"], "last": [r["i"] for r in rows],
+                      "kib": grew, "s": took}}))
+    et.finish()
+    """
+    (out,) = run_all([spawn(probe.format(**kw))], timeout=120)
+    got = json.loads(out)
+    assert got["step"] == n and got["rows"] == n
+    assert got["last"] == list(range(n - 5, n))
+    # parsing the whole spool into dicts took 83 MB here (and 0.8 s); reading from the end, 0
+    assert got["kib"] < 32 * 1024, got
+
+
+# -- case 21: a warning at init when no exprd is there to apply the spool -------------
+
+CONSUMER = """
+import warnings, expr_tracker as et
+warnings.simplefilter("always")
+et.init("p", "r", dir={root!r}, upload_mode="spool", spool_dir={spool!r})
+et.log({{"x": 1.0}})
+et.finish()
+"""
+
+
+@pytest.mark.parametrize(("beat", "warned"), [(None, "no exprd heartbeat"), (-120.0, "120 s old"),
+                                              (0.0, None)])
+def test_spool_mode_warns_once_when_no_exprd_is_alive(tmp_path, beat, warned):
+    import os
+    import time
+
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    if beat is not None:
+        (spool / ".exprd.json").write_text(json.dumps({"host": os.uname().nodename, "pid": 1,
+                                                       "time": time.time() + beat}))
+    proc = spawn(CONSUMER.format(root=str(tmp_path / "runs"), spool=str(spool)))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    if warned is None:
+        assert "no exprd" not in err
+    else:
+        assert err.count("no exprd is running") == 1 and warned in err, err
+    # the rows are in the spool either way
+    (path,) = spool.rglob("*.jsonl")
+    assert [json.loads(x).get("x") for x in path.read_text().splitlines()][1:] == [1.0, None]
+
+
+# -- case 5: the spool file deleted while the SDK writes it ----------------------------
+
+DELETED_SPOOL = """
+import json, sys, expr_tracker as et
+run = et.init("p", "gone", dir={root!r}, upload_mode="spool", spool_dir={spool!r})
+for i in range(100):
+    et.log({{"i": i}})
+et.flush()
+print(json.dumps(et.info()["spool_file"]), flush=True)
+sys.stdin.readline()  # the test deletes the spool file now
+for i in range(100, 150):
+    et.log({{"i": i}})
+run.log_rank_metrics({{"t": 1.0}}, step=149)
+et.flush()
+for i in range(150, 200):
+    et.log({{"i": i}})
+info = et.info()
+et.finish()
+print(json.dumps({{"file": info["spool_file"], "session": info["session"], "step": info["step"]}}))
+"""
+
+
+def test_a_deleted_spool_file_goes_on_in_a_new_session_that_exprd_applies(tmp_path):
+    import subprocess
+
+    from .test_daemon import lines_of, start_exprd, stop, wait_for, wait_ready, write_config
+
+    spool, state, root = tmp_path / "spool", tmp_path / "state", tmp_path / "runs"
+    cfg = write_config(tmp_path / "exprd.toml", spool, state, [root])
+    daemon = start_exprd(cfg)
+    try:
+        wait_ready(state, daemon)
+        writer = spawn(DELETED_SPOOL.format(root=str(root), spool=str(spool)), stdin=subprocess.PIPE)
+        first = json.loads(writer.stdout.readline())
+        shard = root / "p" / "gone" / "metrics.jsonl"
+        # exprd applies the first file, then it goes (a cleanup job, a person, a full /tmp)
+        wait_for(lambda: len(lines_of(shard)) == 100, 20, "exprd to apply the first 100 rows")
+        import os
+
+        os.unlink(first)
+        writer.stdin.write("\n")
+        writer.stdin.flush()
+        out, err = writer.communicate(timeout=60)
+        assert writer.returncode == 0, err
+        got = json.loads(out.splitlines()[-1])
+        assert got["file"] != first and got["step"] == 200
+        assert err.count("was deleted while in use") == 1, err
+        new = lines_of(Path(got["file"]))
+        assert new[0]["_event"] == "init" and new[0]["identity"]["session"] == got["session"]
+        assert [e["_seq"] for e in new] == list(range(len(new)))  # a new session from seq 0
+        assert [e["i"] for e in new if "i" in e] == list(range(100, 200))
+        wait_for(lambda: len([r for r in lines_of(shard) if "i" in r]) == 200, 20,
+                 "exprd to apply the new session")
+    finally:
+        stop(daemon)
+    rows = lines_of(shard)
+    steps = [r["_step"] for r in rows if "i" in r]
+    assert steps == list(range(200))  # every step once, in order, across both sessions
+    assert [r["i"] for r in rows if "i" in r] == list(range(200))
+    assert [r["_step"] for r in rows if r.get("_kind") == "rank"] == [149]
+    assert {r["_sid"] for r in rows} == {first.split(".")[-2], got["session"]}

@@ -275,6 +275,11 @@ class ShardWriter:
         self._pending_rows = 0
         self._io_lock = threading.Lock()
         self._fd: int | None = None
+        # hooks of the spool writer (None for shards): `on_deleted()` when the file was
+        # deleted under us, before a new one is opened at `self.paths` (it may change
+        # them); `transform(data, offset)` rewrites what is written at `offset`
+        self.on_deleted: Callable[[], None] | None = None
+        self.transform: Callable[[bytes, int], bytes] | None = None
 
     # -- opening ---------------------------------------------------------
     def open(self) -> Cursor:
@@ -367,11 +372,14 @@ class ShardWriter:
             except OSError:
                 pass
             # the file (or its run directory) was deleted under us: start a new one
-            self._warn("deleted", f"shard {self.paths.shard} was deleted; recreating it")
             self.errors["deleted"] = self.errors.get("deleted", 0) + 1
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
+            if self.on_deleted is not None:
+                self.on_deleted()
+            else:
+                self._warn("deleted", f"shard {self.paths.shard} was deleted; recreating it")
             self.paths.run_dir.mkdir(parents=True, exist_ok=True)
         else:
             # never opened: the run root was unwritable (or missing) at init; try again now
@@ -429,8 +437,9 @@ class ShardWriter:
                 fcntl.flock(fd, fcntl.LOCK_EX)
             try:
                 before = os.fstat(fd).st_size
+                out = data if self.transform is None else self.transform(data, before)
                 try:
-                    _write_all(fd, data)
+                    _write_all(fd, out)
                 except OSError:
                     # never leave half a batch: cut the file back to where we started
                     with contextlib.suppress(OSError):
@@ -445,7 +454,7 @@ class ShardWriter:
             return False
         self._pending = b""
         self._pending_rows = 0
-        self.cursor.bytes = before + len(data)
+        self.cursor.bytes = before + len(out)
         self.cursor.rows += nrows
         step = _last_row_step(chunk)
         if step is not None and (self.cursor.last_step is None or step > self.cursor.last_step):
