@@ -431,36 +431,63 @@ class ShardWriter:
         del buf[:n]
         data = self._pending + chunk if self._pending else chunk
         nrows = self._pending_rows + chunk.count(b"\n")
+        done = 0  # bytes of `data` written, whole lines only
+        failed: OSError | None = None
         try:
             fd = self._open_fd()
             if self.shared:
                 fcntl.flock(fd, fcntl.LOCK_EX)
             try:
-                before = os.fstat(fd).st_size
-                out = data if self.transform is None else self.transform(data, before)
-                try:
-                    _write_all(fd, out)
-                except OSError:
-                    # never leave half a batch: cut the file back to where we started
-                    with contextlib.suppress(OSError):
-                        os.ftruncate(fd, before)
-                    raise
+                end = os.fstat(fd).st_size
+                done, end, failed = self._write_lines(fd, data, end)
             finally:
                 if self.shared:
                     fcntl.flock(fd, fcntl.LOCK_UN)
         except OSError as exc:
-            self._fail("write", exc)
+            failed = exc
+        if done:
+            written = data[:done]
+            rows = written.count(b"\n")
+            self.cursor.bytes = end
+            self.cursor.rows += rows
+            step = _last_row_step(written)
+            if step is not None and (self.cursor.last_step is None or step > self.cursor.last_step):
+                self.cursor.last_step = step
+            self.last_write = time.time()
+            data, nrows = data[done:], nrows - rows
+        if failed is not None:
+            self._fail("write", failed)
             self._keep_pending(data, nrows)
             return False
         self._pending = b""
         self._pending_rows = 0
-        self.cursor.bytes = before + len(out)
-        self.cursor.rows += nrows
-        step = _last_row_step(chunk)
-        if step is not None and (self.cursor.last_step is None or step > self.cursor.last_step):
-            self.cursor.last_step = step
-        self.last_write = time.time()
         return True
+
+    def _write_lines(self, fd: int, data: bytes, end: int) -> tuple[int, int, OSError | None]:
+        """Append `data` in pieces of whole lines (about FLUSH_BYTES each) at file size `end`.
+
+        A piece that fails is cut off again, so the file never ends in half a line; the
+        pieces before it stay. On a disk that frees less space than the backlog, the
+        rows that fit are kept and only the rest waits (and is counted if it never fits).
+        Returns (bytes of `data` written, the file size after them, the error or None).
+        """
+        pos = 0
+        while pos < len(data):
+            cut = data.rfind(b"\n", pos, pos + FLUSH_BYTES) + 1
+            if cut <= pos:  # one line longer than a piece
+                nl = data.find(b"\n", pos)
+                cut = len(data) if nl < 0 else nl + 1
+            piece = data[pos:cut]
+            if self.transform is not None:
+                piece = self.transform(piece, end)
+            try:
+                _write_all(fd, piece)
+            except OSError as exc:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, end)
+                return pos, end, exc
+            pos, end = cut, end + len(piece)
+        return pos, end, None
 
     def _keep_pending(self, data: bytes, nrows: int) -> None:
         """Keep failed data for a retry, within `max_buffer_bytes`; count what must go."""
