@@ -539,3 +539,51 @@ def test_disk_full_keeps_the_rows_that_fit_when_space_returns(tmp_path):
     # only what did not fit is counted, exactly
     assert got["final"] == {"unwritable": n - len(kept)}, got["final"]
     assert sum("No space left" in w for w in got["warnings"]) == 1
+
+
+# -- case 16: a webhook that hangs holds neither finish() nor another channel ------------
+
+HANGING = """
+import json, sys, time, expr_tracker as et
+got = {got!r}
+cmd = [sys.executable, "-c", "import sys; open(sys.argv[1], 'a').write(sys.stdin.read() + chr(10))", got]
+policy = {{"timeout": 30, "retries": 0, "rate": 0, "dedup_seconds": 0{exit}}}
+run = et.init("p", "r", dir={root!r}, alert={{"channels": {{
+    "hook": {{"type": "webhook", "url": {url!r}}},
+    "pager": {{"type": "command", "argv": cmd}}}}, "policy": policy}})
+t0 = time.monotonic()
+et.alert("first", level="error")
+et.alert("second", level="error")
+while time.monotonic() - t0 < 20:
+    try:
+        if open(got).read().count(chr(10)) >= 2:
+            break
+    except OSError:
+        pass
+    time.sleep(0.02)
+pager = time.monotonic() - t0
+t1 = time.monotonic()
+et.finish()
+took = time.monotonic() - t1
+print(json.dumps({{"pager": pager, "finish": took, "alerts": run.info()["alerts"]}}))
+"""
+
+
+@pytest.mark.parametrize(("exit_timeout", "bound"), [(None, 5.0), (1.0, 1.0)])
+def test_a_hanging_webhook_holds_neither_finish_nor_the_other_channels(tmp_path, exit_timeout, bound):
+    import socket
+
+    with socket.socket() as hole:  # a real server on 127.0.0.1 that accepts and never answers
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(16)
+        url = f"http://127.0.0.1:{hole.getsockname()[1]}/hook"
+        extra = "" if exit_timeout is None else f', "exit_timeout": {exit_timeout}'
+        code = HANGING.format(got=str(tmp_path / "paged.jsonl"), root=str(tmp_path / "runs"), url=url,
+                              exit=extra)
+        (out,) = run_all([spawn(code)], timeout=90)
+    got = json.loads(out)
+    assert got["pager"] < 3.0, got  # the command channel did not wait behind the webhook
+    assert got["finish"] < bound + 1.5, got  # finish() waited at most the exit bound
+    hook, pager = got["alerts"]["hook"], got["alerts"]["pager"]
+    assert pager["sent"] == 2 and pager["undelivered"] == 0
+    assert hook["sent"] == 0 and hook["undelivered"] == 2 and hook["pending"] == 0
