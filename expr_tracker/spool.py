@@ -21,13 +21,16 @@ from typing import Any
 import orjson
 
 from expr_tracker.context import RunContext
+from expr_tracker.errors import UsageError
 from expr_tracker.store import records
 from expr_tracker.store.layout import ShardPaths, spool_path
 from expr_tracker.store.shard import (
     Cursor,
+    ShardBusyError,
     ShardReader,
     ShardWriter,
     cursor_from,
+    lock_writer,
     rank_last_step,
     read_sidecar,
     select_rows,
@@ -370,6 +373,14 @@ class SpoolSink:
         except OSError as exc:
             run.warn_once("spool_dir", f"expr_tracker: cannot create spool directory "
                                        f"{self.path.parent}: {exc.strerror or exc}")
+        # one writer per shard in spool mode too: the lock sits in the node-local spool
+        # directory, where exprd would otherwise apply two sessions of one rank into it
+        try:
+            self._lock_fd = lock_writer(ShardPaths(self.path.parent, run.paths.stem), run.rank,
+                                        not run.rank_aware)
+        except ShardBusyError as exc:
+            raise UsageError(str(exc).replace(f"shard {self.path.parent / run.paths.stem}.jsonl",
+                                              f"shard {run.paths.shard}")) from None
         self.writer = ShardWriter(
             ShardPaths(self.path.parent, self.path.name[: -len(".jsonl")]),
             {},
@@ -468,6 +479,9 @@ class SpoolSink:
     def close(self, status: str) -> None:
         self._emit({"_event": "finish", "_time": time.time(), "status": status})
         self.writer.close("finished")
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the writer lock
+            self._lock_fd = None
 
     def detach(self) -> None:
         # a forked child shares the parent's descriptor: forget the buffer, never flush it

@@ -197,7 +197,8 @@ def test_rank_options_are_checked_against_a_known_world_size(tmp_path):
 
 HOLDER = """
 import json, sys, expr_tracker as et
-run = et.init("p", "r", dir={root!r}, rank_aware={aware!r})
+run = et.init("p", "r", dir={root!r}, rank_aware={aware!r}, upload_mode={mode!r},
+              spool_dir={root!r} + "/spool")
 for i in range(5):
     et.log({{"x": float(i)}})
 et.flush()
@@ -209,7 +210,8 @@ et.finish()
 SECOND = """
 import json, expr_tracker as et
 try:
-    run = et.init("p", "r", dir={root!r}, rank_aware={aware!r})
+    run = et.init("p", "r", dir={root!r}, rank_aware={aware!r}, upload_mode={mode!r},
+                  spool_dir={root!r} + "/spool")
 except Exception as exc:
     print(json.dumps({{"error": type(exc).__name__, "message": str(exc)}}))
 else:
@@ -221,10 +223,10 @@ else:
 """
 
 
-def _hold(root, rank: str, aware: bool):
+def _hold(root, rank: str, aware: bool, mode: str = "direct"):
     import subprocess
 
-    proc = spawn(HOLDER.format(root=str(root), aware=aware), {"RANK": rank, "WORLD_SIZE": "4"},
+    proc = spawn(HOLDER.format(root=str(root), aware=aware, mode=mode), {"RANK": rank, "WORLD_SIZE": "4"},
                  stdin=subprocess.PIPE)
     line = proc.stdout.readline()
     assert line, proc.stderr.read()
@@ -237,40 +239,42 @@ def _release(proc) -> None:
     run_all([proc])
 
 
-@pytest.mark.parametrize("aware", [True, False])
-def test_a_second_writer_of_a_shard_fails_at_init_naming_the_holder(tmp_path, aware):
+@pytest.mark.parametrize(("aware", "mode"), [(True, "direct"), (False, "direct"), (True, "spool"),
+                                             (False, "spool")])
+def test_a_second_writer_of_a_shard_fails_at_init_naming_the_holder(tmp_path, aware, mode):
     import socket
 
-    holder, pid = _hold(tmp_path, "2", aware)
+    second = SECOND.format(root=str(tmp_path), aware=aware, mode=mode)
+    holder, pid = _hold(tmp_path, "2", aware, mode)
     try:
-        (out,) = run_all([spawn(SECOND.format(root=str(tmp_path), aware=aware),
-                                {"RANK": "2", "WORLD_SIZE": "4"})])
+        (out,) = run_all([spawn(second, {"RANK": "2", "WORLD_SIZE": "4"})])
         got = json.loads(out)
         assert got["error"] == "UsageError", got
         shard = "metrics.rank2.jsonl" if aware else "metrics.jsonl"
-        for part in ("rank 2", shard, f"pid {pid}", socket.gethostname()):
+        for part in ("rank 2", f"p/r/{shard}", f"pid {pid}", socket.gethostname()):
             assert part in got["message"], (part, got["message"])
         if not aware:
             # other ranks of the shared file are not held up by rank 2's lock
-            (out,) = run_all([spawn(SECOND.format(root=str(tmp_path), aware=aware),
-                                    {"RANK": "1", "WORLD_SIZE": "4"})])
+            (out,) = run_all([spawn(second, {"RANK": "1", "WORLD_SIZE": "4"})])
             assert json.loads(out) == {"error": None, "first_step": 0}
     finally:
         _release(holder)
     # the holder is gone: its lock went with it, and the next writer resumes its rows
-    (out,) = run_all([spawn(SECOND.format(root=str(tmp_path), aware=aware), {"RANK": "2", "WORLD_SIZE": "4"})])
+    (out,) = run_all([spawn(second, {"RANK": "2", "WORLD_SIZE": "4"})])
     assert json.loads(out) == {"error": None, "first_step": 5}
-    shard = tmp_path / "p" / "r" / ("metrics.rank2.jsonl" if aware else "metrics.jsonl")
-    rows = [json.loads(x) for x in shard.read_text().splitlines()]
-    mine = [r["_step"] for r in rows if aware or r["_rank"] == 2]
-    assert mine == [0, 1, 2, 3, 4, 5, 6, 7]  # no step twice
+    if mode == "direct":
+        shard = tmp_path / "p" / "r" / ("metrics.rank2.jsonl" if aware else "metrics.jsonl")
+        rows = [json.loads(x) for x in shard.read_text().splitlines()]
+        mine = [r["_step"] for r in rows if aware or r["_rank"] == 2]
+        assert mine == [0, 1, 2, 3, 4, 5, 6, 7]  # no step twice
 
 
 def test_a_killed_holder_does_not_block_the_next_writer(tmp_path):
     holder, _ = _hold(tmp_path, "1", True)
     holder.kill()
     holder.wait()
-    (out,) = run_all([spawn(SECOND.format(root=str(tmp_path), aware=True), {"RANK": "1", "WORLD_SIZE": "4"})])
+    second = SECOND.format(root=str(tmp_path), aware=True, mode="direct")
+    (out,) = run_all([spawn(second, {"RANK": "1", "WORLD_SIZE": "4"})])
     assert json.loads(out) == {"error": None, "first_step": 5}
 
 
@@ -282,7 +286,7 @@ def test_a_live_writer_on_another_host_is_seen_in_the_sidecar(tmp_path):
             "host": "node-17", "pid": 4242, "status": "running",
             "cursor": {"bytes": 0, "rows": 0, "last_step": None, "next_step": 0, "applied": {}}}
     (run_dir / "metrics.rank3.meta.json").write_text(json.dumps(side))
-    code = SECOND.format(root=str(tmp_path), aware=True)
+    code = SECOND.format(root=str(tmp_path), aware=True, mode="direct")
     (out,) = run_all([spawn(code, {"RANK": "3", "WORLD_SIZE": "4"})])
     got = json.loads(out)
     assert got["error"] == "UsageError" and "host node-17 pid 4242" in got["message"]

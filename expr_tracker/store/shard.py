@@ -201,11 +201,52 @@ class ShardBusyError(RuntimeError):
     """Another live process holds the exclusive writer lock of a shard (DESIGN 5)."""
 
 
-def _lock_path(paths: ShardPaths, rank: int | None) -> Path:
-    # inside the run directory, hidden (readers list `metrics*.jsonl` only); in a shared
-    # rank_aware=False file each rank has a lock of its own
-    suffix = "" if rank is None else f".rank{rank}"
-    return paths.run_dir / f".{paths.stem}.jsonl{suffix}.lock"
+def lock_writer(paths: ShardPaths, rank: int, shared: bool, *,
+                sidecar_hint: Mapping[str, Any] | None = None,
+                sidecar: Path | None = None) -> int | None:
+    """Take the writer lock of shard `paths` for `rank`: the descriptor holding it (keep
+    it open; closing it releases the lock), None if the lock file cannot be used.
+
+    An flock on `.{stem}.jsonl.lock` in the shard's directory (`.rank{N}` added in a
+    shared rank_aware=False file: one lock per rank), holding the writer's host and pid.
+    Raises ShardBusyError naming rank, shard and holder when another process holds it,
+    or when `sidecar_hint` names a live writer on another host (where locks may not
+    reach; see `_live_writer`).
+    """
+    path = paths.run_dir / f".{paths.stem}.jsonl{f'.rank{rank}' if shared else ''}.lock"
+    fd: int | None
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError:
+        try:  # another user's lock file: a read-only descriptor takes the lock as well
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            fd = None  # no lock here (read-only or missing directory): writes report it
+    if fd is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ShardBusyError(_busy_message(paths, rank, path, _holder(path))) from None
+        except OSError:
+            os.close(fd)  # a filesystem without locks: the sidecar check below still runs
+            fd = None
+    other = _live_writer(sidecar, sidecar_hint) if sidecar is not None else None
+    if other:
+        if fd is not None:
+            os.close(fd)
+        raise ShardBusyError(_busy_message(paths, rank, path, other))
+    if fd is not None:
+        me = orjson.dumps({"host": os.uname().nodename, "pid": os.getpid()})
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, me, 0)
+    return fd
+
+
+def _busy_message(paths: ShardPaths, rank: int, lock: Path, holder: str) -> str:
+    return (f"rank {rank}: shard {paths.shard} already has a writer, {holder} "
+            f"(lock {lock.name}); two processes with the same rank? check RANK")
 
 
 def _holder(path: Path) -> str:
@@ -315,40 +356,13 @@ class ShardWriter:
             os.close(fd)
 
     def _take_lock(self, hint: Mapping[str, Any] | None) -> None:
-        """Take the shard's writer lock, or raise ShardBusyError naming the holder.
-
-        flock on a lock file in the run directory, held until `close` (or exit). Where
-        locks do not reach (some network filesystems), the sidecar's host and pid of a
-        writer still running, rewritten within the last STALE_SIDECAR seconds, refuse too.
-        """
-        rank = self.own_rank if self.shared else None
-        path = _lock_path(self.paths, rank)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise ShardBusyError(self._busy(path, _holder(path))) from None
-        except OSError:
-            os.close(fd)  # a filesystem without locks: the sidecar check below still runs
-            fd = -1
-        if not self.shared:
-            other = _live_writer(self.paths.sidecar, hint)
-            if other:
-                if fd >= 0:
-                    os.close(fd)
-                raise ShardBusyError(self._busy(path, other))
-        if fd >= 0:
-            me = orjson.dumps({"host": os.uname().nodename, "pid": os.getpid()})
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, me, 0)
-            self._lock_fd = fd
-
-    def _busy(self, path: Path, holder: str) -> str:
-        rank = self.identity.get("rank", self.own_rank)
-        return (f"rank {rank}: shard {self.paths.shard} already has a writer, {holder} "
-                f"(lock {path.name}); two processes with the same rank? check RANK")
+        """Take the shard's writer lock (see `lock_writer`); ShardBusyError if held."""
+        rank = self.own_rank if self.own_rank is not None else int(self.identity.get("rank") or 0)
+        self._lock_fd = lock_writer(
+            self.paths, rank, self.shared,
+            sidecar_hint=None if self.shared else hint,
+            sidecar=self.paths.sidecar,
+        )
 
     @contextlib.contextmanager
     def _locked_file(self) -> Iterator[None]:
