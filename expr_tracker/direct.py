@@ -7,7 +7,8 @@ from typing import Any
 from expr_tracker.context import RunContext
 from expr_tracker.errors import UsageError
 from expr_tracker.pipeline import Pipeline
-from expr_tracker.store.shard import ShardBusyError, ShardWriter
+from expr_tracker.store.lock import ShardBusyError
+from expr_tracker.store.shard import ShardWriter
 
 FINISH_TIMEOUT = 30.0
 

@@ -24,13 +24,12 @@ from expr_tracker.context import RunContext
 from expr_tracker.errors import UsageError
 from expr_tracker.store import records
 from expr_tracker.store.layout import ShardPaths, spool_path
+from expr_tracker.store.lock import ShardBusyError, lock_writer
 from expr_tracker.store.shard import (
     Cursor,
-    ShardBusyError,
     ShardReader,
     ShardWriter,
     cursor_from,
-    lock_writer,
     rank_last_step,
     read_sidecar,
     select_rows,
