@@ -326,6 +326,7 @@ class Run:
                 self._fast_ok = False
                 self._open_nonfinite = nonfinite
             else:
+                records.check_merged(self._open, row)  # the merged row must fit a line too
                 self._open.update(row)
                 self._open_nonfinite |= nonfinite
             if commit is not False:

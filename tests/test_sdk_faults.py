@@ -110,7 +110,12 @@ for row in ({{"sample": "x" * (17 * 1024 * 1024)}},
         et.log(row)
     except ValueError as exc:
         errors.append(str(exc)[:200])
-et.log({{"sample": "z" * 1000, "x": 1.0}})
+for i in range(9):  # an open row merged from many calls must fit a line as well
+    try:
+        et.log({{f"m{{i}}": "m" * (1024 * 1024 - 16)}}, commit=False)
+    except ValueError as exc:
+        errors.append(str(exc)[:200])
+et.log({{"x": 1.0}})
 et.finish()
 print(json.dumps(errors))
 """
@@ -122,14 +127,17 @@ def test_a_huge_string_is_refused_at_the_call(tmp_path, mode):
     code = BIG_STRING.format(root=str(tmp_path / "runs"), mode=mode, spool=str(spool))
     (out,) = run_all([spawn(code)])
     errors = json.loads(out)
-    assert len(errors) == 2
+    assert len(errors) == 3
     assert "'sample'" in errors[0] and "bytes" in errors[0]
     assert "'t" in errors[1] and "row" in errors[1]
+    assert "'m8'" in errors[2] and "open row" in errors[2]
     files = list(spool.rglob("*.jsonl")) if mode == "spool" else [tmp_path / "runs/p/r/metrics.jsonl"]
     (path,) = files
-    assert path.stat().st_size < 64 * 1024  # nothing of the refused rows reached the disk
-    rows = [json.loads(x) for x in path.read_text().splitlines()]
-    assert [r["x"] for r in rows if "x" in r] == [1.0]
+    lines = path.read_bytes().splitlines()
+    assert max(len(x) for x in lines) < 8 * 1024 * 1024 + 4096  # every line fits (spool: 16 MiB)
+    rows = [json.loads(x) for x in lines]
+    (row,) = [r for r in rows if "x" in r]  # nothing of the refused rows reached the disk
+    assert sorted(k for k in row if k.startswith("m")) == [f"m{i}" for i in range(8)]
 
 
 # -- case 13: rank options against an unknown world size -----------------------------

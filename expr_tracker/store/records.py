@@ -161,6 +161,19 @@ def encode_row(data: Any, field: str = "data") -> tuple[dict[str, Scalar], bool]
 _NONFINITE_TEXT = frozenset(("NaN", "Infinity", "-Infinity"))
 
 
+def check_merged(row: Mapping[str, Any], more: Mapping[str, Any]) -> None:
+    """Raise ValueError if merging `more` into the open `row` (log(commit=False))
+    takes its text over MAX_ROW, naming the first key of `more` that does."""
+    size = 0
+    merged = {**row, **more}
+    for key, value in merged.items():
+        size += len(key) + (text_bytes(key, value) if value.__class__ is str else 0)
+        if size > MAX_ROW:
+            culprit = next((k for k in more if merged[k].__class__ is str), key)
+            raise ValueError(f"value of key {culprit!r} takes the open row's text over "
+                             f"{MAX_ROW} bytes; commit the row first")
+
+
 def _finite_copy(record: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(record)
     for key, value in out.items():
