@@ -50,5 +50,7 @@ def detect(env: Mapping[str, str] | None = None) -> RankInfo:
     if rank < 0:
         raise ValueError(f"detected rank {rank} is negative")
     if world is not None and world < rank + 1:
-        raise ValueError(f"detected rank {rank} is outside the world size {world} (WORLD_SIZE)")
+        # the variables contradict each other (RANK from one launcher, a size from
+        # another): the rank names the shard; the world size is not known after all
+        world = None
     return RankInfo(rank=rank, world_size=world, local_rank=local, local_world_size=local_world)
