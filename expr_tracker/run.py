@@ -272,23 +272,21 @@ class Run:
                         except TypeError:
                             # a key orjson cannot encode (a lone surrogate): nothing has
                             # changed yet; the full path below refuses it naming the key
-                            line = None
-                    else:
-                        line = None
-                    if line is not None:
-                        self._step = at + 1
-                        self._last_step = at
-                        if seq is not None:
-                            sink.seq = seq + 1
-                        fast(line)
-                        after = sink.after_write
-                        if after is not None:
-                            after(record)
-                        n = self._rows_committed = self._rows_committed + 1
-                        # every 256 rows: has the buffer reached the flush size?
-                        writer = sink.writer
-                        if n & 255 or writer.buffered() < writer.flush_bytes:
-                            return
+                            fast = None
+                        else:
+                            self._step = at + 1
+                            self._last_step = at
+                            if seq is not None:
+                                sink.seq = seq + 1
+                            fast(line)
+                            after = sink.after_write
+                            if after is not None:
+                                after(record)
+                            n = self._rows_committed = self._rows_committed + 1
+                            # every 256 rows: has the buffer reached the flush size?
+                            writer = sink.writer
+                            if n & 255 or writer.buffered() < writer.flush_bytes:
+                                return
                     else:
                         fast = None
                 if fast is not None:

@@ -25,6 +25,9 @@ from expr_tracker.store.layout import ShardPaths
 from expr_tracker.store.lock import lock_writer
 
 FLUSH_BYTES = 64 * 1024
+# a retry after a failed write goes in pieces of whole lines this large, so that a disk
+# with less room than the backlog keeps what fits (a normal flush is one piece)
+_PIECE = 256 * 1024
 MAX_BUFFER_BYTES = 64 * 1024 * 1024
 _READ_BLOCK = 256 * 1024
 
@@ -400,15 +403,16 @@ class ShardWriter:
         except OSError as exc:
             failed = exc
         if done:
-            written = data[:done]
-            rows = written.count(b"\n")
+            written = data if done == len(data) else data[:done]
+            rows = nrows if written is data else written.count(b"\n")
             self.cursor.bytes = end
             self.cursor.rows += rows
             step = _last_row_step(written)
             if step is not None and (self.cursor.last_step is None or step > self.cursor.last_step):
                 self.cursor.last_step = step
             self.last_write = time.time()
-            data, nrows = data[done:], nrows - rows
+            if failed is not None:
+                data, nrows = data[done:], nrows - rows
         if failed is not None:
             self._fail("write", failed)
             self._keep_pending(data, nrows)
@@ -418,7 +422,7 @@ class ShardWriter:
         return True
 
     def _write_lines(self, fd: int, data: bytes, end: int) -> tuple[int, int, OSError | None]:
-        """Append `data` in pieces of whole lines (about FLUSH_BYTES each) at file size `end`.
+        """Append `data` in pieces of whole lines (about _PIECE bytes) at file size `end`.
 
         A piece that fails is cut off again, so the file never ends in half a line; the
         pieces before it stay. On a disk that frees less space than the backlog, the
@@ -427,7 +431,7 @@ class ShardWriter:
         """
         pos = 0
         while pos < len(data):
-            cut = data.rfind(b"\n", pos, pos + FLUSH_BYTES) + 1
+            cut = len(data) if len(data) - pos <= _PIECE else data.rfind(b"\n", pos, pos + _PIECE) + 1
             if cut <= pos:  # one line longer than a piece
                 nl = data.find(b"\n", pos)
                 cut = len(data) if nl < 0 else nl + 1
