@@ -118,6 +118,7 @@ class DirectSink:
         # a forked child shares the parent's descriptor: forget the buffer, never flush it
         self.writer._buf.clear()
         self.writer._pending = b""
+        self.writer.forget_lock()
 
     def info(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -486,6 +486,9 @@ class SpoolSink:
         # a forked child shares the parent's descriptor: forget the buffer, never flush it
         self.writer._buf.clear()
         self.writer._pending = b""
+        if self._lock_fd is not None:  # the parent keeps the lock (see forget_lock)
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def info(self) -> dict[str, Any]:
         return {

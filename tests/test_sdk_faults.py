@@ -286,6 +286,34 @@ def test_a_killed_holder_does_not_block_the_next_writer(tmp_path):
     assert json.loads(out) == {"error": None, "first_step": 5}
 
 
+def test_a_forked_child_that_outlives_the_writer_does_not_hold_the_shard(tmp_path):
+    import os
+    import signal
+
+    code = f"""
+    import os, time, expr_tracker as et
+    et.init("p", "r", dir={str(tmp_path)!r})
+    et.log({{"x": 1.0}})
+    pid = os.fork()
+    if pid == 0:  # a dataloader worker that lingers after the trainer is gone
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        time.sleep(60)
+        os._exit(0)
+    et.finish()
+    print(pid)
+    """
+    (out,) = run_all([spawn(code, {"RANK": "1", "WORLD_SIZE": "4"})])
+    child = int(out)
+    try:
+        second = SECOND.format(root=str(tmp_path), aware=True, mode="direct")
+        (out,) = run_all([spawn(second, {"RANK": "1", "WORLD_SIZE": "4"})])
+        assert json.loads(out) == {"error": None, "first_step": 1}
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
 def test_a_live_writer_on_another_host_is_seen_in_the_sidecar(tmp_path):
     """Where locks do not reach (a network filesystem across hosts), the sidecar does."""
     run_dir = tmp_path / "p" / "r"

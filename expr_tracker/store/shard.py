@@ -287,6 +287,15 @@ class ShardWriter:
             self._fail("open", exc)
         return self.cursor
 
+    def forget_lock(self) -> None:
+        """In a forked child: close this copy of the lock descriptor. The parent keeps the
+        lock (an flock lasts while any copy is open), and a child that outlives it, a
+        dataloader worker say, does not hold the shard from the next writer."""
+        if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._lock_fd)
+            self._lock_fd = None
+
     def _own_last_step(self) -> int | None:
         try:
             fd = os.open(self.paths.shard, os.O_RDONLY | os.O_CLOEXEC)
