@@ -24,7 +24,7 @@ class RunContext:
     name: str
     stream: str | None
     rank: int
-    world_size: int
+    world_size: int | None  # None: unknown (WORLD_SIZE not set), stored as null
     local_rank: int
     session: str
     rank_aware: bool

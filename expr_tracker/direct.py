@@ -6,7 +6,9 @@ import time
 from typing import Any
 
 from expr_tracker.context import RunContext
+from expr_tracker.errors import UsageError
 from expr_tracker.pipeline import Pipeline
+from expr_tracker.store.lock import ShardBusyError
 from expr_tracker.store.shard import ShardWriter
 
 FINISH_TIMEOUT = 30.0
@@ -27,8 +29,13 @@ class DirectSink:
             write_sidecar=run.rank_aware or run.rank == 0,
             warn=run.warn_once,
             dropped=run.dropped,
+            exclusive=True,  # one writer per shard (DESIGN 5); per rank in a shared file
+            own_rank=run.rank,  # a shared file resumes after this rank's own rows
         )
-        cursor = self.writer.open()
+        try:
+            cursor = self.writer.open()
+        except ShardBusyError as exc:
+            raise UsageError(str(exc)) from None
         self.rows = cursor.rows
         self.last_step = cursor.last_step
         self.next_step = 0 if cursor.last_step is None else cursor.last_step + 1
@@ -118,6 +125,7 @@ class DirectSink:
         # a forked child shares the parent's descriptor: forget the buffer, never flush it
         self.writer._buf.clear()
         self.writer._pending = b""
+        self.writer.forget_lock()
 
     def info(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -165,6 +165,8 @@ class Pipeline:
         self.writer.close(status)
         deadline = time.monotonic() + timeout
         if self.dispatcher is not None:
-            self.dispatcher.flush(max(0.1, deadline - time.monotonic()))
+            # its own short bound (policy exit_timeout, 5 s): a hanging webhook must not
+            # hold finish(); what is left is counted as undelivered
+            self.dispatcher.close()
         for backend in self.backends:
             backend.close(max(0.1, deadline - time.monotonic()), status)

@@ -58,13 +58,16 @@ def _default_name() -> str:
     return time.strftime("run-%Y%m%d-%H%M%S")
 
 
-def _check_rank_option(value: object, field: str, world: int) -> int | None:
+def _check_rank_option(value: object, field: str, world: int | None) -> int | None:
+    """A rank option; checked against the world size only when the launcher set it."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{field} must be an int rank or None, got {type(value).__name__}")
-    if not 0 <= value < world:
-        raise ValueError(f"{field}={value} is outside the job's ranks 0..{world - 1}")
+    if value < 0 or value >= MAX_WORLD:
+        raise ValueError(f"{field}={value} is not a rank (0..{MAX_WORLD - 1})")
+    if world is not None and value >= world:
+        raise ValueError(f"{field}={value} is outside the job's ranks 0..{world - 1} (WORLD_SIZE={world})")
     return value
 
 
@@ -125,7 +128,7 @@ class Run:
         self.time_rule_interval = float(time_rule_interval)
 
         info = _ranks.detect()
-        if info.world_size > MAX_WORLD:
+        if info.world_size is not None and info.world_size > MAX_WORLD:
             raise ValueError(f"WORLD_SIZE={info.world_size} is over the supported {MAX_WORLD}")
         self.rank, self.world_size, self.local_rank = info.rank, info.world_size, info.local_rank
         self.alert_on_rank = _check_rank_option(alert_on_rank, "alert_on_rank", self.world_size)
@@ -263,26 +266,33 @@ class Run:
             else:
                 with self._lock:
                     if self._fast_ok and data:
-                        step = self._step
-                        self._step = step + 1
-                        self._last_step = step
+                        at = self._step
                         sink = self._sink
                         seq = sink.seq
                         if seq is None:
-                            record = {"_step": step, "_time": _time(), **data}
+                            record = {"_step": at, "_time": _time(), **data}
                         else:  # spool mode: every event is numbered
-                            record = {"_step": step, "_time": _time(), "_seq": seq, **data}
-                            sink.seq = seq + 1
-                        line = _dumps(record, nonfinite) if nonfinite else _orjson_dumps(record, option=_NL)
-                        fast(line)
-                        after = sink.after_write
-                        if after is not None:
-                            after(record)
-                        n = self._rows_committed = self._rows_committed + 1
-                        # every 256 rows: has the buffer reached the flush size?
-                        writer = sink.writer
-                        if n & 255 or writer.buffered() < writer.flush_bytes:
-                            return
+                            record = {"_step": at, "_time": _time(), "_seq": seq, **data}
+                        try:
+                            line = _dumps(record, nonfinite) if nonfinite else _orjson_dumps(record, option=_NL)
+                        except TypeError:
+                            # a key orjson cannot encode (a lone surrogate): nothing has
+                            # changed yet; the full path below refuses it naming the key
+                            fast = None
+                        else:
+                            self._step = at + 1
+                            self._last_step = at
+                            if seq is not None:
+                                sink.seq = seq + 1
+                            fast(line)
+                            after = sink.after_write
+                            if after is not None:
+                                after(record)
+                            n = self._rows_committed = self._rows_committed + 1
+                            # every 256 rows: has the buffer reached the flush size?
+                            writer = sink.writer
+                            if n & 255 or writer.buffered() < writer.flush_bytes:
+                                return
                     else:
                         fast = None
                 if fast is not None:
@@ -320,6 +330,7 @@ class Run:
                 self._fast_ok = False
                 self._open_nonfinite = nonfinite
             else:
+                records.check_merged(self._open, row)  # the merged row must fit a line too
                 self._open.update(row)
                 self._open_nonfinite |= nonfinite
             if commit is not False:

@@ -9,6 +9,7 @@ and a `finish` event. Every line has `_seq` 0, 1, 2, ...; the event id is
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import socket
@@ -20,14 +21,17 @@ from typing import Any
 import orjson
 
 from expr_tracker.context import RunContext
+from expr_tracker.errors import UsageError
 from expr_tracker.procs import proc_start
 from expr_tracker.store import records
 from expr_tracker.store.layout import ShardPaths, spool_path
+from expr_tracker.store.lock import ShardBusyError, lock_writer
 from expr_tracker.store.shard import (
     Cursor,
     ShardReader,
     ShardWriter,
     cursor_from,
+    rank_last_step,
     read_sidecar,
     select_rows,
 )
@@ -39,6 +43,11 @@ _BLOCK = 1024 * 1024
 _SAFE_BACKEND_KEYS = ("type", "name", "entity", "project", "mode", "token_env", "batch",
                       "timeout", "retries", "backoff")
 _SESSION_RE = r"[A-Za-z0-9_\-]+"
+# the `_seq` key of a spool line: a `"` inside a JSON string is always escaped, so an
+# unescaped `{"_seq":` or `,"_seq":` is the key itself, never text in a value
+_SEQ_RE = re.compile(rb'([{,])"_seq":(\d+)')
+HEARTBEAT = ".exprd.json"  # exprd's heartbeat in the spool root: {"host", "pid", "time"}
+HEARTBEAT_STALE = 60.0  # seconds without a heartbeat before init says no exprd is running
 
 
 def event_id(session: str, seq: int) -> str:
@@ -121,20 +130,43 @@ def session_of(path: Path, stem: str) -> str:
     return path.name[len(stem) + 1 : -len(".jsonl")]
 
 
-def scan_shard(paths: ShardPaths) -> Cursor:
+def scan_shard(paths: ShardPaths, rank: int | None = None) -> Cursor:
     """The cursor of a shard (rows, largest step, applied spool seqs), reading only.
 
     Starts from the sidecar hint when it is consistent with the file, like the writer's
     repair scan, but never repairs: spool-mode processes and dry runs must not write.
+    With `rank` (a shared rank_aware=False shard) the largest step is that rank's own.
     """
     try:
         fd = os.open(paths.shard, os.O_RDONLY)
     except OSError:
         return Cursor()
     try:
-        return cursor_from(fd, os.fstat(fd).st_size, read_sidecar(paths.sidecar))
+        cursor = cursor_from(fd, os.fstat(fd).st_size, read_sidecar(paths.sidecar))
+        if rank is not None:
+            cursor.last_step = rank_last_step(fd, cursor.bytes, rank)
+        return cursor
     finally:
         os.close(fd)
+
+
+def check_consumer(run: RunContext) -> None:
+    """Warn once when no exprd has left a heartbeat in the spool root lately: the rows
+    are safe in the spool, but nothing applies them until one starts."""
+    beat = run.spool_root / HEARTBEAT
+    try:
+        info = orjson.loads(beat.read_bytes())
+        age = time.time() - float(info["time"])
+    except (OSError, ValueError, KeyError, TypeError):
+        age = None
+    if age is not None and age <= HEARTBEAT_STALE:
+        return
+    seen = "no exprd heartbeat" if age is None else f"exprd's last heartbeat is {age:.0f} s old"
+    run.warn_once(
+        "no_consumer",
+        f"expr_tracker: no exprd is running for spool {run.spool_root} ({seen} in {HEARTBEAT}); "
+        "rows are kept in the spool until one starts (or `expr replay`)",
+    )
 
 
 def iter_spool_events(path: Path) -> Iterator[dict[str, Any]]:
@@ -154,14 +186,110 @@ def iter_spool_events(path: Path) -> Iterator[dict[str, Any]]:
                     yield ev
 
 
-def unapplied_rows(paths: ShardPaths, spool_dir: Path, cursor: Cursor) -> list[dict[str, Any]]:
-    """Record events in the spool files of this shard that the shard does not hold yet."""
-    out: list[dict[str, Any]] = []
+def _line_seq(line: bytes) -> int | None:
+    m = _SEQ_RE.search(line)
+    return int(m.group(2)) if m else None
+
+
+def iter_unapplied_reverse(path: Path, done: int) -> Iterator[bytes]:
+    """The complete lines of a spool file whose `_seq` is above `done`, last first.
+
+    Reads backwards in blocks and stops at the first line already applied: memory stays
+    bounded by the block size, and a large spool that is mostly applied costs little.
+    (`_seq` grows along a spool file.)
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        with open(fd, "rb", closefd=False) as fh:
+            end = records.complete_end(fh, _BLOCK)
+        carry = b""
+        while end > 0:
+            start = max(0, end - _BLOCK)
+            data = os.pread(fd, end - start, start) + carry
+            lines = data.split(b"\n")
+            lines.pop()  # data ends at a newline: the last piece is empty
+            body = lines
+            carry = b""
+            if start > 0:
+                # the first piece may be the end of a line that started in an earlier block
+                carry = lines[0] + b"\n"
+                body = lines[1:]
+            for line in reversed(body):
+                seq = _line_seq(line)
+                if seq is None:
+                    continue
+                if seq <= done:
+                    return
+                yield line
+            end = start
+    finally:
+        os.close(fd)
+
+
+@dataclasses.dataclass
+class Pending:
+    """What the spool holds for a shard that the shard does not (yet): counted, not kept."""
+
+    rows: int = 0
+    last_step: int | None = None
+
+
+def _is_record(line: bytes) -> bool:
+    return not line.startswith(b'{"_event"')
+
+
+def _own(ev: Mapping[str, Any], rank: int | None) -> bool:
+    return rank is None or ev.get("_rank") == rank
+
+
+def pending_of(paths: ShardPaths, spool_dir: Path, cursor: Cursor, rank: int | None = None) -> Pending:
+    """Rows of this shard's spool files not applied yet, and the largest step among them
+    (of rank `rank` only, for a shared rank_aware=False shard), in bounded memory."""
+    out = Pending()
     for path in spool_files_of(spool_dir, paths.stem):
         done = cursor.applied.get(session_of(path, paths.stem), -1)
-        for ev in iter_spool_events(path):
-            if "_event" not in ev and ev["_seq"] > done:
+        found = False
+        for line in iter_unapplied_reverse(path, done):
+            if not _is_record(line):
+                continue
+            out.rows += 1
+            if found or line.startswith(b'{"_kind"'):
+                continue
+            try:
+                ev = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue
+            step = ev.get("_step")
+            if "_kind" not in ev and type(step) is int and _own(ev, rank):
+                found = True  # steps grow along a file: the last row has the largest
+                if out.last_step is None or step > out.last_step:
+                    out.last_step = step
+    return out
+
+
+def unapplied_rows(paths: ShardPaths, spool_dir: Path, cursor: Cursor,
+                   limit: int | None = None) -> list[dict[str, Any]]:
+    """Record events in the spool files of this shard that the shard does not hold yet,
+    oldest first; with `limit`, only the last `limit` step rows (no rank records), read
+    from the end."""
+    out: list[dict[str, Any]] = []
+    for path in reversed(spool_files_of(spool_dir, paths.stem)):
+        done = cursor.applied.get(session_of(path, paths.stem), -1)
+        for line in iter_unapplied_reverse(path, done):
+            if limit is not None and len(out) >= limit:
+                break
+            if not _is_record(line):
+                continue
+            try:
+                ev = records.loads(line)
+            except ValueError:
+                continue
+            if limit is None or "_kind" not in ev:
                 out.append(ev)
+    out.reverse()
     return out
 
 
@@ -193,22 +321,32 @@ class SpoolSink:
         self.path = spool_path(run.spool_root, run.project, run.name, run.paths.stem, run.session)
         self.alerting = False  # exprd evaluates rules and delivers alerts
         self.reporting = False
-        cursor = scan_shard(run.paths)
-        pending = unapplied_rows(run.paths, self.path.parent, cursor)
-        self.rows = cursor.rows + len(pending)
+        # a shared rank_aware=False shard resumes after this rank's own rows (DESIGN 5)
+        own = None if run.rank_aware else run.rank
+        cursor = scan_shard(run.paths, own)
+        pending = pending_of(run.paths, self.path.parent, cursor, own)
+        self.rows = cursor.rows + pending.rows
         last = cursor.last_step
-        for ev in pending:
-            step = ev.get("_step")
-            if "_kind" not in ev and type(step) is int and (last is None or step > last):
-                last = step
+        if pending.last_step is not None and (last is None or pending.last_step > last):
+            last = pending.last_step
         self.last_step = last
         self.next_step = 0 if last is None else last + 1
         self.seq = 0  # the next event number; Run's hot path numbers records with it too
+        self._shift = 0  # after a rotation: original seq - seq in the current file
+        self._rotations = 0
         try:
             make_private_dirs(self.path.parent)
         except OSError as exc:
             run.warn_once("spool_dir", f"expr_tracker: cannot create spool directory "
                                        f"{self.path.parent}: {exc.strerror or exc}")
+        # one writer per shard in spool mode too: the lock sits in the node-local spool
+        # directory, where exprd would otherwise apply two sessions of one rank into it
+        try:
+            self._lock_fd = lock_writer(ShardPaths(self.path.parent, run.paths.stem), run.rank,
+                                        not run.rank_aware)
+        except ShardBusyError as exc:
+            raise UsageError(str(exc).replace(f"shard {self.path.parent / run.paths.stem}.jsonl",
+                                              f"shard {run.paths.shard}")) from None
         self.writer = ShardWriter(
             ShardPaths(self.path.parent, self.path.name[: -len(".jsonl")]),
             {},
@@ -216,13 +354,58 @@ class SpoolSink:
             warn=run.warn_once,
             dropped=run.dropped,
         )
+        self.writer.on_deleted = self._rotate
         self.writer.open()
+        check_consumer(run)
         # rank_aware=False records carry `_rank`, which Run's fast path does not add
         # Run.log's hot path queues whole record lines, `_seq` included (it numbers them)
         self.fast_append = self.writer.queue if run.rank_aware else None
         self.after_write = None  # exprd runs the rules and backends
         self._emit(init_event(run, self.path))
         self.writer.flush()  # exprd learns about the run at once
+
+    # -- a spool file deleted under us (case 5 of issue 10) ---------------------------
+
+    def _rotate(self) -> None:
+        """The spool file was deleted: go on in a new file of a new session.
+
+        Called by the writer under its lock before it opens the new file. A spool file
+        without an init event is never applied, so the new file starts with one (same
+        run, same options, a new session id); the lines that had not been written yet
+        keep their order and are renumbered from 1 as they are written (`_renumber`),
+        so the hot path keeps numbering as it did and takes no extra lock.
+        """
+        old = self.path
+        run = dataclasses.replace(self.run, session=os.urandom(6).hex())
+        self.path = spool_path(run.spool_root, run.project, run.name, run.paths.stem, run.session)
+        self.writer.paths = ShardPaths(self.path.parent, self.path.name[: -len(".jsonl")])
+        self._session_ctx = run
+        self._rotations += 1
+        self.run.warn_once(
+            "spool_deleted",
+            f"expr_tracker: spool file {old} was deleted while in use; going on in a new "
+            f"session {self.path.name} (rows not yet applied from the deleted file are lost)",
+        )
+        try:
+            make_private_dirs(self.path.parent)
+        except OSError:
+            pass  # the open that follows fails, is reported and retried
+        self.writer.transform = self._renumber
+
+    def _renumber(self, data: bytes, offset: int) -> bytes:
+        """Lines for a file started by `_rotate`: its init event first, `_seq` from 1."""
+        head = b""
+        if offset == 0:
+            first = _line_seq(data[: data.find(b"\n")])
+            self._shift = (first if first is not None else self.seq) - 1
+            head = orjson.dumps(init_event(self._session_ctx, self.path),
+                                option=orjson.OPT_APPEND_NEWLINE)
+        shift = self._shift
+
+        def renum(m: re.Match[bytes]) -> bytes:
+            return m.group(1) + b'"_seq":' + str(int(m.group(2)) - shift).encode()
+
+        return head + _SEQ_RE.sub(renum, data)
 
     # -- writing --------------------------------------------------------------------
 
@@ -262,16 +445,23 @@ class SpoolSink:
     def close(self, status: str) -> None:
         self._emit({"_event": "finish", "_time": time.time(), "status": status})
         self.writer.close("finished")
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the writer lock
+            self._lock_fd = None
 
     def detach(self) -> None:
         # a forked child shares the parent's descriptor: forget the buffer, never flush it
         self.writer._buf.clear()
         self.writer._pending = b""
+        if self._lock_fd is not None:  # the parent keeps the lock (see forget_lock)
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def info(self) -> dict[str, Any]:
         return {
             "spool_file": str(self.path),
-            "spool_seq": self.seq,
+            "spool_seq": self.seq - self._shift,
+            "session": self.path.name[len(self.run.paths.stem) + 1 : -len(".jsonl")],
             "buffered_bytes": self.writer.buffered(),
             "errors": dict(self.writer.errors),
             "alerting": self.alerting,
@@ -289,7 +479,11 @@ class SpoolSink:
         self.writer.flush()
         paths = self.run.paths
         cursor = scan_shard(paths)
-        fresh = [_strip(r) for r in unapplied_rows(paths, self.path.parent, cursor)]
+        if n is not None and n >= 0 and not metrics and step_range is None:
+            # the common `history(5)`: only the last n rows are read, from the end
+            fresh = [_strip(r) for r in unapplied_rows(paths, self.path.parent, cursor, limit=n)]
+        else:
+            fresh = [_strip(r) for r in unapplied_rows(paths, self.path.parent, cursor)]
         newer = select_rows(_ListReader(fresh), None, metrics=metrics, step_range=step_range)
         if n is not None and 0 <= n <= len(newer):
             return newer[len(newer) - n :]

@@ -90,7 +90,7 @@ def test_garbage_lines_are_skipped_with_one_warning(cli):
 def test_bad_stream_name_is_one_line(cli):
     result = cli("history", "run-1", "--stream", "rank2")
     assert result.exit_code == 1
-    assert result.stderr.startswith("error: stream 'rank2' looks like a rank suffix")
+    assert result.stderr.startswith("error: stream 'rank2' has a 'rank<N>' segment")
     assert result.stderr.count("\n") == 1
 
 

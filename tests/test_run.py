@@ -146,7 +146,7 @@ def test_default_dir_and_name(tmp_path, monkeypatch):
         ({"upload_mode": "s3"}, ValueError, "upload_mode"),
         ({"config": [1]}, TypeError, "config"),
         ({"config": {"f": object()}}, TypeError, "config"),
-        ({"alert_on_rank": 5}, ValueError, "alert_on_rank"),
+        ({"alert_on_rank": 2**40}, ValueError, "alert_on_rank"),  # over any world size
         ({"backend_on_rank": -1}, ValueError, "backend_on_rank"),
         ({"rank_aware": "yes"}, TypeError, "rank_aware"),
         ({"idle_timeout": 0}, ValueError, "idle_timeout"),

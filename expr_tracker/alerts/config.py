@@ -28,6 +28,8 @@ key by key and the dict wins; a channel whose `type` changes is replaced whole::
     retries = 5                     # attempts after the first
     backoff = 0.5                   # first retry delay, doubled each time, capped at 30 s
     timeout = 10                    # seconds per attempt
+    exit_timeout = 5                # seconds finish() waits for delivery; what is still
+                                    # pending then is counted as undelivered
 
 With no channel configured, alerts go to one `log` channel named "log". A literal
 `secret` is refused in the `alert=` dict (it travels in the spool); `url_env` and
@@ -73,6 +75,7 @@ class Policy:
     retries: int = 5
     backoff: float = 0.5
     timeout: float = 10.0
+    exit_timeout: float = 5.0
 
 
 # key -> (integer only, lower bound, bound excluded)
@@ -84,6 +87,7 @@ _POLICY_RULES: dict[str, tuple[bool, float, bool]] = {
     "retries": (True, 0.0, False),
     "backoff": (False, 0.0, False),
     "timeout": (False, 0.0, True),
+    "exit_timeout": (False, 0.0, False),
 }
 
 

@@ -1,10 +1,13 @@
 """The Dispatcher that delivers alerts to their channels (DESIGN 7).
 
 An Alert (`expr_tracker.alerts.alert`) that must be delivered goes to a `Dispatcher`, which never blocks and never raises
-into the caller: one background daemon thread delivers to every channel with a
-per-channel token bucket, a dedup window, a bounded queue and retries. What is not
-delivered is counted in `stats()`; each failure cause is logged once per channel
-on the `expr_tracker.alerts` logger (never `warnings.warn`: it runs off-thread).
+into the caller: one background daemon thread per channel delivers with a token
+bucket, a dedup window, a bounded queue and retries, so a channel that hangs (a
+webhook that never answers) delays only itself. `close` waits at most
+`exit_timeout` (policy, default 5 s); what is still pending then is counted as
+undelivered. What is not delivered is counted in `stats()`; each failure cause is
+logged once per channel on the `expr_tracker.alerts` logger (never `warnings.warn`:
+it runs off-thread).
 
 Configuration (`load_config`, `AlertConfig`, `ChannelConfig`, `Policy`) is parsed in
 `expr_tracker.alerts.config`, whose docstring describes the file format; the channels
@@ -48,7 +51,9 @@ class _Lane:
         self.queue: deque[list[Any]] = deque()  # [alert, attempts]
         self.ready_at = 0.0  # monotonic; later than now while the head waits for a retry
         self.busy = False
-        self.sent = self.failed = self.suppressed = self.dropped = 0
+        self.thread: threading.Thread | None = None  # this channel's delivery worker
+        self.abandoned = False  # closed while an attempt hung: it was counted undelivered
+        self.sent = self.failed = self.suppressed = self.dropped = self.undelivered = 0
         self.tokens = float(policy.burst)
         self.refilled = _clock.monotonic()
         self.seen: dict[tuple[Any, ...], float] = {}
@@ -74,7 +79,7 @@ class _Lane:
 
 
 class Dispatcher:
-    """Delivers alerts to channels from one background thread; never blocks, never raises."""
+    """Delivers alerts to channels, one background thread each; never blocks, never raises."""
 
     def __init__(
         self,
@@ -84,6 +89,7 @@ class Dispatcher:
         on_warning: Callable[[str], object] | None = None,
     ) -> None:
         base = policy or Policy()
+        self.exit_timeout = base.exit_timeout
         self._lanes: dict[str, _Lane] = {}
         for ch in channels:
             if ch.name in self._lanes:
@@ -112,9 +118,7 @@ class Dispatcher:
     def _reset(self) -> None:
         self._pid = os.getpid()
         self._cond = threading.Condition(threading.Lock())
-        self._thread: threading.Thread | None = None
         self._closed = False
-        self._rr = 0
 
     def _warn_once(self, channel: str, cause: str, message: str) -> None:
         if (channel, cause) in self._warned:
@@ -146,6 +150,7 @@ class Dispatcher:
             for old in self._lanes.values():
                 old.queue.clear()
                 old.busy = False
+                old.thread = None
                 old.channel.forget()
             self._reset()
         if not isinstance(alert, Alert):
@@ -175,7 +180,7 @@ class Dispatcher:
                 else:
                     lane.queue.append([alert, 0])
                     outcome[name] = "queued"
-                    self._start()
+                    self._start(lane)
             self._cond.notify_all()
         for name, what in outcome.items():
             if what == "unknown":
@@ -185,41 +190,32 @@ class Dispatcher:
                 self._warn_once(name, what, f"alert channel {name!r}: alert dropped, {why}")
         return outcome
 
-    def _start(self) -> None:
-        if self._thread is not None:
+    def _start(self, lane: _Lane) -> None:
+        if lane.thread is not None:
             return
-        thread = threading.Thread(target=self._run, name="expr-alerts", daemon=True)
+        thread = threading.Thread(target=self._run, args=(lane,), daemon=True,
+                                  name=f"expr-alerts-{lane.channel.name}")
         try:
             thread.start()
-        except RuntimeError:  # cannot start new thread: count everything queued as dropped
-            for lane in self._lanes.values():
-                lane.dropped += len(lane.queue)
-                lane.queue.clear()
+        except RuntimeError:  # cannot start new thread: count what is queued as dropped
+            lane.dropped += len(lane.queue)
+            lane.queue.clear()
             raise
-        self._thread = thread
+        lane.thread = thread
 
-    def _next(self) -> _Lane | None:
-        lanes = list(self._lanes.values())
-        now = _clock.monotonic()
-        for i in range(len(lanes)):  # round robin, so one busy channel cannot starve the rest
-            lane = lanes[(self._rr + i) % len(lanes)]
-            if lane.queue and lane.ready_at <= now:
-                self._rr = (self._rr + i + 1) % len(lanes)
-                return lane
-        return None
-
-    def _run(self) -> None:
+    def _run(self, lane: _Lane) -> None:
+        """One channel's worker: deliver its queue head when due, until closed."""
         while True:
             with self._cond:
-                lane = None if self._closed else self._next()
-                while lane is None:
+                while True:
                     if self._closed:
-                        for ch in self._lanes.values():
-                            ch.channel.close()
+                        if not lane.busy:
+                            lane.channel.close()
                         return
-                    waits = [ln.ready_at for ln in self._lanes.values() if ln.queue]
-                    self._cond.wait(max(min(waits) - _clock.monotonic(), 0.001) if waits else None)
-                    lane = None if self._closed else self._next()
+                    now = _clock.monotonic()
+                    if lane.queue and lane.ready_at <= now:
+                        break
+                    self._cond.wait(max(lane.ready_at - now, 0.001) if lane.queue else None)
                 lane.busy = True
                 item = lane.queue[0]
             self._attempt(lane, item)
@@ -248,6 +244,8 @@ class Dispatcher:
             )
         with self._cond:
             lane.busy = False
+            if lane.abandoned:
+                return  # close() counted it as undelivered and moved on
             if error is None:
                 lane.sent += 1
                 lane.queue.popleft()
@@ -265,11 +263,13 @@ class Dispatcher:
             self._cond.notify_all()
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """Per channel: sent, failed, suppressed, pending (queued or in flight), dropped."""
+        """Per channel: sent, failed, suppressed, pending (queued or in flight), dropped,
+        undelivered (still pending when `close` gave up)."""
         with self._cond:
             return {
                 name: {"sent": ln.sent, "failed": ln.failed, "suppressed": ln.suppressed,
-                       "pending": len(ln.queue), "dropped": ln.dropped}
+                       "pending": len(ln.queue), "dropped": ln.dropped,
+                       "undelivered": ln.undelivered}
                 for name, ln in self._lanes.items()
             }
 
@@ -279,33 +279,39 @@ class Dispatcher:
         with self._cond:
             while any(ln.queue for ln in self._lanes.values()):
                 remaining = deadline - _clock.monotonic()
-                if remaining <= 0 or self._thread is None or not self._thread.is_alive():
+                live = [ln for ln in self._lanes.values()
+                        if ln.queue and ln.thread is not None and ln.thread.is_alive()]
+                if remaining <= 0 or not live:
                     return False
                 self._cond.wait(remaining)
         return True
 
-    def close(self, timeout: float = 5.0) -> bool:
-        """Flush for up to `timeout` s, then stop the thread; what is left is counted dropped."""
-        deadline = _clock.monotonic() + max(timeout, 0.0)
+    def close(self, timeout: float | None = None) -> bool:
+        """Deliver for up to `timeout` s (default: the policy's `exit_timeout`), then stop.
+
+        What is still queued or in flight then is counted as undelivered (a worker stuck
+        in a hanging request is left behind: it is a daemon thread and its result is
+        ignored). Returns True if everything was delivered.
+        """
+        timeout = self.exit_timeout if timeout is None else timeout
         drained = self.flush(timeout)
+        left = 0
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-            thread = self._thread
-        if thread is None:
             for lane in self._lanes.values():
-                lane.channel.close()
-        else:
-            thread.join(max(deadline - _clock.monotonic(), 0.05))
-        left = 0
-        with self._cond:
+                n = len(lane.queue)
+                if not n:
+                    continue
+                lane.undelivered += n
+                left += n
+                lane.queue.clear()
+                if lane.busy:
+                    lane.abandoned = True
             for lane in self._lanes.values():
-                # an alert still in flight stays pending; it is counted when its attempt ends
-                keep = 1 if lane.busy and lane.queue else 0
-                while len(lane.queue) > keep:
-                    lane.queue.pop()
-                    lane.dropped += 1
-                    left += 1
+                if lane.thread is None:
+                    lane.channel.close()
         if left:
-            self._warn_once("*", "close", f"{left} alert(s) not delivered before close; dropped")
+            self._warn_once("*", "close", f"{left} alert(s) not delivered within {timeout:g} s "
+                                          "of closing; counted as undelivered")
         return drained

@@ -55,7 +55,7 @@ class Identity:
     name: str
     stream: str | None = None
     rank: int = 0
-    world_size: int = 1
+    world_size: int | None = 1  # None: unknown (WORLD_SIZE was not set)
     config: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     dir: str = ""
     # the shard session (spool session id, or the SDK's per-init id) and when it started;
@@ -69,11 +69,13 @@ class Identity:
         validate_stream(self.stream)
         for fname in ("rank", "world_size"):
             value = getattr(self, fname)
+            if value is None and fname == "world_size":
+                continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{fname} must be an int, got {type(value).__name__}")
         if self.rank < 0:
             raise ValueError(f"rank must be >= 0, got {self.rank}")
-        if self.world_size < 1:
+        if self.world_size is not None and self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
 
     def remote_id(self) -> str:

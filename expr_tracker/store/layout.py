@@ -13,7 +13,9 @@ from pathlib import Path
 
 MAX_NAME = 128
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+\Z")
-_RANK_LIKE = re.compile(r"rank\d+\Z")
+# a `rank<N>` segment anywhere in a stream would let `metrics.<stream>.jsonl` of one rank
+# spell the shard of another (stream `data.rank2` of rank 0 is rank 2 of stream `data`)
+_RANK_SEGMENT = re.compile(r"(?:\A|\.)rank\d+(?:\.|\Z)")
 _SHARD_RE = re.compile(
     r"metrics(?:\.(?P<stream>(?!rank\d+\.)[A-Za-z0-9_\-][A-Za-z0-9_.\-]*?))?(?:\.rank(?P<rank>\d+))?\.jsonl\Z"
 )
@@ -48,8 +50,11 @@ def validate_stream(value: object) -> str | None:
     if value is None:
         return None
     name = validate_name(value, "stream")
-    if _RANK_LIKE.match(name):
-        raise ValueError(f"stream {name!r} looks like a rank suffix; choose another stream name")
+    if _RANK_SEGMENT.search(name):
+        raise ValueError(
+            f"stream {name!r} has a 'rank<N>' segment, which could spell another rank's "
+            "shard name; choose another stream name"
+        )
     if name == "metrics" or name.endswith(".meta") or name in {"torn", "jsonl"}:
         raise ValueError(f"stream {name!r} is a reserved name")
     return name

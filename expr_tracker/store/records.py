@@ -33,6 +33,11 @@ DECODE_NONFINITE: dict[str, float] = {
 INT_MIN = -(2**63)  # the integers orjson can write
 INT_MAX = 2**64 - 1
 _DUMPS = orjson.dumps
+# Text limits, the same in direct and spool mode and checked at the call: one str value
+# at most MAX_STR bytes, the keys and str values of one row at most MAX_ROW, well under
+# the spool's 16 MiB line limit (a longer line is quarantined by exprd).
+MAX_STR = 1024 * 1024
+MAX_ROW = 8 * 1024 * 1024
 _NEWLINE = orjson.OPT_APPEND_NEWLINE
 
 
@@ -69,10 +74,11 @@ def encode_value(key: str, value: Any) -> Scalar:
     if cls is bool or value is None:
         return value
     if cls is str:
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(f"value of key {key!r} is not valid UTF-8 text") from None
+        if text_bytes(key, value) > MAX_STR:
+            raise ValueError(
+                f"value of key {key!r} is {text_bytes(key, value)} bytes of text; "
+                f"at most {MAX_STR} allowed"
+            )
         return value
     if isinstance(value, bool):
         return bool(value)
@@ -85,6 +91,17 @@ def encode_value(key: str, value: Any) -> Scalar:
     return _unwrap(key, value)
 
 
+def text_bytes(key: str, text: str) -> int:
+    """The UTF-8 size of `text` (the value of `key`); ValueError if it cannot be encoded
+    (a lone surrogate such as "\\ud800", which orjson refuses too)."""
+    if text.isascii():  # O(1) in CPython: the common case costs nothing
+        return len(text)
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ValueError(f"value of key {key!r} is not valid UTF-8 text (a lone surrogate?)") from None
+
+
 def check_key(key: Any) -> str:
     """Validate a user metric key."""
     if key.__class__ is not str and not isinstance(key, str):
@@ -93,7 +110,12 @@ def check_key(key: Any) -> str:
         raise ValueError("metric keys must not be empty")
     if key[0] == "_":
         raise ValueError(f"key {key!r}: keys starting with '_' are reserved")
-    return key
+    if not key.isascii():
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"key {key!r} is not valid UTF-8 text (a lone surrogate?)") from None
+    return str(key)
 
 
 def encode_row(data: Any, field: str = "data") -> tuple[dict[str, Scalar], bool]:
@@ -106,9 +128,11 @@ def encode_row(data: Any, field: str = "data") -> tuple[dict[str, Scalar], bool]
         raise TypeError(f"{field} must be a dict of metric name to value, got {type(data).__name__}")
     out: dict[str, Scalar] = {}
     nonfinite = False
+    size = 0  # text bytes of keys and str values: a row must fit a spool line (MAX_ROW)
     for key, value in data.items():
-        if key.__class__ is not str or not key or key[0] == "_":
-            check_key(key)
+        if key.__class__ is not str or not key or key[0] == "_" or not key.isascii():
+            key = check_key(key)
+        size += len(key)
         cls = value.__class__
         if cls is float:
             if value - value != 0.0:
@@ -117,8 +141,16 @@ def encode_row(data: Any, field: str = "data") -> tuple[dict[str, Scalar], bool]
         elif cls is int and INT_MIN <= value <= INT_MAX:
             out[key] = value
         else:
+            text = isinstance(value, str)
             value = encode_value(key, value)
-            if value.__class__ is str and value in _NONFINITE_TEXT and cls is not str:
+            if text:
+                size += text_bytes(key, value)  # type: ignore[arg-type]
+                if size > MAX_ROW:
+                    raise ValueError(
+                        f"value of key {key!r} takes the row's text over {MAX_ROW} bytes; "
+                        "log less text per row"
+                    )
+            elif value.__class__ is str and value in _NONFINITE_TEXT:
                 # encode_value spells non-finite floats as text; keep the float in memory
                 value = DECODE_NONFINITE[value]
                 nonfinite = True
@@ -127,6 +159,19 @@ def encode_row(data: Any, field: str = "data") -> tuple[dict[str, Scalar], bool]
 
 
 _NONFINITE_TEXT = frozenset(("NaN", "Infinity", "-Infinity"))
+
+
+def check_merged(row: Mapping[str, Any], more: Mapping[str, Any]) -> None:
+    """Raise ValueError if merging `more` into the open `row` (log(commit=False))
+    takes its text over MAX_ROW, naming the first key of `more` that does."""
+    size = 0
+    merged = {**row, **more}
+    for key, value in merged.items():
+        size += len(key) + (text_bytes(key, value) if value.__class__ is str else 0)
+        if size > MAX_ROW:
+            culprit = next((k for k in more if merged[k].__class__ is str), key)
+            raise ValueError(f"value of key {culprit!r} takes the open row's text over "
+                             f"{MAX_ROW} bytes; commit the row first")
 
 
 def _finite_copy(record: Mapping[str, Any]) -> dict[str, Any]:
@@ -256,14 +301,17 @@ def rank_record(
     import time
 
     step = check_step(step)
-    if isinstance(world_size, bool) or not isinstance(world_size, int):
-        raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
-    if not 1 <= world_size <= MAX_WORLD:
-        raise ValueError(f"world_size must be between 1 and {MAX_WORLD}, got {world_size}")
+    # world_size None: unknown (the launcher did not set WORLD_SIZE); written as null
+    if world_size is not None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int):
+            raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
+        if not 1 <= world_size <= MAX_WORLD:
+            raise ValueError(f"world_size must be between 1 and {MAX_WORLD}, got {world_size}")
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise TypeError(f"rank must be an int, got {type(rank).__name__}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must satisfy 0 <= rank < world_size ({world_size}), got {rank}")
+    bound = MAX_WORLD if world_size is None else world_size
+    if not 0 <= rank < bound:
+        raise ValueError(f"rank must satisfy 0 <= rank < world_size ({bound}), got {rank}")
     if local_rank is not None and (
         isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0
     ):

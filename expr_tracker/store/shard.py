@@ -22,8 +22,12 @@ import orjson
 
 from expr_tracker.store import records
 from expr_tracker.store.layout import ShardPaths
+from expr_tracker.store.lock import lock_writer
 
 FLUSH_BYTES = 64 * 1024
+# a retry after a failed write goes in pieces of whole lines this large, so that a disk
+# with less room than the backlog keeps what fits (a normal flush is one piece)
+_PIECE = 256 * 1024
 MAX_BUFFER_BYTES = 64 * 1024 * 1024
 _READ_BLOCK = 256 * 1024
 
@@ -172,6 +176,31 @@ def _last_row_step(data: bytes) -> int | None:
     return None
 
 
+def rank_last_step(fd: int, size: int, rank: int) -> int | None:
+    """The largest `_step` of rank `rank`'s own step rows in a shared (rank_aware=False)
+    shard, reading backwards from `size`: a rank's rows are appended in step order, so its
+    last row holds its largest step. None if the rank has no row (a fresh rank starts at 0)."""
+    needle = b'"_rank":%d' % rank
+    end, carry = size, b""
+    while end > 0:
+        start = max(0, end - _READ_BLOCK)
+        data = os.pread(fd, end - start, start) + carry
+        lines = data.split(b"\n")
+        carry = lines[0] if start > 0 else b""
+        for line in reversed(lines[1:] if start > 0 else lines):
+            if needle not in line or line.startswith(b'{"_kind"'):
+                continue
+            try:
+                rec = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue
+            step = rec.get("_step") if isinstance(rec, dict) else None
+            if rec.get("_rank") == rank and "_kind" not in rec and type(step) is int:
+                return step
+        end = start
+    return None
+
+
 def _line_boundary(fd: int, offset: int) -> bool:
     """True if `offset` is the start of a line (the byte before it is a newline)."""
     return os.pread(fd, 1, offset - 1) == b"\n"
@@ -198,8 +227,15 @@ class ShardWriter:
         dropped: dict[str, int] | None = None,
         flush_bytes: int = FLUSH_BYTES,
         max_buffer_bytes: int = MAX_BUFFER_BYTES,
+        exclusive: bool = False,
+        own_rank: int | None = None,
     ) -> None:
+        """`exclusive`: hold the shard's writer lock (a second writer gets ShardBusyError
+        from `open`). `own_rank` (shared files): the cursor's last step is that rank's."""
         self.paths = paths
+        self.exclusive = exclusive
+        self.own_rank = own_rank
+        self._lock_fd: int | None = None
         self.identity = dict(identity)
         self.shared = shared
         self.sidecar_enabled = write_sidecar
@@ -223,6 +259,11 @@ class ShardWriter:
         self._pending_rows = 0
         self._io_lock = threading.Lock()
         self._fd: int | None = None
+        # hooks of the spool writer (None for shards): `on_deleted()` when the file was
+        # deleted under us, before a new one is opened at `self.paths` (it may change
+        # them); `transform(data, offset)` rewrites what is written at `offset`
+        self.on_deleted: Callable[[], None] | None = None
+        self.transform: Callable[[bytes, int], bytes] | None = None
 
     # -- opening ---------------------------------------------------------
     def open(self) -> Cursor:
@@ -233,14 +274,47 @@ class ShardWriter:
         try:
             self.paths.run_dir.mkdir(parents=True, exist_ok=True)
             hint = read_sidecar(self.paths.sidecar)
+            if self.exclusive:
+                self._take_lock(hint)
             with self._locked_file():
                 self.cursor, self.repaired = repair_and_scan(self.paths, hint)
+                if self.shared and self.own_rank is not None:
+                    self.cursor.last_step = self._own_last_step()
             if hint and isinstance(hint.get("start_time"), (int, float)) and self.cursor.rows:
                 self.start_time = float(hint["start_time"])
             self._open_fd()
         except OSError as exc:
             self._fail("open", exc)
         return self.cursor
+
+    def forget_lock(self) -> None:
+        """In a forked child: close this copy of the lock descriptor. The parent keeps the
+        lock (an flock lasts while any copy is open), and a child that outlives it, a
+        dataloader worker say, does not hold the shard from the next writer."""
+        if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _own_last_step(self) -> int | None:
+        try:
+            fd = os.open(self.paths.shard, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            assert self.own_rank is not None
+            return rank_last_step(fd, self.cursor.bytes, self.own_rank)
+        finally:
+            os.close(fd)
+
+    def _take_lock(self, hint: Mapping[str, Any] | None) -> None:
+        """Take the shard's writer lock (see `lock_writer`); ShardBusyError if held."""
+        rank = self.own_rank if self.own_rank is not None else int(self.identity.get("rank") or 0)
+        self._lock_fd = lock_writer(
+            self.paths, rank, self.shared,
+            sidecar_hint=None if self.shared else hint,
+            sidecar=self.paths.sidecar,
+        )
 
     @contextlib.contextmanager
     def _locked_file(self) -> Iterator[None]:
@@ -264,11 +338,14 @@ class ShardWriter:
             except OSError:
                 pass
             # the file (or its run directory) was deleted under us: start a new one
-            self._warn("deleted", f"shard {self.paths.shard} was deleted; recreating it")
             self.errors["deleted"] = self.errors.get("deleted", 0) + 1
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
+            if self.on_deleted is not None:
+                self.on_deleted()
+            else:
+                self._warn("deleted", f"shard {self.paths.shard} was deleted; recreating it")
             self.paths.run_dir.mkdir(parents=True, exist_ok=True)
         else:
             # never opened: the run root was unwritable (or missing) at init; try again now
@@ -320,35 +397,64 @@ class ShardWriter:
         del buf[:n]
         data = self._pending + chunk if self._pending else chunk
         nrows = self._pending_rows + chunk.count(b"\n")
+        done = 0  # bytes of `data` written, whole lines only
+        failed: OSError | None = None
         try:
             fd = self._open_fd()
             if self.shared:
                 fcntl.flock(fd, fcntl.LOCK_EX)
             try:
-                before = os.fstat(fd).st_size
-                try:
-                    _write_all(fd, data)
-                except OSError:
-                    # never leave half a batch: cut the file back to where we started
-                    with contextlib.suppress(OSError):
-                        os.ftruncate(fd, before)
-                    raise
+                end = os.fstat(fd).st_size
+                done, end, failed = self._write_lines(fd, data, end)
             finally:
                 if self.shared:
                     fcntl.flock(fd, fcntl.LOCK_UN)
         except OSError as exc:
-            self._fail("write", exc)
+            failed = exc
+        if done:
+            written = data if done == len(data) else data[:done]
+            rows = nrows if written is data else written.count(b"\n")
+            self.cursor.bytes = end
+            self.cursor.rows += rows
+            step = _last_row_step(written)
+            if step is not None and (self.cursor.last_step is None or step > self.cursor.last_step):
+                self.cursor.last_step = step
+            self.last_write = time.time()
+            if failed is not None:
+                data, nrows = data[done:], nrows - rows
+        if failed is not None:
+            self._fail("write", failed)
             self._keep_pending(data, nrows)
             return False
         self._pending = b""
         self._pending_rows = 0
-        self.cursor.bytes = before + len(data)
-        self.cursor.rows += nrows
-        step = _last_row_step(chunk)
-        if step is not None and (self.cursor.last_step is None or step > self.cursor.last_step):
-            self.cursor.last_step = step
-        self.last_write = time.time()
         return True
+
+    def _write_lines(self, fd: int, data: bytes, end: int) -> tuple[int, int, OSError | None]:
+        """Append `data` in pieces of whole lines (about _PIECE bytes) at file size `end`.
+
+        A piece that fails is cut off again, so the file never ends in half a line; the
+        pieces before it stay. On a disk that frees less space than the backlog, the
+        rows that fit are kept and only the rest waits (and is counted if it never fits).
+        Returns (bytes of `data` written, the file size after them, the error or None).
+        """
+        pos = 0
+        while pos < len(data):
+            cut = len(data) if len(data) - pos <= _PIECE else data.rfind(b"\n", pos, pos + _PIECE) + 1
+            if cut <= pos:  # one line longer than a piece
+                nl = data.find(b"\n", pos)
+                cut = len(data) if nl < 0 else nl + 1
+            piece = data[pos:cut]
+            if self.transform is not None:
+                piece = self.transform(piece, end)
+            try:
+                _write_all(fd, piece)
+            except OSError as exc:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, end)
+                return pos, end, exc
+            pos, end = cut, end + len(piece)
+        return pos, end, None
 
     def _keep_pending(self, data: bytes, nrows: int) -> None:
         """Keep failed data for a retry, within `max_buffer_bytes`; count what must go."""
@@ -422,6 +528,10 @@ class ShardWriter:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
+        if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._lock_fd)  # releases the writer lock
+            self._lock_fd = None
 
 
 # -- reading -------------------------------------------------------------
