@@ -152,7 +152,7 @@ for step in range(3):
 info = et.info()
 et.finish()
 print(json.dumps({{"world_size": info["world_size"], "alerting": info["alerting"],
-                  "reporting": info["reporting"]}}))
+                  "backend_on_rank": run.backend_on_rank}}))
 """
 
 
@@ -165,7 +165,8 @@ def test_rank_options_with_no_world_size_do_not_crash(tmp_path, mode):
     assert [i["world_size"] for i in infos] == [None] * 4
     if mode == "direct":
         assert [i["alerting"] for i in infos] == [False, False, False, True]
-        assert [i["reporting"] for i in infos] == [False, False, True, False]
+        # no backend is configured, so no rank reports; the option itself survives unchecked
+        assert [i["backend_on_rank"] for i in infos] == [2, 2, 2, 2]
     else:
         from .test_daemon import exprd_once, write_config
 
