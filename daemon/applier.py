@@ -25,7 +25,7 @@ from expr_tracker.store.layout import (
     validate_name,
     validate_stream,
 )
-from expr_tracker.store.records import DECODE_NONFINITE
+from expr_tracker.store.records import DECODE_NONFINITE, MAX_WORLD
 from expr_tracker.store.shard import ShardWriter, read_sidecar
 
 from .config import Config
@@ -86,7 +86,7 @@ def check_init(ev: Mapping[str, Any], path: Path, spool_root: Path, cfg: Config)
     except (TypeError, ValueError) as exc:
         raise InitError(f"bad name in init: {exc}") from None
     rank, world = ident.get("rank"), ident.get("world_size")
-    if type(rank) is not int or type(world) is not int or not 0 <= rank < world:
+    if type(rank) is not int or type(world) is not int or not 0 <= rank < world <= MAX_WORLD:
         raise InitError(f"bad rank/world_size in init: {rank!r}/{world!r}")
     rank_aware = ident.get("rank_aware", True) is not False
     stem = shard_stem(stream, rank if rank_aware else 0)

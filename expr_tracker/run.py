@@ -125,7 +125,9 @@ class Run:
 
         info = _ranks.detect()
         if info.world_size > MAX_WORLD:
-            raise ValueError(f"WORLD_SIZE={info.world_size} is over the supported {MAX_WORLD}")
+            raise ValueError(
+                f"WORLD_SIZE={info.world_size} is over the sanity cap of {MAX_WORLD:,} ranks"
+            )
         self.rank, self.world_size, self.local_rank = info.rank, info.world_size, info.local_rank
         self.alert_on_rank = _check_rank_option(alert_on_rank, "alert_on_rank", self.world_size)
         self.backend_on_rank = _check_rank_option(backend_on_rank, "backend_on_rank", self.world_size)

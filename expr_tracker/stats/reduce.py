@@ -8,7 +8,7 @@ Decisions the DESIGN leaves open:
 - Only int and float values are metrics (bools, strings and None are ignored); ints become
   floats. Non-finite values are stored, counted and kept out of every statistic.
 - A `_weight` that is missing, not a number, non-finite or negative counts as 1.0. A rank
-  record without an integer `_step`, or with `_rank` outside [0, 65536), is skipped and counted.
+  record without an integer `_step`, or with `_rank` outside [0, 1048576), is skipped and counted.
 - The MAD-0 fallback of the robust score divides by 1.2533 * mean(|x - mean|).
 - `reduce_window`: a rank is missing when it has no value of the key in the window; `nonfinite`
   counts non-finite values (not ranks) and `nonfinite_ranks` lists the ranks that had any; a
