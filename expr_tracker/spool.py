@@ -297,7 +297,10 @@ class SpoolSink:
         """Nothing to do: the spool has no sidecar."""
 
     def close(self, status: str) -> None:
-        self._emit({"_event": "finish", "_time": time.time(), "status": status})
+        event: dict[str, Any] = {"_event": "finish", "_time": time.time(), "status": status}
+        if status == "crashed" and self.run._exit is not None:
+            event["exit"] = self.run._exit  # for exprd to put in the shard's sidecar
+        self._emit(event)
         self.writer.close("finished")
 
     def detach(self) -> None:
