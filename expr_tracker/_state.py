@@ -7,7 +7,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 from expr_tracker.errors import UsageError

@@ -27,11 +27,11 @@ from typing import Any, cast
 
 import orjson
 
-from expr_tracker.store import records
 from expr_tracker.stats.ranktable import TableShape
 
 # `reduce`'s bounds and mean, so that both readers agree to the last bit
 from expr_tracker.stats.reduce import _MAX_INT, _MAX_RANKS, RankTable, Stats, _mean, reduce_values
+from expr_tracker.store import records
 
 PARALLEL_BYTES = 8 << 20  # below this, starting worker processes costs more than it saves
 MAX_WORKERS = 4
