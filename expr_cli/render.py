@@ -244,8 +244,9 @@ def tail_line(row: Mapping[str, Any], rank: int | None, metrics: Sequence[str] |
     step = row.get("_step")
     text.append(f"step {fmt_cell(step):>6}  ", style="bold")
     text.append(fmt_time(row.get("_time"))[11:] + "  ", style="dim")
-    if row.get("_kind") == "rank" and rank is None:
-        text.append(f"[rank {row.get('_rank')}] ", style="cyan")
+    if row.get("_kind") == "rank":
+        # a rank record (log_rank_metrics), not a step row: marked apart
+        text.append(f"[rank {row.get('_rank')}] ", style="magenta")
     keys = metrics if metrics else [k for k in row if not k.startswith("_")]
     parts = [f"{k}={fmt_cell(row[k])}" for k in keys if k in row]
     text.append("  ".join(parts))
