@@ -460,11 +460,22 @@ class ShardReader:
 
     def iter_reverse(self) -> Iterator[dict[str, Any]]:
         """Complete records from the last to the first, reading the file backwards in blocks."""
+        return self.iter_reverse_from()
+
+    def iter_reverse_from(
+        self, end: int | None = None, block: int = _READ_BLOCK
+    ) -> Iterator[dict[str, Any]]:
+        """`iter_reverse` from offset `end` (where complete lines end; None: find it).
+
+        `block` bytes are read at a time: a reader that wants a few lines of each of many
+        shards passes a small one. A given `end` keeps the view stable while the file grows.
+        """
         with open(self.path, "rb") as fh:
-            end = records.complete_end(fh, _READ_BLOCK)  # only terminated lines count
+            if end is None:
+                end = records.complete_end(fh, block)  # only terminated lines count
             carry = b""
             while end > 0:
-                start = max(0, end - _READ_BLOCK)
+                start = max(0, end - block)
                 fh.seek(start)
                 data = fh.read(end - start) + carry
                 lines = data.split(b"\n")

@@ -1,0 +1,378 @@
+"""The live state of one run, read cheaply from sidecars and shard tails (DESIGN 13, 14).
+
+`read_run(run_dir)` answers, for every shard of one stream: who writes it (rank, host,
+pid, world sizes), its status (`running`, `finished`, `crashed`; a `running` shard whose
+writer process on this host is gone counts as `crashed`), its last step and last write
+time, and its recent rows within a bounded tail window; and the run's **frontier**: the
+latest step every live rank has reported.
+
+A `RunReader` kept between calls (a watcher, `expr top`) reads each shard's tail once and
+then only the complete lines appended since, so a pass over thousands of idle shards is a
+`stat` per shard and per sidecar. Memory per shard is bounded by the window whatever the
+shard's size: at most `window` step rows and `window` rank records per rank are kept, and a
+shard that grew by more than `MAX_CATCHUP` bytes since the last pass is read from its tail
+again rather than from the old offset.
+
+Nothing here writes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections import deque
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from expr_tracker.spool import pid_alive
+from expr_tracker.store import records
+from expr_tracker.store.layout import parse_shard_name
+from expr_tracker.store.shard import ShardReader, read_sidecar
+
+DEFAULT_WINDOW = 64  # step rows (and rank records per rank) kept per shard
+MAX_CATCHUP = 4 << 20  # bytes read forward per shard and pass; beyond it, re-read the tail
+MAX_TAIL_LINES = 100_000  # records parsed by one tail read
+TAIL_BLOCK = 16 << 10  # reverse-read block: a few dozen lines, not the 256 KiB of a full read
+_THREADS = 8  # reads release the GIL; more threads than this only add contention
+_PARALLEL_MIN = 64  # below this many shards a thread pool costs more than it saves
+STATUSES = ("running", "finished", "crashed")
+
+
+@dataclass
+class RankState:
+    """One shard (one rank of one stream) as read now. Rows are oldest first."""
+
+    rank: int
+    stream: str | None
+    path: Path
+    host: str | None = None
+    pid: int | None = None  # the writing (training) process; in spool mode the SDK's, not exprd's
+    status: str = "running"  # running | finished | crashed
+    status_reason: str | None = None  # why: "exception", "process gone", ...
+    exit: dict[str, Any] | None = None  # the sidecar's {type, message, time} after a crash
+    world_size: int | None = None
+    local_rank: int | None = None
+    local_world_size: int | None = None
+    session: str | None = None
+    start_time: float | None = None
+    end_time: float | None = None
+    last_step: int | None = None  # largest step of its step rows or of its own rank records
+    last_write: float | None = None  # shard mtime
+    size: int = 0
+    step_times: list[tuple[int, float]] = field(default_factory=list)  # recent (step, _time)
+    last_row: dict[str, Any] | None = None  # the latest step row (for `expr top -m KEY`)
+
+    @property
+    def live(self) -> bool:
+        """Still training: status running (a dead writer on this host is already `crashed`)."""
+        return self.status == "running"
+
+
+@dataclass
+class RunState:
+    """Every shard of one stream of a run, and the rank records of the tail windows."""
+
+    run_dir: Path
+    stream: str | None
+    ranks: dict[int, RankState]  # by rank, ascending
+    rank_records: dict[int, list[dict[str, Any]]]  # by the records' own `_rank`, oldest first
+    read_time: float  # wall clock when the pass started
+
+    @property
+    def world_size(self) -> int | None:
+        """The largest world size any sidecar or rank record names (None if none does)."""
+        sizes = [r.world_size for r in self.ranks.values() if r.world_size]
+        for recs in self.rank_records.values():
+            ws = recs[-1].get("_world_size") if recs else None
+            if type(ws) is int and ws > 0:
+                sizes.append(ws)
+        return max(sizes) if sizes else None
+
+    @property
+    def live(self) -> list[RankState]:
+        """The live ranks (status running), ascending."""
+        return [r for r in self.ranks.values() if r.live]
+
+    @property
+    def frontier(self) -> int | None:
+        """The latest step every live rank has reported (DESIGN 13).
+
+        Finished and crashed ranks are not live and do not hold it back; nor does a live
+        rank that has reported no step yet (it is behind, not a bound on the others). With
+        no live rank left, the run is over and the frontier is the latest step of any rank.
+        None when no rank has reported a step.
+        """
+        live = [r.last_step for r in self.ranks.values() if r.live and r.last_step is not None]
+        if live:
+            return min(live)
+        steps = [r.last_step for r in self.ranks.values() if r.last_step is not None]
+        return max(steps) if steps else None
+
+    def behind(self, rank: int) -> int | None:
+        """How many steps `rank` is short of the frontier (0 at or past it; None if unknown)."""
+        front = self.frontier
+        state = self.ranks.get(rank)
+        if front is None or state is None or state.last_step is None:
+            return None
+        return max(0, front - state.last_step)
+
+
+class _ShardTail:
+    """What a reader keeps of one shard between passes: offsets and bounded recent rows."""
+
+    def __init__(self, path: Path, rank: int, stream: str | None, window: int) -> None:
+        self.path = path
+        self.rank = rank
+        self.stream = stream
+        self.window = window
+        self.offset = 0  # end of the last complete line read
+        self.ino: int | None = None
+        self.mtime_ns = -1
+        self.size = 0
+        self.steps: deque[tuple[int, float]] = deque(maxlen=window)
+        self.last_step: int | None = None
+        self.last_row: dict[str, Any] | None = None
+        self.rank_recs: dict[int, deque[dict[str, Any]]] = {}
+        self.sidecar: dict[str, Any] | None = None
+        self.sidecar_mtime_ns = -1
+
+    # -- records -----------------------------------------------------------
+    def _take(self, rec: dict[str, Any]) -> None:
+        """Add one record read forward (oldest first)."""
+        step = rec.get("_step")
+        if type(step) is not int:
+            return
+        if rec.get("_kind") is None:
+            t = rec.get("_time")
+            if isinstance(t, (int, float)):
+                self.steps.append((step, float(t)))
+            self.last_row = rec
+            self._advance(step)
+        elif rec.get("_kind") == "rank":
+            r = rec.get("_rank")
+            if type(r) is not int or r < 0:
+                return
+            q = self.rank_recs.get(r)
+            if q is None:
+                q = self.rank_recs[r] = deque(maxlen=self.window)
+            q.append(rec)
+            if r == self.rank:
+                self._advance(step)
+
+    def _advance(self, step: int) -> None:
+        if self.last_step is None or step > self.last_step:
+            self.last_step = step
+
+    def _reset(self) -> None:
+        self.offset = 0
+        self.steps.clear()
+        self.rank_recs.clear()
+        self.last_step = None
+        self.last_row = None
+
+    def _read_tail(self, end: int) -> None:
+        """Fill the window from the end of the file backwards (first pass, or a big jump)."""
+        self._reset()
+        got: list[dict[str, Any]] = []
+        n_steps = 0
+        top: int | None = None  # the largest step seen
+        oldest: int | None = None  # the step of the window-th step row from the end
+        # enough lines for `window` step rows (and the rank records of their steps), or for
+        # `window` steps of rank records when the shard holds only those (an all-gathering
+        # rank 0 writes world_size of them per step), and never more than MAX_TAIL_LINES
+        for rec in ShardReader(self.path).iter_reverse_from(end, TAIL_BLOCK):
+            step = rec.get("_step")
+            if type(step) is not int:
+                continue
+            top = step if top is None else max(top, step)
+            if oldest is not None and step < oldest:
+                break
+            if rec.get("_kind") is None:
+                n_steps += 1
+                if n_steps >= self.window:
+                    oldest = step
+            elif n_steps == 0 and step <= top - self.window:
+                break
+            got.append(rec)
+            if len(got) >= MAX_TAIL_LINES:
+                break
+        for rec in reversed(got):
+            self._take(rec)
+        self.offset = end
+
+    def _read_forward(self, end: int) -> None:
+        with open(self.path, "rb") as fh:
+            for _, data in records.complete_blocks(fh, 1 << 20, self.offset):
+                for _, line in records.iter_lines(data):
+                    if not line.strip():
+                        continue
+                    try:
+                        rec = records.loads(line)
+                    except ValueError:
+                        continue
+                    self._take(rec)
+                self.offset += len(data)
+                if self.offset >= end:
+                    break
+
+    def refresh(self) -> bool:
+        """Read what changed since the last pass; False if the shard is gone."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        self._refresh_sidecar()
+        if st.st_mtime_ns == self.mtime_ns and st.st_size == self.size and st.st_ino == self.ino:
+            return True
+        replaced = self.ino is not None and st.st_ino != self.ino
+        self.ino, self.mtime_ns, self.size = st.st_ino, st.st_mtime_ns, st.st_size
+        try:
+            with open(self.path, "rb") as fh:
+                end = records.complete_end(fh, TAIL_BLOCK)
+            if replaced or end < self.offset or end - self.offset > MAX_CATCHUP or self.offset == 0:
+                self._read_tail(end)
+            elif end > self.offset:
+                self._read_forward(end)
+        except OSError:
+            return False
+        return True
+
+    def _refresh_sidecar(self) -> None:
+        side = self.path.with_name(self.path.name[: -len(".jsonl")] + ".meta.json")
+        try:
+            mtime = os.stat(side).st_mtime_ns
+        except OSError:
+            self.sidecar, self.sidecar_mtime_ns = None, -1
+            return
+        if mtime != self.sidecar_mtime_ns:
+            self.sidecar = read_sidecar(side)
+            self.sidecar_mtime_ns = mtime
+
+    # -- the snapshot --------------------------------------------------------
+    def state(self, here: str) -> RankState:
+        """This shard as a RankState; `here` is this host's name (to check pids)."""
+        meta = self.sidecar or {}
+        out = RankState(
+            rank=self.rank,
+            stream=self.stream,
+            path=self.path,
+            last_step=self.last_step,
+            last_write=self.mtime_ns / 1e9 if self.mtime_ns >= 0 else None,
+            size=self.size,
+            step_times=list(self.steps),
+            last_row=self.last_row,
+        )
+        # spool mode: exprd writes the shard, the sidecar names the training process as origin
+        spool = meta.get("source") == "spool"
+        host = meta.get("origin_host" if spool else "host")
+        pid = meta.get("origin_pid" if spool else "pid")
+        out.host = host if isinstance(host, str) else None
+        out.pid = pid if type(pid) is int and pid > 0 else None
+        out.world_size = _int(meta.get("world_size"))
+        out.local_rank = _int(meta.get("local_rank"), zero=True)
+        out.local_world_size = _int(meta.get("local_world_size"))
+        session = meta.get("session")
+        out.session = session if isinstance(session, str) else None
+        out.start_time = _num(meta.get("start_time"))
+        out.end_time = _num(meta.get("end_time"))
+        ex = meta.get("exit")
+        out.exit = dict(ex) if isinstance(ex, Mapping) else None
+        status = meta.get("status")
+        out.status = status if status in STATUSES else "running"
+        if out.status == "crashed":
+            out.status_reason = "exception" if out.exit else "crashed"
+        elif (out.status == "running" and out.host == here and out.pid is not None
+              and not pid_alive(out.pid)):
+            out.status, out.status_reason = "crashed", "process gone"
+        return out
+
+
+def _int(value: Any, zero: bool = False) -> int | None:
+    ok = type(value) is int and (value >= 0 if zero else value > 0)
+    return value if ok else None
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def list_shards(run_dir: str | os.PathLike[str], stream: str | None = None) -> dict[int, Path]:
+    """The shard files of one stream of a run, by rank (no sidecar is read)."""
+    out: dict[int, Path] = {}
+    try:
+        entries = list(os.scandir(run_dir))
+    except OSError:
+        return out
+    for entry in entries:
+        parsed = parse_shard_name(entry.name)
+        if parsed is not None and parsed.stream == stream:
+            out[parsed.rank] = Path(entry.path)
+    return out
+
+
+class RunReader:
+    """Reads one stream of a run again and again, keeping offsets and windows in memory."""
+
+    def __init__(
+        self, run_dir: str | os.PathLike[str], stream: str | None = None, *, window: int = DEFAULT_WINDOW
+    ) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+            raise ValueError(f"window must be an int >= 2, got {window!r}")
+        self.run_dir = Path(run_dir)
+        self.stream = stream
+        self.window = window
+        self._tails: dict[int, _ShardTail] = {}
+        self._here = socket.gethostname()
+
+    def read(self) -> RunState:
+        """One pass: list the shards, refresh each (in threads when there are many)."""
+        import time
+
+        now = time.time()
+        found = list_shards(self.run_dir, self.stream)
+        for rank in [r for r in self._tails if r not in found or self._tails[r].path != found[r]]:
+            del self._tails[rank]
+        for rank, path in found.items():
+            if rank not in self._tails:
+                self._tails[rank] = _ShardTail(path, rank, self.stream, self.window)
+        tails = [self._tails[r] for r in sorted(self._tails)]
+        ok = _map(lambda t: t.refresh(), tails)
+        live = [t for t, good in zip(tails, ok, strict=True) if good]
+        by_rank: dict[int, deque[dict[str, Any]]] = {}
+        for t in live:
+            for r, q in t.rank_recs.items():
+                mine = by_rank.get(r)
+                if mine is None:
+                    by_rank[r] = deque(q, maxlen=self.window)
+                else:
+                    mine.extend(q)  # several shards name this rank: keep the latest by step
+                    by_rank[r] = deque(sorted(mine, key=_step_of)[-self.window :], maxlen=self.window)
+        return RunState(
+            run_dir=self.run_dir,
+            stream=self.stream,
+            ranks={t.rank: t.state(self._here) for t in live},
+            rank_records={r: list(q) for r, q in sorted(by_rank.items())},
+            read_time=now,
+        )
+
+
+def _step_of(rec: Mapping[str, Any]) -> int:
+    step = rec.get("_step")
+    return step if type(step) is int else -1
+
+
+def _map(fn: Any, items: list[Any]) -> Iterable[Any]:
+    if len(items) < _PARALLEL_MIN:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(max_workers=min(_THREADS, (os.cpu_count() or 2) * 2)) as pool:
+        return list(pool.map(fn, items))
+
+
+def read_run(
+    run_dir: str | os.PathLike[str], stream: str | None = None, *, window: int = DEFAULT_WINDOW
+) -> RunState:
+    """One-shot: the live state of one stream of the run in `run_dir` (see `RunReader`)."""
+    return RunReader(run_dir, stream, window=window).read()
