@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from array import array
 from bisect import bisect_left
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 from itertools import islice, repeat
 from operator import lt
-from typing import Any, cast
+from typing import Any, BinaryIO, cast
 
 import orjson
 
@@ -239,13 +240,45 @@ def _add_chunk(accs: dict[int, _Acc], recs: list[dict[str, Any]]) -> None:
         acc.add(group)
 
 
-def scan_shard(path: str | os.PathLike[str]) -> ShardScan:
-    """Read one shard's rank records as blocks (an unterminated last line is ignored)."""
+_STEP_RE = re.compile(rb'"_step":\s*(\d+)')
+WINDOW_BLOCK = 64 << 10  # reverse-read block when looking for the start of a recent window
+
+
+def window_start(fh: BinaryIO, lo: int, block: int = WINDOW_BLOCK) -> int:
+    """The offset of a line start before which every record has a step < `lo`, reading the
+    open shard backwards a block at a time: a recent window costs its own bytes, whatever
+    the shard's length (DESIGN 14). Records are in (nearly) increasing step order; 0 if the
+    window reaches back to the start."""
+    end = fh.seek(0, 2)
+    while end > 0:
+        start = max(0, end - block)
+        fh.seek(start)
+        data = fh.read(end - start)
+        # the first line of a block may be cut (unless the block starts the file); a line
+        # across two blocks is not looked at, which only moves the answer a line earlier
+        pos = 0 if start == 0 else data.find(b"\n") + 1
+        nl = data.find(b"\n", pos) if start == 0 or pos > 0 else -1
+        while nl >= 0:
+            m = _STEP_RE.search(data, pos, nl)
+            if m is not None:
+                if int(m.group(1)) < lo:
+                    return start + pos
+                break
+            pos = nl + 1
+            nl = data.find(b"\n", pos)
+        end = start
+    return 0
+
+
+def scan_shard(path: str | os.PathLike[str], lo: int | None = None) -> ShardScan:
+    """Read one shard's rank records as blocks (an unterminated last line is ignored); with
+    `lo`, only the shard's tail from about step `lo` on (see `window_start`)."""
     accs: dict[int, _Acc] = {}
     garbage = 0
     regular = True
     with open(path, "rb") as fh:
-        for _, data in records.complete_blocks(fh, _CHUNK):
+        start = window_start(fh, lo) if lo is not None else 0
+        for _, data in records.complete_blocks(fh, _CHUNK, start):
             recs, bad = parse_rank_lines(data)
             garbage += bad
             if regular:
@@ -258,12 +291,14 @@ def scan_shard(path: str | os.PathLike[str]) -> ShardScan:
     return ShardScan(os.fspath(path), blocks, garbage)
 
 
-def _scan_all(paths: Sequence[str]) -> list[ShardScan]:
-    return [scan_shard(p) for p in paths]
+def _scan_all(paths: Sequence[str], lo: int | None = None) -> list[ShardScan]:
+    return [scan_shard(p, lo) for p in paths]
 
 
-def scan_shards(paths: Sequence[str | os.PathLike[str]]) -> list[ShardScan]:
-    """`scan_shard` of each path, in order; shared among processes when the shards are big."""
+def scan_shards(paths: Sequence[str | os.PathLike[str]], lo: int | None = None,
+                expected_bytes: int | None = None) -> list[ShardScan]:
+    """`scan_shard` of each path, in order; shared among processes when the shards are big
+    (or, reading tails from `lo`, when `expected_bytes` says the tails are)."""
     names = [os.fspath(p) for p in paths]
     sizes = []
     for name in names:
@@ -273,8 +308,9 @@ def scan_shards(paths: Sequence[str | os.PathLike[str]]) -> list[ShardScan]:
             sizes.append(0)  # let the reader raise the error
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     workers = min(cpus or 1, MAX_WORKERS, len(names))
-    if workers < 2 or sum(sizes) < PARALLEL_BYTES or not _can_fork():
-        return _scan_all(names)
+    total = sum(sizes) if expected_bytes is None else expected_bytes
+    if workers < 2 or total < PARALLEL_BYTES or not _can_fork():
+        return _scan_all(names, lo)
     import multiprocessing
     from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
 
@@ -293,16 +329,16 @@ def scan_shards(paths: Sequence[str | os.PathLike[str]]) -> list[ShardScan]:
 
     try:
         with ProcessPoolExecutor(workers - 1, mp_context=multiprocessing.get_context("fork")) as pool:
-            futures = [(share, pool.submit(_scan_all, [names[i] for i in share]))
+            futures = [(share, pool.submit(_scan_all, [names[i] for i in share], lo))
                        for share in shares[1:]]
             # this process reads the first share itself instead of waiting
-            put(shares[0], _scan_all([names[i] for i in shares[0]]))
+            put(shares[0], _scan_all([names[i] for i in shares[0]], lo))
             for share, future in futures:
                 put(share, future.result())
     except (OSError, BrokenExecutor):  # no fork allowed, a worker killed
         for share in shares:
             if out[share[0]] is None:
-                put(share, _scan_all([names[i] for i in share]))  # a real read error raises here
+                put(share, _scan_all([names[i] for i in share], lo))  # a real read error raises here
     return cast("list[ShardScan]", out)
 
 
