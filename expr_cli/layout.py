@@ -190,7 +190,9 @@ def world_size_warning(groups: Sequence[Mapping[str, Any]], world: int) -> str:
     text = "rank records disagree on world_size: " + ", ".join(parts)
     beyond = [g for g in groups if g["beyond"]]
     if beyond:
-        text += f"; ranks {compact_ranks(list(beyond[0]['ranks']))} are beyond their world_size"
+        ranks = list(beyond[0]["ranks"])
+        text += (f"; rank {ranks[0]} is beyond its world_size" if len(ranks) == 1 else
+                 f"; ranks {compact_ranks(ranks)} are beyond their world_size")
     return text + f"; using {world}"
 
 
