@@ -252,31 +252,51 @@ def tail_line(row: Mapping[str, Any], rank: int | None, metrics: Sequence[str] |
     sys.stdout.flush()
 
 
+ALERT_RANKS = 20  # ranks in the "by rank" table (the most alerts first)
+_LEVEL_STYLE = {"critical": "bold red", "error": "red", "warning": "yellow", "info": "blue",
+                "debug": "dim"}
+
+
 def alerts(rows: Sequence[Mapping[str, Any]], counts: Sequence[Mapping[str, Any]], label: str) -> None:
-    """`expr alerts`: every alert in time order, then counts by rank."""
+    """`expr alerts`: every alert in time order, two lines each (what and when; the
+    message), so it reads at 80 columns; then counts by rank."""
+    from rich.padding import Padding
     from rich.text import Text
 
-    table = _table(["time", "rank", "level", "rule", "kind", "step", "", "text"],
-                   right=["rank", "step"], keep=["time", "level"])
-    level_style = {"critical": "bold red", "error": "red", "warning": "yellow", "info": "blue",
-                   "debug": "dim"}
-    for a in rows:
-        table.add_row(
-            fmt_time(a.get("time")), fmt_cell(a.get("rank")),
-            Text(str(a.get("level") or "-"), style=level_style.get(str(a.get("level")), "")),
-            str(a.get("rule") or a.get("title") or "-"), str(a.get("kind") or "-"),
-            fmt_cell(a.get("step")),
-            Text("delivered", style="green") if a.get("delivered") else Text("suppressed", style="dim"),
-            str(a.get("text") or ""),
-        )
     out = console()
-    _show(out, f"alerts of {label}", table)
+    days = {fmt_time(a.get("time"))[:10] for a in rows}
+    one_day = len(days) == 1
+    title = f"alerts of {label}" + (f" on {days.pop()}" if one_day and "-" not in days else "")
+    out.print(Text(title, style="bold"), soft_wrap=True)
+    for a in rows:
+        when = fmt_time(a.get("time"))
+        head = Text(when[11:] if one_day else when[5:], style="dim")
+        head.append(f"  rank {fmt_cell(a.get('rank'))}  ")
+        level = str(a.get("level") or "-")
+        head.append(f"{level:<8}", style=_LEVEL_STYLE.get(level, ""))
+        if a.get("step") is not None:
+            head.append(f" step {fmt_cell(a.get('step'))}")
+        head.append("  delivered" if a.get("delivered") else "  suppressed",
+                    style="green" if a.get("delivered") else "dim")
+        head.append(f"  {a.get('title') or '-'}", style="bold")
+        if a.get("kind") and a.get("kind") != "fire":
+            head.append(f" ({a.get('kind')})", style="dim")
+        out.print(head)
+        # the message, then the rule, indented (wrapped lines too)
+        body = Text(str(a.get("text") or "").strip())
+        if a.get("rule") and a.get("rule") != a.get("title"):
+            body.append(("  " if body else "") + f"rule: {a.get('rule')}", style="dim")
+        if body:
+            out.print(Padding(body, (0, 0, 0, 4)))
+    shown = sorted(counts, key=lambda c: (-c["fired"], c["rank"]))[:ALERT_RANKS]
     by_rank = _table(["rank", "fired", "delivered", "suppressed"],
                      right=["rank", "fired", "delivered", "suppressed"])
-    for c in counts:
+    for c in sorted(shown, key=lambda c: c["rank"]):
         by_rank.add_row(str(c["rank"]), str(c["fired"]), str(c["delivered"]), str(c["suppressed"]))
     out.print()
-    _show(out, "by rank", by_rank)
+    more = len(counts) - len(shown)
+    _show(out, "by rank" + (f" (the {len(shown)} with most alerts; {more:,} more)" if more else ""),
+          by_rank)
 
 
 def rule_explain(info: Mapping[str, Any]) -> None:
