@@ -85,12 +85,11 @@ def _clean_weight(w: Any) -> float:
 def parse_rank_lines(body: bytes) -> tuple[list[dict[str, Any]], int]:
     """The rank records among the lines of `body` (each ending in a newline), and how many
     lines were garbage."""
-    first = body[: body.find(b"\n")]
-    last = body[body.rfind(b"\n", 0, len(body) - 1) + 1 :]
-    if _RANK_MARK in first and _RANK_MARK in last:
-        # Likely a shard of rank records only: parse all lines as one JSON array. If every
-        # line is one object there is no garbage, and step rows among them are dropped later
-        # by `_kind`; otherwise the careful path below counts garbage as `expr summary` does.
+    if _RANK_MARK in body:
+        # Rank records here (alone, or between step rows): parse all lines as one JSON
+        # array, in C. If every line is one object there is no garbage, and step rows
+        # among them are dropped later by `_kind`; otherwise the careful path below counts
+        # garbage as `expr summary` does.
         try:
             recs = orjson.loads(b"[" + body[:-1].replace(b"\n", b",") + b"]")
         except orjson.JSONDecodeError:
@@ -244,29 +243,39 @@ _STEP_RE = re.compile(rb'"_step":\s*(\d+)')
 WINDOW_BLOCK = 64 << 10  # reverse-read block when looking for the start of a recent window
 
 
+def _first_step(data: bytes, pos: int) -> int | None:
+    """The `_step` of the first line at or after `pos` that has one."""
+    m = _STEP_RE.search(data, pos)
+    return int(m.group(1)) if m is not None else None
+
+
 def window_start(fh: BinaryIO, lo: int, block: int = WINDOW_BLOCK) -> int:
-    """The offset of a line start before which every record has a step < `lo`, reading the
-    open shard backwards a block at a time: a recent window costs its own bytes, whatever
-    the shard's length (DESIGN 14). Records are in (nearly) increasing step order; 0 if the
-    window reaches back to the start."""
+    """The offset of the first line with a step >= `lo` (every line before it has a smaller
+    one), reading the open shard backwards a block at a time: a recent window costs its own
+    bytes, whatever the shard's length (DESIGN 14). Records are in (nearly) increasing step
+    order. 0 when the window reaches back to the start."""
     end = fh.seek(0, 2)
     while end > 0:
         start = max(0, end - block)
         fh.seek(start)
-        data = fh.read(end - start)
-        # the first line of a block may be cut (unless the block starts the file); a line
-        # across two blocks is not looked at, which only moves the answer a line earlier
+        data = fh.read(end - start)  # ends where a line starts (or at the end of the file)
+        # the first line of a block may be cut, unless the block starts the file
         pos = 0 if start == 0 else data.find(b"\n") + 1
-        nl = data.find(b"\n", pos) if start == 0 or pos > 0 else -1
-        while nl >= 0:
-            m = _STEP_RE.search(data, pos, nl)
-            if m is not None:
-                if int(m.group(1)) < lo:
-                    return start + pos
-                break
-            pos = nl + 1
+        if start > 0 and (pos == 0 or pos >= len(data)):
+            end = start  # no whole line in the block (a long line): look further back
+            continue
+        first = _first_step(data, pos)
+        if start == 0 or (first is not None and first < lo):
+            # the window starts in this block: at its first line with a step >= lo
             nl = data.find(b"\n", pos)
-        end = start
+            while nl >= 0:
+                m = _STEP_RE.search(data, pos, nl)
+                if m is not None and int(m.group(1)) >= lo:
+                    return start + pos
+                pos = nl + 1
+                nl = data.find(b"\n", pos)
+            return start + pos
+        end = start + pos
     return 0
 
 
