@@ -8,6 +8,11 @@
     crash_silence = "1h"                 # a file silent this long without `finish` is crashed
     trust_run_backends = false           # use a run's own (secret-free) backend specs
 
+    watch_roots = ["/shared/runs"]       # also watch live runs there whose rank-0 sidecar names this host
+
+    [health]                             # detector thresholds (expr_tracker.health.config)
+    hang_after = "10m"
+
     [alert.channels.ops]                 # same shape as expr_tracker.alerts (channels, policy)
     type = "webhook"
     url_env = "OPS_WEBHOOK_URL"
@@ -31,7 +36,8 @@ from typing import Any
 _DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*\Z")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 KEYS = ("spool", "state", "allowed_roots", "rescan_interval", "retention", "crash_silence",
-        "alert", "backends", "trust_run_backends", "checkpoint_interval", "status_interval")
+        "alert", "backends", "trust_run_backends", "checkpoint_interval", "status_interval",
+        "health", "watch_roots")
 
 
 class ConfigError(ValueError):
@@ -53,6 +59,8 @@ class Config:
     trust_run_backends: bool = False
     checkpoint_interval: float = 1.0
     status_interval: float = 5.0
+    health: Any = None  # expr_tracker.health.config.HealthConfig (None: the defaults)
+    watch_roots: list[Path] = field(default_factory=list)
     source: str | None = None
 
     def allows(self, path: Path) -> bool:
@@ -126,6 +134,18 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"backends.{name}: {exc}") from None
         cfg.backends = {str(k): v for k, v in backends.items()}
+    if "health" in raw:
+        from expr_tracker.health.config import parse_health
+
+        try:
+            cfg.health = parse_health(raw["health"])
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    if "watch_roots" in raw:
+        roots = raw["watch_roots"]
+        if not isinstance(roots, list):
+            raise ConfigError("watch_roots must be a list of paths")
+        cfg.watch_roots = [_path(r, "watch_roots") for r in roots]
     if "trust_run_backends" in raw:
         if not isinstance(raw["trust_run_backends"], bool):
             raise ConfigError("trust_run_backends must be true or false")

@@ -36,6 +36,7 @@ from expr_tracker.errors import TrackerError
 from . import config as config_mod
 from . import status as status_mod
 from .config import Config, ConfigError
+from .health import DaemonHealth, HealthConfig
 from .notify import Notifier
 from .tailer import FileTail, Tailer
 from .waker import Waker
@@ -81,6 +82,8 @@ class Daemon:
         self.dispatcher = None if dry_run else build_dispatcher(cfg)
         self.tailer = Tailer(cfg, self.spool, self.state, dispatcher=self.dispatcher,
                              dry_run=dry_run, live=not replay)
+        self.health = None if replay or dry_run else DaemonHealth(
+            cfg.health or HealthConfig(), self.dispatcher, cfg.watch_roots)
         self.wake = Waker()  # set from signal handlers too: never a threading.Event
         self.stopping = False
         self.reload_requested = False
@@ -250,7 +253,8 @@ class Daemon:
         busy: list[FileTail] = []
         while not self.stopping:
             now = time.monotonic()
-            due = min(next_rescan, next_status, next_tick, self._next_ping)
+            due = min(next_rescan, next_status, next_tick, self._next_ping,
+                      self.health.next_due if self.health else float("inf"))
             if not busy:
                 self.wake.wait(max(0.0, due - now))
             self.wake.clear()
@@ -280,6 +284,8 @@ class Daemon:
                 # time rules (no_data, age, elapsed) need a clock; without them, no wake-ups
                 next_tick = now + (1.0 if self.tailer.has_time_rules() else self.cfg.rescan_interval)
                 self.tailer.tick(time.time())
+            if self.health is not None:
+                self.health.tick(now, self.tailer.tails.values())
             if now >= next_status:
                 next_status = now + self.cfg.status_interval
                 self.status()
@@ -332,6 +338,8 @@ class Daemon:
                 threading.Thread(target=old.close, args=(5.0,), daemon=True).start()
         self.cfg = cfg
         self.tailer.cfg = cfg
+        if self.health is not None:
+            self.health = DaemonHealth(cfg.health or HealthConfig(), self.dispatcher, cfg.watch_roots)
         log.info("reloaded %s", self.config_path or "the defaults")
 
 

@@ -63,7 +63,7 @@ def test_statuses_frontier_and_windows(tmp_path: Path) -> None:
         assert all(isinstance(t, float) for _, t in r0.step_times)
         assert r0.world_size == 3 and r0.host == os.uname().nodename
         # only rank 1 is live: the frontier is its step, and nobody is "behind" it
-        assert state.frontier == 19
+        assert state.frontier == 19 and state.lead == 19
         assert state.behind(0) == 0 and state.behind(1) == 0
         assert [r.rank for r in state.live] == [1]
         # rank records grouped by their own _rank, bounded by the window
@@ -126,8 +126,9 @@ def test_frontier_ignores_finished_and_stepless_ranks(tmp_path: Path) -> None:
                       last_step=last, status=status, world=4)
     write_shard(run / "metrics.rank3.jsonl", [])  # started, no step yet
     state = read_run(run)
-    assert state.frontier == 40
-    assert state.behind(0) == 0 and state.behind(1) == 0 and state.behind(3) is None
+    assert state.frontier == 40 and state.lead == 50
+    assert state.behind(0) == 0 and state.behind(1) == 10 and state.behind(3) is None
+    assert state.behind(2) == 40  # finished early: short of the live ranks' lead
     assert state.world_size == 4
 
 

@@ -195,7 +195,8 @@ def _channel(name: object, raw: object, base: Policy) -> ChannelConfig:
     return out
 
 
-def _read_file(path: str) -> dict[str, Any]:
+def read_config_file(path: str) -> dict[str, Any]:
+    """The alert config file at `path` as a dict (its `[health]` table included); ValueError."""
     where = f"${CONFIG_ENV}={path}"
     try:
         data = Path(path).read_bytes()
@@ -238,8 +239,14 @@ def _merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_config(alert: Mapping[str, Any] | AlertConfig | None = None) -> AlertConfig:
-    """Parse the `alert=` dict merged over `$EXPR_ALERT_CONFIG`; errors name the channel and key."""
+def load_config(
+    alert: Mapping[str, Any] | AlertConfig | None = None, *, path: str | None = None
+) -> AlertConfig:
+    """Parse the `alert=` dict merged over `$EXPR_ALERT_CONFIG` (or the file at `path`).
+
+    Errors name the channel and key. The file's `[health]` table is left to
+    `expr_tracker.health.config`.
+    """
     if isinstance(alert, AlertConfig):
         return alert
     if alert is not None and not isinstance(alert, Mapping):
@@ -253,8 +260,10 @@ def load_config(alert: Mapping[str, Any] | AlertConfig | None = None) -> AlertCo
                     f"alert channel {name!r}: key 'secret' is accepted only in the "
                     f"${CONFIG_ENV} file (this dict is recorded); use 'secret_env'"
                 )
-    path = os.environ.get(CONFIG_ENV) or None
-    merged = _merge(_read_file(path) if path else {}, explicit)
+    path = path or os.environ.get(CONFIG_ENV) or None
+    from_file = read_config_file(path) if path else {}
+    from_file.pop("health", None)  # detector thresholds (DESIGN 13), parsed by expr_tracker.health
+    merged = _merge(from_file, explicit)
     for key in merged:
         if key not in ("channels", "policy"):
             raise ValueError(f"alert config: unknown key {key!r} (allowed: channels, policy)")

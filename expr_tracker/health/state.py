@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,7 @@ class RankState:
     step_times: list[tuple[int, float]] = field(default_factory=list)  # recent (step, _time)
     last_row: dict[str, Any] | None = None  # the latest step row (for `expr top -m KEY`)
 
-    @property
+    @cached_property
     def live(self) -> bool:
         """Still training: status running (a dead writer on this host is already `crashed`)."""
         return self.status == "running"
@@ -81,7 +82,8 @@ class RunState:
     rank_records: dict[int, list[dict[str, Any]]]  # by the records' own `_rank`, oldest first
     read_time: float  # wall clock when the pass started
 
-    @property
+    # computed once per pass: the detectors ask for them per rank
+    @cached_property
     def world_size(self) -> int | None:
         """The largest world size any sidecar or rank record names (None if none does)."""
         sizes = [r.world_size for r in self.ranks.values() if r.world_size]
@@ -91,12 +93,12 @@ class RunState:
                 sizes.append(ws)
         return max(sizes) if sizes else None
 
-    @property
+    @cached_property
     def live(self) -> list[RankState]:
         """The live ranks (status running), ascending."""
         return [r for r in self.ranks.values() if r.live]
 
-    @property
+    @cached_property
     def frontier(self) -> int | None:
         """The latest step every live rank has reported (DESIGN 13).
 
@@ -111,13 +113,25 @@ class RunState:
         steps = [r.last_step for r in self.ranks.values() if r.last_step is not None]
         return max(steps) if steps else None
 
+    @cached_property
+    def lead(self) -> int | None:
+        """The latest step any live rank has reported (any rank once none is live)."""
+        steps = [r.last_step for r in self.live if r.last_step is not None]
+        if not steps:
+            steps = [r.last_step for r in self.ranks.values() if r.last_step is not None]
+        return max(steps) if steps else None
+
     def behind(self, rank: int) -> int | None:
-        """How many steps `rank` is short of the frontier (0 at or past it; None if unknown)."""
-        front = self.frontier
+        """How many steps `rank` is short of the lead (0 for the leaders; None if unknown).
+
+        The frontier is the slowest live rank, so nobody is behind *it*: a rank is behind
+        the ranks ahead of it (DESIGN 13's `behind` detector counts from the lead).
+        """
+        lead = self.lead
         state = self.ranks.get(rank)
-        if front is None or state is None or state.last_step is None:
+        if lead is None or state is None or state.last_step is None:
             return None
-        return max(0, front - state.last_step)
+        return max(0, lead - state.last_step)
 
 
 class _ShardTail:

@@ -1,0 +1,107 @@
+"""exprd watches job health too (DESIGN 8, 13).
+
+Watched runs: every run whose rank-0 shard this exprd writes (spool mode), and, with
+`watch_roots = [...]`, every live run under those roots whose rank-0 sidecar names this
+host (direct mode on a shared filesystem: one watcher per run, no coordination needed
+beyond `incidents.jsonl`'s lock). `tick()` runs one `Watcher.check()` per run at most
+once per `HEALTH_INTERVAL`; the daemon loop calls it and wakes for `next_due`.
+A run stops being watched `LINGER` seconds after its rank-0 writer is done.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from expr_tracker.health.config import HealthConfig
+from expr_tracker.health.watch import Watcher
+from expr_tracker.store.shard import read_sidecar
+
+log = logging.getLogger("exprd")
+HEALTH_INTERVAL = 1.0  # seconds between passes over one run
+LINGER = 60.0  # keep watching a run this long after its rank-0 writer finished or crashed
+ROOT_SCAN = 10.0  # seconds between scans of watch_roots for new runs
+
+
+class DaemonHealth:
+    """The watchers of the runs this exprd is responsible for."""
+
+    def __init__(self, cfg: HealthConfig, dispatcher: Any, watch_roots: list[Path] | None = None,
+                 *, interval: float = HEALTH_INTERVAL) -> None:
+        self.cfg = cfg
+        self.dispatcher = dispatcher
+        self.watch_roots = list(watch_roots or [])
+        self.interval = interval
+        self.watchers: dict[tuple[Path, str | None], Watcher] = {}
+        self._until: dict[tuple[Path, str | None], float] = {}  # key -> stop watching after
+        self._next = 0.0
+        self._next_scan = 0.0
+        self._here = socket.gethostname()
+        self._warned: set[str] = set()
+
+    @property
+    def next_due(self) -> float:
+        """When (monotonic) `tick` has work; inf when nothing is watched."""
+        if not self.watchers and not self.watch_roots:
+            return float("inf")
+        return self._next
+
+    def _watch(self, run_dir: Path, stream: str | None, until: float) -> None:
+        key = (run_dir, stream)
+        if key not in self.watchers:
+            self.watchers[key] = Watcher(run_dir, self.cfg, self.dispatcher, stream=stream)
+            log.info("watching health of %s%s", run_dir, f" (stream {stream})" if stream else "")
+        self._until[key] = max(self._until.get(key, 0.0), until)
+
+    def _from_tails(self, tails: Iterable[Any], now: float) -> None:
+        for tail in tails:
+            run = getattr(tail, "run", None)
+            spec = getattr(run, "spec", None)
+            if spec is None or spec.rank != 0:
+                continue
+            live = tail.state in ("new", "live")
+            self._watch(spec.paths.run_dir, spec.identity.get("stream"), now + (1e12 if live else LINGER))
+
+    def _from_roots(self, now: float) -> None:
+        for root in self.watch_roots:
+            for side in root.glob("*/*/metrics.meta.json"):
+                meta = read_sidecar(side)
+                if not meta or meta.get("status") != "running":
+                    continue
+                spool = meta.get("source") == "spool"
+                if meta.get("origin_host" if spool else "host") != self._here or spool:
+                    continue  # another node's run; a spool run's exprd watches it already
+                self._watch(side.parent, None, now + LINGER)
+
+    def tick(self, now: float, tails: Iterable[Any] = ()) -> int:
+        """One pass over the watched runs if due; returns the incidents recorded."""
+        if now < self._next:
+            return 0
+        self._next = now + self.interval
+        self._from_tails(tails, now)
+        if self.watch_roots and now >= self._next_scan:
+            self._next_scan = now + ROOT_SCAN
+            self._from_roots(now)
+        recorded = 0
+        wall = time.time()
+        for key, watcher in list(self.watchers.items()):
+            if now > self._until.get(key, 0.0) or not os.path.isdir(key[0]):
+                del self.watchers[key]
+                self._until.pop(key, None)
+                continue
+            try:
+                for inc in watcher.check(wall):
+                    recorded += 1
+                    log.warning("health %s: %s %s ranks %s: %s", key[0], inc.state, inc.kind,
+                                ",".join(map(str, inc.ranks)), inc.detail)
+            except Exception as exc:  # a broken run directory must not stop the daemon
+                cause = f"{key[0]}:{type(exc).__name__}"
+                if cause not in self._warned:
+                    self._warned.add(cause)
+                    log.error("health check of %s failed: %r", key[0], exc)
+        return recorded

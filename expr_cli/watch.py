@@ -1,0 +1,133 @@
+"""`expr watch RUN`: run the health detectors in the foreground and deliver incidents (DESIGN 13).
+
+Each pass reads the sidecars and shard tails, detects, records what opened or resolved in
+`{run}/incidents.jsonl` and delivers it once through the alert channels of `--config` (or
+`$EXPR_ALERT_CONFIG`). Thresholds come from that file's `[health]` table; flags override them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import typer
+
+from .errors import CLIError
+from .resolve import DIR_OPT, JSON_OPT, RUN_ARG, STREAM_OPT, resolve_run, root_dir
+
+FLUSH_TIMEOUT = 10.0  # seconds `--once` waits for the channels to deliver before exiting
+
+
+def health_config(config: str | None, overrides: dict[str, Any]) -> Any:
+    """The `[health]` table of `config` (or `$EXPR_ALERT_CONFIG`) with the flags over it."""
+    from expr_tracker.alerts import CONFIG_ENV
+    from expr_tracker.health.config import load_health, parse_health
+
+    path = config or os.environ.get(CONFIG_ENV) or None
+    try:
+        cfg = load_health(path)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        try:
+            cfg = parse_health({key: value}, cfg)
+        except ValueError as exc:
+            flag = "--" + key.replace("_", "-")
+            raise CLIError(str(exc).replace(f"health: key {key!r}", f"option {flag}"), 2) from None
+    return cfg
+
+
+def dispatcher(config: str | None) -> Any:
+    """The alert channels of `config` (or `$EXPR_ALERT_CONFIG`); the `log` channel if none."""
+    from expr_tracker.alerts import Dispatcher, load_config
+
+    try:
+        return Dispatcher.from_config(load_config(None, path=config))
+    except (TypeError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
+
+
+def watch_command(run: str, dir: str | None, stream: str | None, once: bool, as_json: bool,
+                  config: str | None, interval: float, overrides: dict[str, Any]) -> int:
+    """Watch RUN; the exit code (with --once: 1 if an incident is open, else 0)."""
+    from expr_tracker.health.watch import Watcher
+
+    from . import render_health
+
+    if config is not None and not os.path.isfile(config):
+        raise CLIError(f"--config {config}: no such file", 2)
+    ref = resolve_run(run, root_dir(dir))
+    cfg = health_config(config, overrides)
+    disp = dispatcher(config)
+    watcher = Watcher(ref.path, cfg, disp, stream=stream)
+    try:
+        changes = watcher.check()
+        shown = {id(c) for c in changes}
+        # the first pass also shows what was already open (recorded by an earlier watcher)
+        first = changes + [i for i in watcher.open if id(i) not in shown and i.key not in
+                           {c.key for c in changes}]
+        render_health.incident_lines(first, ref.label, as_json)
+        if once:
+            if not first and not as_json:
+                render_health.no_incidents(ref.label)
+            disp.flush(FLUSH_TIMEOUT)
+            return 1 if watcher.open else 0
+        while True:
+            time.sleep(interval)
+            render_health.incident_lines(watcher.check(), ref.label, as_json)
+    except KeyboardInterrupt:
+        return 130  # like coreutils tools, quietly
+    finally:
+        disp.close(2.0)
+
+
+_ONCE = typer.Option(False, "--once", help="One pass, then exit: 1 if an incident is open, else 0.")
+_CONFIG = typer.Option(None, "--config", "-c", metavar="FILE", show_default=False,
+                       help="Alert config (channels, policy, [health]); default $EXPR_ALERT_CONFIG.")
+_INTERVAL = typer.Option(1.0, "--interval", min=0.1, help="Seconds between passes.")
+
+
+def _opt(flag: str, help: str, metavar: str) -> Any:
+    return typer.Option(None, flag, help=help, metavar=metavar, show_default=False)
+
+
+def register(app: typer.Typer) -> None:
+    """Add `expr watch`."""
+
+    @app.command("watch", epilog="Example: expr watch sft-1 --once --json --hang-after 2m")
+    def watch(
+        run: str = RUN_ARG,
+        once: bool = _ONCE,
+        json: bool = JSON_OPT,
+        config: str | None = _CONFIG,
+        interval: float = _INTERVAL,
+        stream: str | None = STREAM_OPT,
+        dir: str | None = DIR_OPT,
+        hang_after: str | None = _opt("--hang-after", "Silence that is a hang (e.g. 90s, 5m).", "DURATION"),
+        missing_after: str | None = _opt("--missing-after", "When an absent rank is missing.", "DURATION"),
+        straggler_ratio: float | None = _opt("--straggler-ratio", "Step time over the median (1.3).", "X"),
+        straggler_steps: int | None = _opt("--straggler-steps", "Steps in a row (20).", "N"),
+        slowdown_ratio: float | None = _opt("--slowdown-ratio", "Over the best window (1.3).", "X"),
+        slowdown_steps: int | None = _opt("--slowdown-steps", "The window (20).", "N"),
+        behind_steps: int | None = _opt("--behind-steps", "Steps short of the lead (100).", "N"),
+        notify_recovery: bool | None = typer.Option(
+            None, "--notify-recovery/--no-notify-recovery", show_default=False,
+            help="Deliver resolved incidents too."),
+    ) -> None:
+        """Watch RUN's ranks live: straggler, slowdown, hang, behind, crashed, missing, alert.
+
+        Each incident is recorded once in the run's incidents.jsonl and delivered once
+        through the alert channels. --json prints incident lines. Ctrl-C stops (exit 130).
+        """
+        overrides = {
+            "hang_after": hang_after, "missing_after": missing_after,
+            "straggler_ratio": straggler_ratio, "straggler_steps": straggler_steps,
+            "slowdown_ratio": slowdown_ratio, "slowdown_steps": slowdown_steps,
+            "behind_steps": behind_steps, "notify_recovery": notify_recovery,
+        }
+        code = watch_command(run, dir, stream, once, json, config, interval, overrides)
+        if code:
+            raise typer.Exit(code)

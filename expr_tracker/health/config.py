@@ -1,0 +1,115 @@
+"""The `[health]` table: detector thresholds (DESIGN 13).
+
+It sits in exprd's config file and in the alert config file named by `expr watch --config`
+or `$EXPR_ALERT_CONFIG` (whose `channels` and `policy` tables `expr_tracker.alerts` parses)::
+
+    [health]
+    straggler_ratio = 1.3     # step time >= this x the ranks' median ...
+    straggler_steps = 20      # ... for this many reported steps in a row
+    slowdown_ratio = 1.3      # >= this x slower than its own best window
+    slowdown_steps = 20       # the window of the slowdown detector
+    hang_after = "5m"         # default: max(5 min, 20 x the median step period)
+    behind_steps = 100        # steps short of the leading live rank
+    missing_after = "10m"     # after the first rank started
+    step_time_key = "step_time"   # the rank metric holding a step's duration
+    notify_recovery = false   # deliver resolved incidents too
+
+Durations are seconds or text like "500ms", "90s", "5m", "1h".
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+_DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*\Z")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+HANG_FLOOR = 300.0  # the default hang_after is at least 5 minutes ...
+HANG_PERIODS = 20  # ... and at least 20 median step periods
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """Detector thresholds; every field is a key of the `[health]` table."""
+
+    straggler_ratio: float = 1.3
+    straggler_steps: int = 20
+    slowdown_ratio: float = 1.3
+    slowdown_steps: int = 20
+    hang_after: float | None = None  # None: max(HANG_FLOOR, HANG_PERIODS x median period)
+    behind_steps: int = 100
+    missing_after: float = 600.0
+    step_time_key: str = "step_time"
+    notify_recovery: bool = False
+
+    def hang_threshold(self, median_period: float | None) -> float:
+        """`hang_after`, or its default for a job whose median step period is given."""
+        if self.hang_after is not None:
+            return self.hang_after
+        return max(HANG_FLOOR, HANG_PERIODS * (median_period or 0.0))
+
+
+_RATIOS = ("straggler_ratio", "slowdown_ratio")
+_COUNTS = ("straggler_steps", "slowdown_steps", "behind_steps")
+_DURATIONS = ("hang_after", "missing_after")
+KEYS = tuple(f.name for f in fields(HealthConfig))
+
+
+def duration(value: Any, key: str) -> float:
+    """Seconds from a number or a text like '500ms', '90s', '5m', '1h'; ValueError naming `key`."""
+    seconds: float | None = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and (m := _DURATION.match(value)):
+        seconds = float(m.group(1)) * _UNITS[m.group(2)]
+    if seconds is None or not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(
+            f"health: key {key!r} must be a duration > 0 (seconds, or text like '90s', '5m'), "
+            f"got {value!r}"
+        )
+    return seconds
+
+
+def parse_health(raw: Mapping[str, Any] | None, base: HealthConfig | None = None) -> HealthConfig:
+    """Validate a `[health]` table over `base` (the defaults); errors name the key."""
+    cfg = base or HealthConfig()
+    if raw is None:
+        return cfg
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"health: must be a table of keys, got {type(raw).__name__}")
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in KEYS:
+            raise ValueError(f"health: unknown key {key!r} (allowed: {', '.join(KEYS)})")
+        if key in _RATIOS:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not ok or not math.isfinite(value) or value <= 1.0:
+                raise ValueError(f"health: key {key!r} must be a number > 1, got {value!r}")
+            values[key] = float(value)
+        elif key in _COUNTS:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"health: key {key!r} must be an integer >= 1, got {value!r}")
+            values[key] = value
+        elif key in _DURATIONS:
+            values[key] = duration(value, key)
+        elif key == "step_time_key":
+            if not isinstance(value, str) or not value or value.startswith("_"):
+                raise ValueError(f"health: key {key!r} must be a metric name, got {value!r}")
+            values[key] = value
+        else:
+            if not isinstance(value, bool):
+                raise ValueError(f"health: key {key!r} must be true or false, got {value!r}")
+            values[key] = value
+    return replace(cfg, **values)
+
+
+def load_health(path: str | None) -> HealthConfig:
+    """The `[health]` table of the alert config file at `path` (None: the defaults)."""
+    if path is None:
+        return HealthConfig()
+    from expr_tracker.alerts.config import read_config_file
+
+    return parse_health(read_config_file(path).get("health"))

@@ -1,0 +1,264 @@
+"""The health detectors (DESIGN 13): pure functions of a RunState, no I/O.
+
+`detect(state, alerts, cfg, memory, now)` returns the `Finding`s of one pass: what is
+wrong now, rank by rank. `Memory` carries what one pass cannot see: each rank's best
+step-time window (slowdown) and which ranks were firing (so straggler and slowdown
+resolve only once their window is back under the ratio, not at the first fast step).
+Turning findings into incidents is `incidents.plan`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Any
+
+from expr_tracker.health.config import HealthConfig
+from expr_tracker.health.state import RunState
+
+KINDS = ("straggler", "slowdown", "hang", "behind", "crashed", "missing", "alert")
+LEVELS = {"straggler": "warning", "slowdown": "warning", "hang": "error", "behind": "warning",
+          "crashed": "error", "missing": "error", "alert": "error"}
+JOB = -1  # the rank key of the whole job's slowdown window in `Memory.best`
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing wrong now. `group`: ranks of one host firing together share an incident."""
+
+    kind: str
+    ranks: tuple[int, ...]
+    detail: str
+    step: int | None = None
+    host: str | None = None
+    level: str = "warning"
+    group: bool = True
+
+
+@dataclass
+class Memory:
+    """What the detectors remember between passes of one watcher."""
+
+    best: dict[int, float] = field(default_factory=dict)  # rank (or JOB) -> best window mean
+    firing: dict[str, set[int]] = field(default_factory=dict)  # kind -> ranks firing
+
+
+def _number(v: Any) -> float | None:
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0:
+        return float(v)
+    return None
+
+
+def step_times(state: RunState, key: str = "step_time") -> dict[int, list[float]]:
+    """Per rank, its recent step durations, oldest first.
+
+    The `key` rank metric when the rank logged it (its own `_rank`'s records), else the
+    gaps between its step rows' `_time`s divided by the steps between them.
+    """
+    out: dict[int, list[float]] = {}
+    for rank, rs in state.ranks.items():
+        logged = [v for rec in state.rank_records.get(rank, ()) if (v := _number(rec.get(key))) is not None]
+        if logged:
+            out[rank] = logged
+            continue
+        gaps = []
+        for (s0, t0), (s1, t1) in zip(rs.step_times, rs.step_times[1:], strict=False):
+            if s1 > s0 and t1 >= t0:
+                gaps.append((t1 - t0) / (s1 - s0))
+        if gaps:
+            out[rank] = gaps
+    return out
+
+
+def _hysteresis(memory: Memory, kind: str, rank: int, fire: bool, clear: bool) -> bool:
+    """Firing now: `fire` opens, `clear` closes, anything else keeps the previous state."""
+    now_firing = memory.firing.setdefault(kind, set())
+    if fire:
+        now_firing.add(rank)
+    elif clear:
+        now_firing.discard(rank)
+    return rank in now_firing
+
+
+def _stragglers(state: RunState, times: Mapping[int, list[float]], cfg: HealthConfig,
+                memory: Memory) -> list[Finding]:
+    n = cfg.straggler_steps
+    recent = {r: v[-n:] for r, v in times.items() if len(v) >= n}
+    if len(recent) < 2:
+        return []
+    ref = median(median(v) for v in recent.values())
+    if ref <= 0:
+        return []
+    limit = cfg.straggler_ratio * ref
+    out = []
+    for rank, vals in sorted(recent.items()):
+        rs = state.ranks.get(rank)
+        if rs is None or not rs.live:
+            memory.firing.get("straggler", set()).discard(rank)
+            continue
+        slow = all(v >= limit for v in vals)
+        fast = all(v < limit for v in vals)
+        if _hysteresis(memory, "straggler", rank, slow, fast):
+            out.append(Finding(
+                "straggler", (rank,),
+                f"rank {rank} step time {median(vals):.3g}s is {median(vals) / ref:.2f}x the ranks' "
+                f"median {ref:.3g}s over its last {n} steps",
+                rs.last_step, rs.host, LEVELS["straggler"]))
+    return out
+
+
+def _window_means(vals: Sequence[float], n: int) -> list[float]:
+    return [sum(vals[i : i + n]) / n for i in range(len(vals) - n + 1)]
+
+
+def _slowdowns(state: RunState, times: Mapping[int, list[float]], cfg: HealthConfig,
+               memory: Memory) -> list[Finding]:
+    n = cfg.slowdown_steps
+    current: dict[int, float] = {}
+    for rank, vals in times.items():
+        means = _window_means(vals, n)
+        if not means:
+            continue
+        best = min(means)
+        memory.best[rank] = min(best, memory.best.get(rank, best))
+        current[rank] = means[-1]
+    live = [r for r in current if state.ranks[r].live]
+    if not live:
+        return []
+    job_now = median(current[r] for r in live)
+    job_best = median(memory.best[r] for r in live)
+    memory.best[JOB] = min(job_best, memory.best.get(JOB, job_best))
+    ratio = job_now / memory.best[JOB] if memory.best[JOB] > 0 else 0.0
+    if _hysteresis(memory, "slowdown", JOB, ratio >= cfg.slowdown_ratio, ratio < cfg.slowdown_ratio):
+        ranks = tuple(sorted(live))
+        hosts = sorted({h for r in ranks if (h := state.ranks[r].host)})
+        step = max((s for r in ranks if (s := state.ranks[r].last_step) is not None), default=None)
+        return [Finding(
+            "slowdown", ranks,
+            f"the whole job runs {ratio:.2f}x slower than its best {n}-step window "
+            f"({job_now:.3g}s vs {memory.best[JOB]:.3g}s per step)",
+            step, hosts[0] if len(hosts) == 1 else None, LEVELS["slowdown"], group=False)]
+    out = []
+    for rank in sorted(live):
+        best = memory.best[rank]
+        r_ratio = current[rank] / best if best > 0 else 0.0
+        if _hysteresis(memory, "slowdown", rank, r_ratio >= cfg.slowdown_ratio,
+                       r_ratio < cfg.slowdown_ratio):
+            rs = state.ranks[rank]
+            out.append(Finding(
+                "slowdown", (rank,),
+                f"rank {rank} runs {r_ratio:.2f}x slower than its best {n}-step window "
+                f"({current[rank]:.3g}s vs {best:.3g}s per step)",
+                rs.last_step, rs.host, LEVELS["slowdown"]))
+    return out
+
+
+def median_period(times: Mapping[int, list[float]]) -> float | None:
+    """The ranks' median step period (None before any rank has two step rows)."""
+    per_rank = [median(v) for v in times.values() if v]
+    return median(per_rank) if per_rank else None
+
+
+def _hangs(state: RunState, threshold: float, now: float) -> list[Finding]:
+    out = []
+    for rs in state.live:
+        if rs.last_write is None:
+            continue
+        silent = now - rs.last_write
+        if silent < threshold:
+            continue
+        mine = rs.last_step if rs.last_step is not None else -1
+        advanced = any(
+            o.rank != rs.rank and o.last_write is not None and o.last_write > rs.last_write
+            and o.last_step is not None and o.last_step > mine
+            for o in state.ranks.values()
+        )
+        if advanced:
+            at = f"at step {rs.last_step}" if rs.last_step is not None else "before its first step"
+            out.append(Finding(
+                "hang", (rs.rank,),
+                f"rank {rs.rank} has written nothing for {silent:.0f}s {at} while other ranks advanced"
+                + (f" (pid {rs.pid})" if rs.pid else ""),
+                rs.last_step, rs.host, LEVELS["hang"]))
+    return out
+
+
+def _behind(state: RunState, cfg: HealthConfig) -> list[Finding]:
+    lead = state.lead
+    out = []
+    for rs in state.live:
+        gap = state.behind(rs.rank)
+        if lead is not None and gap is not None and gap >= cfg.behind_steps:
+            out.append(Finding(
+                "behind", (rs.rank,), f"rank {rs.rank} is at step {rs.last_step}, {gap} steps behind {lead}",
+                rs.last_step, rs.host, LEVELS["behind"]))
+    return out
+
+
+def _crashed(state: RunState) -> list[Finding]:
+    out = []
+    for rs in state.ranks.values():
+        if rs.status != "crashed":
+            continue
+        why = rs.status_reason or "crashed"
+        if rs.exit:
+            why = f"{rs.exit.get('type', 'exception')}: {rs.exit.get('message', '')}".rstrip(": ")
+        elif why == "process gone":
+            why = f"its process{f' {rs.pid}' if rs.pid else ''} is gone without a finish"
+        at = f" at step {rs.last_step}" if rs.last_step is not None else ""
+        out.append(Finding("crashed", (rs.rank,), f"rank {rs.rank} crashed{at}: {why}",
+                           rs.last_step, rs.host, LEVELS["crashed"]))
+    return out
+
+
+def _missing(state: RunState, cfg: HealthConfig, now: float) -> list[Finding]:
+    world = state.world_size
+    starts = [t for rs in state.ranks.values() if (t := rs.start_time or rs.last_write) is not None]
+    if not world or not starts or now - min(starts) < cfg.missing_after:
+        return []
+    gone = tuple(r for r in range(world) if r not in state.ranks)
+    if not gone:
+        return []
+    return [Finding("missing", gone,
+                    f"{len(gone)} of {world} ranks never wrote a shard within "
+                    f"{cfg.missing_after:.0f}s of the first rank's start",
+                    None, None, LEVELS["missing"], group=False)]
+
+
+def _alerts(state: RunState, suppressed: Iterable[Mapping[str, Any]]) -> list[Finding]:
+    out = []
+    for a in suppressed:
+        rank = a.get("rank")
+        if a.get("kind") != "fire" or type(rank) is not int:
+            continue
+        rs = state.ranks.get(rank)
+        step = a.get("step") if type(a.get("step")) is int else None
+        title = str(a.get("title") or a.get("rule") or "alert")
+        out.append(Finding(
+            "alert", (rank,),
+            f"rank {rank}: {title}" + (f" at step {step}" if step is not None else "")
+            + f" (rule {a.get('rule')}; not delivered: rank {rank} is not the alerting rank)",
+            step, rs.host if rs else None, str(a.get("level") or "error")))
+    return out
+
+
+def detect(
+    state: RunState,
+    suppressed: Iterable[Mapping[str, Any]],
+    cfg: HealthConfig,
+    memory: Memory,
+    now: float,
+) -> list[Finding]:
+    """Every finding of one pass. `suppressed`: the latest suppressed alert line per (rank, rule)."""
+    times = step_times(state, cfg.step_time_key)
+    return [
+        *_crashed(state),
+        *_hangs(state, cfg.hang_threshold(median_period(times)), now),
+        *_stragglers(state, times, cfg, memory),
+        *_slowdowns(state, times, cfg, memory),
+        *_behind(state, cfg),
+        *_missing(state, cfg, now),
+        *_alerts(state, suppressed),
+    ]
