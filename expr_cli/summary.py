@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     Table = RankTable | ColumnTable
 
 COVERAGE_STEPS = 50  # how far back the coverage block looks (and the default window read)
+RECENT = COVERAGE_STEPS + 16  # steps of each shard's tail read before the frontier is known
 THRESHOLD = 3.5  # DESIGN 10: robust score above which a rank may be flagged
 MIN_REL = 0.05  # DESIGN 10: ... if it is also this far from the median, relatively
 AGGS = ("max", "min", "mean")
@@ -79,20 +80,22 @@ def iter_rank_records(shards: list[ShardRef], garbage: dict[str, int],
 
 
 def load_table(
-    shards: list[ShardRef], lo: int | None = None
+    shards: list[ShardRef], lo: int | None = None, scans: list[Any] | None = None
 ) -> tuple[Table, dict[str, int], dict[int, int]]:
     """The rank records of `shards` (from about step `lo` on) as a table, the unparseable
     lines per file name, and each rank's `_world_size` (the largest its records name).
 
     Regular shards (see `expr_tracker.stats.scan`) are read as columns: a `ColumnTable` when
     every rank sits in one shard, else a `RankTable` built from the columns. Otherwise
-    every record goes through `reduce.collect`.
+    every record goes through `reduce.collect`. `scans` are the shards' scans when the
+    caller has them already.
     """
     from expr_tracker.stats import scan
     from expr_tracker.stats.reduce import collect
 
-    expected = None if lo is None else len(shards) * COVERAGE_STEPS * _TAIL_GUESS
-    scans = scan.scan_shards([s.path for s in shards], lo, expected)
+    if scans is None:
+        expected = None if lo is None else len(shards) * COVERAGE_STEPS * _TAIL_GUESS
+        scans = scan.scan_shards([s.path for s in shards], lo, expected)
     garbage = {s.path.name: sc.garbage for s, sc in zip(shards, scans, strict=True) if sc.garbage}
     blocks = [b for sc in scans for b in sc.blocks or ()]
     if all(sc.blocks is not None for sc in scans):
@@ -394,8 +397,6 @@ def summary_command(
     agg: str = "max",
 ) -> None:
     """Load the recent rank records (and step rows) of RUN and print the summary."""
-    from expr_tracker.health.state import read_run
-
     from . import render, render_summary
 
     if step is not None and steps is not None:
@@ -408,10 +409,8 @@ def summary_command(
     ref = resolve_run(run, root_dir(dir))
     shards = shards_of(ref, stream)
     wanted = parse_metrics(metrics)
-    # sidecars and a few tail lines per shard: status, host, last step, the frontier
-    state = read_run(ref.path, stream, window=2)
-    lo = _window_lo(step, window, state.frontier)
-    table, garbage, worlds = load_table(shards, lo)
+    state, lo, scans = _read(ref.path, stream, shards, step, window)
+    table, garbage, worlds = load_table(shards, lo, scans)
     if lo is not None and not table.steps and state.frontier is not None:
         table, garbage, worlds = load_table(shards, None)  # sparse rank records: read it all
     asked = [*(wanted or ()), *([heatmap_key] if heatmap_key else [])]
@@ -456,6 +455,39 @@ def summary_command(
         render.print_json(view)
     else:
         render_summary.summary(view)
+
+
+def _read(
+    run_dir: Any, stream: str | None, shards: list[ShardRef], step: int | None,
+    window: tuple[int | None, int | None] | None,
+) -> tuple[RunState, int | None, list[Any]]:
+    """The run's live state (sidecars and a few tail lines per shard: status, host, last
+    step, the frontier) and the scans of the shards' tails from step `lo` on.
+
+    By default the window ends at the frontier, known only once the state is read: the
+    tails are scanned meanwhile, in worker processes, for each shard's own last
+    `RECENT` steps, and the few shards whose tail does not reach back to the window
+    (ranks far ahead of the frontier) are read again.
+    """
+    from expr_tracker.health.state import read_run
+    from expr_tracker.stats import scan
+
+    paths = [s.path for s in shards]
+    expected = len(shards) * RECENT * _TAIL_GUESS
+    if step is not None or window is not None:
+        state = read_run(run_dir, stream, window=2)
+        lo = _window_lo(step, window, state.frontier)
+        return state, lo, scan.ScanJob(paths, lo, expected_bytes=expected if lo else 1 << 62).result()
+    job = scan.ScanJob(paths, recent=RECENT, expected_bytes=expected)
+    state = read_run(run_dir, stream, window=2)
+    scans = job.result()
+    lo = _window_lo(None, None, state.frontier)
+    if lo is not None:
+        for i, sc in enumerate(scans):
+            firsts = [b.steps[0] for b in sc.blocks or () if len(b.steps)]
+            if firsts and min(firsts) > lo:
+                scans[i] = scan.scan_shard(paths[i], lo)
+    return state, lo, scans
 
 
 def _window_lo(step: int | None, window: tuple[int | None, int | None] | None,

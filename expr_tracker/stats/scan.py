@@ -266,7 +266,19 @@ def window_start(fh: BinaryIO, lo: int, block: int = WINDOW_BLOCK) -> int:
             continue
         first = _first_step(data, pos)
         if start == 0 or (first is not None and first < lo):
-            # the window starts in this block: at its first line with a step >= lo
+            # the window starts in this block: at its first line with a step >= lo; halve
+            # the span while a line start falls inside it, then walk the last few lines
+            if first is not None and first < lo:
+                top = len(data)
+                while top - pos > 1024:
+                    nl = data.find(b"\n", (pos + top) // 2, top)
+                    if nl < 0 or nl + 1 >= top:
+                        break
+                    step = _first_step(data, nl + 1)
+                    if step is not None and step < lo:
+                        pos = nl + 1
+                    else:
+                        top = nl + 1
             nl = data.find(b"\n", pos)
             while nl >= 0:
                 m = _STEP_RE.search(data, pos, nl)
@@ -279,13 +291,36 @@ def window_start(fh: BinaryIO, lo: int, block: int = WINDOW_BLOCK) -> int:
     return 0
 
 
-def scan_shard(path: str | os.PathLike[str], lo: int | None = None) -> ShardScan:
+def last_step(fh: BinaryIO, block: int = 4096) -> int | None:
+    """The step of the shard's last line that has one (records are in about step order)."""
+    end = fh.seek(0, 2)
+    while end > 0:
+        start = max(0, end - block)
+        fh.seek(start)
+        data = fh.read(end - start)
+        found = None
+        for m in _STEP_RE.finditer(data):
+            found = m
+        if found is not None:
+            return int(found.group(1))
+        end = start
+        block *= 4
+    return None
+
+
+def scan_shard(
+    path: str | os.PathLike[str], lo: int | None = None, recent: int | None = None
+) -> ShardScan:
     """Read one shard's rank records as blocks (an unterminated last line is ignored); with
-    `lo`, only the shard's tail from about step `lo` on (see `window_start`)."""
+    `lo`, only the shard's tail from about step `lo` on (see `window_start`); with
+    `recent`, only its last `recent` steps."""
     accs: dict[int, _Acc] = {}
     garbage = 0
     regular = True
     with open(path, "rb") as fh:
+        if recent is not None and lo is None:
+            top = last_step(fh)
+            lo = None if top is None else top - recent + 1
         start = window_start(fh, lo) if lo is not None else 0
         for _, data in records.complete_blocks(fh, _CHUNK, start):
             recs, bad = parse_rank_lines(data)
@@ -300,8 +335,58 @@ def scan_shard(path: str | os.PathLike[str], lo: int | None = None) -> ShardScan
     return ShardScan(os.fspath(path), blocks, garbage)
 
 
-def _scan_all(paths: Sequence[str], lo: int | None = None) -> list[ShardScan]:
-    return [scan_shard(p, lo) for p in paths]
+def _scan_all(paths: Sequence[str], lo: int | None = None,
+              recent: int | None = None) -> list[ShardScan]:
+    return [scan_shard(p, lo, recent) for p in paths]
+
+
+class ScanJob:
+    """`scan_shard` of each path (`lo`, `recent` as there) started at once in worker
+    processes, so the caller can read other things meanwhile; `result()` waits. Runs in
+    this process, at `result()`, when the shards are few or fork is not safe."""
+
+    def __init__(self, paths: Sequence[str | os.PathLike[str]], lo: int | None = None,
+                 recent: int | None = None, expected_bytes: int = 0) -> None:
+        self.names = [os.fspath(p) for p in paths]
+        self.lo, self.recent = lo, recent
+        self._pool: Any = None
+        self._futures: list[tuple[list[int], Any]] = []
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        workers = min(cpus or 1, MAX_WORKERS, len(self.names))
+        if workers < 2 or expected_bytes < PARALLEL_BYTES or not _can_fork():
+            return
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        try:
+            self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+            # interleaved shares: neighbouring ranks (similar sizes) spread over the workers
+            for k in range(workers):
+                share = list(range(k, len(self.names), workers))
+                names = [self.names[i] for i in share]
+                self._futures.append((share, self._pool.submit(_scan_all, names, lo, recent)))
+        except OSError:
+            self._pool, self._futures = None, []
+
+    def result(self) -> list[ShardScan]:
+        """The scans, in the order of the paths."""
+        from concurrent.futures import BrokenExecutor
+
+        if self._pool is None:
+            return _scan_all(self.names, self.lo, self.recent)
+        out: list[ShardScan | None] = [None] * len(self.names)
+        try:
+            for share, future in self._futures:
+                for i, result in zip(share, future.result(), strict=True):
+                    out[i] = result
+        except (OSError, BrokenExecutor):  # a worker killed: read the rest here
+            pass
+        finally:
+            self._pool.shutdown()
+        for i, sc in enumerate(out):
+            if sc is None:
+                out[i] = scan_shard(self.names[i], self.lo, self.recent)
+        return cast("list[ShardScan]", out)
 
 
 def scan_shards(paths: Sequence[str | os.PathLike[str]], lo: int | None = None,
@@ -513,9 +598,28 @@ class ColumnTable(TableShape):
 
     def coverage(self, steps: Iterable[int]) -> list[tuple[int, int, int, list[int]]]:
         """`reduce.coverage`: per step (step, ranks reported, world size, missing ranks)."""
+        wanted = sorted(set(steps))
+        order = list(steps)
+        if not wanted:
+            return []
+        lo, hi = wanted[0], wanted[-1]
+        want = set(wanted)
+        # per rank, not per step: a rank with every wanted step (the usual case) costs two
+        # bisects; only the others are looked at step by step
+        missing: dict[int, list[int]] = {s: [] for s in wanted}
+        seen = set()
+        for b in self._blocks:
+            seen.add(b.rank)
+            i = bisect_left(b.steps, lo)
+            j = bisect_left(b.steps, hi + 1)
+            have = b.steps[i:j]
+            if len(have) == len(wanted) and (len(wanted) == hi - lo + 1 or set(have) == want):
+                continue
+            for s in want.difference(have):
+                missing[s].append(b.rank)
+        absent = [r for r in range(self._world) if r not in seen]
         out = []
-        for s in steps:
-            got = {b.rank for b, _ in self._at(s)}
-            missing = [r for r in range(self._world) if r not in got]
-            out.append((s, len(got), self._world, missing))
+        for s in order:
+            gone = sorted(missing[s] + absent) if absent else sorted(missing[s])
+            out.append((s, self._world - len(gone), self._world, gone))
         return out
