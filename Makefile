@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench completions clean
+.PHONY: demo test lint bench bench-scale completions clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ bench: $(STAMP)
 	$(PY) bench/log_overhead.py
 	$(PY) bench/summary.py
 	$(PY) bench/daemon.py
+
+# 1,024 / 4,096 / 16,384 synthetic ranks (about 1.3 GB, cached under /tmp/expr-scale-cache)
+bench-scale: $(STAMP)
+	$(PY) -m pip install -q duckdb
+	$(PY) bench/scale.py
 
 completions: $(STAMP)
 	$(PY) -m expr_cli.completions completions
