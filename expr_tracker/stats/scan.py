@@ -4,7 +4,7 @@ A typical shard holds the rank records of one rank (or, after an all-gather, of 
 each rank's steps increasing and every record carrying the same keys. Such a shard is read
 as one `Block` per rank: the steps, the weights and one array of values per key, extracted
 with C-level `map` calls, so no Python code runs per value. Big runs are parsed in several
-processes, a share of the shards each.
+processes, a share of the shards each (`parallel`).
 
 Anything else is *irregular* (a repeated step, keys that come and go, a value that is
 sometimes a number and sometimes not, a bad `_step` or `_rank`): `ShardScan.blocks` is then
@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from array import array
 from bisect import bisect_left
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 from itertools import islice, repeat
 from operator import lt
-from typing import Any, BinaryIO, cast
+from typing import Any, cast
 
 import orjson
 
@@ -33,9 +32,8 @@ from expr_tracker.stats.ranktable import TableShape
 # `reduce`'s bounds and mean, so that both readers agree to the last bit
 from expr_tracker.stats.reduce import _MAX_INT, _MAX_RANKS, RankTable, Stats, _mean, reduce_values
 from expr_tracker.store import records
+from expr_tracker.store.window import last_step, window_start
 
-PARALLEL_BYTES = 8 << 20  # below this, starting worker processes costs more than it saves
-MAX_WORKERS = 4
 _CHUNK = 4 << 20  # bytes parsed at a time: bounds the parsed records held in memory
 _RANK_MARK = b'"rank"'  # a rank record holds `"_kind": "rank"`; step rows mostly do not
 _NUMBER = frozenset((float, int))
@@ -239,75 +237,6 @@ def _add_chunk(accs: dict[int, _Acc], recs: list[dict[str, Any]]) -> None:
         acc.add(group)
 
 
-_STEP_RE = re.compile(rb'"_step":\s*(\d+)')
-WINDOW_BLOCK = 64 << 10  # reverse-read block when looking for the start of a recent window
-
-
-def _first_step(data: bytes, pos: int) -> int | None:
-    """The `_step` of the first line at or after `pos` that has one."""
-    m = _STEP_RE.search(data, pos)
-    return int(m.group(1)) if m is not None else None
-
-
-def window_start(fh: BinaryIO, lo: int, block: int = WINDOW_BLOCK) -> int:
-    """The offset of the first line with a step >= `lo` (every line before it has a smaller
-    one), reading the open shard backwards a block at a time: a recent window costs its own
-    bytes, whatever the shard's length (DESIGN 14). Records are in (nearly) increasing step
-    order. 0 when the window reaches back to the start."""
-    end = fh.seek(0, 2)
-    while end > 0:
-        start = max(0, end - block)
-        fh.seek(start)
-        data = fh.read(end - start)  # ends where a line starts (or at the end of the file)
-        # the first line of a block may be cut, unless the block starts the file
-        pos = 0 if start == 0 else data.find(b"\n") + 1
-        if start > 0 and (pos == 0 or pos >= len(data)):
-            end = start  # no whole line in the block (a long line): look further back
-            continue
-        first = _first_step(data, pos)
-        if start == 0 or (first is not None and first < lo):
-            # the window starts in this block: at its first line with a step >= lo; halve
-            # the span while a line start falls inside it, then walk the last few lines
-            if first is not None and first < lo:
-                top = len(data)
-                while top - pos > 1024:
-                    nl = data.find(b"\n", (pos + top) // 2, top)
-                    if nl < 0 or nl + 1 >= top:
-                        break
-                    step = _first_step(data, nl + 1)
-                    if step is not None and step < lo:
-                        pos = nl + 1
-                    else:
-                        top = nl + 1
-            nl = data.find(b"\n", pos)
-            while nl >= 0:
-                m = _STEP_RE.search(data, pos, nl)
-                if m is not None and int(m.group(1)) >= lo:
-                    return start + pos
-                pos = nl + 1
-                nl = data.find(b"\n", pos)
-            return start + pos
-        end = start + pos
-    return 0
-
-
-def last_step(fh: BinaryIO, block: int = 4096) -> int | None:
-    """The step of the shard's last line that has one (records are in about step order)."""
-    end = fh.seek(0, 2)
-    while end > 0:
-        start = max(0, end - block)
-        fh.seek(start)
-        data = fh.read(end - start)
-        found = None
-        for m in _STEP_RE.finditer(data):
-            found = m
-        if found is not None:
-            return int(found.group(1))
-        end = start
-        block *= 4
-    return None
-
-
 def scan_shard(
     path: str | os.PathLike[str], lo: int | None = None, recent: int | None = None
 ) -> ShardScan:
@@ -335,115 +264,10 @@ def scan_shard(
     return ShardScan(os.fspath(path), blocks, garbage)
 
 
-def _scan_all(paths: Sequence[str], lo: int | None = None,
+def scan_all(paths: Sequence[str], lo: int | None = None,
               recent: int | None = None) -> list[ShardScan]:
+    """`scan_shard` of each path, in order, in this process."""
     return [scan_shard(p, lo, recent) for p in paths]
-
-
-class ScanJob:
-    """`scan_shard` of each path (`lo`, `recent` as there) started at once in worker
-    processes, so the caller can read other things meanwhile; `result()` waits. Runs in
-    this process, at `result()`, when the shards are few or fork is not safe."""
-
-    def __init__(self, paths: Sequence[str | os.PathLike[str]], lo: int | None = None,
-                 recent: int | None = None, expected_bytes: int = 0) -> None:
-        self.names = [os.fspath(p) for p in paths]
-        self.lo, self.recent = lo, recent
-        self._pool: Any = None
-        self._futures: list[tuple[list[int], Any]] = []
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        workers = min(cpus or 1, MAX_WORKERS, len(self.names))
-        if workers < 2 or expected_bytes < PARALLEL_BYTES or not _can_fork():
-            return
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        try:
-            self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
-            # interleaved shares: neighbouring ranks (similar sizes) spread over the workers
-            for k in range(workers):
-                share = list(range(k, len(self.names), workers))
-                names = [self.names[i] for i in share]
-                self._futures.append((share, self._pool.submit(_scan_all, names, lo, recent)))
-        except OSError:
-            self._pool, self._futures = None, []
-
-    def result(self) -> list[ShardScan]:
-        """The scans, in the order of the paths."""
-        from concurrent.futures import BrokenExecutor
-
-        if self._pool is None:
-            return _scan_all(self.names, self.lo, self.recent)
-        out: list[ShardScan | None] = [None] * len(self.names)
-        try:
-            for share, future in self._futures:
-                for i, result in zip(share, future.result(), strict=True):
-                    out[i] = result
-        except (OSError, BrokenExecutor):  # a worker killed: read the rest here
-            pass
-        finally:
-            self._pool.shutdown()
-        for i, sc in enumerate(out):
-            if sc is None:
-                out[i] = scan_shard(self.names[i], self.lo, self.recent)
-        return cast("list[ShardScan]", out)
-
-
-def scan_shards(paths: Sequence[str | os.PathLike[str]], lo: int | None = None,
-                expected_bytes: int | None = None) -> list[ShardScan]:
-    """`scan_shard` of each path, in order; shared among processes when the shards are big
-    (or, reading tails from `lo`, when `expected_bytes` says the tails are)."""
-    names = [os.fspath(p) for p in paths]
-    sizes = []
-    for name in names:
-        try:
-            sizes.append(os.path.getsize(name))
-        except OSError:
-            sizes.append(0)  # let the reader raise the error
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    workers = min(cpus or 1, MAX_WORKERS, len(names))
-    total = sum(sizes) if expected_bytes is None else expected_bytes
-    if workers < 2 or total < PARALLEL_BYTES or not _can_fork():
-        return _scan_all(names, lo)
-    import multiprocessing
-    from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
-
-    # largest first onto the least loaded share: shares of about equal bytes
-    shares: list[list[int]] = [[] for _ in range(workers)]
-    loads = [0] * workers
-    for i in sorted(range(len(names)), key=lambda i: -sizes[i]):
-        k = loads.index(min(loads))
-        shares[k].append(i)
-        loads[k] += sizes[i]
-    out: list[ShardScan | None] = [None] * len(names)
-
-    def put(share: list[int], results: list[ShardScan]) -> None:
-        for i, result in zip(share, results, strict=True):
-            out[i] = result
-
-    try:
-        with ProcessPoolExecutor(workers - 1, mp_context=multiprocessing.get_context("fork")) as pool:
-            futures = [(share, pool.submit(_scan_all, [names[i] for i in share], lo))
-                       for share in shares[1:]]
-            # this process reads the first share itself instead of waiting
-            put(shares[0], _scan_all([names[i] for i in shares[0]], lo))
-            for share, future in futures:
-                put(share, future.result())
-    except (OSError, BrokenExecutor):  # no fork allowed, a worker killed
-        for share in shares:
-            if out[share[0]] is None:
-                put(share, _scan_all([names[i] for i in share], lo))  # a real read error raises here
-    return cast("list[ShardScan]", out)
-
-
-def _can_fork() -> bool:
-    """Worker processes by fork only: they start at once with this process's imports, where
-    a fresh interpreter would import them again (and run the caller's `__main__`). Fork is
-    safe on Linux while this process has a single thread."""
-    import sys
-    import threading
-
-    return sys.platform == "linux" and threading.active_count() == 1
 
 
 # -- tables ------------------------------------------------------------------------------
