@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 CONSTRAINTS := constraints.txt
 PIP := $(PY) -m pip install -q -c $(CONSTRAINTS)
 
-.PHONY: demo test lint bench completions clean
+.PHONY: demo test lint bench bench-scale completions clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,11 @@ bench: $(STAMP)
 	$(PY) bench/daemon.py
 	$(PY) bench/views.py
 	-$(PY) bench/clickhouse.py
+
+# 1,024 / 4,096 / 16,384 synthetic ranks (about 1.3 GB, cached under /tmp/expr-scale-cache)
+bench-scale: $(STAMP)
+	$(PY) -m pip install -q duckdb
+	$(PY) bench/scale.py
 
 completions: $(STAMP)
 	$(PY) -m expr_cli.completions completions

@@ -20,6 +20,7 @@ from expr_tracker.store.layout import (
     validate_name,
     validate_stream,
 )
+from expr_tracker.store.records import MAX_WORLD
 
 from .config import Config
 
@@ -76,7 +77,8 @@ def check_init(ev: Mapping[str, Any], path: Path, spool_root: Path, cfg: Config)
         raise InitError(f"bad name in init: {exc}") from None
     rank, world = ident.get("rank"), ident.get("world_size")
     # world_size null: the SDK did not know it (WORLD_SIZE unset, DESIGN 12)
-    if type(rank) is not int or rank < 0 or (world is not None and (type(world) is not int or rank >= world)):
+    if type(rank) is not int or rank < 0 or (world is not None and (
+            type(world) is not int or not rank < world <= MAX_WORLD)):
         raise InitError(f"bad rank/world_size in init: {rank!r}/{world!r}")
     rank_aware = ident.get("rank_aware", True) is not False
     stem = shard_stem(stream, rank if rank_aware else 0)

@@ -15,8 +15,6 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .resolve import compact_ranks
-
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
@@ -244,8 +242,9 @@ def tail_line(row: Mapping[str, Any], rank: int | None, metrics: Sequence[str] |
     step = row.get("_step")
     text.append(f"step {fmt_cell(step):>6}  ", style="bold")
     text.append(fmt_time(row.get("_time"))[11:] + "  ", style="dim")
-    if row.get("_kind") == "rank" and rank is None:
-        text.append(f"[rank {row.get('_rank')}] ", style="cyan")
+    if row.get("_kind") == "rank":
+        # a rank record (log_rank_metrics), not a step row: marked apart
+        text.append(f"[rank {row.get('_rank')}] ", style="magenta")
     keys = metrics if metrics else [k for k in row if not k.startswith("_")]
     parts = [f"{k}={fmt_cell(row[k])}" for k in keys if k in row]
     text.append("  ".join(parts))
@@ -253,31 +252,51 @@ def tail_line(row: Mapping[str, Any], rank: int | None, metrics: Sequence[str] |
     sys.stdout.flush()
 
 
+ALERT_RANKS = 20  # ranks in the "by rank" table (the most alerts first)
+_LEVEL_STYLE = {"critical": "bold red", "error": "red", "warning": "yellow", "info": "blue",
+                "debug": "dim"}
+
+
 def alerts(rows: Sequence[Mapping[str, Any]], counts: Sequence[Mapping[str, Any]], label: str) -> None:
-    """`expr alerts`: every alert in time order, then counts by rank."""
+    """`expr alerts`: every alert in time order, two lines each (what and when; the
+    message), so it reads at 80 columns; then counts by rank."""
+    from rich.padding import Padding
     from rich.text import Text
 
-    table = _table(["time", "rank", "level", "rule", "kind", "step", "", "text"],
-                   right=["rank", "step"], keep=["time", "level"])
-    level_style = {"critical": "bold red", "error": "red", "warning": "yellow", "info": "blue",
-                   "debug": "dim"}
-    for a in rows:
-        table.add_row(
-            fmt_time(a.get("time")), fmt_cell(a.get("rank")),
-            Text(str(a.get("level") or "-"), style=level_style.get(str(a.get("level")), "")),
-            str(a.get("rule") or a.get("title") or "-"), str(a.get("kind") or "-"),
-            fmt_cell(a.get("step")),
-            Text("delivered", style="green") if a.get("delivered") else Text("suppressed", style="dim"),
-            str(a.get("text") or ""),
-        )
     out = console()
-    _show(out, f"alerts of {label}", table)
+    days = {fmt_time(a.get("time"))[:10] for a in rows}
+    one_day = len(days) == 1
+    title = f"alerts of {label}" + (f" on {days.pop()}" if one_day and "-" not in days else "")
+    out.print(Text(title, style="bold"), soft_wrap=True)
+    for a in rows:
+        when = fmt_time(a.get("time"))
+        head = Text(when[11:] if one_day else when[5:], style="dim")
+        head.append(f"  rank {fmt_cell(a.get('rank'))}  ")
+        level = str(a.get("level") or "-")
+        head.append(f"{level:<8}", style=_LEVEL_STYLE.get(level, ""))
+        if a.get("step") is not None:
+            head.append(f" step {fmt_cell(a.get('step'))}")
+        head.append("  delivered" if a.get("delivered") else "  suppressed",
+                    style="green" if a.get("delivered") else "dim")
+        head.append(f"  {a.get('title') or '-'}", style="bold")
+        if a.get("kind") and a.get("kind") != "fire":
+            head.append(f" ({a.get('kind')})", style="dim")
+        out.print(head)
+        # the message, then the rule, indented (wrapped lines too)
+        body = Text(str(a.get("text") or "").strip())
+        if a.get("rule") and a.get("rule") != a.get("title"):
+            body.append(("  " if body else "") + f"rule: {a.get('rule')}", style="dim")
+        if body:
+            out.print(Padding(body, (0, 0, 0, 4)))
+    shown = sorted(counts, key=lambda c: (-c["fired"], c["rank"]))[:ALERT_RANKS]
     by_rank = _table(["rank", "fired", "delivered", "suppressed"],
                      right=["rank", "fired", "delivered", "suppressed"])
-    for c in counts:
+    for c in sorted(shown, key=lambda c: c["rank"]):
         by_rank.add_row(str(c["rank"]), str(c["fired"]), str(c["delivered"]), str(c["suppressed"]))
     out.print()
-    _show(out, "by rank", by_rank)
+    more = len(counts) - len(shown)
+    _show(out, "by rank" + (f" (the {len(shown)} with most alerts; {more:,} more)" if more else ""),
+          by_rank)
 
 
 def rule_explain(info: Mapping[str, Any]) -> None:
@@ -309,194 +328,3 @@ def rule_firings(rows: Sequence[Mapping[str, Any]], title: str) -> None:
                       Text(kind, style="red" if kind == "fire" else "green"),
                       str(f.get("level") or "-"), values, str(f.get("message") or ""))
     _show(console(), title, table)
-
-
-# -- summary -----------------------------------------------------------------
-
-STAT_COLUMNS = ("mean", "wmean", "min", "max", "range", "std", "p05", "p50", "p95")
-STAT_WIDTH = 7  # characters of a statistic in a narrow terminal (`fmt_fit`)
-
-
-def fmt_fit(x: Any, width: int) -> str:
-    """`fmt_num` with as many significant digits (4 at most) as fit in `width` characters."""
-    for digits in (4, 3, 2, 1):
-        text = fmt_num(x, digits)
-        if len(text) <= width:
-            break
-    return text
-
-
-def summary(view: Mapping[str, Any]) -> None:
-    """`expr summary`: header, a stats table per key, outliers, coverage, heatmap."""
-    from rich.text import Text
-
-    out = console()
-    where = f"step {view['step']}" if view.get("step") is not None else (
-        f"steps {view['steps'][0]}:{view['steps'][1]} ({view['n_steps']} steps, per-rank means)"
-    )
-    head = Text()
-    head.append(view["run"], style="bold")
-    head.append(f" · {where} · world size {view['world_size']} · stream {view['stream_text']}")
-    out.print(head, soft_wrap=True)  # one line, however narrow the terminal
-    narrow = _narrow_width(out.width, view["world_size"], [i["stats"] for i in view["keys"]])
-    for item in view["keys"]:
-        out.print()
-        _key_stats(out, item, view.get("outliers_all", False), view.get("threshold", 3.5), narrow)
-    out.print()
-    _coverage(out, view["coverage"], view["coverage_checked"])
-    if view.get("heatmap"):
-        out.print()
-        heatmap(out, view["heatmap"])
-
-
-def _narrow_width(width: int, world: int, stats: Sequence[Mapping[str, Any]]) -> int | None:
-    """None when the stats tables fit `width` with two spaces between columns; else how many
-    characters a number may take with one space between them (fewer than STAT_WIDTH only
-    for a world of 1000 ranks or a terminal under 80 columns). One answer for every key, so
-    that their tables line up."""
-    first = max(STAT_WIDTH, len(f"{world}/{world}"))
-    for st in stats:
-        if first + sum(max(STAT_WIDTH, len(fmt_num(st[c]))) + 2 for c in STAT_COLUMNS) > width:
-            return max(4, min(STAT_WIDTH, (width - first - len(STAT_COLUMNS)) // len(STAT_COLUMNS)))
-    return None
-
-
-def _key_stats(
-    out: Console, item: Mapping[str, Any], show_all: bool, threshold: float, narrow: int | None
-) -> None:
-    from rich.text import Text
-
-    st = item["stats"]
-    headers = ["n/world", *STAT_COLUMNS]
-    table = _table(headers, right=headers)
-    if narrow is None:
-        cells = [fmt_num(st[c]) for c in STAT_COLUMNS]
-    else:
-        table.padding = (0, 0)  # the box still puts one space between columns
-        cells = [fmt_fit(st[c], narrow) for c in STAT_COLUMNS]
-    for col in table.columns:
-        col.min_width = narrow or STAT_WIDTH
-    cells.insert(0, f"{st['n']}/{st['world']}")
-    table.add_row(*cells)
-    notes = []
-    if st["missing"]:
-        notes.append(f"missing ranks {_compact(st['missing'])}")
-    if st["nonfinite"]:
-        bad = st["nonfinite_ranks"]
-        notes.append(f"non-finite {st['nonfinite']} (rank{'s' if len(bad) != 1 else ''} {_compact(bad)})")
-    _show(out, item["key"], table, style="bold cyan")
-    if item.get("note"):
-        notes.insert(0, item["note"])
-    if notes:
-        out.print(Text("  " + "  ".join(notes), style="yellow"), soft_wrap=True)
-    shown = [o for o in item["outliers"] if show_all or o["flagged"]]
-    if not shown:
-        out.print(Text(f"  no outliers (|robust z| <= {fmt_num(threshold)})", style="dim"))
-        return
-    flagged = sum(o["flagged"] for o in item["outliers"])
-    title = f"  outliers: {flagged} rank{'s' if flagged != 1 else ''} with |robust z| > {fmt_num(threshold)}"
-    ot = _table(["rank", "value", "delta", "z", "robust z", ""],
-                right=["rank", "value", "delta", "z", "robust z"])
-    for o in shown:
-        style = "bold red" if o["flagged"] else ""
-        ot.add_row(str(o["rank"]), fmt_num(o["value"]), fmt_signed(o["delta"]), fmt_signed(o["z"], 3),
-                   fmt_signed(o["robust"], 3), Text("◀ outlier" if o["flagged"] else "", style=style),
-                   style=style or None)
-    out.print(Text(title, style="bold red" if flagged else "dim"))
-    out.print(ot)
-
-
-def _compact(ranks: Sequence[int]) -> str:
-    return compact_ranks(list(ranks))
-
-
-def _coverage(out: Console, rows: Sequence[Mapping[str, Any]], checked: Mapping[str, Any]) -> None:
-    from rich.text import Text
-
-    span = f"steps {checked['first']}..{checked['last']}" if checked["steps"] else "no steps"
-    if not rows:
-        out.print(Text(f"coverage: every rank reported at each of the last {checked['steps']} "
-                       f"steps ({span})", style="green"))
-        return
-    out.print(Text(f"coverage: {len(rows)} of the last {checked['steps']} steps ({span}) miss ranks",
-                   style="bold yellow"))
-    table = _table(["step", "reported", "missing ranks"], right=["step", "reported"])
-    for r in rows[-10:]:
-        table.add_row(str(r["step"]), f"{r['reported']}/{r['world']}", _compact(r["missing"]))
-    out.print(table)
-    if len(rows) > 10:
-        out.print(Text(f"  ... and {len(rows) - 10} earlier steps", style="dim"))
-
-
-def heatmap_buckets(width: int, world: int) -> int:
-    """How many step buckets fit the terminal beside the rank labels."""
-    return max(1, width - len(f"r{max(world - 1, 0)}") - 3)
-
-
-def heatmap(out: Console, hm: Mapping[str, Any]) -> None:
-    """Rank x step-bucket cells on a sequential scale, with axis and legend."""
-    from rich.text import Text
-
-    buckets = hm["buckets"]
-    cells: Mapping[int, Sequence[float | None]] = hm["cells"]
-    finite = [v for row in cells.values() for v in row if v is not None and math.isfinite(v)]
-    lo, hi = (min(finite), max(finite)) if finite else (0.0, 0.0)
-    plain = out.no_color or out.color_system is None
-    label_w = max(len(f"r{r}") for r in cells) if cells else 2
-    title = Text(f"heatmap of {hm['key']}", style="bold cyan")
-    if buckets:
-        title.append(f"  steps {buckets[0][0]}..{buckets[-1][1]}, {len(buckets)} columns", style="dim")
-    out.print(title)
-    if not buckets:
-        out.print(Text("  no values", style="dim"))
-        return
-    # few buckets: wider cells, up to 4 characters, so a short window is still legible
-    cw = max(1, min(4, (out.width - label_w - 1) // len(buckets)))
-    axis_first, axis_last = str(buckets[0][0]), str(buckets[-1][1])
-    pad = max(1, cw * len(buckets) - len(axis_first) - len(axis_last))
-    out.print(Text(" " * (label_w + 1) + axis_first + " " * pad + axis_last, style="dim"), soft_wrap=True)
-    for rank in sorted(cells):
-        line = Text()
-        line.append(f"r{rank}".rjust(label_w) + " ", style="dim")
-        for v in cells[rank]:
-            line.append_text(_cell(v, lo, hi, plain, cw))
-        out.print(line, soft_wrap=True)
-    legend = Text(" " * (label_w + 1))
-    legend.append(fmt_num(lo) + " ")
-    steps = GLYPHS if plain else SCALE
-    for i in range(len(steps)):
-        legend.append_text(_cell(lo + (hi - lo) * (i + 0.5) / len(steps), lo, hi, plain))
-    legend.append(" " + fmt_num(hi))
-    legend.append(f"   {MISSING} no data   {NONFINITE} non-finite", style="dim")
-    out.print(legend, soft_wrap=True)
-
-
-def _cell(v: float | None, lo: float, hi: float, plain: bool, width: int = 1) -> Text:
-    """One heatmap cell: a background colour (or a block glyph without colour)."""
-    from rich.style import Style
-    from rich.text import Text
-
-    if v is None:
-        return Text(MISSING * width, style="dim")
-    if not math.isfinite(v):
-        return Text(NONFINITE * width, style="bold red")
-    n = len(GLYPHS) if plain else len(SCALE)
-    idx = n // 2 if hi <= lo else min(n - 1, int((v - lo) / (hi - lo) * n))
-    if plain:
-        return Text(GLYPHS[idx] * width)
-    return Text(" " * width, style=Style(bgcolor=SCALE[idx]))
-
-
-def last_values(rows: Sequence[Mapping[str, Any]], label: str) -> None:
-    """A run without rank records: each shard's last scalar values."""
-    from rich.text import Text
-
-    out = console()
-    out.print(Text(f"{label} has no rank records (log_rank_metrics); last values per shard:", style="yellow"))
-    for r in rows:
-        table = _table(["metric", "value"], right=["value"], keep=["metric"])
-        for k, v in r["values"].items():
-            table.add_row(k, fmt_cell(v))
-        out.print()
-        _show(out, f"{r['file']}  (rank {r['rank']}, step {fmt_cell(r['step'])})", table,
-              style="bold cyan")

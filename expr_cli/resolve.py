@@ -118,14 +118,16 @@ def resolve_run(arg: str, root: Path) -> RunRef:
 def list_shards(run: RunRef) -> list[ShardRef]:
     """All shards of a run (every stream), sorted by stream then rank."""
     try:
-        files = [p for p in run.path.iterdir() if p.is_file()]
+        # scandir: the file type comes with the entry, no stat per file (16,384 shards)
+        with os.scandir(run.path) as it:
+            files = [(e.name, e.path) for e in it if e.is_file()]
     except OSError as exc:
         raise CLIError(f"cannot read run directory {run.path}: {exc.strerror or exc}") from None
     out = []
-    for p in files:
-        parsed = parse_shard_name(p.name)
+    for name, path in files:
+        parsed = parse_shard_name(name)
         if parsed is not None:
-            out.append(ShardRef(p, parsed.stream, parsed.rank))
+            out.append(ShardRef(Path(path), parsed.stream, parsed.rank))
     out.sort(key=lambda s: (s.stream or "", s.rank))
     return out
 

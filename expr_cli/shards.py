@@ -1,4 +1,10 @@
-"""`expr shards RUN`: a row per shard file, and the read-only shard inspection `runs` shares.
+"""`expr shards RUN`: the shards of a run, and the read-only shard inspection `runs` shares.
+
+A run of a few shards prints a row per shard. A big one (DESIGN 14) prints a summary by
+status and by node (worst nodes first) and the shards that need attention: crashed,
+behind the frontier, slow (`step_time` an outlier), a sidecar that needs repair or a
+torn tail; `--all` prints every row. Each shard costs a `stat`, its sidecar and a few KiB
+of its tail, read in threads.
 
 Nothing here writes: a torn tail or a sidecar that disagrees with its shard is
 reported, and left for the next writer to repair (DESIGN 5).
@@ -27,7 +33,10 @@ from .resolve import (
     stream_label,
 )
 
-_BLOCK = 1 << 20
+_BLOCK = 1 << 20  # counting lines
+_TAIL = 16 << 10  # finding the end of the last complete line
+ALL_ROWS_UP_TO = 32  # shards listed one per row without --all
+BEHIND_STEPS = 100  # DESIGN 13: `behind` from this many steps short of the frontier
 
 
 def _count_lines(fd: int, start: int, end: int) -> int:
@@ -65,14 +74,15 @@ def _pid_alive(pid: Any) -> bool:
     return pid_alive(pid)
 
 
-def inspect_shard(ref: ShardRef) -> dict[str, Any]:
-    """Rows, last step, size, status and sidecar state of one shard, without modifying it."""
+def inspect_shard(ref: ShardRef, last_step: Any = False) -> dict[str, Any]:
+    """Rows, last step, size, status and sidecar state of one shard, without modifying it
+    (`last_step` when the caller knows it already)."""
     stem = ref.path.name[: -len(".jsonl")]
     meta = read_sidecar(ref.path.with_name(f"{stem}.meta.json"))
     with open(ref.path, "rb") as fh:
         fd = fh.fileno()
         st = os.fstat(fd)
-        complete = records.complete_end(fh, _BLOCK)
+        complete = records.complete_end(fh, _TAIL)
         cursor = (meta or {}).get("cursor") or {}
         hint, hint_rows = cursor.get("bytes"), cursor.get("rows")
         # trust the sidecar's row count up to its cursor when that is a line boundary
@@ -104,7 +114,7 @@ def inspect_shard(ref: ShardRef) -> dict[str, Any]:
         "file": ref.path.name,
         "path": str(ref.path),
         "rows": rows,
-        "last_step": _last_step(ref) if rows else None,
+        "last_step": (_last_step(ref) if last_step is False else last_step) if rows else None,
         "size": st.st_size,
         "status": status,
         "last_write": st.st_mtime,
@@ -119,10 +129,84 @@ def inspect_shard(ref: ShardRef) -> dict[str, Any]:
 _JSON_DROP = ("stream_text",)
 
 
+def _map(fn: Any, items: list[Any]) -> list[Any]:
+    """`fn` over `items`, in threads when there are many (the reads release the GIL)."""
+    if len(items) < 64:
+        return [fn(x) for x in items]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        return list(pool.map(fn, items))
+
+
+def inspect_run(found: list[ShardRef], run_path: Any) -> list[dict[str, Any]]:
+    """Every shard's row, with its node, behind count and what needs attention."""
+    from expr_tracker.health.state import read_run
+
+    from .layout import Nodes
+
+    streams = sorted({s.stream for s in found}, key=lambda x: x or "")
+    states = {st: read_run(run_path, st, window=4) for st in streams}
+    rows = _map(lambda s: inspect_shard(s, _known_last(states[s.stream], s.rank)), found)
+    for stream, state in states.items():
+        mine = [r for r in rows if r["stream"] == stream]
+        world = max([state.world_size or 0, *(r["rank"] + 1 for r in mine)])
+        nodes = Nodes.of(state, world)
+        front = state.frontier
+        slow = _slow_ranks(state)
+        for row in mine:
+            rs = state.ranks.get(row["rank"])
+            row["node"] = nodes.label(row["rank"])
+            if rs is not None and rs.status == "crashed" and row["status"] in ("running", None):
+                row["status"] = "stale"  # the writer is gone without a finish
+            row["exit"] = rs.exit if rs is not None else None
+            last = row["last_step"]
+            row["behind"] = front - last if front is not None and last is not None else None
+            row["attention"] = _attention(row, slow.get(row["rank"]))
+    return rows
+
+
+def _known_last(state: Any, rank: int) -> Any:
+    rs = state.ranks.get(rank)
+    return rs.last_step if rs is not None else False
+
+
+def _slow_ranks(state: Any) -> dict[int, float]:
+    """rank -> its latest `step_time` as a multiple of the median, for outlier ranks."""
+    from expr_tracker.stats.reduce import outliers
+
+    values = {}
+    for r, recs in state.rank_records.items():
+        for rec in reversed(recs):
+            v = rec.get("step_time")
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                values[r] = float(v)
+                break
+    return {o.rank: o.ratio for o in outliers(values) if o.flagged and o.ratio and o.ratio > 1}
+
+
+def _attention(row: dict[str, Any], slow: float | None) -> list[str]:
+    """Why a shard needs a look (empty: it does not)."""
+    why = []
+    if row["status"] == "crashed":
+        ex = row.get("exit")
+        why.append(f"crashed: {ex.get('type')}: {ex.get('message')}" if ex else "crashed")
+    elif row["status"] == "stale":
+        why.append("stale: its process is gone without a finish")
+    if row["behind"] is not None and row["behind"] >= BEHIND_STEPS:
+        why.append(f"behind {row['behind']:,} steps")
+    if slow is not None:
+        why.append(f"slow: step_time {slow:.2f}x median")
+    if row["sidecar"] not in ("ok", "behind"):
+        why.append(f"sidecar {row['sidecar']}")
+    return why
+
+
 def shards_command(
     run: str,
     dir: str | None,
     as_json: bool,
+    show_all: bool = False,
 ) -> None:
     """List the shards of RUN."""
     from . import render
@@ -132,24 +216,34 @@ def shards_command(
     found = list_shards(ref)
     if not found:
         raise CLIError(f"run {ref.label} is empty: no metrics*.jsonl shards in {ref.path}")
-    rows = [inspect_shard(s) for s in found]
+    rows = inspect_run(found, ref.path)
     if as_json:
         render.print_json([{k: v for k, v in r.items() if k not in _JSON_DROP} for r in rows])
         return
-    render.shards(rows, ref.label)
+    if show_all or len(rows) <= ALL_ROWS_UP_TO:
+        render.shards(rows, ref.label)
+        return
+    from . import render_shards
+
+    render_shards.overview(rows, ref.label)
 
 
 def register(app: typer.Typer) -> None:
     """Add `expr shards`."""
+    all_opt = typer.Option(False, "--all", help="A row for every shard, however many.")
 
     @app.command(
         "shards",
         epilog="Example: expr shards sft-1 (or expr shards my-project/sft-1 --json)",
     )
-    def shards(run: str = RUN_ARG, dir: str | None = DIR_OPT, json: bool = JSON_OPT) -> None:
-        """One row per shard of RUN: rank, stream, rows, last step, size, status, last write, sidecar.
+    def shards(run: str = RUN_ARG, dir: str | None = DIR_OPT, json: bool = JSON_OPT,
+               all: bool = all_opt) -> None:
+        """The shards of RUN: a row each, or, for many, a summary by status and node and
+        the shards that need attention (--all for every row).
 
         The sidecar column compares the sidecar's cursor with the file (ok, behind while
-        running, needs repair, torn tail, missing). Nothing is modified.
+        running, needs repair, torn tail, missing). Attention: crashed or stale, 100+
+        steps behind the frontier, slow (step_time an outlier), sidecar trouble. Nothing
+        is modified.
         """
-        shards_command(run, dir, json)
+        shards_command(run, dir, json, all)

@@ -1,16 +1,24 @@
-"""`expr summary RUN`: cross-rank statistics, outliers, coverage and a heatmap (DESIGN 10).
+"""`expr summary RUN`: cross-rank statistics, outliers, coverage and a heatmap (DESIGN 10, 13, 14).
 
-Reads the rank records (`log_rank_metrics`) of every shard of one stream (the
-default stream unless `--stream`), grouped by `_rank`, never by file. Without
-rank records it shows each shard's last step row instead.
+Reads one stream (the default stream unless `--stream`). Without `--step`/`--steps` it
+reduces at the run's **frontier**, the latest step every live rank has reported, taken
+from the sidecars and shard tails (`expr_tracker.health.state`); ranks short of it are
+*behind*, not missing. Only the tail of each shard is read for that recent window, so
+the cost does not grow with the run's length. Rank records (`log_rank_metrics`) are
+grouped by `_rank`, never by file; `--metric`/`--heatmap` also take keys that ranks log
+with `et.log` (each rank's step row at that step). Without rank records and without
+`--metric`, it shows each shard's last step row instead.
+
+Thousands of ranks fit a screen (`layout`): outlier ranks are always named, then the worst
+nodes, and the other ranks are binned.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from . import layout
 from .errors import CLIError
 from .resolve import (
     DIR_FLAGS,
@@ -18,7 +26,6 @@ from .resolve import (
     STREAM_FLAGS,
     FastOption,
     RunRef,
-    ShardRef,
     int_arg,
     parse_metrics,
     parse_step_range,
@@ -28,89 +35,30 @@ from .resolve import (
     stream_label,
     unknown_metrics,
 )
+from .summary_load import COVERAGE_STEPS, last_rows, load_row_table, load_table, read_window
 
 if TYPE_CHECKING:
     import typer
 
+    from expr_tracker.health.state import RunState
     from expr_tracker.stats.reduce import RankTable, Stats
     from expr_tracker.stats.scan import ColumnTable
 
     Table = RankTable | ColumnTable
 
-COVERAGE_STEPS = 50  # how far back the coverage block looks
-THRESHOLD = 3.5  # DESIGN 10: robust score above which a rank is flagged
-_BLOCK = 4 << 20
+THRESHOLD = 3.5  # DESIGN 10: robust score above which a rank may be flagged
+MIN_REL = 0.05  # DESIGN 10: ... if it is also this far from the median, relatively
+AGGS = ("max", "min", "mean")
 
 
-def iter_rank_records(shards: list[ShardRef], garbage: dict[str, int]) -> Iterator[dict[str, Any]]:
-    """Rank records of `shards` in file order; lines that do not parse are counted in `garbage`.
-
-    The same line parser as the columnar scan (`scan.parse_rank_lines`); what it returns
-    beside rank records, `collect` drops by `_kind`.
-    """
-    from expr_tracker.stats.scan import parse_rank_lines
-    from expr_tracker.store import records
-
-    for shard in shards:
-        bad = 0
-        with open(shard.path, "rb") as fh:
-            for _, data in records.complete_blocks(fh, _BLOCK):
-                recs, n_bad = parse_rank_lines(data)
-                bad += n_bad
-                yield from recs
-        if bad:
-            garbage[shard.path.name] = bad
+def _key_steps(table: Table, key: str) -> list[int]:
+    return table.key_steps(key)
 
 
-def load_table(shards: list[ShardRef]) -> tuple[Table, dict[str, int]]:
-    """The rank records of `shards` as a table, and the unparseable lines per file name.
-
-    Regular shards (see `expr_tracker.stats.scan`) are read as columns: a `ColumnTable` when
-    every rank sits in one shard, else a `RankTable` built from the columns. Otherwise
-    every record goes through `reduce.collect`.
-    """
-    from expr_tracker.stats import scan
-    from expr_tracker.stats.reduce import collect
-
-    scans = scan.scan_shards([s.path for s in shards])
-    garbage = {s.path.name: sc.garbage for s, sc in zip(shards, scans, strict=True) if sc.garbage}
-    blocks = [b for sc in scans for b in sc.blocks or ()]
-    if all(sc.blocks is not None for sc in scans):
-        if len({b.rank for b in blocks}) == len(blocks):
-            return scan.ColumnTable(blocks), garbage
-        return scan.rank_table(blocks), garbage
-    del blocks, scans
-    garbage = {}
-    return collect(iter_rank_records(shards, garbage)), garbage
-
-
-def last_rows(shards: list[ShardRef], garbage: dict[str, int]) -> list[dict[str, Any]]:
-    """Each shard's last step row (the fallback view of a run without rank records)."""
-    from expr_tracker.store.shard import ShardReader
-
-    out = []
-    for shard in shards:
-        reader = ShardReader(shard.path)
-        row = next((r for r in reader.iter_reverse() if r.get("_kind") is None), None)
-        if reader.garbage:
-            garbage[shard.path.name] = reader.garbage
-        if row is not None:
-            values = {k: v for k, v in row.items() if not k.startswith("_")}
-            out.append({"file": shard.path.name, "rank": shard.rank, "step": row.get("_step"),
-                        "time": row.get("_time"), "values": values})
-    return out
-
-
-def _last_step(table: Table, key: str) -> int | None:
-    from expr_tracker.stats.scan import ColumnTable
-
-    if isinstance(table, ColumnTable):
-        return table.last_step(key)
-    return next(iter(table.key_steps(key)[-1:]), None)
-
-
-def _pick_step(table: Table, keys: list[str], step: int | None) -> int:
-    steps = table.steps
+def _pick_step(
+    tables: dict[str, Table], steps: list[int], step: int | None, frontier: int | None
+) -> tuple[int, str]:
+    """The step to reduce at, and why (for the header)."""
     if step is not None:
         if step not in set(steps):
             near = min(steps, key=lambda s: (abs(s - step), s))
@@ -118,9 +66,16 @@ def _pick_step(table: Table, keys: list[str], step: int | None) -> int:
                 f"step {step} has no rank records; they cover steps {steps[0]}..{steps[-1]} "
                 f"({len(steps)} steps), nearest {near}"
             )
-        return step
-    with_keys = [s for s in (_last_step(table, k) for k in keys) if s is not None]
-    return max(with_keys) if with_keys else steps[-1]
+        return step, "as asked"
+    last: list[int] = []
+    for key, table in tables.items():
+        ks = _key_steps(table, key)
+        if frontier is not None:
+            ks = ks[:bisect_right(ks, frontier)]
+        last.extend(ks[-1:])
+    if last:
+        return max(last), "frontier"
+    return steps[-1], "latest"
 
 
 def _stats(
@@ -150,32 +105,90 @@ def _coverage(table: Table, steps: list[int]) -> list[tuple[int, int, int, list[
     return reduce.coverage(table, steps)
 
 
+def _why(reason: str, at: int, state: RunState | None) -> str:
+    """The header's reason for the step."""
+    if reason == "as asked":
+        return "as asked"
+    live = len(state.live) if state is not None else 0
+    front = state.frontier if state is not None else None
+    if reason == "frontier" and live and front is not None:
+        why = f"the frontier: the latest step all {live:,} live ranks reported"
+        return why if at == front else f"{why} is {front}; the last with these metrics"
+    if reason == "frontier":
+        return "no rank is live: the latest step with these metrics"
+    return "the latest step with these metrics"
+
+
+def _ranks_block(state: RunState | None, at: int | None, world: int) -> dict[str, Any]:
+    """Where the ranks stand: live, finished, crashed, behind the step (with their step)."""
+    if state is None:
+        return {}
+    by = {"running": 0, "finished": 0, "crashed": 0}
+    crashed = []
+    behind = []
+    for r, rs in state.ranks.items():
+        by[rs.status] = by.get(rs.status, 0) + 1
+        if rs.status == "crashed":
+            crashed.append(r)
+        if at is not None and rs.last_step is not None and rs.last_step < at:
+            behind.append({"rank": r, "step": rs.last_step, "status": rs.status})
+    no_shard = [r for r in range(world) if r not in state.ranks] if len(state.ranks) > 1 else []
+    return {"shards": len(state.ranks), "live": by["running"], "finished": by["finished"],
+            "crashed": crashed, "behind": behind, "no_shard": no_shard,
+            "frontier": state.frontier}
+
+
+def _split_missing(missing: list[int], state: RunState | None, at: int | None) -> tuple[
+        list[dict[str, Any]], list[int]]:
+    """A missing rank whose shard stops short of the step is behind (DESIGN 13)."""
+    if state is None or at is None:
+        return [], missing
+    behind, gone = [], []
+    for r in missing:
+        rs = state.ranks.get(r)
+        if rs is not None and (rs.last_step is None or rs.last_step < at):
+            behind.append({"rank": r, "step": rs.last_step, "status": rs.status})
+        else:
+            gone.append(r)
+    return behind, gone
+
+
 def build_view(
     ref: RunRef,
     stream: str | None,
-    table: Table,
-    metrics: list[str] | None,
+    tables: dict[str, Table],
+    primary: Table,
     step: int | None,
     window: tuple[int | None, int | None] | None,
     heatmap_key: str | None,
     heatmap_width: int,
     show_all: bool,
+    *,
+    keys: list[str] | None = None,
+    row_keys: set[str] | frozenset[str] = frozenset(),
+    state: RunState | None = None,
+    min_rel: float = MIN_REL,
+    agg: str = "max",
+    world_sizes: dict[int, int] | None = None,
 ) -> dict[str, Any]:
-    """The summary as JSON-ready data (what `--json` prints and `render.summary` draws)."""
+    """The summary as JSON-ready data (what `--json` prints and `render_summary` draws).
+
+    `tables` maps each key to the table holding it (rank records, or step rows for keys
+    logged with `et.log`); `keys` (default: every key of `tables`) get a statistics block;
+    `primary` decides the steps and the coverage block.
+    """
     from expr_tracker.stats import reduce
 
-    available = set(table.keys)
-    wanted = [*(metrics or ()), *([heatmap_key] if heatmap_key else [])]
-    if any(m not in available for m in wanted):
-        raise unknown_metrics(wanted, available)
-    keys = metrics or table.keys
-    all_steps = table.steps
+    world = max([primary.world_size, *(t.world_size for t in tables.values()),
+                 (state.world_size or 0) if state is not None else 0])
+    all_steps = primary.steps
     view: dict[str, Any] = {"run": ref.label, "path": str(ref.path), "stream": stream,
-                            "stream_text": stream_label(stream), "world_size": table.world_size,
-                            "step": None, "steps": None, "n_steps": None,
-                            "threshold": THRESHOLD, "outliers_all": show_all}
+                            "stream_text": stream_label(stream), "world_size": world,
+                            "step": None, "steps": None, "n_steps": None, "why": None,
+                            "threshold": THRESHOLD, "min_rel": min_rel, "outliers_all": show_all}
     span: tuple[int, int] | None = None
     at: int | None = None
+    frontier = state.frontier if state is not None else None
     if window is not None:
         lo = window[0] if window[0] is not None else all_steps[0]
         hi = window[1] if window[1] is not None else all_steps[-1] + 1
@@ -186,20 +199,38 @@ def build_view(
                 f"{all_steps[0]}..{all_steps[-1]}"
             )
         span = (lo, hi)
-        view.update(steps=[lo, hi], n_steps=len(chosen))
+        view.update(steps=[lo, hi], n_steps=len(chosen), why="as asked")
         recent = chosen[-COVERAGE_STEPS:]
     else:
-        at = _pick_step(table, keys, step)
+        at, reason = _pick_step(tables, all_steps, step, frontier)
         view["step"] = at
+        view["why"] = _why(reason, at, state)
         chosen = [at]
         recent = all_steps[:bisect_right(all_steps, at)][-COVERAGE_STEPS:]
+    view["ranks"] = _ranks_block(state, at if at is not None else (span[1] - 1 if span else None),
+                                 world)
+    nodes = layout.Nodes.of(state, world)
+    view["world_sizes"] = layout.disagreeing_world_sizes(world_sizes or {}, world)
     items = []
-    for key in keys:
+    flagged_all: set[int] = set()
+    for key in keys if keys is not None else list(tables):
+        table = tables[key]
         stats, values = _stats(table, key, at, span)
+        outs = reduce.outliers(values, THRESHOLD, min_rel)
+        flagged = [o for o in outs if o.flagged]
+        flagged_all.update(o.rank for o in flagged)
+        shown = outs if show_all else flagged
+        # worst first: the furthest from the median, relatively
+        shown = sorted(shown, key=layout.outlier_order)
+        behind, missing = _split_missing(stats.missing, state, at)
         item: dict[str, Any] = {
             "key": key,
+            "source": "step rows" if key in row_keys else "rank records",
             "stats": stats.as_dict(),
-            "outliers": [o.as_dict() for o in reduce.outliers(values, THRESHOLD)],
+            "behind": behind,
+            "missing": missing,
+            "outliers": [{**o.as_dict(), "node": nodes.label(o.rank)} for o in shown],
+            "n_flagged": len(flagged),
         }
         if not values:
             seen = table.key_steps(key)
@@ -209,7 +240,7 @@ def build_view(
     view["keys"] = items
     view["coverage"] = [
         {"step": s, "reported": n, "world": w, "missing": missing}
-        for s, n, w, missing in _coverage(table, recent)
+        for s, n, w, missing in _coverage(primary, recent)
         if missing
     ]
     view["coverage_checked"] = {"steps": len(recent), "first": recent[0] if recent else None,
@@ -217,12 +248,15 @@ def build_view(
     if heatmap_key:
         from expr_tracker.stats.scan import ColumnTable
 
+        table = tables[heatmap_key]
         # the heatmap reads one key at every step: a RankTable of that key alone
         ht = table.rank_table([heatmap_key]) if isinstance(table, ColumnTable) else table
-        buckets, cells = reduce.heatmap(ht, heatmap_key, heatmap_width,
-                                        steps=chosen if window is not None else None)
-        view["heatmap"] = {"key": heatmap_key, "buckets": [list(b) for b in buckets],
-                           "cells": {r: cells[r] for r in sorted(cells)}}
+        hsteps = chosen if window is not None else recent
+        buckets, cells = reduce.heatmap(ht, heatmap_key, heatmap_width, steps=hsteps)
+        grid = {r: cells.get(r, [None] * len(buckets)) for r in range(world)}
+        view["heatmap"] = {"key": heatmap_key, "agg": agg, "buckets": [list(b) for b in buckets],
+                           "cells": grid,
+                           "rows": layout.heatmap_rows(grid, nodes, flagged_all, agg)}
     return view
 
 
@@ -236,38 +270,75 @@ def summary_command(
     heatmap_key: str | None,
     show_all: bool,
     as_json: bool,
+    min_rel: float = MIN_REL,
+    agg: str = "max",
 ) -> None:
-    """Load the rank records of RUN and print the summary."""
-    from . import render
+    """Load the recent rank records (and step rows) of RUN and print the summary."""
+    from . import render, render_summary
 
     if step is not None and steps is not None:
         raise CLIError("use either --step or --steps, not both", 2)
+    if not min_rel >= 0.0:
+        raise CLIError(f"--min-rel must be >= 0, got {min_rel}", 2)
+    if agg not in AGGS:
+        raise CLIError(f"--agg must be one of {', '.join(AGGS)}, got {agg!r}", 2)
     window = parse_step_range(steps)
     ref = resolve_run(run, root_dir(dir))
     shards = shards_of(ref, stream)
-    table, garbage = load_table(shards)
+    wanted = parse_metrics(metrics)
+    state, lo, scans = read_window(ref.path, stream, shards, step, window)
+    table, garbage, worlds = load_table(shards, lo, scans)
+    if lo is not None and not table.steps and state.frontier is not None:
+        table, garbage, worlds = load_table(shards, None)  # sparse rank records: read it all
+    asked = [*(wanted or ()), *([heatmap_key] if heatmap_key else [])]
+    have = set(table.keys)
+    row_keys = {k for k in asked if k not in have}
+    rows = None
+    if row_keys:
+        # keys logged with et.log: each rank's step rows (issue 11)
+        world = max(table.world_size, state.world_size or 0)
+        rows, bad = load_row_table(shards, row_keys, lo, world)
+        garbage.update(bad)
+        if any(k not in set(rows.keys) for k in row_keys):
+            raise unknown_metrics(asked, have | set(rows.keys))
     if garbage:
         where = ", ".join(f"{f}: {n}" for f, n in sorted(garbage.items()))
         n = sum(garbage.values())
         render.warning(f"skipped {n} line{'s' if n != 1 else ''} that did not parse ({where})")
-    if not table.steps:
-        rows = last_rows(shards, {})
-        if not rows:
+    primary: Table = table if table.steps or rows is None else rows
+    if not primary.steps:
+        last = last_rows(shards, {})
+        if not last:
             raise CLIError(f"run {ref.label} has no rows in stream {stream_label(stream)}: its shards are empty")
         if as_json:
-            render.print_json({"run": ref.label, "stream": stream, "rank_records": 0, "last": rows})
+            render.print_json({"run": ref.label, "stream": stream, "rank_records": 0, "last": last})
         else:
-            render.last_values(rows, ref.label)
+            render_summary.last_values(last, ref.label)
         return
+    keys = wanted or table.keys
+    tables: dict[str, Table] = {
+        k: rows if rows is not None and k in row_keys else table for k in [*keys, *asked]
+    }
     # only the heatmap depends on the terminal's width (and asking rich for it costs an import)
-    buckets = render.heatmap_buckets(render.console().width, table.world_size) if heatmap_key else 1
-    view = build_view(ref, stream, table, parse_metrics(metrics), step, window, heatmap_key,
-                      buckets, show_all)
+    world = max(primary.world_size, state.world_size or 0)
+    buckets = render_summary.heatmap_buckets(render.console().width, world) if heatmap_key else 1
+    view = build_view(ref, stream, tables, primary, step, window, heatmap_key, buckets, show_all,
+                      keys=keys, row_keys=row_keys, state=state, min_rel=min_rel, agg=agg,
+                      world_sizes=worlds)
+    if view["world_sizes"]:
+        render.warning(layout.world_size_warning(view["world_sizes"], view["world_size"]))
     if as_json:
         view.pop("stream_text")
         render.print_json(view)
     else:
-        render.summary(view)
+        render_summary.summary(view)
+
+
+def _ratio(text: str) -> float:
+    value = float(text)
+    if not value >= 0.0:
+        raise ValueError(text)
+    return value
 
 
 # `main` runs `expr summary` without typer when it can parse the arguments with these
@@ -279,6 +350,8 @@ FAST_OPTIONS = (
     FastOption("steps", ("--steps",)),
     FastOption("heatmap", ("--heatmap",)),
     FastOption("outliers", ("--outliers",), None, default=False),
+    FastOption("min_rel", ("--min-rel",), float, default=MIN_REL),
+    FastOption("agg", ("--agg",), default="max"),
     FastOption("stream", STREAM_FLAGS),
     FastOption("json", JSON_FLAGS, None, default=False),
     FastOption("dir", DIR_FLAGS),
@@ -288,7 +361,7 @@ FAST_OPTIONS = (
 def fast_run(v: dict[str, Any]) -> None:
     """`expr summary` with arguments parsed by `resolve.parse_fast`."""
     summary_command(v["run"], v["dir"], v["stream"], v["metric"], v["step"], v["steps"],
-                    v["heatmap"], v["outliers"], v["json"])
+                    v["heatmap"], v["outliers"], v["json"], v["min_rel"], v["agg"])
 
 
 def register(app: typer.Typer) -> None:
@@ -298,15 +371,23 @@ def register(app: typer.Typer) -> None:
     from .resolve import DIR_OPT, JSON_OPT, RUN_ARG, STREAM_OPT
 
     metric_opt = typer.Option(None, "--metric", "-m", show_default=False, metavar="KEY",
-                              help="Metric key to summarise (repeatable, or comma-separated).")
+                              help="Metric key to summarise (repeatable, or comma-separated); "
+                                   "rank records or keys logged with et.log.")
     step_opt = typer.Option(None, "--step", show_default=False, metavar="STEP",
-                            help="One step (default: the latest with rank records).")
+                            help="One step (default: the frontier, the latest step every "
+                                 "live rank reported).")
     steps_opt = typer.Option(None, "--steps", show_default=False, metavar="START:STOP",
                              help="Half-open window START:STOP; statistics of per-rank means.")
     heatmap_opt = typer.Option(None, "--heatmap", show_default=False, metavar="KEY",
-                               help="Draw the rank x step heatmap of this key.")
+                               help="Draw the rank x step heatmap of this key (the last "
+                                    f"{COVERAGE_STEPS} steps, or the --steps window).")
     outliers_opt = typer.Option(False, "--outliers",
                                 help="Show every rank's scores, not only flagged ones.")
+    min_rel_opt = typer.Option(MIN_REL, "--min-rel", metavar="RATIO",
+                               help="An outlier also differs from the median by at least "
+                                    "this fraction.")
+    agg_opt = typer.Option("max", "--agg", metavar="max|min|mean",
+                           help="How a heatmap row of many ranks (a node, a bin) combines them.")
 
     @app.command(
         "summary",
@@ -319,14 +400,19 @@ def register(app: typer.Typer) -> None:
         steps: str | None = steps_opt,
         heatmap: str | None = heatmap_opt,
         outliers: bool = outliers_opt,
+        min_rel: float = min_rel_opt,
+        agg: str = agg_opt,
         stream: str | None = STREAM_OPT,
         json: bool = JSON_OPT,
         dir: str | None = DIR_OPT,
     ) -> None:
-        """Cross-rank statistics of the rank records of RUN at one step or over a window.
+        """Cross-rank statistics of RUN at the frontier, at one step or over a window.
 
-        Per key: n/world, mean, wmean, min, max, range, std, p05, p50, p95 and the
-        missing ranks; outliers by robust z (|z| > 3.5); which recent steps miss ranks.
-        Reads every shard of one stream (the default stream unless --stream).
+        Per key: n/world, mean, wmean, min, max, range, std, p05, p50, p95, behind and
+        missing ranks; outliers (|robust z| > 3.5 and at least --min-rel from the
+        median, shown as x median); which recent steps miss ranks. Thousands of ranks
+        are grouped by node: outliers named, the worst nodes first, the rest binned.
         """
-        summary_command(run, dir, stream, metric, step, steps, heatmap, outliers, json)
+        summary_command(run, dir, stream, metric, step, steps, heatmap, outliers, json,
+                        min_rel, agg)
+

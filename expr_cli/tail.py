@@ -4,13 +4,18 @@ A watchdog observer on the run directory is only a wake-up hint; every 0.5 s the
 shards are polled anyway (inotify can overflow, network filesystems send nothing).
 Each shard is read from the offset after the last complete line already shown, so a
 half-written line is never printed and nothing is printed twice. Read-only.
+
+Like `tail -F`, a run (or rank) that does not exist yet is waited for. Ctrl-C ends a
+follow with status 130, as coreutils tail does, and prints nothing more.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -168,10 +173,10 @@ class Tail:
             render.warning(f"skipped {garbage} line{'s' if garbage != 1 else ''} that did not parse")
 
     def start(self, n: int) -> None:
-        """Print the last `n` rows (across ranks with --rank all)."""
+        """Print the last `n` rows of each shard (of each rank with --rank all)."""
         batch = [(_row_rank(f, rec), rec) for f in self.followers.values() for rec in f.last(n)]
         batch.sort(key=_order)
-        self.emit(batch[-n:] if n > 0 else [])
+        self.emit(batch if n > 0 else [])
 
     def poll(self) -> None:
         """Print what was appended since the last poll; pick up shards of new ranks."""
@@ -219,23 +224,62 @@ def _observe(path: str, wake: threading.Event) -> Any:
     return observer
 
 
-def tail_command(run: str, dir: str | None, rank: str | None, stream: str | None,
-                 metrics: list[str] | None, n: int, follow: bool, rank_records: bool,
-                 json: bool = False) -> None:
-    """Print the last `n` rows of RUN, then follow it until Ctrl-C."""
-    from . import render
+def _exit_130(signum: int, frame: object) -> None:
+    """Ctrl-C while following: what was printed stays whole, nothing else is printed."""
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    os._exit(130)  # no interpreter shutdown: observer threads cannot print on their way out
 
-    r = parse_rank(rank, allow_all=True)
-    wanted = parse_metrics(metrics)
+
+def _not_there_yet(exc: CLIError) -> bool:
+    """A run, stream or rank that may still appear (the job has not started writing)."""
+    msg = exc.message
+    return msg.startswith("no run ") or " is empty: " in msg or " has no shard" in msg
+
+
+def _find(run: str, dir: str | None, r: int | str | None,
+          stream: str | None) -> tuple[RunRef, list[ShardRef], str | None]:
     ref = resolve_run(run, root_dir(dir))
     if r == "all":
         if stream is None and ref.shard is not None:
             stream = pick_shard(ref, None, None).stream
-        shards = shards_of(ref, stream)
-    else:
-        assert not isinstance(r, str)
-        shards = [pick_shard(ref, stream, r)]
-        stream = shards[0].stream
+        return ref, shards_of(ref, stream), stream
+    assert not isinstance(r, str)
+    shards = [pick_shard(ref, stream, r)]
+    return ref, shards, shards[0].stream
+
+
+def _wait_for(run: str, dir: str | None, r: int | str | None,
+              stream: str | None) -> tuple[RunRef, list[ShardRef], str | None]:
+    """`_find`, retried every POLL seconds while the run is not there yet (said once)."""
+    from . import render
+
+    said = False
+    while True:
+        try:
+            return _find(run, dir, r, stream)
+        except CLIError as exc:
+            if not _not_there_yet(exc):
+                raise
+            if not said:
+                said = True
+                render.status(f"waiting for {run} to appear ({exc.message}); Ctrl-C to stop")
+        time.sleep(POLL)
+
+
+def tail_command(run: str, dir: str | None, rank: str | None, stream: str | None,
+                 metrics: list[str] | None, n: int, follow: bool, rank_records: bool,
+                 json: bool = False) -> None:
+    """Print the last `n` rows of RUN, then follow it until Ctrl-C (exit 130)."""
+    from . import render
+
+    r = parse_rank(rank, allow_all=True)
+    wanted = parse_metrics(metrics)
+    if follow and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _exit_130)
+    ref, shards, stream = _wait_for(run, dir, r, stream) if follow else _find(run, dir, r, stream)
     tail = Tail(ref, shards, r == "all", stream, wanted, make_filter(wanted, rank_records), json)
     try:
         tail.start(max(n, 0))
@@ -244,7 +288,7 @@ def tail_command(run: str, dir: str | None, rank: str | None, stream: str | None
             render.status(f"following {ref.label} ({what}); Ctrl-C to stop")
             tail.follow()
     except KeyboardInterrupt:
-        pass  # Ctrl-C is how a tail ends: exit 0
+        pass  # a Ctrl-C under a test runner, which keeps its own SIGINT handler
     except BrokenPipeError:
         # the reader went away (`expr tail ... | head`): leave quietly
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -253,7 +297,8 @@ def tail_command(run: str, dir: str | None, rank: str | None, stream: str | None
 
 _RANK_OPT = typer.Option(None, "--rank", "-r", show_default=False, metavar="RANK|all",
                          help="Rank to follow (default 0), or 'all' for every rank.")
-_ROWS_OPT = typer.Option(10, "-n", "--rows", help="How many of the last rows to print first.")
+_ROWS_OPT = typer.Option(10, "-n", "--rows",
+                         help="How many of the last rows to print first (per rank with --rank all).")
 _FOLLOW_OPT = typer.Option(True, "--follow/--no-follow", help="Keep printing new rows.")
 _RANK_RECORDS_OPT = typer.Option(False, "--rank-records", help="Also show rank records (log_rank_metrics).")
 
@@ -273,9 +318,11 @@ def register(app: typer.Typer) -> None:
         dir: str | None = DIR_OPT,
         json: bool = JSON_OPT,
     ) -> None:
-        """The last rows of RUN, then new rows live as they are written; Ctrl-C stops.
+        """The last rows of RUN, then new rows live as they are written; Ctrl-C stops (exit 130).
 
-        With --rank all, the shards of every rank are interleaved by step, with a rank column.
-        --json prints each row as one JSON line (with `_rank` under --rank all).
+        Waits for a run that does not exist yet. With --rank all, the shards of every rank
+        are interleaved by step, with a rank column, and -n counts per rank. Rank records
+        (--rank-records) are marked [rank N]. --json prints each row as one JSON line (with
+        `_rank` under --rank all).
         """
         tail_command(run, dir, rank, stream, metrics, n, follow, rank_records, json)

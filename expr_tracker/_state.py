@@ -1,10 +1,11 @@
-"""The process's current run, the exit hook and fork handling."""
+"""The process's current run, the exit and exception hooks and fork handling."""
 
 from __future__ import annotations
 
 import atexit
 import os
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -25,6 +26,46 @@ def set_current(run: Any) -> None:
             )
         current = run
     _install_sigterm()
+    _install_excepthooks()
+
+
+_hooks_installed = False
+
+
+def _install_excepthooks() -> None:
+    """Record an uncaught exception (main thread or any other) for the exit path, which then
+    marks the shard `crashed` with `exit: {type, message, time}` (DESIGN 5). The previous
+    hooks still run: they print the traceback as before."""
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    previous = sys.excepthook
+    previous_thread = threading.excepthook
+
+    def excepthook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        _record_exception(exc_type, exc, None)
+        previous(exc_type, exc, tb)
+
+    def thread_excepthook(args: threading.ExceptHookArgs) -> None:
+        if args.exc_type is not SystemExit:  # a thread's sys.exit() only ends that thread
+            name = args.thread.name if args.thread is not None else None
+            _record_exception(args.exc_type, args.exc_value, name)
+        previous_thread(args)
+
+    sys.excepthook = excepthook
+    threading.excepthook = thread_excepthook
+
+
+def _record_exception(exc_type: type[BaseException], exc: BaseException | None,
+                      thread: str | None) -> None:
+    run = current
+    if run is None or run._pid != os.getpid() or issubclass(exc_type, KeyboardInterrupt):
+        return  # Ctrl-C is a stop, as in Run.__exit__, not a crash
+    try:
+        run._crashed_by(exc_type, exc, thread)
+    except Exception:  # never let tracking hide the real exception
+        pass
 
 
 def _install_sigterm() -> None:
@@ -70,7 +111,7 @@ def _at_exit() -> None:
     run = current
     if run is not None and run._pid == os.getpid():
         try:
-            run.finish()
+            run.finish("crashed" if run._exit is not None else "finished")
         except Exception:  # exit must never fail because of tracking
             pass
 

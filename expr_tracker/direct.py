@@ -116,7 +116,9 @@ class DirectSink:
     def checkpoint(self) -> None:
         self.writer.write_sidecar()
 
-    def close(self, status: str) -> None:
+    def close(self, status: str, exit: dict[str, Any] | None = None) -> None:
+        """Finish the shard with `status`; `exit` is the crash's {type, message, time}."""
+        self.writer.exit = exit
         # backends such as wandb need seconds to start and sync; finish waits for them,
         # within a bound, so the end of a run does not lose its last rows
         self.pipeline.close(status, timeout=FINISH_TIMEOUT)

@@ -9,6 +9,7 @@ reported once per cause, counted, and never raised into the training loop.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 import warnings
@@ -129,7 +130,9 @@ class Run:
 
         info = _ranks.detect()
         if info.world_size is not None and info.world_size > MAX_WORLD:
-            raise ValueError(f"WORLD_SIZE={info.world_size} is over the supported {MAX_WORLD}")
+            raise ValueError(
+                f"WORLD_SIZE={info.world_size} is over the sanity cap of {MAX_WORLD:,} ranks"
+            )
         self.rank, self.world_size, self.local_rank = info.rank, info.world_size, info.local_rank
         self.alert_on_rank = _check_rank_option(alert_on_rank, "alert_on_rank", self.world_size)
         # "auto": each backend's default (backends.base.reports_on_rank): rank 0, or every
@@ -191,10 +194,15 @@ class Run:
         self._fast_ok = True  # no open row, not finished, not detached: log() may take the hot path
         self._last_step: int | None = None
         self._pid = os.getpid()
+        self._exit: dict[str, Any] | None = None  # the uncaught exception that ends the process
         self._sink = self._make_sink()
         self._step = self._sink.next_step
         self._rows_base = self._sink.rows
         self._last_step = self._sink.last_step
+        if self._rows_base:
+            # once, on stderr: a job restarted from a checkpoint continues its shards
+            print(f"resuming {self.name} rank {self.rank} at step {self._step}", file=sys.stderr,
+                  flush=True)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._background, name="expr-tracker", daemon=True)
         self._thread.start()
@@ -455,7 +463,7 @@ class Run:
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=5.0)
-        self._sink.close(status)
+        self._sink.close(status, self._exit if status == "crashed" else None)
         # in spool mode exprd evaluates the rules: this process never fed them a row
         if self.mode == "direct" and self._ruleset is not None and self._ruleset.rules:
             for rule_name, metric, guess in self._ruleset.never_seen():
@@ -490,7 +498,18 @@ class Run:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if isinstance(exc_type, type) and isinstance(exc, BaseException):
+            self._crashed_by(exc_type, exc, None)
         self.finish("crashed" if exc_type is not None and exc_type is not KeyboardInterrupt else "finished")
+
+    def _crashed_by(self, exc_type: type, exc: BaseException | None, thread: str | None) -> None:
+        """Remember the exception that ends the run, for the sidecar's `exit` (the first wins)."""
+        if self._exit is None and exc_type is not KeyboardInterrupt:
+            message = str(exc) if exc is not None else ""
+            self._exit = {"type": exc_type.__name__, "message": message[:1000],
+                          "time": time.time()}
+            if thread is not None:
+                self._exit["thread"] = thread
 
     def _after_fork_in_child(self) -> None:
         """A forked child (a dataloader worker) must never write the parent's buffered rows."""

@@ -442,8 +442,12 @@ class SpoolSink:
     def checkpoint(self) -> None:
         """Nothing to do: the spool has no sidecar."""
 
-    def close(self, status: str) -> None:
-        self._emit({"_event": "finish", "_time": time.time(), "status": status})
+    def close(self, status: str, exit: dict[str, Any] | None = None) -> None:
+        """The finish event; `exit` (a crash's {type, message, time}) goes into the sidecar."""
+        event: dict[str, Any] = {"_event": "finish", "_time": time.time(), "status": status}
+        if exit is not None:
+            event["exit"] = exit
+        self._emit(event)
         self.writer.close("finished")
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the writer lock

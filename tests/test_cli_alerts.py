@@ -37,3 +37,17 @@ def test_run_without_alerts(cli):
 def test_negative_rank_is_a_usage_error(cli):
     result = cli("alerts", "run-1", "--rank", "-1")
     assert result.exit_code == 2 and result.stderr.startswith("error: ")
+
+
+def test_alerts_show_the_message_and_fit_80_columns(cli):
+    result = cli("alerts", "run-1", COLUMNS="80")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert max(len(line.rstrip()) for line in lines) <= 80
+    # nothing cut: every message and rule is there whole
+    for text in ("grad_norm 1.2 > 1.15", "rule: grad_norm > 1.15", "checkpoint saved",
+                 "train/loss 0.81 > 0.8", "rule: train/loss > 0.8", "loss spike"):
+        assert text in result.stdout, text
+    first = lines.index(next(line for line in lines if "rank 3" in line))
+    assert "error" in lines[first] and "suppressed" in lines[first] and "step 3" in lines[first]
+    assert lines[first + 1].startswith("    grad_norm 1.2 > 1.15")

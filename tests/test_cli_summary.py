@@ -124,3 +124,36 @@ def test_summary_fits_80_columns_with_every_statistic(cli):
     header = next(line for line in lines if "n/world" in line)
     for name in ("mean", "wmean", "min", "max", "range", "std", "p05", "p50", "p95"):
         assert name in header.split(), (name, header)
+
+
+def test_world_sizes_that_disagree_are_named_in_a_warning(cli, cli_root):
+    from tests.conftest import write_shard
+
+    run = cli_root / "proj" / "mixed"
+    for r in (*range(8), 9):
+        ws = 4 if r < 4 else 8
+        recs = [{"_kind": "rank", "_step": s, "_time": 1.0 + s, "_rank": r, "_world_size": ws,
+                 "t": 1.0} for s in range(3)]
+        write_shard(run / ("metrics.jsonl" if r == 0 else f"metrics.rank{r}.jsonl"), recs)
+    result = cli("summary", "proj/mixed")
+    assert result.exit_code == 0, result.output
+    assert result.stderr == (
+        "warning: rank records disagree on world_size: 8 (ranks 4-7,9), 4 (ranks 0-3); "
+        "rank 9 is beyond its world_size; using 10\n"
+    )
+    view = json.loads(cli("summary", "proj/mixed", "--json").stdout)
+    assert view["world_size"] == 10
+    assert [g["ranks"] for g in view["world_sizes"]] == [[4, 5, 6, 7, 9], [0, 1, 2, 3], [9]]
+    agree = cli("summary", "run-1")
+    assert "disagree" not in agree.stderr
+
+
+def test_metric_logged_with_et_log_has_the_rank_record_json_shape(cli):
+    view = json.loads(cli("summary", "run-1", "-m", "loss", "--heatmap", "loss", "--json").stdout)
+    (item,) = view["keys"]
+    rank_item = json.loads(cli("summary", "run-1", "-m", "train/loss", "--json").stdout)["keys"][0]
+    assert set(item) == set(rank_item) and set(item["stats"]) == set(rank_item["stats"])
+    assert item["source"] == "step rows" and item["stats"]["n"] == WORLD
+    # loss = 2/(s+1) + 0.01 r at step 39: every rank's step row
+    assert math.isclose(item["stats"]["max"], 2 / 40 + 0.07)
+    assert view["heatmap"]["key"] == "loss" and len(view["heatmap"]["cells"]) == WORLD

@@ -26,14 +26,26 @@ def test_last_rows_without_following(cli):
 
 
 def test_all_ranks_interleave_by_step_with_a_rank_column(cli):
-    result = cli("tail", "run-1", "--rank", "all", "-n", "10", "--no-follow", "-m", "loss")
+    result = cli("tail", "run-1", "--rank", "all", "-n", "2", "--no-follow", "-m", "loss")
     assert result.exit_code == 0, result.output
     rows = [line.split() for line in result.stdout.splitlines()]
+    # -n counts per rank: the last 2 rows of each of the 8 ranks
     assert [(r[0], r[2]) for r in rows] == [
-        ("r6", "38"), ("r7", "38"),
+        *((f"r{k}", "38") for k in range(8)),
         *((f"r{k}", "39") for k in range(8)),
     ]
     assert rows[-1][-1] == "loss=0.12"  # 2/40 + 0.01 * 7
+
+
+def test_rank_records_are_marked_apart_under_all(cli):
+    result = cli("tail", "run-1", "--rank", "all", "-n", "2", "--no-follow", "--rank-records")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    marked = [line for line in lines if "[rank " in line]
+    plain = [line for line in lines if "[rank " not in line]
+    assert len(marked) == 8 and len(plain) == 8
+    assert all("train/loss=" in line for line in marked)
+    assert not any("train/loss=" in line for line in plain)
 
 
 def test_json_lines_with_the_rank_under_all(cli):
@@ -42,7 +54,7 @@ def test_json_lines_with_the_rank_under_all(cli):
     result = cli("tail", "run-1", "--rank", "all", "-n", "3", "--no-follow", "-m", "loss", "--json")
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in result.stdout.splitlines()]
-    assert [(r["_rank"], r["_step"]) for r in rows] == [(5, 39), (6, 39), (7, 39)]
+    assert [(r["_rank"], r["_step"]) for r in rows] == [(k, s) for s in (37, 38, 39) for k in range(8)]
     assert all(set(r) == {"_step", "_time", "_rank", "loss"} for r in rows)
 
 
@@ -106,9 +118,10 @@ def _stop(proc: subprocess.Popen) -> int:
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait()
 
 
-def test_tail_follows_a_shard_and_exits_0_on_sigint(cli_root):
+def test_tail_follows_a_shard_and_exits_130_on_sigint(cli_root):
     shard = cli_root / "proj" / "run-1" / "metrics.rank2.jsonl"
     proc, lines = _start_tail(cli_root, "run-1", "--rank", "2", "-n", "2", "-m", "loss")
     try:
@@ -122,15 +135,20 @@ def test_tail_follows_a_shard_and_exits_0_on_sigint(cli_root):
         assert line.split()[1] == "41" and arrived - written < 2.0
     finally:
         code = _stop(proc)
-    assert code == 0, proc.stderr.read() if proc.stderr else ""
-    assert "Traceback" not in (proc.stderr.read() if proc.stderr else "")
+    err = proc.stderr.read() if proc.stderr else ""
+    assert code == 130, err
+    # nothing after Ctrl-C: only the "following" line on stderr, no stray stdout
+    assert err.splitlines() == ["following proj/run-1 (metrics.rank2.jsonl); Ctrl-C to stop"]
+    assert proc.stdout is not None and proc.stdout.read() == ""
 
 
 def test_tail_all_ranks_picks_up_new_shards(cli_root):
     run = cli_root / "proj" / "run-1"
     proc, lines = _start_tail(cli_root, "proj/run-1", "--rank", "all", "-n", "1")
     try:
-        assert lines.next()[1].split()[:3] == ["r7", "step", "39"]
+        assert [lines.next()[1].split()[:3] for _ in range(8)] == [
+            [f"r{k}", "step", "39"] for k in range(8)
+        ]  # -n 1 per rank
         (run / "metrics.rank8.jsonl").touch()  # a late rank starts
         time.sleep(1.0)
         written = _append(run / "metrics.rank8.jsonl", 40)
@@ -138,4 +156,37 @@ def test_tail_all_ranks_picks_up_new_shards(cli_root):
         assert line.split()[:3] == ["r8", "step", "40"] and arrived - written < 2.0
     finally:
         code = _stop(proc)
-    assert code == 0
+    assert code == 130
+
+
+def test_tail_waits_for_a_run_that_does_not_exist_yet(cli_root):
+    proc, lines = _start_tail(cli_root, "proj/later", "-n", "5")
+    try:
+        assert proc.stderr is not None
+        first = proc.stderr.readline()
+        assert first.startswith("waiting for proj/later to appear"), first
+        time.sleep(0.7)
+        assert proc.poll() is None  # still waiting, not "no run"
+        run = cli_root / "proj" / "later"
+        run.mkdir()
+        (run / "metrics.jsonl").touch()
+        assert proc.stderr.readline().startswith("following proj/later")
+        written = _append(run / "metrics.jsonl", 0)
+        arrived, line = lines.next(timeout=5)
+        assert line.split()[:2] == ["step", "0"] and arrived - written < 2.0
+    finally:
+        code = _stop(proc)
+    assert code == 130 and proc.stderr.read() == ""
+
+
+def test_sigint_while_waiting_exits_130_quietly(cli_root):
+    proc, _ = _start_tail(cli_root, "nothing-here")
+    assert proc.stderr is not None and proc.stderr.readline().startswith("waiting for nothing-here")
+    code = _stop(proc)
+    assert code == 130
+    assert proc.stderr.read() == "" and proc.stdout is not None and proc.stdout.read() == ""
+
+
+def test_no_follow_still_fails_on_a_missing_run(cli):
+    result = cli("tail", "nothing-here", "--no-follow")
+    assert result.exit_code == 1 and result.stderr.startswith("error: no run 'nothing-here'")

@@ -360,19 +360,59 @@ def test_plain_z_never_exceeds_sqrt_n_minus_1(xs: list[float]) -> None:
         assert o.z is None or abs(o.z) <= bound * (1 + 1e-9) + 1e-12
 
 
-def test_outliers_uniform_mad_fallback_and_nonfinite() -> None:
+def test_outliers_mad_zero_rule_and_nonfinite() -> None:
     assert not any(o.flagged for o in outliers(dict.fromkeys(range(8), 0.1)))
     assert all(o.robust == 0.0 and o.z is None for o in outliers(dict.fromkeys(range(8), 3.0)))
-    # MAD is 0 (most ranks agree exactly): the mean absolute deviation takes over
+    # MAD 0 (most ranks agree exactly): the relative difference from the median decides
     xs = [1.0] * 7 + [2.0]
     out = outliers(dict(enumerate(xs)))
-    mean_ad = float(np.mean(np.abs(np.array(xs) - np.mean(xs))))
-    assert out[7].robust == pytest.approx(1.0 / (1.2533 * mean_ad))
-    assert out[7].flagged and not out[0].flagged and out[0].robust == 0.0
+    assert out[7].flagged and out[7].robust is None and out[7].ratio == 2.0
+    assert not any(o.flagged for o in out[:7]) and out[0].robust == 0.0 and out[0].ratio == 1.0
+    # one rank in four, which the mean-absolute-deviation fallback could never flag
+    four = outliers({0: 0.5, 1: 0.5, 2: 0.8, 3: 0.5})
+    assert [o.rank for o in four if o.flagged] == [2]
+    # a 0.3% difference among identical step times is not an outlier (issue 11)
+    small = outliers(dict(enumerate([1.0] * 7 + [1.003])))
+    assert not any(o.flagged for o in small)
+    assert [o.flagged for o in outliers(dict(enumerate(xs)), min_rel=1.5)] == [False] * 8
     mixed = outliers({0: 1.0, 3: NAN, 5: 2.0})
     assert [o.rank for o in mixed] == [0, 5]
     assert outliers({}) == [] and outliers({0: INF}) == []
-    assert [o.flagged for o in outliers(dict(enumerate(xs)), threshold=100.0)] == [False] * 8
+    with pytest.raises(ValueError, match="min_rel"):
+        outliers({0: 1.0}, min_rel=-0.1)
+
+
+def test_outliers_need_robust_z_and_the_relative_difference() -> None:
+    # a tight cluster: 2% off has a huge robust z but is under the default 5%
+    xs = [1.0 + 0.0001 * i for i in range(15)] + [1.02]
+    out = outliers(dict(enumerate(xs)))
+    assert abs(out[15].robust or 0.0) > 3.5 and not out[15].flagged
+    assert outliers(dict(enumerate(xs)), min_rel=0.01)[15].flagged
+    # a wide spread: 30% off is over min_rel but not over the robust threshold
+    wide = [1.0, 1.5, 0.6, 1.2, 0.8, 1.3]
+    assert not any(o.flagged for o in outliers(dict(enumerate(wide))))
+
+
+@SETTINGS
+@given(
+    st.lists(st.one_of(st.integers(-5, 5).map(float), st.floats(-1e6, 1e6)), min_size=1, max_size=64),
+    st.floats(0.0, 1.0),
+)
+def test_outlier_flags_follow_the_rule(xs: list[float], min_rel: float) -> None:
+    out = outliers(dict(enumerate(xs)), min_rel=min_rel)
+    med = float(np.median(xs))
+    mad = float(np.median(np.abs(np.array(xs) - med)))
+    for o in out:
+        rel_ok = o.value != med and abs(o.value - med) >= abs(med) * min_rel
+        if mad > 0:
+            assert o.robust == pytest.approx(0.6745 * (o.value - med) / mad, rel=1e-9, abs=1e-9)
+            assert o.flagged == (rel_ok and abs(o.robust) > 3.5)
+        else:
+            assert o.flagged == rel_ok
+            assert (o.robust == 0.0) if o.value == med else (o.robust is None)
+        if o.value == med:
+            assert not o.flagged  # a value equal to the median is never flagged
+        assert o.ratio == (None if med == 0 else pytest.approx(o.value / med))
 
 
 # --- coverage and heatmap ----------------------------------------------------------------

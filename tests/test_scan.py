@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 
+import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from expr_tracker.stats import scan
+from expr_tracker.stats import parallel, scan
 from expr_tracker.stats.reduce import collect, reduce_step, reduce_window
 from expr_tracker.store import records
 
@@ -76,7 +77,7 @@ def test_columnar_reader_matches_collect(tmp_path_factory, shards):
         path.write_bytes(b"".join(records.dumps(r) for r in recs) + b'{"_kind": "rank", "_st')
         paths.append(path)
     expected = collect(records.loads(records.dumps(x)) for recs in shards for x in recs)
-    scans = scan.scan_shards(paths)
+    scans = parallel.scan_shards(paths)
     if not all(sc.blocks is not None for sc in scans):
         return  # irregular: the CLI falls back to `collect` itself
     blocks = [b for sc in scans for b in sc.blocks or ()]
@@ -107,7 +108,31 @@ def test_regular_shards_are_read_as_columns_and_irregular_fall_back(tmp_path):
     regular.write_bytes(b"".join(rec(0, s, a=float(s), b=1.0) for s in range(5)))
     irregular = tmp_path / "metrics.rank1.jsonl"
     irregular.write_bytes(rec(1, 0, a=1.0) + rec(1, 0, a=2.0))  # a repeated step
-    (reg, irr) = scan.scan_shards([regular, irregular])
+    (reg, irr) = parallel.scan_shards([regular, irregular])
     assert reg.blocks is not None and [b.rank for b in reg.blocks] == [0]
     assert list(reg.blocks[0].steps) == [0, 1, 2, 3, 4]
     assert irr.blocks is None
+
+
+def test_window_start_finds_the_first_line_of_a_recent_window() -> None:
+    import io
+
+    from expr_tracker.store.window import window_start
+
+    body = b"".join(
+        (f'{{"_step":{i // 2},"_time":1.0,"x":"{"y" * (i % 7)}"}}\n' if i % 2 else
+         f'{{"_kind":"rank","_step":{i // 2},"_rank":3,"t":1.5}}\n').encode()
+        for i in range(4000)
+    )
+    steps = [orjson.loads(line)["_step"] for line in body.splitlines()]
+    starts = [0]
+    for line in body.splitlines()[:-1]:
+        starts.append(starts[-1] + len(line) + 1)
+    for lo in (0, 1, 5, 100, 1500, 1999, 2000, 5000):
+        for block in (16, 64, 1000, 65536):
+            off = window_start(io.BytesIO(body), lo, block)
+            assert off in starts or off == len(body)
+            k = starts.index(off) if off < len(body) else len(steps)
+            assert all(s < lo for s in steps[:k])  # never cuts off a line of the window
+            if block >= 64:  # blocks that hold whole lines: exactly the window
+                assert all(s >= lo for s in steps[k:]), (lo, block)

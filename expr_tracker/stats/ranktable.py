@@ -6,7 +6,7 @@ record. Queries (the reducers in `reduce`) read per-key lists aligned with the s
 built on first use.
 
 A `_weight` that is missing, not a number, non-finite or negative counts as 1.0. A rank record
-without an integer `_step`, or with `_rank` outside [0, 65536), is skipped and counted.
+without an integer `_step`, or with `_rank` outside [0, 1048576), is skipped and counted.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from typing import Any, cast
 _NAN = math.nan
 _INF = math.inf
 _MAX_INT = 1 << 63
-# a corrupt _rank or _world_size must not make every reducer list a billion missing ranks
-_MAX_RANKS = 1 << 16
+# a corrupt _rank or _world_size must not make every reducer list a billion missing ranks:
+# the writers' sanity cap (records.MAX_WORLD, 1,048,576; DESIGN 14)
+_MAX_RANKS = 1 << 20
 
 
 class TableShape:

@@ -8,8 +8,11 @@ Decisions the DESIGN leaves open:
 - Only int and float values are metrics (bools, strings and None are ignored); ints become
   floats. Non-finite values are stored, counted and kept out of every statistic.
 - A `_weight` that is missing, not a number, non-finite or negative counts as 1.0. A rank
-  record without an integer `_step`, or with `_rank` outside [0, 65536), is skipped and counted.
-- The MAD-0 fallback of the robust score divides by 1.2533 * mean(|x - mean|).
+  record without an integer `_step`, or with `_rank` outside [0, 1048576), is skipped and counted.
+- Outliers (DESIGN 10): flagged when |robust z| > threshold and |x - median| >= min_rel *
+  |median|. With a MAD of 0 (half the ranks or more share the median) the robust score is
+  undefined (None) except for values equal to the median (0.0), and the relative difference
+  alone decides. A median of 0 makes every other value infinitely far, relatively.
 - `reduce_window`: a rank is missing when it has no value of the key in the window; `nonfinite`
   counts non-finite values (not ranks) and `nonfinite_ranks` lists the ranks that had any; a
   rank's weight is the mean of its weights at the steps where its value was finite.
@@ -76,9 +79,10 @@ class Outlier:
 
     rank: int
     value: float
-    delta: float
-    z: float | None
-    robust: float
+    delta: float  # value - mean
+    z: float | None  # delta / std (None when std is 0)
+    robust: float | None  # 0.6745 (value - median) / MAD; None when MAD is 0 and value != median
+    ratio: float | None  # value / median, shown as "1.52x median" (None when the median is 0)
     flagged: bool
 
     def as_dict(self) -> dict[str, Any]:
@@ -310,10 +314,16 @@ def window_means(table: RankTable, key: str, lo: int, hi: int) -> dict[int, floa
     return dict(zip(got, means, strict=True))
 
 
-def outliers(values: Mapping[int, float], threshold: float = 3.5) -> list[Outlier]:
-    """Per rank delta, z and robust score (DESIGN 10), sorted by rank; finite values only."""
+def outliers(
+    values: Mapping[int, float], threshold: float = 3.5, min_rel: float = 0.05
+) -> list[Outlier]:
+    """Per rank delta, z, robust score and ratio to the median (DESIGN 10), sorted by rank;
+    finite values only. Flagged: |robust| > threshold and a relative difference from the
+    median of at least `min_rel`; with a MAD of 0, the relative difference alone."""
     if not threshold >= 0.0:
         raise ValueError(f"threshold must be >= 0, got {threshold}")
+    if not min_rel >= 0.0:
+        raise ValueError(f"min_rel must be >= 0, got {min_rel}")
     items = sorted((r, x) for r, x in values.items() if _isfinite(x))
     if not items:
         return []
@@ -327,19 +337,23 @@ def outliers(values: Mapping[int, float], threshold: float = 3.5) -> list[Outlie
         std = _std(xs, mean)
     med = _pct(s, 0.5)
     mad = _pct(sorted([abs(x - med) for x in xs]), 0.5)
-    if mad > 0.0:
-        num = 0.6745
-        scale = mad
-    else:
-        # more than half the ranks agree exactly: fall back to the mean absolute deviation
-        num = 1.0
-        scale = 1.2533 * _fsum([abs(x - mean) for x in xs]) / len(xs)
+    # a difference of min_rel times the median; with a median of 0 any other value is far
+    near = abs(med) * min_rel
     out = []
     for r, x in items:
-        delta = x - mean
-        robust = num * (x - med) / scale if scale > 0.0 else 0.0
-        z = delta / std if std > 0.0 else None
-        out.append(Outlier(r, x, delta, z, robust, abs(robust) > threshold))
+        delta = x - med
+        far = abs(delta) >= near and delta != 0.0
+        robust: float | None
+        if mad > 0.0:
+            robust = 0.6745 * delta / mad
+            flagged = far and abs(robust) > threshold
+        else:
+            # no typical spread: a 0.3% difference among ranks that agree exactly is noise
+            robust = 0.0 if delta == 0.0 else None
+            flagged = far
+        z = (x - mean) / std if std > 0.0 else None
+        ratio = x / med if med != 0.0 else None
+        out.append(Outlier(r, x, x - mean, z, robust, ratio, flagged))
     return out
 
 

@@ -4,7 +4,7 @@ A typical shard holds the rank records of one rank (or, after an all-gather, of 
 each rank's steps increasing and every record carrying the same keys. Such a shard is read
 as one `Block` per rank: the steps, the weights and one array of values per key, extracted
 with C-level `map` calls, so no Python code runs per value. Big runs are parsed in several
-processes, a share of the shards each.
+processes, a share of the shards each (`parallel`).
 
 Anything else is *irregular* (a repeated step, keys that come and go, a value that is
 sometimes a number and sometimes not, a bad `_step` or `_rank`): `ShardScan.blocks` is then
@@ -32,9 +32,8 @@ from expr_tracker.stats.ranktable import TableShape
 # `reduce`'s bounds and mean, so that both readers agree to the last bit
 from expr_tracker.stats.reduce import _MAX_INT, _MAX_RANKS, RankTable, Stats, _mean, reduce_values
 from expr_tracker.store import records
+from expr_tracker.store.window import last_step, window_start
 
-PARALLEL_BYTES = 8 << 20  # below this, starting worker processes costs more than it saves
-MAX_WORKERS = 4
 _CHUNK = 4 << 20  # bytes parsed at a time: bounds the parsed records held in memory
 _RANK_MARK = b'"rank"'  # a rank record holds `"_kind": "rank"`; step rows mostly do not
 _NUMBER = frozenset((float, int))
@@ -84,12 +83,11 @@ def _clean_weight(w: Any) -> float:
 def parse_rank_lines(body: bytes) -> tuple[list[dict[str, Any]], int]:
     """The rank records among the lines of `body` (each ending in a newline), and how many
     lines were garbage."""
-    first = body[: body.find(b"\n")]
-    last = body[body.rfind(b"\n", 0, len(body) - 1) + 1 :]
-    if _RANK_MARK in first and _RANK_MARK in last:
-        # Likely a shard of rank records only: parse all lines as one JSON array. If every
-        # line is one object there is no garbage, and step rows among them are dropped later
-        # by `_kind`; otherwise the careful path below counts garbage as `expr summary` does.
+    if _RANK_MARK in body:
+        # Rank records here (alone, or between step rows): parse all lines as one JSON
+        # array, in C. If every line is one object there is no garbage, and step rows
+        # among them are dropped later by `_kind`; otherwise the careful path below counts
+        # garbage as `expr summary` does.
         try:
             recs = orjson.loads(b"[" + body[:-1].replace(b"\n", b",") + b"]")
         except orjson.JSONDecodeError:
@@ -239,13 +237,21 @@ def _add_chunk(accs: dict[int, _Acc], recs: list[dict[str, Any]]) -> None:
         acc.add(group)
 
 
-def scan_shard(path: str | os.PathLike[str]) -> ShardScan:
-    """Read one shard's rank records as blocks (an unterminated last line is ignored)."""
+def scan_shard(
+    path: str | os.PathLike[str], lo: int | None = None, recent: int | None = None
+) -> ShardScan:
+    """Read one shard's rank records as blocks (an unterminated last line is ignored); with
+    `lo`, only the shard's tail from about step `lo` on (see `window_start`); with
+    `recent`, only its last `recent` steps."""
     accs: dict[int, _Acc] = {}
     garbage = 0
     regular = True
     with open(path, "rb") as fh:
-        for _, data in records.complete_blocks(fh, _CHUNK):
+        if recent is not None and lo is None:
+            top = last_step(fh)
+            lo = None if top is None else top - recent + 1
+        start = window_start(fh, lo) if lo is not None else 0
+        for _, data in records.complete_blocks(fh, _CHUNK, start):
             recs, bad = parse_rank_lines(data)
             garbage += bad
             if regular:
@@ -258,62 +264,10 @@ def scan_shard(path: str | os.PathLike[str]) -> ShardScan:
     return ShardScan(os.fspath(path), blocks, garbage)
 
 
-def _scan_all(paths: Sequence[str]) -> list[ShardScan]:
-    return [scan_shard(p) for p in paths]
-
-
-def scan_shards(paths: Sequence[str | os.PathLike[str]]) -> list[ShardScan]:
-    """`scan_shard` of each path, in order; shared among processes when the shards are big."""
-    names = [os.fspath(p) for p in paths]
-    sizes = []
-    for name in names:
-        try:
-            sizes.append(os.path.getsize(name))
-        except OSError:
-            sizes.append(0)  # let the reader raise the error
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    workers = min(cpus or 1, MAX_WORKERS, len(names))
-    if workers < 2 or sum(sizes) < PARALLEL_BYTES or not _can_fork():
-        return _scan_all(names)
-    import multiprocessing
-    from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
-
-    # largest first onto the least loaded share: shares of about equal bytes
-    shares: list[list[int]] = [[] for _ in range(workers)]
-    loads = [0] * workers
-    for i in sorted(range(len(names)), key=lambda i: -sizes[i]):
-        k = loads.index(min(loads))
-        shares[k].append(i)
-        loads[k] += sizes[i]
-    out: list[ShardScan | None] = [None] * len(names)
-
-    def put(share: list[int], results: list[ShardScan]) -> None:
-        for i, result in zip(share, results, strict=True):
-            out[i] = result
-
-    try:
-        with ProcessPoolExecutor(workers - 1, mp_context=multiprocessing.get_context("fork")) as pool:
-            futures = [(share, pool.submit(_scan_all, [names[i] for i in share]))
-                       for share in shares[1:]]
-            # this process reads the first share itself instead of waiting
-            put(shares[0], _scan_all([names[i] for i in shares[0]]))
-            for share, future in futures:
-                put(share, future.result())
-    except (OSError, BrokenExecutor):  # no fork allowed, a worker killed
-        for share in shares:
-            if out[share[0]] is None:
-                put(share, _scan_all([names[i] for i in share]))  # a real read error raises here
-    return cast("list[ShardScan]", out)
-
-
-def _can_fork() -> bool:
-    """Worker processes by fork only: they start at once with this process's imports, where
-    a fresh interpreter would import them again (and run the caller's `__main__`). Fork is
-    safe on Linux while this process has a single thread."""
-    import sys
-    import threading
-
-    return sys.platform == "linux" and threading.active_count() == 1
+def scan_all(paths: Sequence[str], lo: int | None = None,
+              recent: int | None = None) -> list[ShardScan]:
+    """`scan_shard` of each path, in order, in this process."""
+    return [scan_shard(p, lo, recent) for p in paths]
 
 
 # -- tables ------------------------------------------------------------------------------
@@ -468,9 +422,28 @@ class ColumnTable(TableShape):
 
     def coverage(self, steps: Iterable[int]) -> list[tuple[int, int, int, list[int]]]:
         """`reduce.coverage`: per step (step, ranks reported, world size, missing ranks)."""
+        wanted = sorted(set(steps))
+        order = list(steps)
+        if not wanted:
+            return []
+        lo, hi = wanted[0], wanted[-1]
+        want = set(wanted)
+        # per rank, not per step: a rank with every wanted step (the usual case) costs two
+        # bisects; only the others are looked at step by step
+        missing: dict[int, list[int]] = {s: [] for s in wanted}
+        seen = set()
+        for b in self._blocks:
+            seen.add(b.rank)
+            i = bisect_left(b.steps, lo)
+            j = bisect_left(b.steps, hi + 1)
+            have = b.steps[i:j]
+            if len(have) == len(wanted) and (len(wanted) == hi - lo + 1 or set(have) == want):
+                continue
+            for s in want.difference(have):
+                missing[s].append(b.rank)
+        absent = [r for r in range(self._world) if r not in seen]
         out = []
-        for s in steps:
-            got = {b.rank for b, _ in self._at(s)}
-            missing = [r for r in range(self._world) if r not in got]
-            out.append((s, len(got), self._world, missing))
+        for s in order:
+            gone = sorted(missing[s] + absent) if absent else sorted(missing[s])
+            out.append((s, self._world - len(gone), self._world, gone))
         return out

@@ -14,8 +14,9 @@ from typing import Any, BinaryIO
 
 import orjson
 
-# a sanity bound on world sizes (DESIGN 14): far above any job, low enough to catch garbage
-MAX_WORLD = 512
+# a sanity bound on world sizes (DESIGN 14): far above any job (16,384 ranks and more are
+# supported), low enough that a corrupt value cannot make a reader list a billion ranks
+MAX_WORLD = 1 << 20
 
 
 Scalar = int | float | bool | str | None
@@ -306,7 +307,9 @@ def rank_record(
         if isinstance(world_size, bool) or not isinstance(world_size, int):
             raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
         if not 1 <= world_size <= MAX_WORLD:
-            raise ValueError(f"world_size must be between 1 and {MAX_WORLD}, got {world_size}")
+            raise ValueError(
+                f"world_size must be between 1 and {MAX_WORLD:,} (the sanity cap), got {world_size}"
+            )
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise TypeError(f"rank must be an int, got {type(rank).__name__}")
     bound = MAX_WORLD if world_size is None else world_size

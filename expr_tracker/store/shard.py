@@ -247,6 +247,7 @@ class ShardWriter:
         self.cursor = Cursor()
         self.repaired = False
         self.status = "running"
+        self.exit: dict[str, Any] | None = None  # {type, message, time} of a crash (DESIGN 5)
         self.start_time = time.time()
         self.end_time: float | None = None
         self.last_write: float | None = None
@@ -485,7 +486,7 @@ class ShardWriter:
     # -- sidecar ---------------------------------------------------------
     def sidecar(self) -> dict[str, Any]:
         """The sidecar contents for the current state."""
-        return {
+        out = {
             "version": 1,
             **self.identity,
             "host": os.uname().nodename,
@@ -496,6 +497,9 @@ class ShardWriter:
             "end_time": self.end_time,
             "last_write": self.last_write,
         }
+        if self.exit is not None and self.status == "crashed":
+            out["exit"] = self.exit
+        return out
 
     def write_sidecar(self) -> None:
         """Atomically rewrite the sidecar; failures are reported, never raised."""

@@ -1,0 +1,190 @@
+"""Scale benchmark (issue 12): synthetic runs of 1,024, 4,096 and 16,384 ranks.
+
+    python bench/scale.py [WORLDS] [STEPS]        e.g. python bench/scale.py 1024,4096,16384 200
+
+For each world size: `expr summary --json` of the last 50 steps (wall time and peak RSS of
+the process) side by side with DuckDB computing the same statistics over the same files,
+`expr shards`, and one `expr watch --once` pass when that command exists. Then exprd with
+2,048 live spool files: ingest rate, RSS and open descriptors. Prints markdown tables and
+the cost per rank (the curve: flat means linear).
+
+Runs are generated once into $EXPR_SCALE_CACHE (default /tmp/expr-scale-cache) and reused:
+16,384 shards of 200 steps take about 1.3 GB. Targets: the 16,384-rank summary in at most
+5 s and no slower than DuckDB, peak RSS at most 500 MB, cost growing no faster than
+linearly with ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.synthetic import write_run  # noqa: E402
+
+EXPR = [sys.executable, "-m", "expr_cli.main"]
+CACHE = Path(os.environ.get("EXPR_SCALE_CACHE", "/tmp/expr-scale-cache"))
+WINDOW = 50
+
+
+def cached_run(world: int, steps: int) -> Path:
+    """The synthetic run of `world` ranks (straggler rank world/2+1, rank 17 crashed)."""
+    root = CACHE / f"w{world}-s{steps}"
+    done = root / ".complete"
+    if not done.exists():
+        shutil.rmtree(root, ignore_errors=True)
+        t0 = time.monotonic()
+        write_run(root / "bench" / "big", world, steps, straggler=world // 2 + 1, crashed=17)
+        done.write_text(f"{time.monotonic() - t0:.1f}\n")
+    return root
+
+
+def rss_of(argv: list[str], env: dict[str, str]) -> tuple[float, float, str]:
+    """Run `argv` in a fresh Python wrapper that reports its child's peak RSS via wait4."""
+    code = (
+        "import os, sys, json, time, subprocess\n"
+        "t0 = time.monotonic()\n"
+        "p = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)\n"
+        "out = p.stdout.read()\n"
+        "_, status, ru = os.wait4(p.pid, 0)\n"
+        "wall = time.monotonic() - t0\n"
+        "p.returncode = os.waitstatus_to_exitcode(status)\n"
+        "sys.stdout.write(json.dumps({'wall': wall, 'rss': ru.ru_maxrss / 1024, "
+        "'code': p.returncode, 'out': out.decode()}))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, env=env,
+                         check=True)
+    data = json.loads(res.stdout)
+    if data["code"] not in (0, 1):
+        raise RuntimeError(f"{argv} exited {data['code']}")
+    return data["wall"], data["rss"], data["out"]
+
+
+DUCK = """
+import duckdb, json, sys, time
+glob = sys.argv[1]
+con = duckdb.connect()
+con.execute("SET threads TO 2")
+q = '''
+WITH r AS (
+  SELECT _step, _rank, step_time FROM read_json_auto(?, format='newline_delimited',
+    union_by_name=true, ignore_errors=true) WHERE _kind = 'rank'
+), top AS (SELECT max(_step) AS m FROM r)
+SELECT _step, count(*), avg(step_time), stddev_pop(step_time), min(step_time), max(step_time),
+  quantile_cont(step_time, [0.05, 0.5, 0.95])
+FROM r, top WHERE _step > m - 50 GROUP BY _step ORDER BY _step
+'''
+rows = con.execute(q, [glob]).fetchall()
+print(json.dumps({"steps": len(rows), "n_last": rows[-1][1]}))
+"""
+
+
+def duckdb_summary(root: Path, env: dict[str, str]) -> tuple[float, float, str]:
+    glob = str(root / "bench" / "big" / "metrics*.jsonl")
+    return rss_of([sys.executable, "-c", DUCK, glob], env)
+
+
+def exprd_many(count: int = 2048, events: int = 100) -> dict[str, float]:
+    """exprd over `count` live spool files of `events` events each: ingest rate, RSS, fds."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from daemon import EXPRD, config, many_files, rss_mb, wait_ready  # type: ignore[import-not-found]
+
+    with tempfile.TemporaryDirectory(prefix="exprd-scale-") as t:
+        tmp = Path(t)
+        spool, root, state = many_files(tmp, "many", count)
+        total = count * (events + 1)  # each file: init + events (the finish was dropped)
+        d = subprocess.Popen([*EXPRD, "--config", str(config(tmp, spool, state, root))],
+                             stderr=subprocess.DEVNULL)
+        try:
+            t0 = time.monotonic()
+            wait_ready(state, d)
+            applied = 0
+            while time.monotonic() - t0 < 600:
+                try:
+                    st = json.loads((state / "status.json").read_text())
+                    applied = st["totals"]["applied"]
+                    if applied >= count * events and st["totals"]["files"] >= count:
+                        break
+                except (OSError, ValueError, KeyError):
+                    pass
+                time.sleep(0.1)
+            wall = time.monotonic() - t0
+            time.sleep(1.0)
+            rss = rss_mb(d.pid)
+            fds = len(os.listdir(f"/proc/{d.pid}/fd"))
+        finally:
+            d.send_signal(signal.SIGTERM)
+            d.wait(30)
+    return {"files": count, "events": total, "applied": applied, "wall": wall,
+            "rate": applied / wall if wall else 0.0, "rss": rss, "fds": fds}
+
+
+def main() -> None:
+    worlds = [int(w) for w in (sys.argv[1] if len(sys.argv) > 1 else "1024,4096,16384").split(",")]
+    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 200
+    env = {**os.environ, "COLUMNS": "100", "NO_COLOR": "1"}
+    env.pop("EXPR_DIR", None)
+    have_watch = subprocess.run([*EXPR, "watch", "--help"], capture_output=True,
+                                env=env).returncode == 0
+    rows = []
+    for world in worlds:
+        root = cached_run(world, steps)
+        env["EXPR_DIR"] = str(root)
+        size = sum(f.stat().st_size for f in (root / "bench" / "big").iterdir())
+        # warm the page cache the same way for every tool: we measure the readers, not disk
+        for f in (root / "bench" / "big").iterdir():
+            f.read_bytes()
+        s_wall, s_rss, out = rss_of([*EXPR, "summary", "big", "--json"], env)
+        view = json.loads(out)
+        st = next(i for i in view["keys"] if i["key"] == "step_time")
+        ok = [o["rank"] for o in st["outliers"] if o["flagged"]] == [world // 2 + 1]
+        d_wall, d_rss, _ = duckdb_summary(root, env)
+        h_wall, h_rss, _ = rss_of([*EXPR, "shards", "big"], env)
+        w_wall = w_rss = None
+        if have_watch:
+            w_wall, w_rss, _ = rss_of([*EXPR, "watch", "big", "--once", "--json"], env)
+        rows.append({"world": world, "bytes": size, "summary_s": s_wall, "summary_mb": s_rss,
+                     "straggler_found": ok, "n": st["stats"]["n"], "duckdb_s": d_wall,
+                     "duckdb_mb": d_rss, "shards_s": h_wall, "shards_mb": h_rss,
+                     "watch_s": w_wall, "watch_mb": w_rss})
+        print(json.dumps(rows[-1]), file=sys.stderr)
+    print(f"Synthetic runs, {steps} steps per rank (a step row and a rank record each), "
+          f"summary of the last {WINDOW} steps, warm page cache, {os.cpu_count()} cores.\n")
+    print("| ranks | data | summary --json | peak RSS | DuckDB | DuckDB RSS | shards | "
+          "shards RSS | watch --once | straggler flagged |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        watch = "n/a" if r["watch_s"] is None else f"{r['watch_s']:.2f} s"
+        print(f"| {r['world']:,} | {r['bytes'] / 2**20:,.0f} MB | {r['summary_s']:.2f} s | "
+              f"{r['summary_mb']:.0f} MB | {r['duckdb_s']:.2f} s | {r['duckdb_mb']:.0f} MB | "
+              f"{r['shards_s']:.2f} s | {r['shards_mb']:.0f} MB | {watch} | "
+              f"{'yes' if r['straggler_found'] else 'NO'} ({r['n']:,} ranks) |")
+    print("\nCost per rank (flat = linear):\n")
+    print("| ranks | summary ms/rank | shards ms/rank |")
+    print("| --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['world']:,} | {1000 * r['summary_s'] / r['world']:.3f} | "
+              f"{1000 * r['shards_s'] / r['world']:.3f} |")
+    big = max(rows, key=lambda r: r["world"])
+    print(f"\nTargets at {big['world']:,} ranks: summary <= 5 s: "
+          f"{'yes' if big['summary_s'] <= 5 else 'NO'}; no slower than DuckDB: "
+          f"{'yes' if big['summary_s'] <= big['duckdb_s'] else 'NO'}; peak RSS <= 500 MB: "
+          f"{'yes' if big['summary_mb'] <= 500 else 'NO'}")
+    if "--no-exprd" not in sys.argv:
+        d = exprd_many()
+        print(f"\nexprd with {d['files']:,} live spool files: {d['applied']:,} events applied in "
+              f"{d['wall']:.1f} s ({d['rate']:,.0f} events/s), RSS {d['rss']:.0f} MB, "
+              f"{d['fds']} open descriptors")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""Thousands of ranks in a screenful (DESIGN 14): nodes, worst first, bins. Pure data, no rich.
+
+Ranks are grouped by node: the host a rank's sidecar names, else `rank // local_world_size`
+(from the sidecars, else 8). Views name every outlier rank, then show the worst nodes,
+and fold the other nodes into a few bins combined with `--agg max|min|mean`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .resolve import compact_ranks
+
+if TYPE_CHECKING:
+    from expr_tracker.health.state import RunState
+
+DEFAULT_PER_NODE = 8  # GPUs per node when no sidecar says
+ALL_RANKS_UP_TO = 32  # at most this many ranks: one row each, no grouping
+WORST_RANKS = 8  # outlier ranks with a heatmap row of their own
+WORST_NODES = 8  # nodes shown one row each
+BINS = 8  # the other nodes fold into at most this many rows
+
+Cell = float | None
+
+
+class Nodes:
+    """Which node each rank runs on."""
+
+    def __init__(self, hosts: Mapping[int, str], per_node: int, world: int) -> None:
+        self.hosts = dict(hosts)
+        self.per_node = max(1, per_node)
+        self.world = world
+
+    @classmethod
+    def of(cls, state: RunState | None, world: int) -> Nodes:
+        """From the sidecars read into `state` (hosts, local world sizes)."""
+        if state is None:
+            return cls({}, DEFAULT_PER_NODE, world)
+        hosts = {r: rs.host for r, rs in state.ranks.items() if rs.host}
+        sizes = [rs.local_world_size for rs in state.ranks.values() if rs.local_world_size]
+        locals_ = [rs.local_rank for rs in state.ranks.values() if rs.local_rank is not None]
+        if sizes:
+            per = max(sizes)
+        elif locals_ and max(locals_) > 0:
+            per = max(locals_) + 1
+        else:
+            per = DEFAULT_PER_NODE
+        return cls(hosts, per, world)
+
+    def label(self, rank: int) -> str:
+        """The host of `rank`; else the host of a rank in its `rank // per_node` group (a
+        rank without a sidecar); else `node<rank // per_node>`."""
+        host = self.hosts.get(rank)
+        if host is not None:
+            return host
+        base = rank - rank % self.per_node
+        for r in range(base, base + self.per_node):
+            if r in self.hosts:
+                return self.hosts[r]
+        return f"node{rank // self.per_node}"
+
+    def groups(self, ranks: Iterable[int] | None = None) -> dict[str, list[int]]:
+        """node label -> its ranks (ascending), nodes in the order of their first rank."""
+        out: dict[str, list[int]] = {}
+        for r in sorted(range(self.world) if ranks is None else ranks):
+            out.setdefault(self.label(r), []).append(r)
+        return out
+
+
+def outlier_order(o: Any) -> tuple[float, int]:
+    """Sort key of an `Outlier`: the furthest from the median (relatively) first."""
+    if o.ratio is not None:
+        far = abs(o.ratio - 1.0)
+    else:
+        far = math.inf if o.robust is None or o.robust != 0.0 else 0.0
+    return (-far, o.rank)
+
+
+def _badness(grid: Mapping[int, Sequence[Cell]]) -> dict[int, float]:
+    """Per rank, the largest relative distance of its cells from their column's median."""
+    if not grid:
+        return {}
+    width = len(next(iter(grid.values())))
+    medians = []
+    for b in range(width):
+        col = sorted(v for row in grid.values() if (v := row[b]) is not None and math.isfinite(v))
+        medians.append(_median(col) if col else None)
+    out = {}
+    for r, row in grid.items():
+        worst = 0.0
+        for v, m in zip(row, medians, strict=True):
+            if m is None:
+                continue
+            if v is None:
+                worst = max(worst, 1.0)  # silent where the others reported: as bad as 2x
+                continue
+            if not math.isfinite(v):
+                worst = math.inf
+                break
+            d = abs(v - m) / abs(m) if m != 0.0 else abs(v - m)
+            worst = max(worst, d)
+        out[r] = worst
+    return out
+
+
+def _median(s: Sequence[float]) -> float:
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2.0
+
+
+def combine(rows: Sequence[Sequence[Cell]], agg: str) -> list[Cell]:
+    """Cells of several ranks as one row: `agg` of the finite values per column; a
+    non-finite value anywhere shows (NaN); None where none of them reported."""
+    if not rows:
+        return []
+    out: list[Cell] = []
+    for col in zip(*rows, strict=True):
+        vals = [v for v in col if v is not None]
+        if not vals:
+            out.append(None)
+        elif any(not math.isfinite(v) for v in vals):
+            out.append(math.nan)
+        elif agg == "min":
+            out.append(min(vals))
+        elif agg == "mean":
+            out.append(math.fsum(vals) / len(vals))
+        else:
+            out.append(max(vals))
+    return out
+
+
+def heatmap_rows(
+    grid: Mapping[int, Sequence[Cell]], nodes: Nodes, flagged: Iterable[int], agg: str,
+    notable: float = 0.05,
+) -> list[dict[str, Any]]:
+    """The heatmap's rows: every rank when there are few; else the outlier ranks, the worst
+    nodes, then bins of the other nodes, each row `{label, kind, ranks, cells}`."""
+    if len(grid) <= ALL_RANKS_UP_TO:
+        return [{"label": f"r{r}", "kind": "rank", "ranks": str(r), "cells": list(grid[r])}
+                for r in sorted(grid)]
+    bad = _badness(grid)
+    rows: list[dict[str, Any]] = []
+    named = sorted(set(flagged) & set(grid), key=lambda r: (-bad.get(r, 0.0), r))
+    for r in named[:WORST_RANKS]:
+        rows.append({"label": f"r{r} {nodes.label(r)}", "kind": "rank", "ranks": str(r),
+                     "cells": list(grid[r])})
+    groups = nodes.groups(grid)
+    node_bad = {n: max(bad.get(r, 0.0) for r in rs) for n, rs in groups.items()}
+    # a node is among the worst only if it stands out: `notable` from its column's median
+    worst = sorted((n for n in groups if node_bad[n] >= notable),
+                   key=lambda n: (-node_bad[n], groups[n][0]))[:WORST_NODES]
+    for name in worst:
+        members = groups[name]
+        rows.append({"label": name, "kind": "node", "ranks": compact_ranks(members),
+                     "cells": combine([grid[r] for r in members], agg)})
+    shown = set(worst)
+    rest = [n for n in groups if n not in shown]
+    per_bin = max(1, math.ceil(len(rest) / BINS))
+    for i in range(0, len(rest), per_bin):
+        chunk = rest[i:i + per_bin]
+        members = [r for n in chunk for r in groups[n]]
+        label = chunk[0] if len(chunk) == 1 else f"r{members[0]}-{members[-1]}"
+        rows.append({"label": label, "kind": "bin", "ranks": compact_ranks(members),
+                     "cells": combine([grid[r] for r in members], agg)})
+    return rows
+
+
+def disagreeing_world_sizes(worlds: Mapping[int, int], world: int) -> list[dict[str, Any]]:
+    """When rank records name more than one `_world_size`: each size and its ranks, the most
+    common first (issue 10, item 22); [] when they agree."""
+    by: dict[int, list[int]] = {}
+    for r, w in worlds.items():
+        by.setdefault(w, []).append(r)
+    beyond = sorted(r for r, w in worlds.items() if r >= w)
+    if len(by) <= 1 and not beyond:
+        return []
+    out = [{"world_size": w, "ranks": sorted(rs), "beyond": False}
+           for w, rs in sorted(by.items(), key=lambda kv: (-len(kv[1]), kv[0]))]
+    if beyond:
+        out.append({"world_size": None, "ranks": beyond, "beyond": True})
+    return out
+
+
+def world_size_warning(groups: Sequence[Mapping[str, Any]], world: int) -> str:
+    """One line naming the ranks that disagree on the world size."""
+    parts = [f"{g['world_size']} (rank{'s' if len(g['ranks']) != 1 else ''} "
+             f"{compact_ranks(list(g['ranks']))})" for g in groups if not g["beyond"]]
+    text = "rank records disagree on world_size: " + ", ".join(parts)
+    beyond = [g for g in groups if g["beyond"]]
+    if beyond:
+        ranks = list(beyond[0]["ranks"])
+        text += (f"; rank {ranks[0]} is beyond its world_size" if len(ranks) == 1 else
+                 f"; ranks {compact_ranks(ranks)} are beyond their world_size")
+    return text + f"; using {world}"
+
+
+def coverage_runs(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive coverage rows missing the same ranks as one `{first, last, steps,
+    reported, world, missing}` (a crashed rank misses every step after it)."""
+    out: list[dict[str, Any]] = []
+    for r in rows:
+        prev = out[-1] if out else None
+        if prev is not None and prev["missing"] == r["missing"] and prev["world"] == r["world"]:
+            prev["last"] = r["step"]
+            prev["steps"] += 1
+        else:
+            out.append({"first": r["step"], "last": r["step"], "steps": 1,
+                        "reported": r["reported"], "world": r["world"], "missing": r["missing"]})
+    return out

@@ -1,0 +1,187 @@
+"""What `expr summary` reads: the live state and the shards' tails (DESIGN 13, 14).
+
+By default the window ends at the frontier (`health.state`); only each shard's tail for
+that window is read (`store.window`), as columns (`stats.scan`) in worker processes
+(`stats.parallel`), falling back to `reduce.collect` for irregular shards. Keys logged
+with `et.log` come from the shards' step rows the same way (`load_row_table`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from .resolve import ShardRef
+
+if TYPE_CHECKING:
+    from expr_tracker.health.state import RunState
+    from expr_tracker.stats.reduce import RankTable
+    from expr_tracker.stats.scan import ColumnTable
+
+    Table = RankTable | ColumnTable
+
+COVERAGE_STEPS = 50  # how far back the coverage block looks (and the default window read)
+RECENT = COVERAGE_STEPS + 16  # steps of each shard's tail read before the frontier is known
+_BLOCK = 4 << 20
+_TAIL_GUESS = 256  # bytes a step of one rank takes in a shard, to size the parallel read
+
+
+def iter_rank_records(shards: list[ShardRef], garbage: dict[str, int],
+                      lo: int | None = None) -> Iterator[dict[str, Any]]:
+    """Rank records of `shards` in file order (from about step `lo` on); lines that do not
+    parse are counted in `garbage`.
+
+    The same line parser as the columnar scan (`scan.parse_rank_lines`); what it returns
+    beside rank records, `collect` drops by `_kind`.
+    """
+    from expr_tracker.stats.scan import parse_rank_lines
+    from expr_tracker.store import records
+    from expr_tracker.store.window import window_start
+
+    for shard in shards:
+        bad = 0
+        with open(shard.path, "rb") as fh:
+            start = window_start(fh, lo) if lo is not None else 0
+            for _, data in records.complete_blocks(fh, _BLOCK, start):
+                recs, n_bad = parse_rank_lines(data)
+                bad += n_bad
+                yield from recs
+        if bad:
+            garbage[shard.path.name] = bad
+
+
+def load_table(
+    shards: list[ShardRef], lo: int | None = None, scans: list[Any] | None = None
+) -> tuple[Table, dict[str, int], dict[int, int]]:
+    """The rank records of `shards` (from about step `lo` on) as a table, the unparseable
+    lines per file name, and each rank's `_world_size` (the largest its records name).
+
+    Regular shards (see `expr_tracker.stats.scan`) are read as columns: a `ColumnTable` when
+    every rank sits in one shard, else a `RankTable` built from the columns. Otherwise
+    every record goes through `reduce.collect`. `scans` are the shards' scans when the
+    caller has them already.
+    """
+    from expr_tracker.stats import parallel, scan
+    from expr_tracker.stats.reduce import collect
+
+    if scans is None:
+        expected = None if lo is None else len(shards) * COVERAGE_STEPS * _TAIL_GUESS
+        scans = parallel.scan_shards([s.path for s in shards], lo, expected)
+    garbage = {s.path.name: sc.garbage for s, sc in zip(shards, scans, strict=True) if sc.garbage}
+    blocks = [b for sc in scans for b in sc.blocks or ()]
+    if all(sc.blocks is not None for sc in scans):
+        worlds: dict[int, int] = {}
+        for b in blocks:
+            if b.world:
+                worlds[b.rank] = max(worlds.get(b.rank, 0), b.world)
+        if len({b.rank for b in blocks}) == len(blocks):
+            return scan.ColumnTable(blocks), garbage, worlds
+        return scan.rank_table(blocks), garbage, worlds
+    del blocks, scans
+    garbage = {}
+    worlds = {}
+
+    def noting(recs: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        for rec in recs:
+            r, ws = rec.get("_rank"), rec.get("_world_size")
+            if type(r) is int and type(ws) is int and ws > worlds.get(r, 0):
+                worlds[r] = ws
+            yield rec
+
+    return collect(noting(iter_rank_records(shards, garbage, lo))), garbage, worlds
+
+
+def load_row_table(
+    shards: list[ShardRef], keys: set[str], lo: int | None, world: int
+) -> tuple[RankTable, dict[str, int]]:
+    """The numeric `keys` of each shard's step rows (ordinary `et.log` metrics) from about
+    step `lo` on, as a table of that shard's rank (issue 11: `--metric loss`)."""
+    from expr_tracker.stats.reduce import collect
+    from expr_tracker.store import records
+    from expr_tracker.store.window import window_start
+
+    garbage: dict[str, int] = {}
+    marks = [b'"' + k.encode() + b'"' for k in keys]
+
+    def rows() -> Iterator[dict[str, Any]]:
+        for shard in shards:
+            bad = 0
+            with open(shard.path, "rb") as fh:
+                start = window_start(fh, lo) if lo is not None else 0
+                for _, data in records.complete_blocks(fh, _BLOCK, start):
+                    for _, line in records.iter_lines(data):
+                        if not any(m in line for m in marks):
+                            continue
+                        try:
+                            rec = records.loads(line)
+                        except ValueError:
+                            bad += 1
+                            continue
+                        if type(rec) is not dict or rec.get("_kind") is not None:
+                            continue
+                        picked = {k: rec[k] for k in keys if k in rec}
+                        yield {"_kind": "rank", "_step": rec.get("_step"), "_rank": shard.rank,
+                               "_world_size": world, **picked}
+            if bad:
+                garbage[shard.path.name] = bad
+
+    return collect(rows()), garbage
+
+
+def last_rows(shards: list[ShardRef], garbage: dict[str, int]) -> list[dict[str, Any]]:
+    """Each shard's last step row (the fallback view of a run without rank records)."""
+    from expr_tracker.store.shard import ShardReader
+
+    out = []
+    for shard in shards:
+        reader = ShardReader(shard.path)
+        row = next((r for r in reader.iter_reverse() if r.get("_kind") is None), None)
+        if reader.garbage:
+            garbage[shard.path.name] = reader.garbage
+        if row is not None:
+            values = {k: v for k, v in row.items() if not k.startswith("_")}
+            out.append({"file": shard.path.name, "rank": shard.rank, "step": row.get("_step"),
+                        "time": row.get("_time"), "values": values})
+    return out
+
+
+def read_window(
+    run_dir: Any, stream: str | None, shards: list[ShardRef], step: int | None,
+    window: tuple[int | None, int | None] | None,
+) -> tuple[RunState, int | None, list[Any]]:
+    """The run's live state (sidecars and a few tail lines per shard: status, host, last
+    step, the frontier) and the scans of the shards' tails from step `lo` on.
+
+    By default the window ends at the frontier, known only once the state is read: the
+    tails are scanned meanwhile, in worker processes, for each shard's own last
+    `RECENT` steps, and the few shards whose tail does not reach back to the window
+    (ranks far ahead of the frontier) are read again.
+    """
+    from expr_tracker.health.state import read_run
+    from expr_tracker.stats import parallel, scan
+
+    paths = [s.path for s in shards]
+    expected = len(shards) * RECENT * _TAIL_GUESS
+    if step is not None or window is not None:
+        state = read_run(run_dir, stream, window=2)
+        lo = window_lo(step, window, state.frontier)
+        return state, lo, parallel.ScanJob(paths, lo, expected_bytes=expected if lo else 1 << 62).result()
+    job = parallel.ScanJob(paths, recent=RECENT, expected_bytes=expected)
+    state = read_run(run_dir, stream, window=2)
+    scans = job.result()
+    lo = window_lo(None, None, state.frontier)
+    if lo is not None:
+        for i, sc in enumerate(scans):
+            firsts = [b.steps[0] for b in sc.blocks or () if len(b.steps)]
+            if firsts and min(firsts) > lo:
+                scans[i] = scan.scan_shard(paths[i], lo)
+    return state, lo, scans
+
+
+def window_lo(step: int | None, window: tuple[int | None, int | None] | None,
+               frontier: int | None) -> int | None:
+    """From which step on the shards' tails are read (None: whole shards)."""
+    if window is not None:
+        return window[0]
+    at = step if step is not None else frontier
+    return None if at is None else max(0, at - COVERAGE_STEPS + 1)

@@ -1,0 +1,123 @@
+"""Scanning many shards in worker processes (`scan.scan_shard` over a share each).
+
+Worker processes are forked, so they start at once with this process's imports; a big
+run's shards are shared among them by size. `ScanJob` starts them and returns, so the
+caller can read something else (the live state of the run) while they work.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any, cast
+
+from expr_tracker.stats.scan import ShardScan, scan_all, scan_shard
+
+PARALLEL_BYTES = 8 << 20  # below this, starting worker processes costs more than it saves
+MAX_WORKERS = 4
+
+
+def scan_shards(paths: Sequence[str | os.PathLike[str]], lo: int | None = None,
+                expected_bytes: int | None = None) -> list[ShardScan]:
+    """`scan_shard` of each path, in order; shared among processes when the shards are big
+    (or, reading tails from `lo`, when `expected_bytes` says the tails are)."""
+    names = [os.fspath(p) for p in paths]
+    sizes = []
+    for name in names:
+        try:
+            sizes.append(os.path.getsize(name))
+        except OSError:
+            sizes.append(0)  # let the reader raise the error
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    workers = min(cpus or 1, MAX_WORKERS, len(names))
+    total = sum(sizes) if expected_bytes is None else expected_bytes
+    if workers < 2 or total < PARALLEL_BYTES or not _can_fork():
+        return scan_all(names, lo)
+    import multiprocessing
+    from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
+
+    # largest first onto the least loaded share: shares of about equal bytes
+    shares: list[list[int]] = [[] for _ in range(workers)]
+    loads = [0] * workers
+    for i in sorted(range(len(names)), key=lambda i: -sizes[i]):
+        k = loads.index(min(loads))
+        shares[k].append(i)
+        loads[k] += sizes[i]
+    out: list[ShardScan | None] = [None] * len(names)
+
+    def put(share: list[int], results: list[ShardScan]) -> None:
+        for i, result in zip(share, results, strict=True):
+            out[i] = result
+
+    try:
+        with ProcessPoolExecutor(workers - 1, mp_context=multiprocessing.get_context("fork")) as pool:
+            futures = [(share, pool.submit(scan_all, [names[i] for i in share], lo))
+                       for share in shares[1:]]
+            # this process reads the first share itself instead of waiting
+            put(shares[0], scan_all([names[i] for i in shares[0]], lo))
+            for share, future in futures:
+                put(share, future.result())
+    except (OSError, BrokenExecutor):  # no fork allowed, a worker killed
+        for share in shares:
+            if out[share[0]] is None:
+                put(share, scan_all([names[i] for i in share], lo))  # a real read error raises here
+    return cast("list[ShardScan]", out)
+
+
+def _can_fork() -> bool:
+    """Worker processes by fork only: they start at once with this process's imports, where
+    a fresh interpreter would import them again (and run the caller's `__main__`). Fork is
+    safe on Linux while this process has a single thread."""
+    import sys
+    import threading
+
+    return sys.platform == "linux" and threading.active_count() == 1
+
+
+class ScanJob:
+    """`scan_shard` of each path (`lo`, `recent` as there) started at once in worker
+    processes, so the caller can read other things meanwhile; `result()` waits. Runs in
+    this process, at `result()`, when the shards are few or fork is not safe."""
+
+    def __init__(self, paths: Sequence[str | os.PathLike[str]], lo: int | None = None,
+                 recent: int | None = None, expected_bytes: int = 0) -> None:
+        self.names = [os.fspath(p) for p in paths]
+        self.lo, self.recent = lo, recent
+        self._pool: Any = None
+        self._futures: list[tuple[list[int], Any]] = []
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        workers = min(cpus or 1, MAX_WORKERS, len(self.names))
+        if workers < 2 or expected_bytes < PARALLEL_BYTES or not _can_fork():
+            return
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        try:
+            self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+            # interleaved shares: neighbouring ranks (similar sizes) spread over the workers
+            for k in range(workers):
+                share = list(range(k, len(self.names), workers))
+                names = [self.names[i] for i in share]
+                self._futures.append((share, self._pool.submit(scan_all, names, lo, recent)))
+        except OSError:
+            self._pool, self._futures = None, []
+
+    def result(self) -> list[ShardScan]:
+        """The scans, in the order of the paths."""
+        from concurrent.futures import BrokenExecutor
+
+        if self._pool is None:
+            return scan_all(self.names, self.lo, self.recent)
+        out: list[ShardScan | None] = [None] * len(self.names)
+        try:
+            for share, future in self._futures:
+                for i, result in zip(share, future.result(), strict=True):
+                    out[i] = result
+        except (OSError, BrokenExecutor):  # a worker killed: read the rest here
+            pass
+        finally:
+            self._pool.shutdown()
+        for i, sc in enumerate(out):
+            if sc is None:
+                out[i] = scan_shard(self.names[i], self.lo, self.recent)
+        return cast("list[ShardScan]", out)

@@ -1,0 +1,81 @@
+"""Where a recent window of a shard starts, read from its end (DESIGN 14). File reading only.
+
+Readers of a live run want the last few dozen steps of thousands of shards: these find
+the byte offset of that window by reading blocks backwards from the end of the file, so
+the cost is the window's, whatever the shard's length. Records are in (nearly)
+increasing step order, as writers append them; `_step` is found by a pattern, without
+parsing the lines.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import BinaryIO
+
+_STEP_RE = re.compile(rb'"_step":\s*(\d+)')
+WINDOW_BLOCK = 64 << 10  # reverse-read block when looking for the start of a recent window
+
+
+def _first_step(data: bytes, pos: int) -> int | None:
+    """The `_step` of the first line at or after `pos` that has one."""
+    m = _STEP_RE.search(data, pos)
+    return int(m.group(1)) if m is not None else None
+
+
+def window_start(fh: BinaryIO, lo: int, block: int = WINDOW_BLOCK) -> int:
+    """The offset of the first line with a step >= `lo` (every line before it has a smaller
+    one), reading the open shard backwards a block at a time: a recent window costs its own
+    bytes, whatever the shard's length (DESIGN 14). Records are in (nearly) increasing step
+    order. 0 when the window reaches back to the start."""
+    end = fh.seek(0, 2)
+    while end > 0:
+        start = max(0, end - block)
+        fh.seek(start)
+        data = fh.read(end - start)  # ends where a line starts (or at the end of the file)
+        # the first line of a block may be cut, unless the block starts the file
+        pos = 0 if start == 0 else data.find(b"\n") + 1
+        if start > 0 and (pos == 0 or pos >= len(data)):
+            end = start  # no whole line in the block (a long line): look further back
+            continue
+        first = _first_step(data, pos)
+        if start == 0 or (first is not None and first < lo):
+            # the window starts in this block: at its first line with a step >= lo; halve
+            # the span while a line start falls inside it, then walk the last few lines
+            if first is not None and first < lo:
+                top = len(data)
+                while top - pos > 1024:
+                    nl = data.find(b"\n", (pos + top) // 2, top)
+                    if nl < 0 or nl + 1 >= top:
+                        break
+                    step = _first_step(data, nl + 1)
+                    if step is not None and step < lo:
+                        pos = nl + 1
+                    else:
+                        top = nl + 1
+            nl = data.find(b"\n", pos)
+            while nl >= 0:
+                m = _STEP_RE.search(data, pos, nl)
+                if m is not None and int(m.group(1)) >= lo:
+                    return start + pos
+                pos = nl + 1
+                nl = data.find(b"\n", pos)
+            return start + pos
+        end = start + pos
+    return 0
+
+
+def last_step(fh: BinaryIO, block: int = 4096) -> int | None:
+    """The step of the shard's last line that has one (records are in about step order)."""
+    end = fh.seek(0, 2)
+    while end > 0:
+        start = max(0, end - block)
+        fh.seek(start)
+        data = fh.read(end - start)
+        found = None
+        for m in _STEP_RE.finditer(data):
+            found = m
+        if found is not None:
+            return int(found.group(1))
+        end = start
+        block *= 4
+    return None
