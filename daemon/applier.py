@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from expr_tracker.pipeline import Pipeline
-from expr_tracker.spool import event_id, scan_shard
 from expr_tracker.store.records import DECODE_NONFINITE
 from expr_tracker.store.shard import ShardWriter, read_sidecar
+from expr_tracker.store.spoolfile import event_id, scan_shard
 
 from .config import Config
 from .forwarder import Forwarder

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from expr_tracker.spool import SPOOL_VERSION
 from expr_tracker.store.layout import (
     ShardPaths,
     run_dir,
@@ -21,6 +20,7 @@ from expr_tracker.store.layout import (
     validate_stream,
 )
 from expr_tracker.store.records import MAX_WORLD
+from expr_tracker.store.spoolfile import SPOOL_VERSION
 
 from .config import Config
 

@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from expr_tracker.procs import pid_alive
-from expr_tracker.spool import SpoolReader
+from expr_tracker.store.spoolfile import SpoolReader
 
 from .applier import RunPipeline, ShardPool
 from .config import Config

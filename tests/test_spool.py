@@ -10,8 +10,8 @@ import orjson
 import pytest
 
 import expr_tracker as et
-from expr_tracker.spool import MAX_LINE, SpoolReader, scan_shard, spool_files_of
 from expr_tracker.store.layout import ShardPaths
+from expr_tracker.store.spoolfile import MAX_LINE, SpoolReader, scan_shard, spool_files_of
 from tests.procs import run_all, spawn
 
 

@@ -1,0 +1,288 @@
+"""Spool files on disk (DESIGN 6): names, event ids, and reading them, in bounded memory.
+
+The SDK's spool sink (`expr_tracker.spool`) writes them; exprd's tailer, `expr replay`,
+`expr runs`/`expr status` and the sink's own read-your-writes read them through this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from expr_tracker.store import records
+from expr_tracker.store.layout import ShardPaths
+from expr_tracker.store.shard import Cursor, cursor_from, rank_last_step, read_sidecar
+
+SPOOL_VERSION = 1
+MAX_LINE = 16 * 1024 * 1024  # a longer spool line is quarantined by exprd
+_BLOCK = 1024 * 1024
+_SESSION_RE = r"[A-Za-z0-9_\-]+"
+# the `_seq` key of a spool line: a `"` inside a JSON string is always escaped, so an
+# unescaped `{"_seq":` or `,"_seq":` is the key itself, never text in a value
+SEQ_RE = re.compile(rb'([{,])"_seq":(\d+)')
+HEARTBEAT = ".exprd.json"  # exprd's heartbeat in the spool root: {"host", "pid", "time"}
+HEARTBEAT_STALE = 60.0  # seconds without a heartbeat before init says no exprd is running
+
+
+def event_id(session: str, seq: int) -> str:
+    """The id of a spool event: the Idempotency-Key of every remote delivery of it."""
+    return f"{session}:{seq}"
+
+
+def make_private_dirs(path: Path) -> None:
+    """Create `path` and any missing parents with mode 0700 (the spool is private)."""
+    missing: list[Path] = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            continue
+        os.chmod(d, 0o700)  # the umask must not widen or narrow it
+
+
+def spool_files_of(spool_dir: Path, stem: str) -> list[Path]:
+    """Spool files of shard `stem` in one run's spool directory, oldest first."""
+    pattern = re.compile(re.escape(stem) + r"\.(" + _SESSION_RE + r")\.jsonl\Z")
+    try:
+        names = [n for n in os.listdir(spool_dir) if pattern.match(n)]
+    except OSError:
+        return []
+    paths = [spool_dir / n for n in names]
+    return sorted(paths, key=_mtime)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def session_of(path: Path, stem: str) -> str:
+    """The session part of `{stem}.{session}.jsonl`."""
+    return path.name[len(stem) + 1 : -len(".jsonl")]
+
+
+def scan_shard(paths: ShardPaths, rank: int | None = None) -> Cursor:
+    """The cursor of a shard (rows, largest step, applied spool seqs), reading only.
+
+    Starts from the sidecar hint when it is consistent with the file, like the writer's
+    repair scan, but never repairs: spool-mode processes and dry runs must not write.
+    With `rank` (a shared rank_aware=False shard) the largest step is that rank's own.
+    """
+    try:
+        fd = os.open(paths.shard, os.O_RDONLY)
+    except OSError:
+        return Cursor()
+    try:
+        cursor = cursor_from(fd, os.fstat(fd).st_size, read_sidecar(paths.sidecar))
+        if rank is not None:
+            cursor.last_step = rank_last_step(fd, cursor.bytes, rank)
+        return cursor
+    finally:
+        os.close(fd)
+
+
+def iter_spool_events(path: Path) -> Iterator[dict[str, Any]]:
+    """Every parseable event of a spool file, in order (unparseable lines are skipped)."""
+    try:
+        fh = open(path, "rb")  # noqa: SIM115 - closed by the `with` below
+    except OSError:
+        return
+    with fh:
+        for _, data in records.complete_blocks(fh, 4 * _BLOCK):
+            for _, line in records.iter_lines(data):
+                try:
+                    ev = records.loads(line)
+                except ValueError:
+                    continue
+                if type(ev.get("_seq")) is int:
+                    yield ev
+
+
+def line_seq(line: bytes) -> int | None:
+    m = SEQ_RE.search(line)
+    return int(m.group(2)) if m else None
+
+
+def iter_unapplied_reverse(path: Path, done: int) -> Iterator[bytes]:
+    """The complete lines of a spool file whose `_seq` is above `done`, last first.
+
+    Reads backwards in blocks and stops at the first line already applied: memory stays
+    bounded by the block size, and a large spool that is mostly applied costs little.
+    (`_seq` grows along a spool file.)
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        with open(fd, "rb", closefd=False) as fh:
+            end = records.complete_end(fh, _BLOCK)
+        carry = b""
+        while end > 0:
+            start = max(0, end - _BLOCK)
+            data = os.pread(fd, end - start, start) + carry
+            lines = data.split(b"\n")
+            lines.pop()  # data ends at a newline: the last piece is empty
+            body = lines
+            carry = b""
+            if start > 0:
+                # the first piece may be the end of a line that started in an earlier block
+                carry = lines[0] + b"\n"
+                body = lines[1:]
+            for line in reversed(body):
+                seq = line_seq(line)
+                if seq is None:
+                    continue
+                if seq <= done:
+                    return
+                yield line
+            end = start
+    finally:
+        os.close(fd)
+
+
+@dataclasses.dataclass
+class Pending:
+    """What the spool holds for a shard that the shard does not (yet): counted, not kept."""
+
+    rows: int = 0
+    last_step: int | None = None
+
+
+def _is_record(line: bytes) -> bool:
+    return not line.startswith(b'{"_event"')
+
+
+def _own(ev: Mapping[str, Any], rank: int | None) -> bool:
+    return rank is None or ev.get("_rank") == rank
+
+
+def pending_of(paths: ShardPaths, spool_dir: Path, cursor: Cursor, rank: int | None = None) -> Pending:
+    """Rows of this shard's spool files not applied yet, and the largest step among them
+    (of rank `rank` only, for a shared rank_aware=False shard), in bounded memory."""
+    out = Pending()
+    for path in spool_files_of(spool_dir, paths.stem):
+        done = cursor.applied.get(session_of(path, paths.stem), -1)
+        found = False
+        for line in iter_unapplied_reverse(path, done):
+            if not _is_record(line):
+                continue
+            out.rows += 1
+            if found or line.startswith(b'{"_kind"'):
+                continue
+            try:
+                ev = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue
+            step = ev.get("_step")
+            if "_kind" not in ev and type(step) is int and _own(ev, rank):
+                found = True  # steps grow along a file: the last row has the largest
+                if out.last_step is None or step > out.last_step:
+                    out.last_step = step
+    return out
+
+
+def unapplied_rows(paths: ShardPaths, spool_dir: Path, cursor: Cursor,
+                   limit: int | None = None) -> list[dict[str, Any]]:
+    """Record events in the spool files of this shard that the shard does not hold yet,
+    oldest first; with `limit`, only the last `limit` step rows (no rank records), read
+    from the end."""
+    out: list[dict[str, Any]] = []
+    for path in reversed(spool_files_of(spool_dir, paths.stem)):
+        done = cursor.applied.get(session_of(path, paths.stem), -1)
+        for line in iter_unapplied_reverse(path, done):
+            if limit is not None and len(out) >= limit:
+                break
+            if not _is_record(line):
+                continue
+            try:
+                ev = records.loads(line)
+            except ValueError:
+                continue
+            if limit is None or "_kind" not in ev:
+                out.append(ev)
+    out.reverse()
+    return out
+
+
+class SpoolReader:
+    """Reads the complete lines of a spool file from a byte offset, bounded in memory.
+
+    `lines()` yields `(start, end, line)` with `end` the offset after the newline; `line`
+    is None for a line longer than `max_line` (skipped without holding it in memory).
+    An unterminated last line is not yielded: its writer may still be writing it.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, max_line: int = MAX_LINE,
+                 block: int = _BLOCK) -> None:
+        self.path = Path(path)
+        self.max_line = max_line
+        self.block = block
+        self.size = 0  # the file size when `lines()` started
+        self.more = False  # `lines()` stopped at its limit with more data after it
+
+    def lines(self, offset: int, limit: int | None = None) -> Iterator[tuple[int, int, bytes | None]]:
+        """Complete lines from `offset`; stops after about `limit` bytes at a line end."""
+        for start, parts, big_end in self.chunks(offset, limit):
+            if big_end is not None:
+                yield start, big_end, None
+                continue
+            for line in parts:
+                end = start + len(line) + 1
+                yield start, end, (line if len(line) <= self.max_line else None)
+                start = end
+
+    def chunks(self, offset: int, limit: int | None = None
+               ) -> Iterator[tuple[int, list[bytes], int | None]]:
+        """`lines()` a block at a time: (offset of the first line, lines, None), or
+        (start, [], end) for one line over `max_line` (a complete line in `parts` may
+        also be longer than `max_line`: callers check)."""
+        fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            size = self.size = os.fstat(fd).st_size
+            self.more = False
+            stop = size if limit is None else min(size, offset + limit)
+            pos = rd = offset  # pos: start of the line being assembled; rd: next read
+            carry = b""
+            oversize = False
+            while rd < size:
+                block = os.pread(fd, min(self.block, size - rd), rd)
+                if not block:
+                    break
+                rd += len(block)
+                if oversize:
+                    nl = block.find(b"\n")
+                    if nl < 0:
+                        continue
+                    end = rd - len(block) + nl + 1
+                    yield pos, [], end
+                    pos, oversize = end, False
+                    block = block[nl + 1 :]
+                data = carry + block if carry else block
+                parts = data.split(b"\n")
+                carry = parts.pop()
+                if parts:
+                    yield pos, parts, None
+                    pos += len(data) - len(carry)
+                if len(carry) > self.max_line:
+                    oversize, carry = True, b""
+                elif rd >= stop and pos > offset:
+                    # progress made: a partial line is read again next time
+                    self.more = rd < size
+                    break
+        finally:
+            os.close(fd)
