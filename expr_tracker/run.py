@@ -19,19 +19,14 @@ from typing import Any
 
 import orjson
 
-from expr_tracker import ranks as _ranks
 from expr_tracker.context import RunContext
 from expr_tracker.errors import UsageError
+from expr_tracker.options import parse_options
 from expr_tracker.store import records
 from expr_tracker.store.layout import (
     ShardPaths,
-    default_dir,
-    default_spool,
     shard_paths,
-    validate_name,
-    validate_stream,
 )
-from expr_tracker.store.records import MAX_WORLD
 
 _time = time.time
 _dumps = records.dumps
@@ -40,36 +35,8 @@ _NL = orjson.OPT_APPEND_NEWLINE
 _INT_MIN = records.INT_MIN
 _INT_MAX = records.INT_MAX
 
-RESUME_MODES = ("allow", "must", "never")
-UPLOAD_MODES = ("direct", "spool")
 SIDECAR_EVERY = 5.0
 TICK = 1.0
-
-
-def _default_name() -> str:
-    """Same default on every rank of one job: the launcher's job id when there is one."""
-    env = os.environ
-    if env.get("EXPR_RUN_NAME"):
-        return env["EXPR_RUN_NAME"]
-    if env.get("SLURM_JOB_ID"):
-        return f"slurm-{env['SLURM_JOB_ID']}"
-    rid = env.get("TORCHELASTIC_RUN_ID")
-    if rid and rid != "none":
-        return f"torchrun-{rid}"
-    return time.strftime("run-%Y%m%d-%H%M%S")
-
-
-def _check_rank_option(value: object, field: str, world: int | None) -> int | None:
-    """A rank option; checked against the world size only when the launcher set it."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{field} must be an int rank or None, got {type(value).__name__}")
-    if value < 0 or value >= MAX_WORLD:
-        raise ValueError(f"{field}={value} is not a rank (0..{MAX_WORLD - 1})")
-    if world is not None and value >= world:
-        raise ValueError(f"{field}={value} is outside the job's ranks 0..{world - 1} (WORLD_SIZE={world})")
-    return value
 
 
 class Run:
@@ -97,87 +64,36 @@ class Run:
         time_rule_interval: float = 10.0,
     ) -> None:
         # -- validate everything before touching the disk -------------------
-        self.project = validate_name(project, "project")
-        self.name = validate_name(_default_name() if name is None else name, "name")
-        self.stream = validate_stream(stream)
-        if dir is not None and not isinstance(dir, (str, os.PathLike)):
-            raise TypeError(f"dir must be a path, got {type(dir).__name__}")
-        # absolute: a later chdir in the training script must not move the shard
-        self.root = (Path(dir) if dir is not None else default_dir()).absolute()
-        if config is not None and not isinstance(config, Mapping):
-            raise TypeError(f"config must be a dict, got {type(config).__name__}")
-        try:
-            self.config: dict[str, Any] = orjson.loads(orjson.dumps(dict(config or {})))
-        except (TypeError, orjson.JSONEncodeError) as exc:
-            raise TypeError(f"config must be JSON-serializable: {exc}") from None
-        if not isinstance(rank_aware, bool):
-            raise TypeError("rank_aware must be True or False")
-        self.rank_aware = rank_aware
-        if resume not in RESUME_MODES:
-            raise ValueError(f"resume must be one of {', '.join(RESUME_MODES)}; got {resume!r}")
-        mode = upload_mode if upload_mode is not None else (os.environ.get("EXPR_MODE") or "direct")
-        if mode not in UPLOAD_MODES:
-            raise ValueError(f"upload_mode must be 'direct' or 'spool', got {mode!r}")
-        self.mode = mode
-        if spool_dir is not None and not isinstance(spool_dir, (str, os.PathLike)):
-            raise TypeError(f"spool_dir must be a path, got {type(spool_dir).__name__}")
-        self.spool_root = (Path(spool_dir) if spool_dir is not None else default_spool()).absolute()
-        for field, value in (("idle_timeout", idle_timeout), ("time_rule_interval", time_rule_interval)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{field} must be a positive number of seconds, got {value!r}")
-        self.idle_timeout = float(idle_timeout)
-        self.time_rule_interval = float(time_rule_interval)
-
-        info = _ranks.detect()
-        if info.world_size is not None and info.world_size > MAX_WORLD:
-            raise ValueError(
-                f"WORLD_SIZE={info.world_size} is over the sanity cap of {MAX_WORLD:,} ranks"
-            )
-        self.rank, self.world_size, self.local_rank = info.rank, info.world_size, info.local_rank
-        self.alert_on_rank = _check_rank_option(alert_on_rank, "alert_on_rank", self.world_size)
-        # "auto": each backend's default (backends.base.reports_on_rank): rank 0, or every
-        # rank for the team store, whose rows carry their rank
-        if isinstance(backend_on_rank, str) and backend_on_rank != "auto":
-            raise ValueError(f"backend_on_rank must be 'auto', a rank or None, not {backend_on_rank!r}")
-        self.backend_on_rank: int | str | None = (
-            "auto" if backend_on_rank == "auto"
-            else _check_rank_option(backend_on_rank, "backend_on_rank", self.world_size))
-        self.backend_rank_metrics = bool(backend_rank_metrics)
-
-        if isinstance(alert_rules, (str, Mapping)):
-            alert_rules = [alert_rules]
-        alert_rules = list(alert_rules)
+        o = parse_options(
+            project, name, dir=dir, config=config, stream=stream, rank_aware=rank_aware,
+            resume=resume, alert_rules=alert_rules, alert_on_rank=alert_on_rank, alert=alert,
+            backends=backends, backend_on_rank=backend_on_rank,
+            backend_rank_metrics=backend_rank_metrics, upload_mode=upload_mode,
+            spool_dir=spool_dir, idle_timeout=idle_timeout,
+            time_rule_interval=time_rule_interval,
+        )
+        self.project, self.name, self.stream, self.config = o.project, o.name, o.stream, o.config
+        self.root, self.spool_root, self.mode, self.rank_aware = o.root, o.spool_root, o.mode, o.rank_aware
+        self.rank, self.world_size, self.local_rank = o.rank, o.world_size, o.local_rank
+        self.alert_on_rank, self.backend_on_rank = o.alert_on_rank, o.backend_on_rank
+        self.backend_rank_metrics = o.backend_rank_metrics
+        self.idle_timeout, self.time_rule_interval = o.idle_timeout, o.time_rule_interval
+        self._alert_config = o.alert_config
+        self._backend_specs, self._backend_objs = o.backend_specs, o.backend_objs
         self._ruleset: Any = None
-        if alert_rules:
-            from expr_tracker.alerts.rules import RuleSet, parse_rule
+        if o.rules:
+            from expr_tracker.alerts.rules import RuleSet
 
-            rule_list = [parse_rule(spec, index=i) for i, spec in enumerate(alert_rules)]
-            self._ruleset = RuleSet(rule_list, context=self._context(), start_time=time.time())
-        self._alert_config: Any = None
-        if alert is not None or os.environ.get("EXPR_ALERT_CONFIG"):
-            from expr_tracker.alerts import load_config
-
-            self._alert_config = load_config(alert)
-        if isinstance(backends, (str, Mapping)):
-            backends = [backends]
-        self._backend_specs = list(backends)
-        self._backend_objs: list[Any] = []
-        if self._backend_specs:
-            from expr_tracker.backends.registry import make_backend
-
-            self._backend_objs = [make_backend(spec) for spec in self._backend_specs]
-            if mode == "spool" and any(not isinstance(b, (str, Mapping)) for b in self._backend_specs):
-                raise ValueError("backends: a backend object cannot travel through the spool; "
-                                 "use 'wandb', 'trackio' or an http mapping in spool mode")
+            self._ruleset = RuleSet(o.rules, context=self._context(), start_time=time.time())
 
         self.paths: ShardPaths = shard_paths(
-            self.root, self.project, self.name, self.stream, self.rank if rank_aware else 0
+            self.root, self.project, self.name, self.stream, self.rank if o.rank_aware else 0
         )
-        if resume != "allow":
+        if o.resume != "allow":
             exists = self.paths.shard.exists() and self.paths.shard.stat().st_size > 0
-            if resume == "never" and exists:
+            if o.resume == "never" and exists:
                 raise ValueError(f"resume='never' but run {self.project}/{self.name} already has {self.paths.shard}")
-            if resume == "must" and not exists:
+            if o.resume == "must" and not exists:
                 raise ValueError(f"resume='must' but {self.paths.shard} does not exist")
         self.session = os.urandom(6).hex()
 
