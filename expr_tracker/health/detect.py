@@ -119,7 +119,15 @@ def _stragglers(state: RunState, times: Mapping[int, list[float]], cfg: HealthCo
 
 
 def _window_means(vals: Sequence[float], n: int) -> list[float]:
-    return [sum(vals[i : i + n]) / n for i in range(len(vals) - n + 1)]
+    if len(vals) < n:
+        return []
+    # a running sum (each window re-summed is n times the work, at 16,384 ranks 0.2 s)
+    total = sum(vals[:n])
+    out = [total / n]
+    for i in range(n, len(vals)):
+        total += vals[i] - vals[i - n]
+        out.append(total / n)
+    return out
 
 
 def _slowdowns(state: RunState, times: Mapping[int, list[float]], cfg: HealthConfig,

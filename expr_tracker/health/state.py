@@ -23,8 +23,7 @@ import os
 import socket
 from array import array
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -41,10 +40,12 @@ DEFAULT_WINDOW = 64  # step rows (and rank records per rank) kept per shard
 MAX_CATCHUP = 4 << 20  # bytes read forward per shard and pass; beyond it, re-read the tail
 MAX_TAIL_LINES = 100_000  # records parsed by one tail read
 TAIL_BLOCK = 16 << 10  # reverse-read block: a few dozen lines, not the 256 KiB of a full read
-_THREADS = 8  # reads release the GIL; more threads than this only add contention
-_PARALLEL_MIN = 64  # below this many shards a thread pool costs more than it saves
-_CHUNK = 128  # shards per thread-pool task
+# First reads of at least this many shards are shared among forked processes: parsing
+# is CPU work under the GIL (threads made a warm-cache pass slower, not faster), and a
+# tail read costs several times what sending its compact result back does
+_FORK_MIN = 256
 STATUSES = ("running", "finished", "crashed")
+_MIN_STEP, _MAX_STEP = -(1 << 63), (1 << 63) - 1  # steps an array("q") holds
 
 
 @dataclass
@@ -78,7 +79,7 @@ class RankState:
         reader keeps them as arrays)."""
         return list(zip(self.steps, self.times, strict=True))
 
-    @cached_property
+    @property
     def live(self) -> bool:
         """Still training: status running (a dead writer on this host is already `crashed`)."""
         return self.status == "running"
@@ -163,13 +164,14 @@ class _Series:
         self.values: array[float] = array("d")
         self.latest: dict[str, Any] = {}
 
-    def add(self, step: int, value: float, rec: dict[str, Any], window: int) -> None:
-        self.steps.append(step)
-        self.values.append(value)
-        if len(self.steps) > window:
-            del self.steps[0]
-            del self.values[0]
-        self.latest.update(rec)
+
+def _pushed(arr: array[Any], more: array[Any], window: int) -> array[Any]:
+    """`arr` then `more`, the last `window` items, as a new array: a RunState handed out
+    earlier shares the old one, so it is never changed in place."""
+    out = arr + more
+    if len(out) > window:
+        del out[: len(out) - window]
+    return out
 
 
 def _series_value(v: Any) -> float:
@@ -189,8 +191,8 @@ def _series_value(v: Any) -> float:
 def _decoded(rec: dict[str, Any] | None) -> dict[str, Any] | None:
     """`rec` with non-finite values written as text ("NaN", "Infinity") turned back into
     floats, as `records.loads` does (the bulk parse below skips that per line)."""
-    if rec is None:
-        return None
+    if rec is None or str not in set(map(type, rec.values())):  # (in C: most records)
+        return rec
     bad = [k for k, v in rec.items() if v.__class__ is str and k[:1] != "_" and v in records.DECODE_NONFINITE]
     if not bad:
         return rec
@@ -211,7 +213,7 @@ def _parse_lines(data: bytes) -> list[dict[str, Any]]:
     except orjson.JSONDecodeError:
         pass
     else:
-        if len(recs) == data.count(b"\n") and all(r.__class__ is dict for r in recs):
+        if len(recs) == data.count(b"\n") and set(map(type, recs)) == {dict}:
             return recs
     out = []
     for _, line in records.iter_lines(data):
@@ -248,49 +250,70 @@ class _ShardTail:
         self.sidecar_mtime_ns = -1
 
     # -- records -----------------------------------------------------------
-    def _take(self, rec: dict[str, Any]) -> None:
-        """Add one record read forward (oldest first)."""
-        step = rec.get("_step")
-        if step.__class__ is not int:
-            return
-        kind = rec.get("_kind")
-        if kind is None:
-            t = rec.get("_time")
-            if t.__class__ is float or t.__class__ is int:
-                try:
-                    self.steps.append(step)
-                    self.times.append(t)
-                except OverflowError:
-                    del self.steps[len(self.times):]
-                    return
-                if len(self.steps) > self.window:
-                    del self.steps[0]
-                    del self.times[0]
-            self.last_row = rec
-        elif kind == "rank":
-            r = rec.get("_rank")
-            if r.__class__ is not int or r < 0:
-                return
-            if self.series_key is not None:
-                s = self.series.get(r)
-                if s is None:
-                    s = self.series[r] = _Series()
-                try:
-                    s.add(step, _series_value(rec.get(self.series_key)), rec,
-                          self.window)
-                except OverflowError:
-                    return
+    def _take(self, recs: list[dict[str, Any]]) -> None:
+        """Add records read forward (oldest first). One loop sorts them, then each kind
+        is added in bulk, its last `window` only: a first read takes ~130 records per
+        shard, and at 16,384 shards a method call per record would be most of the pass."""
+        rank, window = self.rank, self.window
+        row_steps: list[int] = []
+        row_times: list[float] = []
+        last_row = None
+        top = self.last_step
+        by_rank: dict[int, list[dict[str, Any]]] = {}
+        for rec in recs:
+            step = rec.get("_step")
+            if step.__class__ is not int or not _MIN_STEP <= step <= _MAX_STEP:
+                continue
+            kind = rec.get("_kind")
+            if kind is None:
+                t = rec.get("_time")
+                if t.__class__ is float or t.__class__ is int:
+                    row_steps.append(step)
+                    row_times.append(t)
+                last_row = rec
+            elif kind == "rank":
+                r = rec.get("_rank")
+                if r.__class__ is not int or r < 0:
+                    continue
+                group = by_rank.get(r)
+                if group is None:
+                    by_rank[r] = [rec]
+                else:
+                    group.append(rec)
+                if r != rank:
+                    continue
             else:
+                continue
+            if top is None or step > top:
+                top = step
+        self.last_step = top
+        if last_row is not None:
+            self.last_row = last_row
+        if row_steps:
+            try:
+                times = array("d", row_times[-window:])
+            except OverflowError:  # an int _time beyond a float
+                times = array("d", (_series_value(t) for t in row_times[-window:]))
+            self.steps = _pushed(self.steps, array("q", row_steps[-window:]), window)
+            self.times = _pushed(self.times, times, window)
+        for r, group in by_rank.items():
+            group = group[-window:]
+            if self.series_key is None:
                 q = self.rank_recs.get(r)
                 if q is None:
-                    q = self.rank_recs[r] = deque(maxlen=self.window)
-                q.append(rec)
-            if r != self.rank:
-                return
-        else:
-            return
-        if self.last_step is None or step > self.last_step:
-            self.last_step = step
+                    q = self.rank_recs[r] = deque(maxlen=window)
+                q.extend(group)
+                continue
+            s = self.series.get(r)
+            if s is None:
+                s = self.series[r] = _Series()
+            key = self.series_key
+            s.steps = _pushed(s.steps, array("q", [rec["_step"] for rec in group]), window)
+            s.values = _pushed(s.values, array("d", [_series_value(rec.get(key)) for rec in group]),
+                               window)
+            s.latest = latest = dict(s.latest)  # a new dict: see `_pushed`
+            for rec in group:
+                latest.update(rec)
 
     def _reset(self) -> None:
         self.offset = 0
@@ -349,15 +372,14 @@ class _ShardTail:
                         break
                 pos = start
                 block = min(2 * block, MAX_CATCHUP)
-        for rec in reversed(got):
-            self._take(rec)
+        got.reverse()
+        self._take(got)
         self.offset = end
 
     def _read_forward(self, end: int) -> None:
         with open(self.path, "rb") as fh:
             for _, data in records.complete_blocks(fh, 1 << 20, self.offset):
-                for rec in _parse_lines(data):
-                    self._take(rec)
+                self._take(_parse_lines(data))
                 self.offset += len(data)
                 if self.offset >= end:
                     break
@@ -480,7 +502,7 @@ class RunReader:
         self._here = socket.gethostname()
 
     def read(self) -> RunState:
-        """One pass: list the shards, refresh each (in threads when there are many)."""
+        """One pass: list the shards, refresh each (a first read of many in processes)."""
         import time
 
         now = time.time()
@@ -490,9 +512,21 @@ class RunReader:
         for rank, path in found.items():
             if rank not in self._tails:
                 self._tails[rank] = _ShardTail(path, rank, self.stream, self.window, self.series)
-        tails = [self._tails[r] for r in sorted(self._tails)]
-        ok = _map(lambda t: t.refresh(), tails)
-        live = [t for t, good in zip(tails, ok, strict=True) if good]
+        live = []
+        fresh = [t for t in self._tails.values() if t.ino is None]  # never read: a whole tail each
+        if len(fresh) >= _FORK_MIN:
+            from expr_tracker.stats.parallel import map_forked
+
+            for good, t in map_forked(_refresh, fresh):
+                self._tails[t.rank] = t  # a copy, from a worker process
+                if good:
+                    live.append(t)
+            fresh_ranks = {t.rank for t in fresh}
+            rest = [t for r, t in self._tails.items() if r not in fresh_ranks]
+        else:
+            rest = list(self._tails.values())
+        live.extend(t for good, t in _refresh(rest) if good)
+        live.sort(key=lambda t: t.rank)
         state = RunState(
             run_dir=self.run_dir,
             stream=self.stream,
@@ -526,8 +560,8 @@ def _merge_records(tails: list[_ShardTail], window: int) -> dict[int, list[dict[
 def _merge_series(tails: list[_ShardTail], window: int) -> tuple[
         dict[int, list[dict[str, Any]]], dict[int, Sequence[float]]]:
     """`_merge_records` for compact tails: per rank one record (the latest value of each
-    key; the shard with the latest step wins) and the series values (copies: the tails
-    change on the next pass)."""
+    key; the shard with the latest step wins) and the series values. Shared with the
+    tails, which replace rather than change them."""
     by_rank: dict[int, list[_Series]] = {}
     for t in tails:
         for r, s in t.series.items():
@@ -536,9 +570,10 @@ def _merge_series(tails: list[_ShardTail], window: int) -> tuple[
     values: dict[int, Sequence[float]] = {}
     for r in sorted(by_rank):
         parts = by_rank[r]
+        rec: dict[str, Any]
         if len(parts) == 1:
             s = parts[0]
-            rec, vals = dict(s.latest), s.values[:]
+            rec, vals = s.latest, s.values
         else:
             parts.sort(key=lambda s: s.steps[-1] if s.steps else -1)
             rec = {}
@@ -557,13 +592,9 @@ def _step_of(rec: Mapping[str, Any]) -> int:
     return step if type(step) is int else -1
 
 
-def _map(fn: Any, items: list[Any]) -> Iterable[Any]:
-    if len(items) < _PARALLEL_MIN:
-        return [fn(x) for x in items]
-    # chunks, not one task per shard: 16,384 futures cost more in locks than the reads
-    chunks = [items[i : i + _CHUNK] for i in range(0, len(items), _CHUNK)]
-    with ThreadPoolExecutor(max_workers=min(_THREADS, (os.cpu_count() or 2) * 2)) as pool:
-        return [r for part in pool.map(lambda c: [fn(x) for x in c], chunks) for r in part]
+def _refresh(tails: list[_ShardTail]) -> list[tuple[bool, _ShardTail]]:
+    """Refresh each tail (see `_ShardTail.refresh`); run in worker processes too."""
+    return [(t.refresh(), t) for t in tails]
 
 
 def read_run(
