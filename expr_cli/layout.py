@@ -209,3 +209,57 @@ def coverage_runs(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             out.append({"first": r["step"], "last": r["step"], "steps": 1,
                         "reported": r["reported"], "world": r["world"], "missing": r["missing"]})
     return out
+
+
+NODE_AGGS = ("worst", "max", "min", "mean")
+
+
+def _agg(values: Sequence[float], how: str) -> float | None:
+    if not values:
+        return None
+    if how == "max":
+        return max(values)
+    if how == "min":
+        return min(values)
+    return math.fsum(values) / len(values)
+
+
+def fold_nodes(nodes: Sequence[Mapping[str, Any]], room: int, agg: str = "worst") -> list[dict[str, Any]]:
+    """`expr top`'s node rows in at most `room` rows: the nodes that need a look (not all
+    running, a rank behind, an incident) one row each, worst first, then the others folded into bins of
+    consecutive nodes. A bin's `min_step`, `max_behind` and `slowest` combine its nodes'
+    with `agg`: `worst` (min step, max behind, slowest rate), or max, min or mean of each."""
+    if len(nodes) <= room:
+        return [dict(n, kind="node") for n in nodes]
+    bad = [n for n in nodes if n.get("incident") or n["worst"] != "running"
+           or n["live"] < n["ranks"] or n["max_behind"]]
+    bins = max(1, min(BINS, room // 2)) if len(nodes) > len(bad) else 0
+    shown = bad[: max(0, room - bins)]
+    bins = min(bins, room - len(shown))
+    out = [dict(n, kind="node") for n in shown]
+    named = {id(n) for n in shown}
+    rest = sorted((n for n in nodes if id(n) not in named), key=lambda n: n.get("first_rank", 0))
+    if not rest or bins <= 0:
+        return out
+    per_bin = max(1, math.ceil(len(rest) / bins))
+    for i in range(0, len(rest), per_bin):
+        chunk = rest[i : i + per_bin]
+        if len(chunk) == 1:
+            out.append(dict(chunk[0], kind="node"))
+            continue
+        steps = [n["min_step"] for n in chunk if n["min_step"] is not None]
+        rates = [n["slowest"] for n in chunk if n["slowest"] is not None]
+        behind = [n["max_behind"] for n in chunk]
+        order = {"crashed": 0, "running": 1, "finished": 2}
+        first, last = chunk[0].get("first_rank"), chunk[-1].get("last_rank")
+        out.append({
+            "node": f"r{first}-{last}", "kind": "bin", "nodes": len(chunk),
+            "first_rank": first, "last_rank": last,
+            "ranks": sum(n["ranks"] for n in chunk), "live": sum(n["live"] for n in chunk),
+            "min_step": min(steps, default=None) if agg == "worst" else _agg(steps, agg),
+            "max_behind": max(behind, default=0) if agg == "worst" else _agg(behind, agg),
+            "slowest": min(rates, default=None) if agg == "worst" else _agg(rates, agg),
+            "worst": min((n["worst"] for n in chunk), key=lambda s: order.get(s, 3)),
+            "incident": next((n["incident"] for n in chunk if n.get("incident")), None),
+        })
+    return out

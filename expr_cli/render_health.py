@@ -72,61 +72,97 @@ def _age(seconds: float | None) -> str:
     return f"{seconds:.0f}s"
 
 
-def top_frame(view: Mapping[str, Any], height: int) -> RenderableType:
-    """`expr top`: a header, open incidents, the worst ranks, and a per-node summary."""
+def _line(text: Any) -> Any:
+    """One screen line: cut with an ellipsis, never wrapped (the frame counts lines)."""
+    text.no_wrap, text.overflow = True, "ellipsis"
+    return text
+
+
+def top_frame(view: Mapping[str, Any], height: int, agg: str = "worst") -> RenderableType:
+    """`expr top` in `height` lines (DESIGN 14): a header, the open incidents, the worst
+    ranks that fit, then the nodes (those that need a look, the others folded into bins
+    combined with `agg`). Ranks with an incident that do not fit are named underneath."""
     from rich.console import Group
     from rich.text import Text
 
+    from .layout import fold_nodes
+
+    height = max(height, 12)
     parts: list[Any] = []
     ranks: list[Mapping[str, Any]] = view["ranks"]
     incidents: list[Mapping[str, Any]] = view["incidents"]
     head = Text(f"{view['run']}  ", style="bold")
     head.append(f"{len(ranks)} ranks, {view['live']} live  frontier {fmt_num(view['frontier'])}"
                 f"  lead {fmt_num(view['lead'])}", style="")
-    parts.append(head)
-    shown_inc = incidents[: max(1, height // 4)]
-    for inc in shown_inc:
-        parts.append(incident_text(inc))
+    parts.append(_line(head))
+    cap = max(1, height // 5)
+    shown_inc = incidents if len(incidents) <= cap else incidents[: cap - 1]
+    parts.extend(_line(incident_text(inc)) for inc in shown_inc)
     if len(incidents) > len(shown_inc):
-        parts.append(Text(f"... {len(incidents) - len(shown_inc)} more incidents", style="dim"))
+        rest = incidents[len(shown_inc):]
+        kinds = sorted({str(i.get("kind")) for i in rest})
+        parts.append(_line(Text(f"... {len(rest)} more incidents ({', '.join(kinds)})", style="dim")))
     if not incidents:
-        parts.append(Text("no open incidents", style="green"))
+        parts.append(_line(Text("no open incidents", style="green")))
     nodes: list[Mapping[str, Any]] = view["nodes"]
-    # lines left for ranks: the frame must fit the terminal (DESIGN 14)
-    node_lines = min(len(nodes), 6) + 3 if len(nodes) > 1 else 0
-    room = max(3, height - len(parts) - node_lines - 4)
+    left = height - len(parts)
+    node_rows = fold_nodes(nodes, min(len(nodes), max(3, (left - 6) // 3)), agg) if len(nodes) > 1 else []
+    node_lines = 2 + len(node_rows) if node_rows else 0
+    room = max(1, left - node_lines - 3)  # the rank table's head and rule, a "more" line
+    if len(ranks) <= room + 1:
+        room = len(ranks)  # the "more" line would take the last row's place
     metric = view.get("metric")
     cols = ["rank", "host", "status", "step", "behind", "steps/s", "write", *([metric] if metric else [])]
-    table = _table(cols, right=["rank", "step", "behind", "steps/s", "write", *([metric] if metric else [])])
+    table = _table(cols, right=["rank", "step", "behind", "steps/s", "write", *([metric] if metric else [])],
+                   keep=["host", "status"])
     for r in ranks[:room]:
         row = [str(r["rank"]), str(r.get("host") or "-")[:16], _status(r["status"]),
                fmt_num(r["step"]), fmt_num(r["behind"]), fmt_num(r["steps_per_s"], 3),
                _age(r["last_write_age"])]
         if metric:
-            row.append(fmt_num(r.get("metric")))
+            row.append(fmt_num(r.get("metric"))[:12])
         table.add_row(*row)
     parts.append(table)
     if len(ranks) > room:
-        parts.append(Text(f"... {len(ranks) - room} more ranks (healthiest last)", style="dim"))
-    if len(nodes) > 1:
+        hidden = [r["rank"] for r in ranks[room:] if r.get("incident") or r["status"] == "crashed"]
+        more = Text(f"... {len(ranks) - room} more ranks", style="dim")
+        more.append(f"; also with incidents: {_ranks_text(hidden)}" if hidden else " (healthiest last)")
+        parts.append(_line(more))
+    if node_rows:
         nt = _table(["node", "ranks", "live", "min step", "max behind", "slowest/s", "worst"],
-                    right=["ranks", "live", "min step", "max behind", "slowest/s"])
-        for n in nodes[:6]:
+                    right=["ranks", "live", "min step", "max behind", "slowest/s"], keep=["node", "worst"])
+        for n in node_rows:
             nt.add_row(str(n["node"])[:16], str(n["ranks"]), str(n["live"]), fmt_num(n["min_step"]),
-                       fmt_num(n["max_behind"]), fmt_num(n["slowest"], 3), _status(n["worst"]))
+                       fmt_num(n["max_behind"]), fmt_num(n["slowest"], 3), _worst(n))
         parts.append(nt)
-        if len(nodes) > 6:
-            parts.append(Text(f"... {len(nodes) - 6} more nodes", style="dim"))
     return Group(*parts)
 
 
-def top_print(view: Mapping[str, Any]) -> None:
-    """One frame on stdout (`expr top --once`)."""
+def _worst(node: Mapping[str, Any]) -> Any:
+    """A node's worst: its worst incident's kind, else its worst status."""
+    from rich.text import Text
+
+    kind = node.get("incident")
+    return Text(kind, style=KIND_STYLE.get(kind, "")) if kind else _status(node["worst"])
+
+
+def frame_height() -> int:
+    """Lines a frame may take: $LINES when set (also when piped), else the terminal's, else 40."""
+    import os
+
+    lines = os.environ.get("LINES", "")
+    if lines.isdigit() and int(lines) > 0:
+        return int(lines)
     out = console()
-    out.print(top_frame(view, out.size.height if out.is_terminal else 40))
+    return out.size.height if out.is_terminal else 40
 
 
-def top_live(frames: Any, refresh: float) -> None:
+def top_print(view: Mapping[str, Any], agg: str = "worst") -> None:
+    """One frame on stdout (`expr top --once`), in the terminal's height."""
+    console().print(top_frame(view, frame_height(), agg))
+
+
+def top_live(frames: Any, refresh: float, agg: str = "worst") -> None:
     """Redraw `frames()` (a view) every `refresh` seconds until Ctrl-C."""
     import time
 
@@ -135,7 +171,7 @@ def top_live(frames: Any, refresh: float) -> None:
     out = console()
     with Live(console=out, auto_refresh=False, screen=False, transient=False) as live:
         while True:
-            live.update(top_frame(frames(), out.size.height - 1), refresh=True)
+            live.update(top_frame(frames(), out.size.height - 1, agg), refresh=True)
             time.sleep(refresh)
 
 

@@ -12,6 +12,8 @@ from typing import Any
 
 import typer
 
+from .errors import CLIError
+from .layout import NODE_AGGS
 from .resolve import DIR_OPT, JSON_OPT, RUN_ARG, STREAM_OPT, RunRef, resolve_run, root_dir
 
 _SEVERITY = {"crashed": 0, "hang": 1, "missing": 2, "alert": 3, "straggler": 4, "slowdown": 5,
@@ -100,18 +102,22 @@ def _nodes(rows: list[dict[str, Any]], state: Any) -> list[dict[str, Any]]:
         rates = [m["steps_per_s"] for m in members if m["steps_per_s"]]
         out.append({
             "node": node, "ranks": len(members), "live": sum(m["status"] == "running" for m in members),
+            "first_rank": min(m["rank"] for m in members), "last_rank": max(m["rank"] for m in members),
             "min_step": min(steps) if steps else None,
             "max_behind": max((m["behind"] or 0 for m in members), default=0),
             "slowest": min(rates) if rates else None,
             "median_rate": median(rates) if rates else None,
             "worst": min((m["status"] for m in members), key=lambda s: order.get(s, 3)),
+            "incident": min((m["incident"] for m in members if m["incident"]),
+                            key=lambda k: _SEVERITY.get(k, 9), default=None),
         })
-    out.sort(key=lambda n: (order.get(n["worst"], 3), -n["max_behind"], n["slowest"] or 0.0))
+    out.sort(key=lambda n: (_SEVERITY.get(n["incident"], 9), order.get(n["worst"], 3),
+                            -n["max_behind"], n["slowest"] or 0.0))
     return out
 
 
 def top_command(run: str, dir: str | None, stream: str | None, metric: str | None, once: bool,
-                as_json: bool, config: str | None, refresh: float) -> int:
+                as_json: bool, config: str | None, refresh: float, agg: str = "worst") -> int:
     """Show RUN's ranks; the exit code."""
     from . import render, render_health
     from .watch import health_config
@@ -124,9 +130,9 @@ def top_command(run: str, dir: str | None, stream: str | None, metric: str | Non
             if as_json:
                 render.print_json({k: v for k, v in frame.items() if k != "nodes"} | {"nodes": frame["nodes"]})
             else:
-                render_health.top_print(frame)
+                render_health.top_print(frame, agg)
             return 0
-        render_health.top_live(view, refresh)
+        render_health.top_live(view, refresh, agg)
     except KeyboardInterrupt:
         return 130
     return 0
@@ -145,16 +151,22 @@ def register(app: typer.Typer) -> None:
         config: str | None = typer.Option(None, "--config", "-c", metavar="FILE", show_default=False,
                                           help="Alert config whose [health] table sets thresholds."),
         refresh: float = typer.Option(1.0, "--refresh", min=0.2, help="Seconds between frames."),
+        agg: str = typer.Option("worst", "--agg", metavar="worst|max|min|mean",
+                                help="How a bin of nodes combines its nodes' values."),
         stream: str | None = STREAM_OPT,
         dir: str | None = DIR_OPT,
     ) -> None:
         """A live view of RUN: open incidents, then one line per rank, worst first.
 
         Per rank: status, step, steps behind the lead, steps/s, last write age and, with
-        -m, a metric's latest value; big jobs show the worst ranks and a per-node summary.
+        -m, a metric's latest value. A frame fits the terminal: big jobs show the worst
+        ranks that fit, name the other ranks with incidents, then the nodes that need a
+        look and the other nodes folded into bins (--agg).
         --once prints one frame (--json: {"ranks": [...], "incidents": [...]}).
         """
-        code = top_command(run, dir, stream, metric, once, json, config, refresh)
+        if agg not in NODE_AGGS:
+            raise CLIError(f"--agg must be one of {', '.join(NODE_AGGS)}, got {agg!r}", 2)
+        code = top_command(run, dir, stream, metric, once, json, config, refresh, agg)
         if code:
             raise typer.Exit(code)
 

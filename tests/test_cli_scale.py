@@ -87,3 +87,68 @@ def test_shards_fits_100_lines_and_names_the_straggler_and_the_crash(run_cli):
     assert "RuntimeError: NCCL timeout" in crash and "behind" not in crash
     every = run_cli("shards", "big", "--all").stdout.splitlines()
     assert len(every) >= WORLD
+
+
+def test_watch_once_json_names_the_straggler_and_the_crash(big_root, tmp_path):
+    # a copy: watch records incidents.jsonl in the run, which the other tests do not expect
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from expr_cli.main import build_app
+
+    shutil.copytree(big_root / "proj" / "big", tmp_path / "proj" / "big")
+    env = {"EXPR_DIR": str(tmp_path), "NO_COLOR": "1", "COLUMNS": "100"}
+    t0 = time.monotonic()
+    result = CliRunner().invoke(build_app(), ["watch", "big", "--once", "--json"], env=env)
+    elapsed = time.monotonic() - t0
+    assert result.exit_code == 1, result.output  # incidents are open
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    by_kind = {i["kind"]: i for i in lines}
+    assert set(by_kind) == {"straggler", "crashed"}, lines
+    assert by_kind["straggler"]["ranks"] == [STRAGGLER]
+    assert by_kind["straggler"]["hosts"] == [host_of(STRAGGLER)]
+    assert "1.60x" in by_kind["straggler"]["detail"]
+    assert by_kind["crashed"]["ranks"] == [CRASHED]
+    recorded = (tmp_path / "proj" / "big" / "incidents.jsonl").read_text().splitlines()
+    assert len(recorded) == 2
+    # a second pass records nothing new and still reports both as open
+    again = CliRunner().invoke(build_app(), ["watch", "big", "--once", "--json"], env=env)
+    assert again.exit_code == 1, again.output
+    assert sorted(json.loads(x)["kind"] for x in again.stdout.splitlines()) == ["crashed", "straggler"]
+    assert len((tmp_path / "proj" / "big" / "incidents.jsonl").read_text().splitlines()) == 2
+    assert elapsed < 30  # generous: loaded CI machines; bench/scale.py measures it
+
+
+@pytest.mark.parametrize(("columns", "lines"), [(80, 24), (80, 100), (100, 100)])
+def test_top_once_fits_the_terminal_and_names_the_straggler_and_the_crash(run_cli, monkeypatch,
+                                                                         columns, lines):
+    monkeypatch.setenv("COLUMNS", str(columns))
+    monkeypatch.setenv("LINES", str(lines))
+    out = run_cli("top", "big", "--once").stdout.splitlines()
+    assert len(out) <= lines, "\n".join(out)
+    assert all(len(line) <= columns for line in out), "\n".join(out)
+    assert out[0].startswith("proj/big") and f"{WORLD} ranks" in out[0]
+    text = "\n".join(out)
+    # the incidents on top, the ranks with them first, their nodes named, the rest binned
+    assert out[1].startswith(f"crashed rank {CRASHED}") and out[2].startswith(f"straggler rank {STRAGGLER}")
+    ranks = [line.split()[0] for line in out if line[:6].strip().isdigit()]
+    assert ranks[:2] == [str(CRASHED), str(STRAGGLER)]
+    assert "more ranks" in text
+    head = next(i for i, line in enumerate(out) if line.startswith("node "))
+    node_rows = [line.split() for line in out[head + 2:]]
+    nodes = [row[0] for row in node_rows]
+    assert nodes[:2] == [host_of(CRASHED), host_of(STRAGGLER)]
+    assert node_rows[0][-1] == "crashed" and node_rows[1][-1] == "straggler"
+    assert any(n.startswith("r") and "-" in n for n in nodes)  # the healthy nodes, binned
+    assert sum(int(row[1]) for row in node_rows) == WORLD  # every rank in a node row or a bin
+
+
+def test_top_agg_is_checked(run_cli):
+    from typer.testing import CliRunner
+
+    from expr_cli.main import build_app
+
+    result = CliRunner().invoke(build_app(), ["top", "big", "--once", "--agg", "median"])
+    assert result.exit_code == 2 and "--agg" in result.output
+    assert "straggler" in run_cli("top", "big", "--once", "--agg", "mean").stdout

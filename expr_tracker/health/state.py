@@ -18,29 +18,34 @@ Nothing here writes.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
+from array import array
 from collections import deque
-from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from expr_tracker.procs import pid_alive
 from expr_tracker.store import records
 from expr_tracker.store.layout import parse_shard_name
-from expr_tracker.store.shard import ShardReader, read_sidecar
+from expr_tracker.store.shard import read_sidecar
 
 DEFAULT_WINDOW = 64  # step rows (and rank records per rank) kept per shard
 MAX_CATCHUP = 4 << 20  # bytes read forward per shard and pass; beyond it, re-read the tail
 MAX_TAIL_LINES = 100_000  # records parsed by one tail read
 TAIL_BLOCK = 16 << 10  # reverse-read block: a few dozen lines, not the 256 KiB of a full read
-_THREADS = 8  # reads release the GIL; more threads than this only add contention
-_PARALLEL_MIN = 64  # below this many shards a thread pool costs more than it saves
-_CHUNK = 128  # shards per thread-pool task
+# First reads of at least this many shards are shared among forked processes: parsing
+# is CPU work under the GIL (threads made a warm-cache pass slower, not faster), and a
+# tail read costs several times what sending its compact result back does
+_FORK_MIN = 256
 STATUSES = ("running", "finished", "crashed")
+_MIN_STEP, _MAX_STEP = -(1 << 63), (1 << 63) - 1  # steps an array("q") holds
 
 
 @dataclass
@@ -64,10 +69,17 @@ class RankState:
     last_step: int | None = None  # largest step of its step rows or of its own rank records
     last_write: float | None = None  # shard mtime
     size: int = 0
-    step_times: list[tuple[int, float]] = field(default_factory=list)  # recent (step, _time)
+    steps: Sequence[int] = ()  # the recent step rows' steps, oldest first ...
+    times: Sequence[float] = ()  # ... and their `_time`s
     last_row: dict[str, Any] | None = None  # the latest step row (for `expr top -m KEY`)
 
-    @cached_property
+    @property
+    def step_times(self) -> list[tuple[int, float]]:
+        """The recent step rows' (step, _time), oldest first (built on each call: the
+        reader keeps them as arrays)."""
+        return list(zip(self.steps, self.times, strict=True))
+
+    @property
     def live(self) -> bool:
         """Still training: status running (a dead writer on this host is already `crashed`)."""
         return self.status == "running"
@@ -82,6 +94,10 @@ class RunState:
     ranks: dict[int, RankState]  # by rank, ascending
     rank_records: dict[int, list[dict[str, Any]]]  # by the records' own `_rank`, oldest first
     read_time: float  # wall clock when the pass started
+    # read with `RunReader(series=KEY)`: rank_records holds one record per rank (the latest
+    # value of each key) and `series` the KEY values of the window, oldest first
+    series_key: str | None = None
+    series: dict[int, Sequence[float]] = field(default_factory=dict)
 
     # computed once per pass: the detectors ask for them per rank
     @cached_property
@@ -135,100 +151,235 @@ class RunState:
         return max(0, lead - state.last_step)
 
 
+class _Series:
+    """One rank's rank records in a compact tail (`RunReader(series=KEY)`): the steps and
+    KEY's values of its last `window` records (NaN where a record has no number), and the
+    latest value of every key. Arrays, not records: 16,384 ranks of 64 records cost a few
+    MB instead of the ~1 GB of parsed records (DESIGN 14)."""
+
+    __slots__ = ("latest", "steps", "values")
+
+    def __init__(self) -> None:
+        self.steps: array[int] = array("q")
+        self.values: array[float] = array("d")
+        self.latest: dict[str, Any] = {}
+
+
+def _pushed(arr: array[Any], more: array[Any], window: int) -> array[Any]:
+    """`arr` then `more`, the last `window` items, as a new array: a RunState handed out
+    earlier shares the old one, so it is never changed in place."""
+    out = arr + more
+    if len(out) > window:
+        del out[: len(out) - window]
+    return out
+
+
+def _series_value(v: Any) -> float:
+    """A record's value as a float for a series (NaN when it is not a number)."""
+    if v.__class__ is float:
+        return v
+    if v.__class__ is int:
+        try:
+            return float(v)
+        except OverflowError:
+            return math.nan
+    if v.__class__ is str:
+        return records.DECODE_NONFINITE.get(v, math.nan)
+    return math.nan
+
+
+def _decoded(rec: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`rec` with non-finite values written as text ("NaN", "Infinity") turned back into
+    floats, as `records.loads` does (the bulk parse below skips that per line)."""
+    if rec is None or str not in set(map(type, rec.values())):  # (in C: most records)
+        return rec
+    bad = [k for k, v in rec.items() if v.__class__ is str and k[:1] != "_" and v in records.DECODE_NONFINITE]
+    if not bad:
+        return rec
+    out = dict(rec)
+    for k in bad:
+        out[k] = records.DECODE_NONFINITE[out[k]]
+    return out
+
+
+def _parse_lines(data: bytes) -> list[dict[str, Any]]:
+    """The records of `data` (whole lines, each ending in a newline), in file order; lines
+    that are not a JSON object are skipped. The lines are parsed as one JSON array, in C,
+    as `stats.scan` does; line by line only when that fails (a torn or foreign line)."""
+    if not data:
+        return []
+    try:
+        recs = orjson.loads(b"[" + data[:-1].replace(b"\n", b",") + b"]")
+    except orjson.JSONDecodeError:
+        pass
+    else:
+        if len(recs) == data.count(b"\n") and set(map(type, recs)) == {dict}:
+            return recs
+    out = []
+    for _, line in records.iter_lines(data):
+        if line.strip():
+            try:
+                out.append(records.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
 class _ShardTail:
     """What a reader keeps of one shard between passes: offsets and bounded recent rows."""
 
-    def __init__(self, path: Path, rank: int, stream: str | None, window: int) -> None:
+    def __init__(self, path: Path, rank: int, stream: str | None, window: int,
+                 series: str | None = None) -> None:
         self.path = path
         self.rank = rank
         self.stream = stream
         self.window = window
+        self.series_key = series
         self.offset = 0  # end of the last complete line read
         self.ino: int | None = None
         self.mtime_ns = -1
         self.size = 0
-        self.steps: deque[tuple[int, float]] = deque(maxlen=window)
+        # the step rows' (step, _time), oldest first, at most `window`
+        self.steps: array[int] = array("q")
+        self.times: array[float] = array("d")
         self.last_step: int | None = None
         self.last_row: dict[str, Any] | None = None
-        self.rank_recs: dict[int, deque[dict[str, Any]]] = {}
+        self.rank_recs: dict[int, deque[dict[str, Any]]] = {}  # by `_rank` (no series key)
+        self.series: dict[int, _Series] = {}  # by `_rank` (with a series key)
         self.sidecar: dict[str, Any] | None = None
         self.sidecar_mtime_ns = -1
 
     # -- records -----------------------------------------------------------
-    def _take(self, rec: dict[str, Any]) -> None:
-        """Add one record read forward (oldest first)."""
-        step = rec.get("_step")
-        if type(step) is not int:
-            return
-        if rec.get("_kind") is None:
-            t = rec.get("_time")
-            if isinstance(t, (int, float)):
-                self.steps.append((step, float(t)))
-            self.last_row = rec
-            self._advance(step)
-        elif rec.get("_kind") == "rank":
-            r = rec.get("_rank")
-            if type(r) is not int or r < 0:
-                return
-            q = self.rank_recs.get(r)
-            if q is None:
-                q = self.rank_recs[r] = deque(maxlen=self.window)
-            q.append(rec)
-            if r == self.rank:
-                self._advance(step)
-
-    def _advance(self, step: int) -> None:
-        if self.last_step is None or step > self.last_step:
-            self.last_step = step
+    def _take(self, recs: list[dict[str, Any]]) -> None:
+        """Add records read forward (oldest first). One loop sorts them, then each kind
+        is added in bulk, its last `window` only: a first read takes ~130 records per
+        shard, and at 16,384 shards a method call per record would be most of the pass."""
+        rank, window = self.rank, self.window
+        row_steps: list[int] = []
+        row_times: list[float] = []
+        last_row = None
+        top = self.last_step
+        by_rank: dict[int, list[dict[str, Any]]] = {}
+        for rec in recs:
+            step = rec.get("_step")
+            if step.__class__ is not int or not _MIN_STEP <= step <= _MAX_STEP:
+                continue
+            kind = rec.get("_kind")
+            if kind is None:
+                t = rec.get("_time")
+                if t.__class__ is float or t.__class__ is int:
+                    row_steps.append(step)
+                    row_times.append(t)
+                last_row = rec
+            elif kind == "rank":
+                r = rec.get("_rank")
+                if r.__class__ is not int or r < 0:
+                    continue
+                group = by_rank.get(r)
+                if group is None:
+                    by_rank[r] = [rec]
+                else:
+                    group.append(rec)
+                if r != rank:
+                    continue
+            else:
+                continue
+            if top is None or step > top:
+                top = step
+        self.last_step = top
+        if last_row is not None:
+            self.last_row = last_row
+        if row_steps:
+            try:
+                times = array("d", row_times[-window:])
+            except OverflowError:  # an int _time beyond a float
+                times = array("d", (_series_value(t) for t in row_times[-window:]))
+            self.steps = _pushed(self.steps, array("q", row_steps[-window:]), window)
+            self.times = _pushed(self.times, times, window)
+        for r, group in by_rank.items():
+            group = group[-window:]
+            if self.series_key is None:
+                q = self.rank_recs.get(r)
+                if q is None:
+                    q = self.rank_recs[r] = deque(maxlen=window)
+                q.extend(group)
+                continue
+            s = self.series.get(r)
+            if s is None:
+                s = self.series[r] = _Series()
+            key = self.series_key
+            s.steps = _pushed(s.steps, array("q", [rec["_step"] for rec in group]), window)
+            s.values = _pushed(s.values, array("d", [_series_value(rec.get(key)) for rec in group]),
+                               window)
+            s.latest = latest = dict(s.latest)  # a new dict: see `_pushed`
+            for rec in group:
+                latest.update(rec)
 
     def _reset(self) -> None:
         self.offset = 0
-        self.steps.clear()
+        self.steps = array("q")
+        self.times = array("d")
         self.rank_recs.clear()
+        self.series.clear()
         self.last_step = None
         self.last_row = None
 
     def _read_tail(self, end: int) -> None:
-        """Fill the window from the end of the file backwards (first pass, or a big jump)."""
+        """Fill the window from the end of the file backwards (first pass, or a big jump).
+
+        Enough lines for `window` step rows (and the rank records of their steps), or for
+        `window` steps of rank records when the shard holds only those (an all-gathering
+        rank 0 writes world_size of them per step), and never more than MAX_TAIL_LINES.
+        Blocks are read backwards, growing, each parsed in one go.
+        """
         self._reset()
-        got: list[dict[str, Any]] = []
+        got: list[dict[str, Any]] = []  # newest first
         n_steps = 0
         top: int | None = None  # the largest step seen
         oldest: int | None = None  # the step of the window-th step row from the end
-        # enough lines for `window` step rows (and the rank records of their steps), or for
-        # `window` steps of rank records when the shard holds only those (an all-gathering
-        # rank 0 writes world_size of them per step), and never more than MAX_TAIL_LINES
-        for rec in ShardReader(self.path).iter_reverse_from(end, TAIL_BLOCK):
-            step = rec.get("_step")
-            if type(step) is not int:
-                continue
-            top = step if top is None else max(top, step)
-            if oldest is not None and step < oldest:
-                break
-            if rec.get("_kind") is None:
-                n_steps += 1
-                if n_steps >= self.window:
-                    oldest = step
-            elif n_steps == 0 and step <= top - self.window:
-                break
-            got.append(rec)
-            if len(got) >= MAX_TAIL_LINES:
-                break
-        for rec in reversed(got):
-            self._take(rec)
+        pos, block = end, TAIL_BLOCK
+        done = False
+        with open(self.path, "rb") as fh:
+            while pos > 0 and not done:
+                start = max(0, pos - block)
+                fh.seek(start)
+                data = fh.read(pos - start)
+                if start > 0:
+                    cut = data.find(b"\n") + 1  # the block's first line may be cut
+                    if cut == 0 or cut >= len(data):
+                        block *= 2  # not one whole line in the block: a longer block
+                        continue
+                    data, start = data[cut:], start + cut
+                for rec in reversed(_parse_lines(data)):
+                    step = rec.get("_step")
+                    if step.__class__ is not int:
+                        continue
+                    if top is None or step > top:
+                        top = step
+                    if oldest is not None and step < oldest:
+                        done = True
+                        break
+                    if rec.get("_kind") is None:
+                        n_steps += 1
+                        if n_steps >= self.window:
+                            oldest = step
+                    elif n_steps == 0 and step <= top - self.window:
+                        done = True
+                        break
+                    got.append(rec)
+                    if len(got) >= MAX_TAIL_LINES:
+                        done = True
+                        break
+                pos = start
+                block = min(2 * block, MAX_CATCHUP)
+        got.reverse()
+        self._take(got)
         self.offset = end
 
     def _read_forward(self, end: int) -> None:
         with open(self.path, "rb") as fh:
             for _, data in records.complete_blocks(fh, 1 << 20, self.offset):
-                for _, line in records.iter_lines(data):
-                    if not line.strip():
-                        continue
-                    try:
-                        rec = records.loads(line)
-                    except ValueError:
-                        continue
-                    self._take(rec)
+                self._take(_parse_lines(data))
                 self.offset += len(data)
                 if self.offset >= end:
                     break
@@ -277,8 +428,9 @@ class _ShardTail:
             last_step=self.last_step,
             last_write=self.mtime_ns / 1e9 if self.mtime_ns >= 0 else None,
             size=self.size,
-            step_times=list(self.steps),
-            last_row=self.last_row,
+            steps=self.steps,
+            times=self.times,
+            last_row=_decoded(self.last_row),
         )
         # spool mode: exprd writes the shard, the sidecar names the training process as origin
         spool = meta.get("source") == "spool"
@@ -332,18 +484,25 @@ class RunReader:
     """Reads one stream of a run again and again, keeping offsets and windows in memory."""
 
     def __init__(
-        self, run_dir: str | os.PathLike[str], stream: str | None = None, *, window: int = DEFAULT_WINDOW
+        self, run_dir: str | os.PathLike[str], stream: str | None = None, *,
+        window: int = DEFAULT_WINDOW, series: str | None = None,
     ) -> None:
+        """`series`: keep of the rank records only that key's values and the latest value
+        of each key (`RunState.series`), not whole records: what a watcher of thousands
+        of ranks needs, in bounded memory."""
         if isinstance(window, bool) or not isinstance(window, int) or window < 2:
             raise ValueError(f"window must be an int >= 2, got {window!r}")
+        if series is not None and (not isinstance(series, str) or not series):
+            raise ValueError(f"series must be a metric name, got {series!r}")
         self.run_dir = Path(run_dir)
         self.stream = stream
         self.window = window
+        self.series = series
         self._tails: dict[int, _ShardTail] = {}
         self._here = socket.gethostname()
 
     def read(self) -> RunState:
-        """One pass: list the shards, refresh each (in threads when there are many)."""
+        """One pass: list the shards, refresh each (a first read of many in processes)."""
         import time
 
         now = time.time()
@@ -352,26 +511,80 @@ class RunReader:
             del self._tails[rank]
         for rank, path in found.items():
             if rank not in self._tails:
-                self._tails[rank] = _ShardTail(path, rank, self.stream, self.window)
-        tails = [self._tails[r] for r in sorted(self._tails)]
-        ok = _map(lambda t: t.refresh(), tails)
-        live = [t for t, good in zip(tails, ok, strict=True) if good]
-        by_rank: dict[int, deque[dict[str, Any]]] = {}
-        for t in live:
-            for r, q in t.rank_recs.items():
-                mine = by_rank.get(r)
-                if mine is None:
-                    by_rank[r] = deque(q, maxlen=self.window)
-                else:
-                    mine.extend(q)  # several shards name this rank: keep the latest by step
-                    by_rank[r] = deque(sorted(mine, key=_step_of)[-self.window :], maxlen=self.window)
-        return RunState(
+                self._tails[rank] = _ShardTail(path, rank, self.stream, self.window, self.series)
+        live = []
+        fresh = [t for t in self._tails.values() if t.ino is None]  # never read: a whole tail each
+        if len(fresh) >= _FORK_MIN:
+            from expr_tracker.stats.parallel import map_forked
+
+            for good, t in map_forked(_refresh, fresh):
+                self._tails[t.rank] = t  # a copy, from a worker process
+                if good:
+                    live.append(t)
+            fresh_ranks = {t.rank for t in fresh}
+            rest = [t for r, t in self._tails.items() if r not in fresh_ranks]
+        else:
+            rest = list(self._tails.values())
+        live.extend(t for good, t in _refresh(rest) if good)
+        live.sort(key=lambda t: t.rank)
+        state = RunState(
             run_dir=self.run_dir,
             stream=self.stream,
             ranks={t.rank: t.state(self._here) for t in live},
-            rank_records={r: list(q) for r, q in sorted(by_rank.items())},
+            rank_records={},
             read_time=now,
+            series_key=self.series,
         )
+        if self.series is None:
+            state.rank_records = _merge_records(live, self.window)
+        else:
+            state.rank_records, state.series = _merge_series(live, self.window)
+        return state
+
+
+def _merge_records(tails: list[_ShardTail], window: int) -> dict[int, list[dict[str, Any]]]:
+    """The rank records of every shard by `_rank`; a rank named in several shards keeps
+    its latest `window` records by step."""
+    by_rank: dict[int, deque[dict[str, Any]]] = {}
+    for t in tails:
+        for r, q in t.rank_recs.items():
+            mine = by_rank.get(r)
+            if mine is None:
+                by_rank[r] = deque(q, maxlen=window)
+            else:
+                mine.extend(q)
+                by_rank[r] = deque(sorted(mine, key=_step_of)[-window:], maxlen=window)
+    return {r: list(q) for r, q in sorted(by_rank.items())}
+
+
+def _merge_series(tails: list[_ShardTail], window: int) -> tuple[
+        dict[int, list[dict[str, Any]]], dict[int, Sequence[float]]]:
+    """`_merge_records` for compact tails: per rank one record (the latest value of each
+    key; the shard with the latest step wins) and the series values. Shared with the
+    tails, which replace rather than change them."""
+    by_rank: dict[int, list[_Series]] = {}
+    for t in tails:
+        for r, s in t.series.items():
+            by_rank.setdefault(r, []).append(s)
+    latest: dict[int, list[dict[str, Any]]] = {}
+    values: dict[int, Sequence[float]] = {}
+    for r in sorted(by_rank):
+        parts = by_rank[r]
+        rec: dict[str, Any]
+        if len(parts) == 1:
+            s = parts[0]
+            rec, vals = s.latest, s.values
+        else:
+            parts.sort(key=lambda s: s.steps[-1] if s.steps else -1)
+            rec = {}
+            for s in parts:
+                rec.update(s.latest)
+            pairs = sorted((p for s in parts for p in zip(s.steps, s.values, strict=True)),
+                           key=lambda p: p[0])
+            vals = array("d", (v for _, v in pairs[-window:]))
+        latest[r] = [_decoded(rec) or rec]
+        values[r] = vals
+    return latest, values
 
 
 def _step_of(rec: Mapping[str, Any]) -> int:
@@ -379,13 +592,9 @@ def _step_of(rec: Mapping[str, Any]) -> int:
     return step if type(step) is int else -1
 
 
-def _map(fn: Any, items: list[Any]) -> Iterable[Any]:
-    if len(items) < _PARALLEL_MIN:
-        return [fn(x) for x in items]
-    # chunks, not one task per shard: 16,384 futures cost more in locks than the reads
-    chunks = [items[i : i + _CHUNK] for i in range(0, len(items), _CHUNK)]
-    with ThreadPoolExecutor(max_workers=min(_THREADS, (os.cpu_count() or 2) * 2)) as pool:
-        return [r for part in pool.map(lambda c: [fn(x) for x in c], chunks) for r in part]
+def _refresh(tails: list[_ShardTail]) -> list[tuple[bool, _ShardTail]]:
+    """Refresh each tail (see `_ShardTail.refresh`); run in worker processes too."""
+    return [(t.refresh(), t) for t in tails]
 
 
 def read_run(

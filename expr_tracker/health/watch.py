@@ -139,7 +139,8 @@ class Watcher:
         self.cfg = cfg or HealthConfig()
         self.dispatcher = dispatcher
         need = 2 * max(self.cfg.straggler_steps, self.cfg.slowdown_steps) + 1
-        self.reader = RunReader(self.run_dir, stream, window=window or max(DEFAULT_WINDOW, need))
+        self.reader = RunReader(self.run_dir, stream, window=window or max(DEFAULT_WINDOW, need),
+                                series=self.cfg.step_time_key)
         self.memory = Memory()
         self.log = IncidentLog(self.run_dir)
         self._alerts: dict[str, _LineTail] = {}

@@ -8,10 +8,13 @@ caller can read something else (the live state of the run) while they work.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import Any, cast
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
 
 from expr_tracker.stats.scan import ShardScan, scan_all, scan_shard
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 PARALLEL_BYTES = 8 << 20  # below this, starting worker processes costs more than it saves
 MAX_WORKERS = 4
@@ -31,7 +34,7 @@ def scan_shards(paths: Sequence[str | os.PathLike[str]], lo: int | None = None,
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     workers = min(cpus or 1, MAX_WORKERS, len(names))
     total = sum(sizes) if expected_bytes is None else expected_bytes
-    if workers < 2 or total < PARALLEL_BYTES or not _can_fork():
+    if workers < 2 or total < PARALLEL_BYTES or not can_fork():
         return scan_all(names, lo)
     import multiprocessing
     from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
@@ -64,7 +67,7 @@ def scan_shards(paths: Sequence[str | os.PathLike[str]], lo: int | None = None,
     return cast("list[ShardScan]", out)
 
 
-def _can_fork() -> bool:
+def can_fork() -> bool:
     """Worker processes by fork only: they start at once with this process's imports, where
     a fresh interpreter would import them again (and run the caller's `__main__`). Fork is
     safe on Linux while this process has a single thread."""
@@ -72,6 +75,42 @@ def _can_fork() -> bool:
     import threading
 
     return sys.platform == "linux" and threading.active_count() == 1
+
+
+def map_forked(fn: Callable[[list[T]], list[R]], items: Sequence[T],
+               max_workers: int = MAX_WORKERS) -> list[R]:
+    """`fn(items)` computed in shares (interleaved: neighbouring items cost about the same),
+    one share in this process and the others in forked worker processes at the same time;
+    `fn` returns one result per item, in order. In this process alone when there is one
+    CPU or fork is not safe, and for the shares of a worker that failed."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    workers = min(cpus or 1, max_workers, len(items))
+    if workers < 2 or not can_fork():
+        return fn(list(items))
+    import multiprocessing
+    from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
+
+    shares = [list(range(k, len(items), workers)) for k in range(workers)]
+    out: list[Any] = [None] * len(items)
+    done = [False] * workers
+
+    def put(k: int, results: list[R]) -> None:
+        for i, result in zip(shares[k], results, strict=True):
+            out[i] = result
+        done[k] = True
+
+    try:
+        with ProcessPoolExecutor(workers - 1, mp_context=multiprocessing.get_context("fork")) as pool:
+            futures = [(k, pool.submit(fn, [items[i] for i in shares[k]])) for k in range(1, workers)]
+            put(0, fn([items[i] for i in shares[0]]))
+            for k, future in futures:
+                put(k, future.result())
+    except (OSError, BrokenExecutor):  # no fork allowed, a worker killed
+        pass
+    for k in range(workers):
+        if not done[k]:
+            put(k, fn([items[i] for i in shares[k]]))
+    return cast("list[R]", out)
 
 
 class ScanJob:
@@ -87,7 +126,7 @@ class ScanJob:
         self._futures: list[tuple[list[int], Any]] = []
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         workers = min(cpus or 1, MAX_WORKERS, len(self.names))
-        if workers < 2 or expected_bytes < PARALLEL_BYTES or not _can_fork():
+        if workers < 2 or expected_bytes < PARALLEL_BYTES or not can_fork():
             return
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
