@@ -23,6 +23,10 @@ KINDS = ("straggler", "slowdown", "hang", "behind", "crashed", "missing", "alert
 LEVELS = {"straggler": "warning", "slowdown": "warning", "hang": "error", "behind": "warning",
           "crashed": "error", "missing": "error", "alert": "error"}
 JOB = -1  # the rank key of the whole job's slowdown window in `Memory.best`
+# A slowdown must also cost at least this much per step: a best window is the minimum of
+# many noisy windows, so sub-millisecond step times (timer noise, a CPU toy job) would
+# otherwise read as 1.3x slower than their own best without anything having changed.
+SLOWDOWN_MIN_SECONDS = 0.001
 
 
 @dataclass(frozen=True)
@@ -148,7 +152,8 @@ def _slowdowns(state: RunState, times: Mapping[int, list[float]], cfg: HealthCon
     job_best = median(memory.best[r] for r in live)
     memory.best[JOB] = min(job_best, memory.best.get(JOB, job_best))
     ratio = job_now / memory.best[JOB] if memory.best[JOB] > 0 else 0.0
-    if _hysteresis(memory, "slowdown", JOB, ratio >= cfg.slowdown_ratio, ratio < cfg.slowdown_ratio):
+    slower = ratio >= cfg.slowdown_ratio and job_now - memory.best[JOB] >= SLOWDOWN_MIN_SECONDS
+    if _hysteresis(memory, "slowdown", JOB, slower, not slower):
         ranks = tuple(sorted(live))
         hosts = sorted({h for r in ranks if (h := state.ranks[r].host)})
         step = max((s for r in ranks if (s := state.ranks[r].last_step) is not None), default=None)
@@ -161,8 +166,8 @@ def _slowdowns(state: RunState, times: Mapping[int, list[float]], cfg: HealthCon
     for rank in sorted(live):
         best = memory.best[rank]
         r_ratio = current[rank] / best if best > 0 else 0.0
-        if _hysteresis(memory, "slowdown", rank, r_ratio >= cfg.slowdown_ratio,
-                       r_ratio < cfg.slowdown_ratio):
+        slower = r_ratio >= cfg.slowdown_ratio and current[rank] - best >= SLOWDOWN_MIN_SECONDS
+        if _hysteresis(memory, "slowdown", rank, slower, not slower):
             rs = state.ranks[rank]
             out.append(Finding(
                 "slowdown", (rank,),

@@ -1,0 +1,67 @@
+"""The health detectors as pure functions over a RunState (no files, no processes)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from expr_tracker.health.config import HealthConfig
+from expr_tracker.health.detect import Memory, detect
+from expr_tracker.health.state import RankState, RunState
+
+CFG = HealthConfig(straggler_steps=5, slowdown_steps=5, hang_after=60.0)
+
+
+def _state(durations: dict[int, list[float]], now: float) -> RunState:
+    """Ranks whose step rows are `durations` apart, the last one written at `now`."""
+    ranks = {}
+    for rank, gaps in durations.items():
+        times = [now - sum(gaps)]
+        for g in gaps:
+            times.append(times[-1] + g)
+        steps = list(range(len(times)))
+        ranks[rank] = RankState(rank=rank, stream=None, path=Path(f"metrics.rank{rank}.jsonl"),
+                                host="node0", last_step=steps[-1], last_write=now,
+                                steps=steps, times=times, world_size=len(durations))
+    return RunState(run_dir=Path("."), stream=None, ranks=ranks, rank_records={}, read_time=now)
+
+
+def _kinds(findings: list) -> set[tuple[str, tuple[int, ...]]]:
+    return {(f.kind, f.ranks) for f in findings}
+
+
+def test_a_steady_job_has_no_finding() -> None:
+    now = time.time()
+    assert detect(_state({r: [0.1] * 30 for r in range(4)}, now), [], CFG, Memory(), now) == []
+
+
+def test_a_slow_rank_is_a_straggler() -> None:
+    now = time.time()
+    gaps = {r: [0.1] * 30 for r in range(4)}
+    gaps[2] = [0.2] * 30
+    assert ("straggler", (2,)) in _kinds(detect(_state(gaps, now), [], CFG, Memory(), now))
+
+
+def test_the_whole_job_slowing_down_is_one_slowdown() -> None:
+    now = time.time()
+    # every rank went from 100 ms to 200 ms a step: no rank stands out, the job slowed
+    gaps = {r: [0.1] * 20 + [0.2] * 10 for r in range(4)}
+    found = _kinds(detect(_state(gaps, now), [], CFG, Memory(), now))
+    assert ("slowdown", (0, 1, 2, 3)) in found
+    assert not any(kind == "straggler" for kind, _ in found)
+
+
+def test_sub_millisecond_noise_is_not_a_slowdown() -> None:
+    now = time.time()
+    # 0.3 ms steps with jitter: 1.5x above the best window, but 0.15 ms a step is timer noise
+    gaps = {r: [0.0003] * 20 + [0.00045] * 10 for r in range(4)}
+    assert detect(_state(gaps, now), [], CFG, Memory(), now) == []
+
+
+def test_a_silent_live_rank_is_a_hang_once_another_advanced() -> None:
+    now = time.time()
+    state = _state({r: [0.1] * 30 for r in range(3)}, now)
+    silent = state.ranks[1]
+    silent.last_write = now - 120.0
+    silent.last_step = 5
+    assert ("hang", (1,)) in _kinds(detect(state, [], CFG, Memory(), now))
