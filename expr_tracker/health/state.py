@@ -29,8 +29,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from expr_tracker.procs import pid_alive
 from expr_tracker.store import records
 from expr_tracker.store.layout import parse_shard_name
@@ -208,13 +206,9 @@ def _parse_lines(data: bytes) -> list[dict[str, Any]]:
     as `stats.scan` does; line by line only when that fails (a torn or foreign line)."""
     if not data:
         return []
-    try:
-        recs = orjson.loads(b"[" + data[:-1].replace(b"\n", b",") + b"]")
-    except orjson.JSONDecodeError:
-        pass
-    else:
-        if len(recs) == data.count(b"\n") and set(map(type, recs)) == {dict}:
-            return recs
+    recs = records.loads_block(data)
+    if recs is not None:
+        return recs
     out = []
     for _, line in records.iter_lines(data):
         if line.strip():

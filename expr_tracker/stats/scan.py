@@ -88,13 +88,9 @@ def parse_rank_lines(body: bytes) -> tuple[list[dict[str, Any]], int]:
         # array, in C. If every line is one object there is no garbage, and step rows
         # among them are dropped later by `_kind`; otherwise the careful path below counts
         # garbage as `expr summary` does.
-        try:
-            recs = orjson.loads(b"[" + body[:-1].replace(b"\n", b",") + b"]")
-        except orjson.JSONDecodeError:
-            pass
-        else:
-            if len(recs) == body.count(b"\n") and set(map(type, recs)) == {dict}:
-                return recs, 0
+        recs = records.loads_block(body)
+        if recs is not None:
+            return recs, 0
     lines = body.split(b"\n")
     lines.pop()
     return _parse_lines(lines)

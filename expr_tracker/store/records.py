@@ -219,6 +219,19 @@ def loads(line: bytes | str) -> dict[str, Any]:
     return _decode_nonfinite(obj)
 
 
+def loads_block(data: bytes) -> list[dict[str, Any]] | None:
+    """Whole lines (`data` ends in a newline) parsed as one JSON array, in C: the objects as
+    they are (no NaN decoding), or None when a line is not exactly one JSON object (a torn
+    or foreign line: the caller then goes line by line with `loads`)."""
+    try:
+        recs = orjson.loads(b"[" + data[:-1].replace(b"\n", b",") + b"]")
+    except orjson.JSONDecodeError:
+        return None
+    if len(recs) != data.count(b"\n") or set(map(type, recs)) != {dict}:
+        return None
+    return recs
+
+
 def iter_lines(data: bytes) -> Iterator[tuple[int, bytes]]:
     """Yield (offset, line) for each complete line; an unterminated tail is ignored."""
     pos = 0
