@@ -60,8 +60,8 @@ def export_command(
     as_json: bool,
 ) -> None:
     """Write the rows of every rank of RUN to `out`."""
-    from expr_tracker.export import WRITERS, open_run
     from expr_tracker.store.runread import ALL_STREAMS
+    from expr_tracker.views.export import WRITERS, open_run
 
     from . import render
 

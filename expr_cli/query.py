@@ -1,4 +1,4 @@
-"""`expr query RUN SQL`: DuckDB SQL over the run's views, read-only (see expr_tracker.sqlviews)."""
+"""`expr query RUN SQL`: DuckDB SQL over the run's views, read-only (see expr_tracker.views.sql)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def query_command(run: str, sql: str, dir: str | None, as_json: bool, as_csv: bo
     from .extras import require
 
     require("duckdb", "query")
-    from expr_tracker.sqlviews import connect, run_query
+    from expr_tracker.views.sql import connect, run_query
 
     ref = resolve_run(run, root_dir(dir))
     with connect(ref.path) as con:

@@ -121,7 +121,7 @@ def history(n: int | None = 50, **kwargs: Any) -> Any:
 
 def read_run(run: str | os.PathLike[str], **kwargs: Any) -> Any:
     """Every rank's rows of a run as one pandas DataFrame (or Arrow table, or list of dicts)."""
-    from expr_tracker.export import read_run as _read_run
+    from expr_tracker.views.export import read_run as _read_run
 
     return _read_run(run, **kwargs)
 

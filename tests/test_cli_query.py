@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from expr_tracker.sqlviews import QueryError, connect, literal, run_query
+from expr_tracker.views.sql import QueryError, connect, literal, run_query
 from tests.conftest import write_shard
 from tests.test_cli_export import _blocked
 from tests.views_runs import make_run
