@@ -7,6 +7,8 @@
     retention = "3d"                     # finished, fully applied spool files are deleted after it
     crash_silence = "1h"                 # a file silent this long without `finish` is crashed
     trust_run_backends = false           # use a run's own (secret-free) backend specs
+    max_open_files = 256                 # shard descriptors held at once (default: half
+                                         # the descriptor limit, at most 1024)
 
     [alert.channels.ops]                 # same shape as expr_tracker.alerts (channels, policy)
     type = "webhook"
@@ -31,7 +33,8 @@ from typing import Any
 _DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*\Z")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 KEYS = ("spool", "state", "allowed_roots", "rescan_interval", "retention", "crash_silence",
-        "alert", "backends", "trust_run_backends", "checkpoint_interval", "status_interval")
+        "alert", "backends", "trust_run_backends", "checkpoint_interval", "status_interval",
+        "max_open_files")
 
 
 class ConfigError(ValueError):
@@ -53,6 +56,7 @@ class Config:
     trust_run_backends: bool = False
     checkpoint_interval: float = 1.0
     status_interval: float = 5.0
+    max_open_files: int | None = None
     source: str | None = None
 
     def allows(self, path: Path) -> bool:
@@ -60,6 +64,13 @@ class Config:
         if self.allowed_roots is None:
             return True
         return any(path == root or root in path.parents for root in self.allowed_roots)
+
+    def root_of(self, path: Path) -> Path | None:
+        """The allowed root `path` lies under (the outermost), None if none or unrestricted."""
+        if self.allowed_roots is None:
+            return None
+        under = [r for r in self.allowed_roots if path == r or r in path.parents]
+        return min(under, key=lambda r: len(r.parts)) if under else None
 
 
 def duration(value: Any, key: str) -> float:
@@ -126,6 +137,11 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"backends.{name}: {exc}") from None
         cfg.backends = {str(k): v for k, v in backends.items()}
+    if "max_open_files" in raw:
+        value = raw["max_open_files"]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"max_open_files must be an integer >= 1, got {value!r}")
+        cfg.max_open_files = value
     if "trust_run_backends" in raw:
         if not isinstance(raw["trust_run_backends"], bool):
             raise ConfigError("trust_run_backends must be true or false")

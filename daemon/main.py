@@ -37,6 +37,8 @@ from . import config as config_mod
 from . import status as status_mod
 from .config import Config, ConfigError
 from .notify import Notifier
+from .presence import Locked, Presence, hold
+from .state import StateDir
 from .tailer import FileTail, Tailer
 from .waker import Waker
 
@@ -76,11 +78,16 @@ class Daemon:
         self.config_path = config_path
         self.overrides = overrides or {}
         self.notifier = notifier or Notifier(None)
+        self.sdir = StateDir(self.state, readonly=dry_run)
+        self.presence = Presence(self.spool)
         if not dry_run:
-            self.state.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # one exprd per state directory and per spool root: a second one exits 2
+            self._lock_fd = hold(self.state, "the state directory")
+            self.presence.claim()
         self.dispatcher = None if dry_run else build_dispatcher(cfg)
         self.tailer = Tailer(cfg, self.spool, self.state, dispatcher=self.dispatcher,
-                             dry_run=dry_run, live=not replay)
+                             dry_run=dry_run, live=not replay, state_dir=self.sdir,
+                             max_open=max_open_files(cfg))
         self.wake = Waker()  # set from signal handlers too: never a threading.Event
         self.stopping = False
         self.reload_requested = False
@@ -190,7 +197,7 @@ class Daemon:
             now = time.monotonic()
             if same != self._last_status or now - self._status_written >= STATUS_HEARTBEAT:
                 try:
-                    status_mod.write(self.state, doc)
+                    status_mod.write(self.sdir, doc)
                     self._last_status, self._status_written = same, now
                 except OSError as exc:
                     log.error("cannot write status.json: %s", exc.strerror or exc)
@@ -214,11 +221,7 @@ class Daemon:
                 continue
             tail.mtime = st.st_mtime
             if st.st_size != tail.offset or st.st_ino != tail.ino:
-                if st.st_ino != tail.ino:
-                    self.tailer.forget(tail)
-                    tail = self.tailer.track(tail.path)
-                tail.size = st.st_size
-                out.append(tail)
+                out.append(tail)  # the pump tells a rotated or truncated file apart
         return out
 
     def run(self) -> int:
@@ -237,6 +240,7 @@ class Daemon:
         self.check_crashes()
         self.tailer.commit(force=True)
         self.status()
+        self.presence.beat(force=True)
         self.notifier.ready(f"tailing {len(self.tailer.tails)} spool files")
         self._ping()
         log.info("ready: %s (%d files, %s)", self.spool, len(self.tailer.tails),
@@ -269,13 +273,17 @@ class Daemon:
                 next_rescan = now + self.cfg.rescan_interval
                 if not self.watcher.running:
                     self.watcher.start()
+                if not self._claim():
+                    return self.shutdown(2)
                 self.scan()
                 due_now.update((t.key, t) for t in self._changed())
                 self.check_crashes()
                 self.tailer.expire(time.time())
             busy = self.pump(list(due_now.values()))
-            if due_now or self.tailer.forwarding():
-                self.tailer.commit()  # an idle daemon has nothing to flush or checkpoint
+            if due_now or self.tailer.forwarding() or self.tailer.blocked():
+                # an idle daemon has nothing to flush or checkpoint; a blocked shard retries
+                self.tailer.commit()
+            self.presence.beat()
             if now >= next_tick:
                 # time rules (no_data, age, elapsed) need a clock; without them, no wake-ups
                 next_tick = now + (1.0 if self.tailer.has_time_rules() else self.cfg.rescan_interval)
@@ -297,7 +305,16 @@ class Daemon:
             self.notifier.watchdog()
             self._next_ping = now + interval
 
-    def shutdown(self) -> int:
+    def _claim(self) -> bool:
+        """Lock the spool root once it exists; False if another exprd has it."""
+        try:
+            self.presence.claim()
+        except Locked as exc:
+            log.error("%s; stopping", exc)
+            return False
+        return True
+
+    def shutdown(self, code: int = 0) -> int:
         """Drain: flush shards, checkpoint, give backends and alerts a few seconds."""
         self.notifier.stopping()
         log.info("stopping: flushing shards and checkpoints")
@@ -308,22 +325,30 @@ class Daemon:
             self.dispatcher.close(DRAIN_SECONDS / 3)
         self.status()
         self.notifier.close()
-        return 0
+        return code
 
     def reload(self) -> None:
-        """SIGHUP: re-read the config; spool and state stay as they were."""
+        """SIGHUP: re-read the config; spool and state stay as they were.
+
+        Whatever fails (a bad file, a channel whose secret is not in the environment)
+        keeps the old config, with one line saying why.
+        """
         self.reload_requested = False
         try:
-            cfg = config_mod.load(self.config_path)
-        except ConfigError as exc:
-            log.error("reload failed, keeping the old config: %s", exc)
-            return
+            self._reload()
+        except (TrackerError, OSError, ValueError, TypeError, KeyError) as exc:
+            log.error("reload failed, keeping the old config: %s", _reason(exc))
+
+    def _reload(self) -> None:
+        cfg = config_mod.load(self.config_path)
         cfg = replace(cfg, **{k: v for k, v in self.overrides.items() if v is not None})
         if (cfg.spool is not None and cfg.spool.resolve() != self.spool) or cfg.state != self.state:
             log.warning("reload: spool and state cannot change without a restart; kept")
         cfg.spool, cfg.state = self.cfg.spool, self.cfg.state
-        if cfg.alert != self.cfg.alert:
-            old, self.dispatcher = self.dispatcher, build_dispatcher(cfg)
+        dispatcher = build_dispatcher(cfg) if cfg.alert != self.cfg.alert else None
+        # from here on nothing fails: the new config takes effect as a whole
+        if dispatcher is not None:
+            old, self.dispatcher = self.dispatcher, dispatcher
             self.tailer.dispatcher = self.dispatcher
             for tail in self.tailer.tails.values():
                 if tail.run is not None and tail.run.alerting:
@@ -332,6 +357,7 @@ class Daemon:
                 threading.Thread(target=old.close, args=(5.0,), daemon=True).start()
         self.cfg = cfg
         self.tailer.cfg = cfg
+        self.tailer.recheck(cfg)  # a narrower allowed_roots applies to open runs too
         log.info("reloaded %s", self.config_path or "the defaults")
 
 
@@ -342,6 +368,19 @@ def _raise_nofile() -> None:
         want = hard if hard != resource.RLIM_INFINITY else 65536
         if soft < want:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
+def max_open_files(cfg: Config) -> int:
+    """Shard descriptors held at once: the config's, never over half the descriptor limit
+    (spool reads, the watcher, state files and backends need the rest)."""
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ValueError, OSError):
+        soft = 1024
+    if soft == resource.RLIM_INFINITY:
+        soft = 65536
+    ceiling = max(4, soft // 2 - 16)
+    return min(cfg.max_open_files or 1024, ceiling)
 
 
 def replay_summary(doc: dict[str, Any], dry_run: bool) -> dict[str, Any]:
@@ -488,6 +527,7 @@ def entry(argv: list[str] | None = None) -> int:
         "spool": Path(args.spool).absolute() if args.spool else None,
         "state": Path(args.state).absolute() if args.state else None,
     }
+    _raise_nofile()
     try:
         cfg = config_mod.load(args.config)
         cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
@@ -495,9 +535,10 @@ def entry(argv: list[str] | None = None) -> int:
         daemon = Daemon(cfg, poll=args.poll, replay=args.replay, dry_run=args.dry_run,
                         notifier=Notifier(None) if args.replay else Notifier.from_env(),
                         config_path=args.config, overrides=overrides)
+    except Locked as exc:
+        return fail(str(exc))
     except (TrackerError, OSError, ValueError) as exc:  # ConfigError, a bad alert config
         return fail(str(exc) if report is None else _reason(exc))
-    _raise_nofile()
     _Signals.daemon = daemon
     daemon.stopping = _Signals.stop
     if not one_pass:

@@ -22,32 +22,23 @@ import orjson
 
 from expr_tracker.store import records
 from expr_tracker.store.layout import ShardPaths
+from expr_tracker.store.safedir import UnsafePath, open_dir, open_file, write_all, write_atomic_at
 
 FLUSH_BYTES = 64 * 1024
 MAX_BUFFER_BYTES = 64 * 1024 * 1024
 _READ_BLOCK = 256 * 1024
 
 Warn = Callable[[str, str], None]
+Opener = Callable[[str, int], int]
 
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Replace `path` with `data`: temp file, fsync, rename; never a half-written file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        _write_all(fd, data)
-        os.fsync(fd)
+        write_atomic_at(dfd, path.name, data)
     finally:
-        os.close(fd)
-    os.replace(tmp, path)
-
-
-def _write_all(fd: int, data: bytes | memoryview) -> None:
-    """os.write until everything is written (short writes happen on some filesystems)."""
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
+        os.close(dfd)
 
 
 def read_sidecar(path: Path) -> dict[str, Any] | None:
@@ -98,15 +89,20 @@ def _scan(data: bytes, cursor: Cursor, base: int) -> None:
     cursor.bytes = base + data.rfind(b"\n") + 1
 
 
-def repair_and_scan(paths: ShardPaths, hint: Mapping[str, Any] | None) -> tuple[Cursor, bool]:
+def repair_and_scan(paths: ShardPaths, hint: Mapping[str, Any] | None,
+                    opener: Opener | None = None) -> tuple[Cursor, bool]:
     """Move a torn tail to `<shard>.torn`, truncate, and compute the cursor.
 
     Uses the sidecar hint to avoid rescanning the whole file when it is consistent.
     Returns (cursor, repaired) where repaired says the sidecar disagreed with the file.
-    The caller holds whatever lock protects the shard.
+    The caller holds whatever lock protects the shard. `opener(name, flags)` opens a
+    file of the run directory (the writer's, which follows no symlink).
     """
+    if opener is None:
+        def opener(name: str, flags: int) -> int:
+            return os.open(paths.run_dir / name, flags | os.O_CLOEXEC, 0o644)
     try:
-        fd = os.open(paths.shard, os.O_RDWR)
+        fd = opener(paths.shard.name, os.O_RDWR)
     except FileNotFoundError:
         return Cursor(), hint is not None and bool(hint.get("cursor", {}).get("bytes"))
     try:
@@ -116,9 +112,9 @@ def repair_and_scan(paths: ShardPaths, hint: Mapping[str, Any] | None) -> tuple[
         original = size
         if tail_start < size:
             torn = os.pread(fd, size - tail_start, tail_start)
-            tfd = os.open(paths.torn, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            tfd = opener(paths.torn.name, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
             try:
-                _write_all(tfd, torn if torn.endswith(b"\n") else torn + b"\n")
+                write_all(tfd, torn if torn.endswith(b"\n") else torn + b"\n")
                 os.fsync(tfd)
             finally:
                 os.close(tfd)
@@ -198,8 +194,13 @@ class ShardWriter:
         dropped: dict[str, int] | None = None,
         flush_bytes: int = FLUSH_BYTES,
         max_buffer_bytes: int = MAX_BUFFER_BYTES,
+        anchor: Path | None = None,
     ) -> None:
         self.paths = paths
+        # exprd: the allowed root the run directory lies in; every directory below it is
+        # opened without following symlinks (see `_run_dir_fd`)
+        self.anchor = anchor
+        self.unsafe: str | None = None  # why a path was refused (a symlink...), if one was
         self.identity = dict(identity)
         self.shared = shared
         self.sidecar_enabled = write_sidecar
@@ -231,16 +232,73 @@ class ShardWriter:
         Failures are reported and retried at the next flush; they never raise.
         """
         try:
-            self.paths.run_dir.mkdir(parents=True, exist_ok=True)
-            hint = read_sidecar(self.paths.sidecar)
+            hint = self.read_hint()
             with self._locked_file():
-                self.cursor, self.repaired = repair_and_scan(self.paths, hint)
+                self.cursor, self.repaired = repair_and_scan(self.paths, hint, self.open_file)
             if hint and isinstance(hint.get("start_time"), (int, float)) and self.cursor.rows:
                 self.start_time = float(hint["start_time"])
             self._open_fd()
         except OSError as exc:
             self._fail("open", exc)
         return self.cursor
+
+    # -- files of the run directory ----------------------------------------
+    def _run_dir_fd(self, create: bool = True) -> int:
+        """A descriptor of the run directory, created if missing (when `create`).
+
+        With `anchor` (exprd: the allowed root) every directory below the anchor is opened
+        without following a symlink; without one (the SDK) the run directory is the path
+        the user gave. Files in it are never opened through a symlink either way.
+        """
+        run_dir = self.paths.run_dir
+        if self.anchor is None:
+            if create:
+                run_dir.mkdir(parents=True, exist_ok=True)
+            return os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            return open_dir(self.anchor, run_dir.relative_to(self.anchor).parts, create=create)
+        except UnsafePath as exc:
+            self.unsafe = str(exc)
+            raise
+
+    def open_file(self, name: str, flags: int) -> int:
+        """Open file `name` of the run directory (the shard, its torn file, an alerts file),
+        at this moment, following no symlink (`UnsafePath` if one is in the way). The run
+        directory is created only for a file opened with O_CREAT."""
+        dfd = self._run_dir_fd(create=bool(flags & os.O_CREAT))
+        try:
+            return open_file(dfd, name, flags, where=self.paths.run_dir)
+        except UnsafePath as exc:
+            self.unsafe = str(exc)
+            raise
+        finally:
+            os.close(dfd)
+
+    def scan(self) -> Cursor:
+        """The shard's cursor, reading only (nothing is created or repaired)."""
+        try:
+            fd = self.open_file(self.paths.shard.name, os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError):
+            return Cursor()
+        try:
+            return cursor_from(fd, os.fstat(fd).st_size, self.read_hint())
+        finally:
+            os.close(fd)
+
+    def read_hint(self) -> dict[str, Any] | None:
+        """The sidecar, read without following a symlink; None if missing or unreadable."""
+        try:
+            fd = self.open_file(self.paths.sidecar.name, os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        try:
+            with open(fd, "rb", closefd=False) as fh:
+                data = orjson.loads(fh.read())
+        except (OSError, orjson.JSONDecodeError):
+            return None
+        finally:
+            os.close(fd)
+        return data if isinstance(data, dict) else None
 
     @contextlib.contextmanager
     def _locked_file(self) -> Iterator[None]:
@@ -249,7 +307,7 @@ class ShardWriter:
             return
         # the same lock every flush of a shared shard takes: a repair must not cut off
         # a line another rank appends meanwhile
-        fd = os.open(self.paths.shard, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = self.open_file(self.paths.shard.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -269,11 +327,9 @@ class ShardWriter:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
-            self.paths.run_dir.mkdir(parents=True, exist_ok=True)
-        else:
-            # never opened: the run root was unwritable (or missing) at init; try again now
-            self.paths.run_dir.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.paths.shard, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        # never opened (the run root was unwritable or missing at init), deleted, or closed
+        # to give its descriptor back: (re)open it now, creating the run directory
+        self._fd = self.open_file(self.paths.shard.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         return self._fd
 
     # -- writing ---------------------------------------------------------
@@ -327,7 +383,7 @@ class ShardWriter:
             try:
                 before = os.fstat(fd).st_size
                 try:
-                    _write_all(fd, data)
+                    write_all(fd, data)
                 except OSError:
                     # never leave half a batch: cut the file back to where we started
                     with contextlib.suppress(OSError):
@@ -350,6 +406,27 @@ class ShardWriter:
         self.last_write = time.time()
         return True
 
+    @property
+    def is_open(self) -> bool:
+        """True while the shard's descriptor is open."""
+        return self._fd is not None
+
+    def release_fd(self) -> None:
+        """Close the descriptor (a pool of open files gives it back); the next flush reopens
+        the shard. Call it only with nothing buffered."""
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+
+    def discard(self) -> int:
+        """Forget buffered and pending rows (their caller keeps them elsewhere, as exprd's
+        spool does); returns how many rows that was."""
+        rows = self._pending_rows + self._buf.count(b"\n")
+        self._buf.clear()
+        self._pending, self._pending_rows = b"", 0
+        return rows
+
     def _keep_pending(self, data: bytes, nrows: int) -> None:
         """Keep failed data for a retry, within `max_buffer_bytes`; count what must go."""
         if len(data) > self.max_buffer_bytes:
@@ -367,6 +444,8 @@ class ShardWriter:
         self._pending_rows = nrows
 
     def _fail(self, op: str, exc: OSError) -> None:
+        if isinstance(exc, UnsafePath):
+            self.unsafe = str(exc)
         cause = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
         key = f"{op}:{cause}"
         self.errors[key] = self.errors.get(key, 0) + 1
@@ -396,7 +475,12 @@ class ShardWriter:
         if not self.sidecar_enabled:
             return
         try:
-            write_atomic(self.paths.sidecar, orjson.dumps(self.sidecar(), option=orjson.OPT_INDENT_2))
+            dfd = self._run_dir_fd()
+            try:
+                write_atomic_at(dfd, self.paths.sidecar.name,
+                                orjson.dumps(self.sidecar(), option=orjson.OPT_INDENT_2))
+            finally:
+                os.close(dfd)
         except OSError as exc:
             self._fail("sidecar", exc)
 
