@@ -126,7 +126,8 @@ class Tailer:
             pass
         cp = self.checkpoints.files.get(key)
         if cp and cp.get("ino") == tail.ino and isinstance(cp.get("shard"), int):
-            tail.offset = tail.committed = min(cp["shard"], tail.size)
+            # not clamped to the size: a file truncated meanwhile is reported by the pump
+            tail.offset = tail.committed = cp["shard"]
             tail.seq = int(cp.get("seq", -1))
             tail.state = str(cp.get("state", "new"))
             tail.reason = str(cp.get("reason", ""))
@@ -409,7 +410,7 @@ class Tailer:
                 self._log_bad(tail, start, end, "event before its init")
             else:
                 self._open_run(tail, ev)
-                tail.seq = 0
+                tail.seq = max(tail.seq, 0)  # a truncated file's init is read again
             return
         if seq <= tail.seq:
             self._log_bad(tail, start, end, f"_seq repeat: {seq} after {tail.seq}")

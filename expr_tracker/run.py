@@ -149,13 +149,23 @@ class Run:
             backends = [backends]
         self._backend_specs = list(backends)
         self._backend_objs: list[Any] = []
-        if self._backend_specs:
+        if self._backend_specs and mode == "spool":
+            # exprd sends, with its own [backends.NAME] (URLs and tokens live there): a bare
+            # name is that name, checked here only as a name; a mapping is checked in full
+            from expr_tracker.backends.registry import make_backend
+
+            for spec in self._backend_specs:
+                if isinstance(spec, str):
+                    validate_name(spec, "backends")
+                elif isinstance(spec, Mapping):
+                    make_backend(spec)
+                else:
+                    raise ValueError("backends: a backend object cannot travel through the "
+                                     "spool; use a name from exprd's config or a mapping")
+        elif self._backend_specs:
             from expr_tracker.backends.registry import make_backend
 
             self._backend_objs = [make_backend(spec) for spec in self._backend_specs]
-            if mode == "spool" and any(not isinstance(b, (str, Mapping)) for b in self._backend_specs):
-                raise ValueError("backends: a backend object cannot travel through the spool; "
-                                 "use 'wandb', 'trackio' or an http mapping in spool mode")
 
         self.paths: ShardPaths = shard_paths(
             self.root, self.project, self.name, self.stream, self.rank if rank_aware else 0
