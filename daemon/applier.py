@@ -39,10 +39,9 @@ class ShardSlot:
 
     def __init__(self, spec: RunSpec, warn: Callable[[str, str], None]) -> None:
         self.paths = spec.paths
-        self._warn_up = warn
         self.writer = ShardWriter(
             spec.paths, spec.writer_identity(), shared=not spec.rank_aware,
-            write_sidecar=spec.rank_aware or spec.rank == 0, warn=self._warn, dropped={},
+            write_sidecar=spec.rank_aware or spec.rank == 0, warn=warn, dropped={},
             anchor=spec.anchor,
         )
         try:  # read-only, nothing created; the writer rescans when it opens
@@ -51,16 +50,11 @@ class ShardSlot:
             self.applied = {}  # an unsafe path is in writer.unsafe; the rest shows at open
         self.opened = False  # the writer's cursor is computed and its file was opened once
         self.blocked = ""  # why buffered rows cannot be written right now
-        self.last_error = ""
         self.pending: dict[str, int] = {}  # session -> last seq appended, not yet flushed
         self.refs = 0
         self.newest = self.first_time = spec.time
         self.sidecar_dirty = False
         self.last_sidecar = 0.0
-
-    def _warn(self, cause: str, message: str) -> None:
-        self.last_error = message.split(": ", 2)[-1] if ": " in message else message
-        self._warn_up(cause, message)
 
     def open(self) -> bool:
         """Open the writer (repair, cursor); False if that failed (retried at the next flush)."""
@@ -68,7 +62,7 @@ class ShardSlot:
             return True
         cursor = self.writer.open()
         if not self.writer.is_open:
-            self.blocked = self.last_error or "cannot open the shard"
+            self.blocked = self.writer.last_error or "cannot open the shard"
             return False
         self.opened = True
         if not cursor.rows and self.first_time:
@@ -83,7 +77,7 @@ class ShardSlot:
             return not self.writer.buffered()
         ok = self.writer.flush()
         if not ok:
-            self.blocked = self.last_error or "cannot write the shard"
+            self.blocked = self.writer.last_error or "cannot write the shard"
             return False
         self.blocked = ""
         if self.pending:
@@ -106,7 +100,9 @@ class ShardSlot:
         self.sidecar_dirty = True
 
     def write_sidecar(self) -> None:
-        if self.opened and self.sidecar_dirty:
+        """Rewrite the sidecar if it changed, and never while rows wait to be written: it
+        would call the shard finished (or count rows) ahead of the file."""
+        if self.opened and self.sidecar_dirty and not self.writer.buffered():
             self.sidecar_dirty = False
             self.last_sidecar = time.monotonic()
             self.writer.write_sidecar()

@@ -46,6 +46,7 @@ class FileTail:
     offset: int = 0  # next byte to read: every line before it is consumed
     committed: int = 0  # offset covered by flushed shard data (what the checkpoint says)
     seq: int = -1  # last `_seq` consumed
+    committed_seq: int = -1  # last `_seq` before `committed`
     state: str = "new"  # new | live | finished | crashed | refused
     reason: str = ""
     host: str = ""
@@ -68,8 +69,14 @@ class FileTail:
         return str(self.path)
 
     def checkpoint(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"ino": self.ino, "shard": self.committed, "seq": self.seq,
-                               "state": self.state, "host": self.host, "pid": self.pid,
+        """What `checkpoints.json` keeps: the committed offset and the seq and state there
+        (a file read further than its shard could be written is not finished yet)."""
+        state, seq = self.state, self.seq
+        if self.committed < self.offset:
+            seq = self.committed_seq
+            state = "live" if state in ("finished", "crashed") else state
+        out: dict[str, Any] = {"ino": self.ino, "shard": self.committed, "seq": seq,
+                               "state": state, "host": self.host, "pid": self.pid,
                                "pid_start": self.pid_start}
         if self.reason:
             out["reason"] = self.reason
@@ -128,7 +135,7 @@ class Tailer:
         if cp and cp.get("ino") == tail.ino and isinstance(cp.get("shard"), int):
             # not clamped to the size: a file truncated meanwhile is reported by the pump
             tail.offset = tail.committed = cp["shard"]
-            tail.seq = int(cp.get("seq", -1))
+            tail.seq = tail.committed_seq = int(cp.get("seq", -1))
             tail.state = str(cp.get("state", "new"))
             tail.reason = str(cp.get("reason", ""))
             tail.host, tail.pid = str(cp.get("host", "")), cp.get("pid")
@@ -493,7 +500,7 @@ class Tailer:
                 run = None
             ok = run is None or slots_ok.get(id(run.slot), not run.blocked)
             if ok:
-                tail.committed = tail.offset
+                tail.committed, tail.committed_seq = tail.offset, tail.seq
             if run is not None:
                 self._settle(tail, run)
                 if ok and tail.state in ("finished", "crashed", "refused") and not run.closing():

@@ -201,6 +201,7 @@ class ShardWriter:
         # opened without following symlinks (see `_run_dir_fd`)
         self.anchor = anchor
         self.unsafe: str | None = None  # why a path was refused (a symlink...), if one was
+        self.last_error = ""  # the last failure's reason (strerror), for status displays
         self.identity = dict(identity)
         self.shared = shared
         self.sidecar_enabled = write_sidecar
@@ -446,6 +447,7 @@ class ShardWriter:
     def _fail(self, op: str, exc: OSError) -> None:
         if isinstance(exc, UnsafePath):
             self.unsafe = str(exc)
+        self.last_error = exc.strerror or str(exc)
         cause = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
         key = f"{op}:{cause}"
         self.errors[key] = self.errors.get(key, 0) + 1
