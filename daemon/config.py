@@ -65,6 +65,19 @@ class Config:
             return True
         return any(path == root or root in path.parents for root in self.allowed_roots)
 
+    def open_files_bound(self) -> int:
+        """Shard descriptors held at once: `max_open_files`, never over half the process's
+        descriptor limit (spool reads, the watcher, state files and backends need the rest)."""
+        import resource
+
+        try:
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        except (ValueError, OSError):
+            soft = 1024
+        if soft == resource.RLIM_INFINITY:
+            soft = 65536
+        return min(self.max_open_files or 1024, max(4, soft // 2 - 16))
+
     def root_of(self, path: Path) -> Path | None:
         """The allowed root `path` lies under (the outermost), None if none or unrestricted."""
         if self.allowed_roots is None:

@@ -29,25 +29,24 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from expr_tracker.errors import TrackerError
 
 from . import config as config_mod
+from . import retire
 from . import status as status_mod
 from .config import Config, ConfigError
+from .filetail import FileTail
 from .notify import Notifier
 from .presence import Locked, Presence, hold
+from .progress import JsonProgress, replay_summary
 from .state import StateDir
-from .tailer import FileTail, Tailer
+from .tailer import Tailer
 from .waker import Waker
 
 log = logging.getLogger("exprd")
 STATUS_HEARTBEAT = 30.0  # seconds between status.json rewrites when nothing changed
 DRAIN_SECONDS = 6.0  # of the 10 s systemd (and the tests) allow after SIGTERM
 Progress = Callable[[int, int, int], None]
-SUMMARY_KEYS = ("files", "applied", "skipped", "quarantined", "finished", "crashed", "refused",
-                "live")
 
 
 def build_dispatcher(cfg: Config) -> Any:
@@ -87,7 +86,7 @@ class Daemon:
         self.dispatcher = None if dry_run else build_dispatcher(cfg)
         self.tailer = Tailer(cfg, self.spool, self.state, dispatcher=self.dispatcher,
                              dry_run=dry_run, live=not replay, state_dir=self.sdir,
-                             max_open=max_open_files(cfg))
+                             max_open=cfg.open_files_bound())
         self.wake = Waker()  # set from signal handlers too: never a threading.Event
         self.stopping = False
         self.reload_requested = False
@@ -170,7 +169,7 @@ class Daemon:
     def check_crashes(self) -> None:
         now = time.time()
         for tail in list(self.tailer.tails.values()):
-            self.tailer.check_crash(tail, now)
+            retire.check_crash(self.tailer, tail, now)
 
     def run_once(self, progress: Progress | None = None) -> dict[str, Any]:
         """Apply everything complete in the spool once (replay and --once); returns status."""
@@ -239,8 +238,8 @@ class Daemon:
             self._ping()
         self.check_crashes()
         self.tailer.commit(force=True)
+        self.presence.beat(force=True)  # before the first status: ready means both are there
         self.status()
-        self.presence.beat(force=True)
         self.notifier.ready(f"tailing {len(self.tailer.tails)} spool files")
         self._ping()
         log.info("ready: %s (%d files, %s)", self.spool, len(self.tailer.tails),
@@ -278,7 +277,7 @@ class Daemon:
                 self.scan()
                 due_now.update((t.key, t) for t in self._changed())
                 self.check_crashes()
-                self.tailer.expire(time.time())
+                retire.expire(self.tailer, time.time())
             busy = self.pump(list(due_now.values()))
             if due_now or self.tailer.forwarding() or self.tailer.blocked():
                 # an idle daemon has nothing to flush or checkpoint; a blocked shard retries
@@ -370,79 +369,10 @@ def _raise_nofile() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
-def max_open_files(cfg: Config) -> int:
-    """Shard descriptors held at once: the config's, never over half the descriptor limit
-    (spool reads, the watcher, state files and backends need the rest)."""
-    try:
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (ValueError, OSError):
-        soft = 1024
-    if soft == resource.RLIM_INFINITY:
-        soft = 65536
-    ceiling = max(4, soft // 2 - 16)
-    return min(cfg.max_open_files or 1024, ceiling)
-
-
-def replay_summary(doc: dict[str, Any], dry_run: bool) -> dict[str, Any]:
-    """What one pass did, from its status document (the object `expr replay --json` prints)."""
-    totals = doc.get("totals", {})
-    return {"dry_run": dry_run, **{k: int(totals.get(k, 0)) for k in SUMMARY_KEYS}}
-
-
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror and exc.filename:
         return f"{exc.strerror}: {exc.filename}"
     return str(exc) or type(exc).__name__
-
-
-class JsonProgress:
-    """`--progress json`: one JSON object per line on stdout, nothing else there.
-
-    Lines: `{"type": "progress", "files_done", "files_total", "events", "events_per_s"}`
-    (at most every `every` seconds, and once at the end), then one
-    `{"type": "summary", ...replay_summary}` or `{"type": "error", "message"}`.
-    """
-
-    def __init__(self, every: float = 0.1) -> None:
-        # stdout must carry only these lines: whatever else prints to it (a backend's
-        # library, a stray print) is sent to stderr, next to the log lines
-        self.out = os.fdopen(os.dup(1), "w", encoding="utf-8")
-        os.dup2(2, 1)
-        self.every = every
-        self.start = time.monotonic()
-        self.due = 0.0
-        self.last: tuple[int, int, int] | None = None
-        self.shown = True
-
-    def emit(self, obj: dict[str, Any]) -> None:
-        """Write one object as a line and flush it (the reader renders as it goes)."""
-        self.out.write(orjson.dumps(obj).decode() + "\n")
-        self.out.flush()
-
-    def __call__(self, done: int, total: int, events: int) -> None:
-        self.last, self.shown = (done, total, events), False
-        now = time.monotonic()
-        if now >= self.due:
-            self.due = now + self.every
-            self._progress(now)
-
-    def _progress(self, now: float) -> None:
-        if self.last is None:
-            return
-        done, total, events = self.last
-        self.shown = True
-        self.emit({"type": "progress", "files_done": done, "files_total": total,
-                   "events": events, "events_per_s": round(events / max(now - self.start, 1e-6), 1)})
-
-    def summary(self, summary: dict[str, Any]) -> None:
-        """The last progress (if not yet shown), then the summary."""
-        if not self.shown:
-            self._progress(time.monotonic())
-        self.emit({"type": "summary", **summary})
-
-    def error(self, message: str) -> None:
-        """The one failure line; the exit code says it failed."""
-        self.emit({"type": "error", "message": message})
 
 
 def parser() -> argparse.ArgumentParser:

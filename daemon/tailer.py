@@ -16,73 +16,23 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import socket
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from expr_tracker.spool import SpoolReader, pid_alive
+from expr_tracker.spool import SpoolReader
 
 from .applier import RunPipeline, ShardPool, forget_file
 from .config import Config
+from .filetail import FileTail
 from .spec import InitError, check_init
 from .state import Checkpoints, Quarantine, StateDir
 
 log = logging.getLogger("exprd")
 MAX_LOGGED = 10  # quarantine log lines per file; the rest are counted in status.json
 LOG_AGAIN = 3600.0  # a cause already logged is logged again (with its count) after this
-HOST = socket.gethostname()
-
-
-@dataclass
-class FileTail:
-    """What exprd knows about one spool file."""
-
-    path: Path
-    ino: int = 0
-    offset: int = 0  # next byte to read: every line before it is consumed
-    committed: int = 0  # offset covered by flushed shard data (what the checkpoint says)
-    seq: int = -1  # last `_seq` consumed
-    committed_seq: int = -1  # last `_seq` before `committed`
-    state: str = "new"  # new | live | finished | crashed | refused
-    reason: str = ""
-    host: str = ""
-    pid: int | None = None
-    pid_start: int | None = None
-    size: int = 0
-    mtime: float = 0.0
-    behind_since: float | None = None
-    backends: dict[str, int] = field(default_factory=dict)
-    run: RunPipeline | None = None
-    logged: int = 0
-    quarantined: int = 0
-    applied: int = 0  # record events written to the shard by this process
-    skipped: int = 0  # record events the shard already held
-    drained: bool = False  # the last pump read every complete line there was
-    read_error: str = ""  # why the last read failed (EMFILE...): retried, never "torn"
-
-    @property
-    def key(self) -> str:
-        return str(self.path)
-
-    def checkpoint(self) -> dict[str, Any]:
-        """What `checkpoints.json` keeps: the committed offset and the seq and state there
-        (a file read further than its shard could be written is not finished yet)."""
-        state, seq = self.state, self.seq
-        if self.committed < self.offset:
-            seq = self.committed_seq
-            state = "live" if state in ("finished", "crashed") else state
-        out: dict[str, Any] = {"ino": self.ino, "shard": self.committed, "seq": seq,
-                               "state": state, "host": self.host, "pid": self.pid,
-                               "pid_start": self.pid_start}
-        if self.reason:
-            out["reason"] = self.reason
-        if self.backends:
-            out["backends"] = dict(self.backends)
-        return out
 
 
 def _cause(exc: OSError) -> str:
@@ -101,7 +51,7 @@ class Tailer:
         self.dispatcher = dispatcher
         self.dry_run = dry_run
         self.live = live  # a daemon (time rules, retention) rather than a one-shot replay
-        self.pool = ShardPool(self._warn, max_open)
+        self.pool = ShardPool(self.warn, max_open)
         sdir = state_dir or StateDir(state, readonly=dry_run)
         self.checkpoints = Checkpoints(sdir)
         self.quarantine = Quarantine(sdir)
@@ -109,7 +59,7 @@ class Tailer:
         self.errors: dict[str, int] = {}
         self._logged: dict[str, float] = {}
 
-    def _warn(self, cause: str, message: str) -> None:
+    def warn(self, cause: str, message: str) -> None:
         """Count every failure; log a cause once (and again, with its count, hourly)."""
         n = self.errors[cause] = self.errors.get(cause, 0) + 1
         now = time.monotonic()
@@ -200,7 +150,7 @@ class Tailer:
 
     def _lost(self, tail: FileTail, kind: str, reason: str) -> None:
         self.quarantine.put(tail.path, tail.offset, tail.offset, f"{kind}: {reason}", copy=False)
-        self._warn(f"{kind}:{tail.path}", f"{tail.path}: {reason}")
+        self.warn(f"{kind}:{tail.path}", f"{tail.path}: {reason}")
 
     def forget(self, tail: FileTail) -> None:
         if tail.run is not None:
@@ -214,7 +164,7 @@ class Tailer:
             except ValueError:
                 pass  # not under the spool root: nothing was kept for it
 
-    def _log_bad(self, tail: FileTail, start: int, end: int, reason: str, copy: bool = True) -> None:
+    def log_bad(self, tail: FileTail, start: int, end: int, reason: str, copy: bool = True) -> None:
         tail.quarantined += 1
         self.quarantine.put(tail.path, start, end, reason, copy=copy)
         tail.logged += 1
@@ -311,7 +261,7 @@ class Tailer:
         except OSError as exc:
             # EMFILE, ENFILE, EIO: temporary; the lines are read again, never called torn
             tail.read_error = exc.strerror or str(exc)
-            self._warn(f"read:{_cause(exc)}", f"cannot read {tail.path}: {tail.read_error}")
+            self.warn(f"read:{_cause(exc)}", f"cannot read {tail.path}: {tail.read_error}")
             return False
         finally:
             if tail.run is not None:
@@ -400,46 +350,46 @@ class Tailer:
     def _line(self, tail: FileTail, start: int, end: int, line: bytes, ev: Any) -> None:
         """One line the fast case did not take: `ev` is its parse (None: over 16 MiB)."""
         if ev is None:
-            self._log_bad(tail, start, end, "line over 16 MiB")
+            self.log_bad(tail, start, end, "line over 16 MiB")
             return
         if isinstance(ev, Exception):
             why = "not UTF-8" if "utf-8" in str(ev).lower() else "not JSON"
-            self._log_bad(tail, start, end, why)
+            self.log_bad(tail, start, end, why)
             return
         seq = ev.get("_seq") if type(ev) is dict else None
         if type(seq) is not int or seq < 0:
-            self._log_bad(tail, start, end, "not an event (a JSON object with _seq)")
+            self.log_bad(tail, start, end, "not an event (a JSON object with _seq)")
             return
         kind = ev.get("_event")
         run = tail.run
         if run is None:
             if kind != "init" or seq != 0:
-                self._log_bad(tail, start, end, "event before its init")
+                self.log_bad(tail, start, end, "event before its init")
             else:
                 self._open_run(tail, ev)
                 tail.seq = max(tail.seq, 0)  # a truncated file's init is read again
             return
         if seq <= tail.seq:
-            self._log_bad(tail, start, end, f"_seq repeat: {seq} after {tail.seq}")
+            self.log_bad(tail, start, end, f"_seq repeat: {seq} after {tail.seq}")
             return
         if seq != tail.seq + 1:
             # events went missing (the writer dropped them): say so, keep this one
-            self._log_bad(tail, start, start, f"_seq gap: {tail.seq + 1}..{seq - 1} missing",
+            self.log_bad(tail, start, start, f"_seq gap: {tail.seq + 1}..{seq - 1} missing",
                           copy=False)
         if tail.state == "finished":
-            self._log_bad(tail, start, end, "event after finish")
+            self.log_bad(tail, start, end, "event after finish")
             return
         tail.seq = seq
         if kind is None:
             rkind = ev.get("_kind")
             if rkind is not None and rkind != "rank":
-                self._log_bad(tail, start, end, f"unknown _kind {rkind!r}")
+                self.log_bad(tail, start, end, f"unknown _kind {rkind!r}")
                 return
             if "_sid" in ev:
                 # exprd's bookkeeping field: set from the file's session, never from the line
                 del ev["_sid"]
                 line = orjson.dumps(ev)
-                self._warn(f"spool_sid:{tail.path}", f"{tail.path}: a record carries its own "
+                self.warn(f"spool_sid:{tail.path}", f"{tail.path}: a record carries its own "
                            "_sid; exprd replaced it with the file's session")
             if run.record(ev, line, seq, start):
                 tail.applied += 1
@@ -455,38 +405,7 @@ class Tailer:
                        float(when) if isinstance(when, (int, float)) else time.time(), seq)
             tail.state = "finished"
         else:
-            self._log_bad(tail, start, end, f"unknown event {kind!r}")
-
-    # -- crash detection -----------------------------------------------------------------
-    def check_crash(self, tail: FileTail, now: float) -> None:
-        """No finish and the writer is gone (or silent too long): the shard is `crashed`."""
-        if tail.state != "live":
-            return
-        try:
-            st = tail.path.stat()
-        except OSError:
-            return
-        tail.size, tail.mtime = st.st_size, st.st_mtime
-        if tail.host == HOST and tail.pid is not None:
-            if pid_alive(tail.pid, tail.pid_start):
-                return
-            why = f"writer pid {tail.pid} is gone"
-        elif now - st.st_mtime > self.cfg.crash_silence:
-            why = f"silent for {now - st.st_mtime:.0f} s"
-        else:
-            return
-        while self.pump(tail, 64 << 20):
-            pass
-        if tail.state != "live" or not tail.drained:
-            return  # not read to its end (a read error, a blocked shard): try again later
-        if tail.size > tail.offset:
-            self._log_bad(tail, tail.offset, tail.size, "torn tail: its writer is gone")
-            tail.offset = tail.size
-        log.warning("%s: no finish and %s; marking %s crashed", tail.path, why,
-                    tail.run.spec.paths.shard if tail.run else "its shard")
-        if tail.run is not None:
-            tail.run.finish("crashed", now)
-        tail.state = "crashed"
+            self.log_bad(tail, start, end, f"unknown event {kind!r}")
 
     # -- committing ----------------------------------------------------------------------
     def commit(self, *, force: bool = False, sidecar_interval: float = 2.0) -> None:
@@ -544,28 +463,6 @@ class Tailer:
         for tail in self.tails.values():
             if tail.run is not None and tail.state == "live":
                 tail.run.tick(now)
-
-    def expire(self, now: float) -> int:
-        """Delete finished, fully applied spool files older than the retention."""
-        removed = 0
-        for tail in list(self.tails.values()):
-            if tail.state != "finished" or tail.run is not None or tail.committed < tail.size:
-                continue
-            if any(off < tail.size for off in tail.backends.values()):
-                continue
-            if now - tail.mtime < self.cfg.retention:
-                continue
-            try:
-                tail.path.unlink()
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                self._warn(f"unlink:{tail.path}", f"cannot delete {tail.path}: {exc.strerror}")
-                continue
-            log.info("deleted %s (finished and applied)", tail.path)
-            self.forget(tail)
-            removed += 1
-        return removed
 
     def close(self, timeout: float = 5.0) -> None:
         """Final commit; close every pipeline and shard."""
