@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench completions clean
+.PHONY: demo test lint bench torture completions clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ bench: $(STAMP)
 	$(PY) bench/log_overhead.py
 	$(PY) bench/summary.py
 	$(PY) bench/daemon.py
+
+# minutes of kill -9, a full run root and a descriptor limit (needs root: it mounts a tmpfs)
+torture: $(STAMP)
+	$(PY) bench/torture.py
 
 completions: $(STAMP)
 	$(PY) -m expr_cli.completions completions
