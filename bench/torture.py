@@ -18,6 +18,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -124,50 +125,61 @@ def main() -> None:
     per = int(sys.argv[3]) if len(sys.argv) > 3 else 25
     steps = int(sys.argv[4]) if len(sys.argv) > 4 else 3000
     rng = random.Random(20261130)
-    with tempfile.TemporaryDirectory(prefix="exprd-torture-") as t:
-        tmp = Path(t)
-        spool, state, root = tmp / "spool", tmp / "state", tmp / "runs"
-        root.mkdir()
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_MB}m", "tmpfs", str(root)],
-                       check=True)
-        try:
-            spool.mkdir(mode=0o700)
-            cfg = tmp / "exprd.toml"
-            cfg.write_text(f"spool = {json.dumps(str(spool))}\nstate = {json.dumps(str(state))}\n"
-                           f"allowed_roots = [{json.dumps(str(root))}]\nrescan_interval = 1\n"
-                           "status_interval = 1\n")
-            log = tmp / "exprd.log"
-            env = {k: v for k, v in os.environ.items() if not k.startswith("EXPR_")}
-            procs = [subprocess.Popen([sys.executable, "-c",
-                                       writer_code(spool, root, w, per, steps, seconds)], env=env)
-                     for w in range(writers)]
-            filler = Filler(root, rng)
-            filler.thread.start()
-            kills = 0
+    tmp = Path(tempfile.mkdtemp(prefix="exprd-torture-"))
+    procs: list[subprocess.Popen[bytes]] = []
+    d: subprocess.Popen[bytes] | None = None
+    ok = False
+    spool, state, root = tmp / "spool", tmp / "state", tmp / "runs"
+    root.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_MB}m", "tmpfs", str(root)],
+                   check=True)
+    try:
+        spool.mkdir(mode=0o700)
+        cfg = tmp / "exprd.toml"
+        cfg.write_text(f"spool = {json.dumps(str(spool))}\nstate = {json.dumps(str(state))}\n"
+                       f"allowed_roots = [{json.dumps(str(root))}]\nrescan_interval = 1\n"
+                       "status_interval = 1\n")
+        log = tmp / "exprd.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("EXPR_")}
+        procs = [subprocess.Popen([sys.executable, "-c",
+                                   writer_code(spool, root, w, per, steps, seconds)], env=env)
+                 for w in range(writers)]
+        filler = Filler(root, rng)
+        filler.thread.start()
+        kills = 0
+        d = start_exprd(cfg, log)
+        t0 = time.monotonic()
+        while any(p.poll() is None for p in procs) or time.monotonic() - t0 < seconds:
+            time.sleep(rng.uniform(0.5, 4.0))
+            d.kill()  # SIGKILL: no drain, no checkpoint, maybe half a write
+            d.wait()
+            kills += 1
             d = start_exprd(cfg, log)
-            t0 = time.monotonic()
-            while any(p.poll() is None for p in procs) or time.monotonic() - t0 < seconds:
-                time.sleep(rng.uniform(0.5, 4.0))
-                d.kill()  # SIGKILL: no drain, no checkpoint, maybe half a write
-                d.wait()
-                kills += 1
-                d = start_exprd(cfg, log)
-            assert all(p.wait() == 0 for p in procs)
-            filler.finish()
-            names = [f"w{w}-r{i}" for w in range(writers) for i in range(per)]
-            deadline = time.monotonic() + 120
-            while not shards_done(root, names, steps):
-                if time.monotonic() > deadline:
-                    raise SystemExit("shards not finished 120 s after the writers")
-                time.sleep(0.5)
-            d.send_signal(signal.SIGTERM)
-            d.wait(15)
-            elapsed = time.monotonic() - t0
-            rows, lost, dup = check(root, names, steps)
-            status = json.loads((state / "status.json").read_text())
-            errors = status.get("errors", {})
-        finally:
-            subprocess.run(["umount", str(root)], check=False)
+        assert all(p.wait() == 0 for p in procs)
+        filler.finish()
+        names = [f"w{w}-r{i}" for w in range(writers) for i in range(per)]
+        deadline = time.monotonic() + 120
+        while not shards_done(root, names, steps):
+            if time.monotonic() > deadline:
+                late = [n for n in names if not shards_done(root, [n], steps)]
+                raise SystemExit(f"{len(late)} shards not finished 120 s after the writers "
+                                 f"(e.g. {late[:3]}); state and log kept in {tmp}")
+            time.sleep(0.5)
+        d.send_signal(signal.SIGTERM)
+        d.wait(15)
+        elapsed = time.monotonic() - t0
+        rows, lost, dup = check(root, names, steps)
+        status = json.loads((state / "status.json").read_text())
+        errors = status.get("errors", {})
+        ok = True
+    finally:
+        for p in [*procs, *([d] if d is not None else [])]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        subprocess.run(["umount", str(root)], check=False)
+        if ok:
+            shutil.rmtree(tmp, ignore_errors=True)
     events = writers * per * steps
     table = [
         ("duration", f"{elapsed:.0f} s"),

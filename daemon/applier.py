@@ -99,13 +99,18 @@ class ShardSlot:
         self.writer.end_time = when
         self.sidecar_dirty = True
 
-    def write_sidecar(self) -> None:
+    def write_sidecar(self) -> bool:
         """Rewrite the sidecar if it changed, and never while rows wait to be written: it
-        would call the shard finished (or count rows) ahead of the file."""
-        if self.opened and self.sidecar_dirty and not self.writer.buffered():
+        would call the shard finished (or count rows) ahead of the file. True once the
+        sidecar on disk is up to date (a failed write is retried)."""
+        if not self.sidecar_dirty:
+            return True
+        if self.writer.buffered() or not self.open():
+            return False
+        self.last_sidecar = time.monotonic()
+        if self.writer.write_sidecar():
             self.sidecar_dirty = False
-            self.last_sidecar = time.monotonic()
-            self.writer.write_sidecar()
+        return not self.sidecar_dirty
 
     def close(self) -> None:
         """Flush, write the sidecar if it changed, close the descriptor.
@@ -280,6 +285,11 @@ class RunPipeline:
     def closing(self) -> bool:
         """True while a backend is still finishing (the run stays open until it is done)."""
         return any(t.is_alive() for t in self.forwarder._closers)
+
+    def status_written(self) -> bool:
+        """The shard's rows and status are on disk (flushed, sidecar written): a finished
+        file may be checkpointed as finished and its run closed."""
+        return self.slot.flush() and self.slot.write_sidecar()
 
     def checkpointed(self) -> None:
         """The checkpoint is on disk: the backends' journals may forget what it covers."""

@@ -420,13 +420,17 @@ class Tailer:
             ok = run is None or slots_ok.get(id(run.slot), not run.blocked)
             if ok:
                 tail.committed, tail.committed_seq = tail.offset, tail.seq
-            if run is not None:
-                self._settle(tail, run)
-                if ok and tail.state in ("finished", "crashed", "refused") and not run.closing():
-                    run.close()
-                    tail.run = None
             lag = tail.size - tail.committed
             tail.behind_since = (tail.behind_since or now) if lag > 0 else None
+            if run is not None:
+                self._settle(tail, run)
+                if tail.state in ("finished", "crashed", "refused"):
+                    if not ok or run.closing() or not run.status_written():
+                        # a finished file is checkpointed as such only once the shard's
+                        # status is on disk: until then a restart reads its end again
+                        continue
+                    run.close()
+                    tail.run = None
             self.checkpoints.put(tail.key, tail.checkpoint())
         self.pool.sidecars(0.0 if force else sidecar_interval)
         if force or now - self.checkpoints.saved_at >= self.cfg.checkpoint_interval:
@@ -447,8 +451,10 @@ class Tailer:
         return any(t.run is not None and t.run.feeds_backends for t in self.tails.values())
 
     def blocked(self) -> bool:
-        """True if some shard holds rows it could not write yet (retried at each commit)."""
-        return any(t.run is not None and t.run.blocked for t in self.tails.values())
+        """True if some shard holds rows (or a status) it could not write yet: retried at
+        each commit."""
+        return any(t.run is not None and (t.run.blocked or t.state != "live")
+                   for t in self.tails.values())
 
     def has_time_rules(self) -> bool:
         """True if some live run has a rule that needs the clock (no_data, age, elapsed)."""

@@ -45,15 +45,20 @@ def test_full_disk_blocks_keeps_the_checkpoint_behind_and_lands_every_row_once(
     cfg = write_config(tmp_path / "exprd.toml", spool, state, [mnt])
     log = tmp_path / "exprd.log"
     result = _in_namespace(f"""
-        import json, os, signal, subprocess, sys, time
+        import atexit, json, os, signal, subprocess, sys, time
         EXPRD, cfg, state, mnt = {EXPRD!r}, {str(cfg)!r}, {str(state)!r}, {str(mnt)!r}
         shard = os.path.join(mnt, "proj", "full", "metrics.jsonl")
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", mnt], check=True)
 
+        started = []
+        # whatever happens, no exprd outlives this script (sys.exit runs atexit too)
+        atexit.register(lambda: [p.kill() for p in started if p.poll() is None])
+
         def start():
             err = open({str(log)!r}, "ab")
-            return subprocess.Popen([*EXPRD, "--config", cfg], stdout=subprocess.DEVNULL,
-                                    stderr=err)
+            started.append(subprocess.Popen([*EXPRD, "--config", cfg],
+                                            stdout=subprocess.DEVNULL, stderr=err))
+            return started[-1]
 
         def status():
             try:
@@ -78,7 +83,10 @@ def test_full_disk_blocks_keeps_the_checkpoint_behind_and_lands_every_row_once(
                                env={{**os.environ, "NO_COLOR": "1", "COLUMNS": "200"}}).stdout
         d.kill()  # kill -9 while blocked: the checkpoint on disk must not pass the shard
         d.wait()
-        cps = json.load(open(os.path.join(state, "checkpoints.json")))["files"]
+        try:  # none at all is fine: nothing was committed
+            cps = json.load(open(os.path.join(state, "checkpoints.json")))["files"]
+        except FileNotFoundError:
+            cps = {{}}
         rows_then = open(shard, "rb").read().count(b"\\n")
         subprocess.run(["mount", "-o", "remount,size=64m", mnt], check=True)
         d = start()
@@ -101,7 +109,7 @@ def test_full_disk_blocks_keeps_the_checkpoint_behind_and_lands_every_row_once(
     assert entry["lag_bytes"] > 0 and result["blocked"]["totals"]["blocked"] == 1
     assert "blocked" in result["shown"] and "No space left on device" in result["shown"]
     # the checkpoint never passes rows the shard does not hold
-    offset = result["checkpoints"][str(path)]["shard"]
+    offset = result["checkpoints"].get(str(path), {}).get("shard", 0)
     covered = path.read_bytes()[:offset].count(b"\n") - 1  # minus the init line
     assert covered <= result["rows_then"] < n, (covered, result["rows_then"])
     # every row once, in order, after space came back and exprd restarted

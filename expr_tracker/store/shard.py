@@ -472,10 +472,10 @@ class ShardWriter:
             "last_write": self.last_write,
         }
 
-    def write_sidecar(self) -> None:
-        """Atomically rewrite the sidecar; failures are reported, never raised."""
+    def write_sidecar(self) -> bool:
+        """Atomically rewrite the sidecar; failures are reported (False), never raised."""
         if not self.sidecar_enabled:
-            return
+            return True
         try:
             dfd = self._run_dir_fd()
             try:
@@ -485,6 +485,8 @@ class ShardWriter:
                 os.close(dfd)
         except OSError as exc:
             self._fail("sidecar", exc)
+            return False
+        return True
 
     def close(self, status: str = "finished", flush_timeout: float | None = None) -> None:
         """Flush, mark the status in the sidecar and close the file.
