@@ -171,12 +171,15 @@ def main() -> None:
         rows, lost, dup = check(root, names, steps)
         status = json.loads((state / "status.json").read_text())
         errors = status.get("errors", {})
-        ok = True
+        ok = not lost and not dup and rows == writers * per * steps
     finally:
         for p in [*procs, *([d] if d is not None else [])]:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        if not ok:
+            shutil.copytree(root, tmp / "runs-kept", dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns(".filler"))
         subprocess.run(["umount", str(root)], check=False)
         if ok:
             shutil.rmtree(tmp, ignore_errors=True)
