@@ -71,13 +71,12 @@ class Filler:
 
     def fill(self) -> None:
         block = b"\0" * (1 << 20)
-        with open(self.path, "wb") as fh:
-            try:
+        try:
+            with open(self.path, "wb", buffering=0) as fh:
                 while True:
                     fh.write(block)
-                    fh.flush()
-            except OSError:
-                pass  # full: ENOSPC is the point
+        except OSError:
+            pass  # full: ENOSPC is the point
         self.fills += 1
 
     def loop(self) -> None:

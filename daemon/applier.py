@@ -18,6 +18,7 @@ from typing import Any
 from expr_tracker.pipeline import Pipeline
 from expr_tracker.spool import event_id
 from expr_tracker.store.records import DECODE_NONFINITE
+from expr_tracker.store.safedir import UnsafePath
 from expr_tracker.store.shard import ShardWriter
 
 from .config import Config
@@ -44,17 +45,30 @@ class ShardSlot:
             write_sidecar=spec.rank_aware or spec.rank == 0, warn=warn, dropped={},
             anchor=spec.anchor,
         )
-        try:  # read-only, nothing created; the writer rescans when it opens
-            self.applied = self.writer.scan().applied
-        except OSError:
-            self.applied = {}  # an unsafe path is in writer.unsafe; the rest shows at open
         self.opened = False  # the writer's cursor is computed and its file was opened once
         self.blocked = ""  # why buffered rows cannot be written right now
+        # the spool seqs the shard holds: nothing is applied before they are known
+        self.applied: dict[str, int] | None = None
+        self.scan()
         self.pending: dict[str, int] = {}  # session -> last seq appended, not yet flushed
         self.refs = 0
         self.newest = self.first_time = spec.time
         self.sidecar_dirty = False
         self.last_sidecar = 0.0
+
+    def scan(self) -> bool:
+        """Read which spool seqs the shard holds (read-only, nothing created); False if the
+        shard cannot be read now (EMFILE...): the slot is blocked and tries again."""
+        try:
+            self.applied = self.writer.scan().applied
+        except UnsafePath:
+            self.applied = {}  # writer.unsafe says why; the run is refused
+        except OSError as exc:
+            # never guess "nothing applied": rows the shard holds would be written twice
+            self.blocked = f"cannot read the shard: {exc.strerror or exc}"
+            return False
+        self.blocked = ""
+        return True
 
     def open(self) -> bool:
         """Open the writer (repair, cursor); False if that failed (retried at the next flush)."""
@@ -73,6 +87,8 @@ class ShardSlot:
 
     def flush(self) -> bool:
         """Flush appended lines; on success record their seqs as applied."""
+        if self.applied is None and not self.scan():
+            return False
         if not self.opened and (not self.writer.buffered() or not self.open()):
             return not self.writer.buffered()
         ok = self.writer.flush()
@@ -179,9 +195,11 @@ class ShardPool:
                 break
             if old is slot:
                 continue
-            if old.flush():  # a shard that cannot be written keeps its rows and its fd
-                old.writer.release_fd()
-                del self._lru[old_key]
+            # flushed first when it can be; a shard that cannot be written keeps its rows
+            # in memory and gives its descriptor back all the same (reopened to retry)
+            old.flush()
+            old.writer.release_fd()
+            del self._lru[old_key]
 
     def open_files(self) -> int:
         return len(self._lru)
@@ -210,7 +228,6 @@ class RunPipeline:
         self.pool = pool
         self.slot = pool.acquire(spec)
         self.dry_run = dry_run
-        self.skip_upto = self.slot.applied.get(spec.session, -1)
         self.applied = 0
         self.skipped = 0
         self.alerting = spec.alert_on_rank is None or spec.alert_on_rank == spec.rank
@@ -231,6 +248,13 @@ class RunPipeline:
 
     def _warn(self, cause: str, message: str) -> None:
         self.pool.warn(cause, message)
+
+    @property
+    def skip_upto(self) -> int:
+        """The last seq of this session the shard held when exprd first looked (its events
+        up to there are skipped). Read only while the slot is not blocked."""
+        applied = self.slot.applied
+        return applied.get(self.spec.session, -1) if applied is not None else -1
 
     # -- what the tailer asks ---------------------------------------------------------
     @property

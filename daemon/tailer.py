@@ -252,7 +252,7 @@ class Tailer:
             if tail.run is None and tail.state in ("finished", "crashed") \
                     and tail.size <= tail.offset:
                 return False
-            if not self._ensure_run(tail):
+            if not self._ensure_run(tail) or (tail.run is not None and tail.run.blocked):
                 return False
             reader = SpoolReader(tail.path)
             paused = self._read(tail, reader, budget)
@@ -285,12 +285,13 @@ class Tailer:
         append = None
         seq = last = tail.seq
         applied = 0
+        done = tail.offset  # every line before it is consumed, the last of them `seq`
         try:
             for pos, parts, big_end in reader.chunks(tail.offset, budget):
                 if big_end is not None:
                     tail.seq = seq
                     self._line(tail, pos, big_end, b"", None)
-                    tail.offset = big_end
+                    done = big_end
                     continue
                 for line in parts:
                     end = pos + len(line) + 1
@@ -310,14 +311,14 @@ class Tailer:
                         seq = last = seq + 1
                         append(line[:-1] + suffix)  # the spool line verbatim, plus `_sid`
                         applied += 1
-                        pos = end
+                        pos = done = end
                         continue
                     tail.seq = seq
                     self._line(tail, pos, end, line, ev)
                     seq = tail.seq
-                    pos = tail.offset = end
+                    pos = done = end
                     if tail.state == "refused":
-                        tail.offset = reader.size
+                        done = reader.size
                         return False
                     if tail.run is not run or fast != (tail.state == "live" and run is not None
                                                        and run.plain):
@@ -327,14 +328,15 @@ class Tailer:
                             applied = 0
                         run, append = tail.run, None
                         fast, skip, suffix = self._fast_case(tail)
+                        if run is not None and run.blocked:
+                            return True  # a new run whose shard cannot be read yet
                     if run is not None and run.feeds_backends and run.busy():
-                        tail.offset = pos
                         return True
-                tail.offset = pos
                 if run is not None and run.blocked:
                     return True
         finally:
-            tail.seq = seq
+            # offset and seq move together, whatever ends the loop (an exception too)
+            tail.offset, tail.seq = done, seq
             if applied and run is not None:
                 run.appended(applied, last)
                 tail.applied += applied

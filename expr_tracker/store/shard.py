@@ -414,7 +414,7 @@ class ShardWriter:
 
     def release_fd(self) -> None:
         """Close the descriptor (a pool of open files gives it back); the next flush reopens
-        the shard. Call it only with nothing buffered."""
+        the shard and writes what is buffered."""
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
