@@ -6,10 +6,12 @@ descriptor without following a symlink (DESIGN 8).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ import orjson
 from expr_tracker.store.safedir import open_below, open_file, write_all, write_atomic_at
 
 log = logging.getLogger("exprd")
+Warn = Callable[[str, str], None]
 QUARANTINE_COPY = 64 * 1024  # bytes of a bad line kept; the index has its full length
 
 
@@ -49,13 +52,22 @@ class StateDir:
             self.fd = None
 
 
+def _log_warn(cause: str, message: str) -> None:
+    log.error("%s", message)
+
+
+def _cause(exc: OSError) -> str:
+    return errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+
+
 class Checkpoints:
     """`{state}/checkpoints.json`: per spool file, its offsets and what is known about it."""
 
     NAME = "checkpoints.json"
 
-    def __init__(self, sdir: StateDir) -> None:
+    def __init__(self, sdir: StateDir, warn: Warn = _log_warn) -> None:
         self.sdir = sdir
+        self.warn = warn
         self.path = sdir.path / self.NAME
         self.readonly = sdir.readonly
         self.files: dict[str, dict[str, Any]] = {}
@@ -90,7 +102,8 @@ class Checkpoints:
             self.dirty = False
             self.saved_at = time.monotonic()
         except OSError as exc:
-            log.error("cannot write checkpoints %s: %s", self.path, exc.strerror or exc)
+            self.warn(f"checkpoints:{_cause(exc)}",
+                      f"cannot write checkpoints {self.path}: {exc.strerror or exc}")
 
 
 def quarantine_name(src: Path, start: int) -> str:
@@ -106,8 +119,9 @@ class Quarantine:
     A bad line is copied up to `QUARANTINE_COPY` bytes (its full length is in the index).
     """
 
-    def __init__(self, sdir: StateDir) -> None:
+    def __init__(self, sdir: StateDir, warn: Warn = _log_warn) -> None:
         self.sdir = sdir
+        self.warn = warn
         self.root = sdir.path / "quarantine"
         self.readonly = sdir.readonly
         self.count = 0
@@ -137,7 +151,8 @@ class Quarantine:
             finally:
                 os.close(dfd)
         except OSError as exc:
-            log.error("cannot write quarantine %s: %s", self.root, exc.strerror or exc)
+            self.warn(f"quarantine:{_cause(exc)}",
+                      f"cannot write quarantine {self.root}: {exc.strerror or exc}")
 
 
 def _copy_range(src: Path, dfd: int, name: str, start: int, end: int) -> int:

@@ -53,11 +53,11 @@ class Tailer:
         self.live = live  # a daemon (time rules, retention) rather than a one-shot replay
         self.pool = ShardPool(self.warn, max_open)
         sdir = state_dir or StateDir(state, readonly=dry_run)
-        self.checkpoints = Checkpoints(sdir)
-        self.quarantine = Quarantine(sdir)
         self.tails: dict[str, FileTail] = {}
         self.errors: dict[str, int] = {}
         self._logged: dict[str, float] = {}
+        self.checkpoints = Checkpoints(sdir, self.warn)
+        self.quarantine = Quarantine(sdir, self.warn)
 
     def warn(self, cause: str, message: str) -> None:
         """Count every failure; log a cause once (and again, with its count, hourly)."""
