@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 CONSTRAINTS := constraints.txt
 PIP := $(PY) -m pip install -q -c $(CONSTRAINTS)
 
-.PHONY: demo test lint bench bench-scale completions clean
+.PHONY: demo test lint bench bench-scale torture completions clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +70,10 @@ bench: $(STAMP)
 bench-scale: $(STAMP)
 	$(PY) -m pip install -q duckdb
 	$(PY) bench/scale.py
+
+# minutes of kill -9, a full run root and a descriptor limit (needs root: it mounts a tmpfs)
+torture: $(STAMP)
+	$(PY) bench/torture.py
 
 completions: $(STAMP)
 	$(PY) -m expr_cli.completions completions

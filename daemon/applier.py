@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from expr_tracker.pipeline import Pipeline
 from expr_tracker.store.records import DECODE_NONFINITE
-from expr_tracker.store.shard import ShardWriter, read_sidecar
-from expr_tracker.store.spoolfile import event_id, scan_shard
+from expr_tracker.store.safedir import UnsafePath
+from expr_tracker.store.shard import ShardWriter
+from expr_tracker.store.spoolfile import event_id
 
 from .config import Config
-from .forwarder import Forwarder
+from .forwarder import Forwarder, drop_journals
 from .spec import RunSpec
 
 log = logging.getLogger("exprd")
@@ -28,46 +30,82 @@ _NONFINITE_TOKENS = (b'"NaN"', b'Infinity"', b'"nan"', b'inf"')
 
 
 class ShardSlot:
-    """One shard file: its lazily opened writer, applied seqs and pending status."""
+    """One shard file: its lazily opened writer, applied seqs and pending status.
+
+    A shard that cannot be written (full disk, no descriptor left) keeps its rows buffered
+    and says why in `blocked`; its spool files stop reading until a flush succeeds, and
+    their checkpoints never pass the rows it holds. A path that would follow a symlink
+    sets `writer.unsafe`, and the run is refused.
+    """
 
     def __init__(self, spec: RunSpec, warn: Callable[[str, str], None]) -> None:
         self.paths = spec.paths
-        self.applied = scan_shard(spec.paths).applied  # read-only; the writer rescans at open
         self.writer = ShardWriter(
             spec.paths, spec.writer_identity(), shared=not spec.rank_aware,
             write_sidecar=spec.rank_aware or spec.rank == 0, warn=warn, dropped={},
+            anchor=spec.anchor,
         )
-        self.opened = False
+        self.opened = False  # the writer's cursor is computed and its file was opened once
+        self.blocked = ""  # why buffered rows cannot be written right now
+        # the spool seqs the shard holds: nothing is applied before they are known
+        self.applied: dict[str, int] | None = None
+        self.scan()
         self.pending: dict[str, int] = {}  # session -> last seq appended, not yet flushed
         self.refs = 0
         self.newest = self.first_time = spec.time
         self.sidecar_dirty = False
         self.last_sidecar = 0.0
 
-    def open(self) -> None:
-        if not self.opened:
-            self.opened = True
-            cursor = self.writer.open()
-            if not cursor.rows and self.first_time:
-                self.writer.start_time = self.first_time  # the run's start, not exprd's
-            self.writer.status = "running"
-            self.writer.end_time = None
+    def scan(self) -> bool:
+        """Read which spool seqs the shard holds (read-only, nothing created); False if the
+        shard cannot be read now (EMFILE...): the slot is blocked and tries again."""
+        try:
+            self.applied = self.writer.scan().applied
+        except UnsafePath:
+            self.applied = {}  # writer.unsafe says why; the run is refused
+        except OSError as exc:
+            # never guess "nothing applied": rows the shard holds would be written twice
+            self.blocked = f"cannot read the shard: {exc.strerror or exc}"
+            return False
+        self.blocked = ""
+        return True
+
+    def open(self) -> bool:
+        """Open the writer (repair, cursor); False if that failed (retried at the next flush)."""
+        if self.opened:
+            return True
+        cursor = self.writer.open()
+        if not self.writer.is_open:
+            self.blocked = self.writer.last_error or "cannot open the shard"
+            return False
+        self.opened = True
+        if not cursor.rows and self.first_time:
+            self.writer.start_time = self.first_time  # the run's start, not exprd's
+        self.writer.status = "running"
+        self.writer.end_time = None
+        return True
 
     def flush(self) -> bool:
         """Flush appended lines; on success record their seqs as applied."""
-        if not self.opened:
-            return True
+        if self.applied is None and not self.scan():
+            return False
+        if not self.opened and (not self.writer.buffered() or not self.open()):
+            return not self.writer.buffered()
         ok = self.writer.flush()
-        if ok and self.pending:
+        if not ok:
+            self.blocked = self.writer.last_error or "cannot write the shard"
+            return False
+        self.blocked = ""
+        if self.pending:
             self.writer.cursor.applied.update(self.pending)
             self.pending.clear()
             self.sidecar_dirty = True
-        return ok
+        return True
 
     def set_status(self, status: str, when: float) -> None:
         """Mark the shard `finished` or `crashed` in its sidecar (only if that changes it)."""
         if not self.opened:
-            side = read_sidecar(self.paths.sidecar) or {}
+            side = self.writer.read_hint() or {}
             if side.get("status") == status or not self.writer.sidecar_enabled:
                 return
             if not self.paths.shard.exists():
@@ -77,16 +115,34 @@ class ShardSlot:
         self.writer.end_time = when
         self.sidecar_dirty = True
 
-    def write_sidecar(self) -> None:
-        if self.opened and self.sidecar_dirty:
+    def write_sidecar(self) -> bool:
+        """Rewrite the sidecar if it changed, and never while rows wait to be written: it
+        would call the shard finished (or count rows) ahead of the file. True once the
+        sidecar on disk is up to date (a failed write is retried)."""
+        if not self.sidecar_dirty:
+            return True
+        if self.writer.buffered() or not self.open():
+            return False
+        self.last_sidecar = time.monotonic()
+        if self.writer.write_sidecar():
             self.sidecar_dirty = False
-            self.last_sidecar = time.monotonic()
-            self.writer.write_sidecar()
+        return not self.sidecar_dirty
 
     def close(self) -> None:
-        """Flush, write the sidecar if it changed, close the descriptor."""
+        """Flush, write the sidecar if it changed, close the descriptor.
+
+        Rows that still cannot be written are let go: their spool file keeps them and its
+        checkpoint is behind them, so the next exprd applies them.
+        """
+        if self.writer.unsafe or not self.flush():
+            lost = self.writer.discard()
+            if lost and not self.writer.unsafe:
+                log.warning("%s: %d rows left in the spool for a later retry (%s)",
+                            self.paths.shard, lost, self.blocked)
+            self.writer.release_fd()
+            self.opened = False
+            return
         if self.opened:
-            self.flush()
             status, end = self.writer.status, self.writer.end_time
             self.writer.close(status)  # writes the sidecar
             self.writer.end_time = end
@@ -95,11 +151,17 @@ class ShardSlot:
 
 
 class ShardPool:
-    """The shard slots in use, keyed by shard path."""
+    """The shard slots in use, keyed by shard path, with at most `max_open` descriptors.
 
-    def __init__(self, warn: Callable[[str, str], None]) -> None:
+    The least recently used shard gives its descriptor back first (after a flush); it is
+    reopened at its next write. EMFILE and ENFILE are temporary: the rows wait in memory.
+    """
+
+    def __init__(self, warn: Callable[[str, str], None], max_open: int = 256) -> None:
         self.slots: dict[Path, ShardSlot] = {}
         self.warn = warn
+        self.max_open = max(1, max_open)
+        self._lru: OrderedDict[Path, ShardSlot] = OrderedDict()  # slots with an open fd
 
     def acquire(self, spec: RunSpec) -> ShardSlot:
         slot = self.slots.get(spec.paths.shard)
@@ -116,12 +178,38 @@ class ShardPool:
         if slot.refs <= 0:
             slot.close()
             self.slots.pop(slot.paths.shard, None)
+            self._lru.pop(slot.paths.shard, None)
 
-    def flush(self) -> bool:
-        """Flush every open shard; False if one still has unwritten data."""
-        ok = True
-        for slot in self.slots.values():
-            ok = slot.flush() and ok
+    def touch(self, slot: ShardSlot) -> None:
+        """`slot` was just used: keep its descriptor, give back the oldest over the bound."""
+        key = slot.paths.shard
+        if not slot.writer.is_open:
+            self._lru.pop(key, None)
+            return
+        self._lru[key] = slot
+        self._lru.move_to_end(key)
+        if len(self._lru) <= self.max_open:
+            return
+        for old_key, old in list(self._lru.items()):
+            if len(self._lru) <= self.max_open:
+                break
+            if old is slot:
+                continue
+            # flushed first when it can be; a shard that cannot be written keeps its rows
+            # in memory and gives its descriptor back all the same (reopened to retry)
+            old.flush()
+            old.writer.release_fd()
+            del self._lru[old_key]
+
+    def open_files(self) -> int:
+        return len(self._lru)
+
+    def flush(self) -> dict[int, bool]:
+        """Flush every shard; per slot id, True if it holds no unwritten data."""
+        ok: dict[int, bool] = {}
+        for slot in list(self.slots.values()):
+            ok[id(slot)] = slot.flush()
+            self.touch(slot)
         return ok
 
     def sidecars(self, min_interval: float) -> None:
@@ -140,7 +228,6 @@ class RunPipeline:
         self.pool = pool
         self.slot = pool.acquire(spec)
         self.dry_run = dry_run
-        self.skip_upto = self.slot.applied.get(spec.session, -1)
         self.applied = 0
         self.skipped = 0
         self.alerting = spec.alert_on_rank is None or spec.alert_on_rank == spec.rank
@@ -159,21 +246,84 @@ class RunPipeline:
         self.closed = False
 
     def _warn(self, cause: str, message: str) -> None:
-        log.warning("%s", message)
+        self.pool.warn(cause, message)
 
+    @property
+    def skip_upto(self) -> int:
+        """The last seq of this session the shard held when exprd first looked (its events
+        up to there are skipped). Read only while the slot is not blocked."""
+        applied = self.slot.applied
+        return applied.get(self.spec.session, -1) if applied is not None else -1
+
+    # -- what the tailer asks ---------------------------------------------------------
     @property
     def plain(self) -> bool:
         """No rules and no backends: applying a record is appending its line to the shard."""
         return not self.dry_run and not self.needs_values
 
+    @property
+    def blocked(self) -> str:
+        """Why the shard cannot take rows now ("" if it can): read on once it can."""
+        return self.slot.blocked
+
+    @property
+    def unsafe(self) -> str | None:
+        """Why the run's path is refused (a symlink below the allowed root), if it is."""
+        return self.slot.writer.unsafe
+
+    def busy(self) -> bool:
+        """A backend is far behind: read on once it drains instead of dropping."""
+        return self.forwarder.busy()
+
+    @property
+    def feeds_backends(self) -> bool:
+        return self.forwarder.active
+
+    def backend_stats(self) -> dict[str, Any]:
+        return self.forwarder.stats()
+
     def prepare(self) -> Callable[[bytes], None]:
-        """Open the shard for the plain path (once this session has an event to add)."""
+        """Open the shard for the plain case (once this session has an event to add)."""
         slot = self.slot
-        if not slot.opened:
-            slot.open()
+        slot.open()  # on failure the lines wait in the writer's buffer (slot.blocked)
         if slot.writer.status != "running":
             slot.writer.status, slot.writer.end_time = "running", None
         return slot.writer.append
+
+    def appended(self, count: int, last_seq: int) -> None:
+        """The plain case appended `count` records, the last of them `last_seq`."""
+        self.applied += count
+        pending = self.slot.pending
+        pending[self.spec.session] = max(last_seq, pending.get(self.spec.session, -1))
+
+    def used(self) -> None:
+        """A round of reading is over: the pool may give back an older shard's descriptor."""
+        self.pool.touch(self.slot)
+
+    def settle(self, offset: int, seq: int | None) -> dict[str, int]:
+        """Everything before `offset` is applied: the backends' checkpoints that follows."""
+        self.forwarder.settle(offset, seq)
+        return dict(self.forwarder.committed)
+
+    def closing(self) -> bool:
+        """True while a backend is still finishing (the run stays open until it is done)."""
+        return any(t.is_alive() for t in self.forwarder._closers)
+
+    def status_written(self) -> bool:
+        """The shard's rows and status are on disk (flushed, sidecar written): a finished
+        file may be checkpointed as finished and its run closed."""
+        return self.slot.flush() and self.slot.write_sidecar()
+
+    def checkpointed(self) -> None:
+        """The checkpoint is on disk: the backends' journals may forget what it covers."""
+        self.forwarder.checkpointed()
+
+    def drain(self, timeout: float) -> None:
+        """Shutdown: let the backends send what they hold (on their own threads)."""
+        self.forwarder.close("running", timeout)
+
+    def join(self, timeout: float) -> None:
+        self.forwarder.join(timeout)
 
     def _ruleset(self, specs: list[Any]) -> Any:
         if not specs:
@@ -220,9 +370,9 @@ class RunPipeline:
             slot.open()
         if slot.writer.status != "running":
             slot.writer.status, slot.writer.end_time = "running", None
-        # the spool line verbatim, plus the session: no re-encoding on the hot path
-        shard_line = line + b"\n" if "_sid" in ev else line.rstrip()[:-1] + self.suffix
-        self.pipeline.apply(ev, line=shard_line)
+        # the spool line verbatim, plus the session (the tailer took out any `_sid` the
+        # line had): no re-encoding on the hot path
+        self.pipeline.apply(ev, line=line.rstrip()[:-1] + self.suffix)
         slot.pending[self.spec.session] = seq
         return True
 
@@ -283,3 +433,8 @@ class RunPipeline:
         if not self.closed:
             self.closed = True
             self.pool.release(self.slot)
+
+
+def forget_file(state: Path, rel: str) -> None:
+    """A spool file is gone (retention, or by hand): what exprd kept for it goes too."""
+    drop_journals(state, rel)

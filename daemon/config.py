@@ -7,6 +7,8 @@
     retention = "3d"                     # finished, fully applied spool files are deleted after it
     crash_silence = "1h"                 # a file silent this long without `finish` is crashed
     trust_run_backends = false           # use a run's own (secret-free) backend specs
+    max_open_files = 256                 # shard descriptors held at once (default: half
+                                         # the descriptor limit, at most 1024)
 
     watch_roots = ["/shared/runs"]       # also watch live runs there whose rank-0 sidecar names this host
 
@@ -44,7 +46,7 @@ _DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*\Z")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 KEYS = ("spool", "state", "allowed_roots", "rescan_interval", "retention", "crash_silence",
         "alert", "backends", "trust_run_backends", "checkpoint_interval", "status_interval",
-        "health", "watch_roots")
+        "health", "watch_roots", "max_open_files")
 
 
 class ConfigError(ValueError):
@@ -68,6 +70,7 @@ class Config:
     status_interval: float = 5.0
     health: Any = None  # expr_tracker.health.config.HealthConfig (None: the defaults)
     watch_roots: list[Path] = field(default_factory=list)
+    max_open_files: int | None = None
     source: str | None = None
 
     def allows(self, path: Path) -> bool:
@@ -75,6 +78,26 @@ class Config:
         if self.allowed_roots is None:
             return True
         return any(path == root or root in path.parents for root in self.allowed_roots)
+
+    def open_files_bound(self) -> int:
+        """Shard descriptors held at once: `max_open_files`, never over half the process's
+        descriptor limit (spool reads, the watcher, state files and backends need the rest)."""
+        import resource
+
+        try:
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        except (ValueError, OSError):
+            soft = 1024
+        if soft == resource.RLIM_INFINITY:
+            soft = 65536
+        return min(self.max_open_files or 1024, max(4, soft // 2 - 16))
+
+    def root_of(self, path: Path) -> Path | None:
+        """The allowed root `path` lies under (the outermost), None if none or unrestricted."""
+        if self.allowed_roots is None:
+            return None
+        under = [r for r in self.allowed_roots if path == r or r in path.parents]
+        return min(under, key=lambda r: len(r.parts)) if under else None
 
 
 def duration(value: Any, key: str) -> float:
@@ -153,6 +176,11 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
         if not isinstance(roots, list):
             raise ConfigError("watch_roots must be a list of paths")
         cfg.watch_roots = [_path(r, "watch_roots") for r in roots]
+    if "max_open_files" in raw:
+        value = raw["max_open_files"]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"max_open_files must be an integer >= 1, got {value!r}")
+        cfg.max_open_files = value
     if "trust_run_backends" in raw:
         if not isinstance(raw["trust_run_backends"], bool):
             raise ConfigError("trust_run_backends must be true or false")

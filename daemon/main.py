@@ -29,24 +29,25 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from expr_tracker.errors import TrackerError
 
 from . import config as config_mod
+from . import retire
 from . import status as status_mod
 from .config import Config, ConfigError
+from .filetail import FileTail
 from .health import DaemonHealth, HealthConfig
 from .notify import Notifier
-from .tailer import FileTail, Tailer
+from .presence import Locked, Presence, hold
+from .progress import JsonProgress, replay_summary
+from .state import StateDir
+from .tailer import Tailer
 from .waker import Waker
 
 log = logging.getLogger("exprd")
 STATUS_HEARTBEAT = 30.0  # seconds between status.json rewrites when nothing changed
 DRAIN_SECONDS = 6.0  # of the 10 s systemd (and the tests) allow after SIGTERM
 Progress = Callable[[int, int, int], None]
-SUMMARY_KEYS = ("files", "applied", "skipped", "quarantined", "finished", "crashed", "refused",
-                "live")
 
 
 def build_dispatcher(cfg: Config) -> Any:
@@ -77,11 +78,16 @@ class Daemon:
         self.config_path = config_path
         self.overrides = overrides or {}
         self.notifier = notifier or Notifier(None)
+        self.sdir = StateDir(self.state, readonly=dry_run)
+        self.presence = Presence(self.spool)
         if not dry_run:
-            self.state.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # one exprd per state directory and per spool root: a second one exits 2
+            self._lock_fd = hold(self.state, "the state directory")
+            self.presence.claim()
         self.dispatcher = None if dry_run else build_dispatcher(cfg)
         self.tailer = Tailer(cfg, self.spool, self.state, dispatcher=self.dispatcher,
-                             dry_run=dry_run, live=not replay)
+                             dry_run=dry_run, live=not replay, state_dir=self.sdir,
+                             max_open=cfg.open_files_bound())
         self.health = None if replay or dry_run else DaemonHealth(
             cfg.health or HealthConfig(), self.dispatcher, cfg.watch_roots)
         self.wake = Waker()  # set from signal handlers too: never a threading.Event
@@ -166,7 +172,7 @@ class Daemon:
     def check_crashes(self) -> None:
         now = time.time()
         for tail in list(self.tailer.tails.values()):
-            self.tailer.check_crash(tail, now)
+            retire.check_crash(self.tailer, tail, now)
 
     def run_once(self, progress: Progress | None = None) -> dict[str, Any]:
         """Apply everything complete in the spool once (replay and --once); returns status."""
@@ -193,7 +199,7 @@ class Daemon:
             now = time.monotonic()
             if same != self._last_status or now - self._status_written >= STATUS_HEARTBEAT:
                 try:
-                    status_mod.write(self.state, doc)
+                    status_mod.write(self.sdir, doc)
                     self._last_status, self._status_written = same, now
                 except OSError as exc:
                     log.error("cannot write status.json: %s", exc.strerror or exc)
@@ -217,11 +223,7 @@ class Daemon:
                 continue
             tail.mtime = st.st_mtime
             if st.st_size != tail.offset or st.st_ino != tail.ino:
-                if st.st_ino != tail.ino:
-                    self.tailer.forget(tail)
-                    tail = self.tailer.track(tail.path)
-                tail.size = st.st_size
-                out.append(tail)
+                out.append(tail)  # the pump tells a rotated or truncated file apart
         return out
 
     def run(self) -> int:
@@ -239,6 +241,7 @@ class Daemon:
             self._ping()
         self.check_crashes()
         self.tailer.commit(force=True)
+        self.presence.beat(force=True)  # before the first status: ready means both are there
         self.status()
         self.notifier.ready(f"tailing {len(self.tailer.tails)} spool files")
         self._ping()
@@ -273,13 +276,17 @@ class Daemon:
                 next_rescan = now + self.cfg.rescan_interval
                 if not self.watcher.running:
                     self.watcher.start()
+                if not self._claim():
+                    return self.shutdown(2)
                 self.scan()
                 due_now.update((t.key, t) for t in self._changed())
                 self.check_crashes()
-                self.tailer.expire(time.time())
+                retire.expire(self.tailer, time.time())
             busy = self.pump(list(due_now.values()))
-            if due_now or self.tailer.forwarding():
-                self.tailer.commit()  # an idle daemon has nothing to flush or checkpoint
+            if due_now or self.tailer.forwarding() or self.tailer.blocked():
+                # an idle daemon has nothing to flush or checkpoint; a blocked shard retries
+                self.tailer.commit()
+            self.presence.beat()
             if now >= next_tick:
                 # time rules (no_data, age, elapsed) need a clock; without them, no wake-ups
                 next_tick = now + (1.0 if self.tailer.has_time_rules() else self.cfg.rescan_interval)
@@ -303,7 +310,16 @@ class Daemon:
             self.notifier.watchdog()
             self._next_ping = now + interval
 
-    def shutdown(self) -> int:
+    def _claim(self) -> bool:
+        """Lock the spool root once it exists; False if another exprd has it."""
+        try:
+            self.presence.claim()
+        except Locked as exc:
+            log.error("%s; stopping", exc)
+            return False
+        return True
+
+    def shutdown(self, code: int = 0) -> int:
         """Drain: flush shards, checkpoint, give backends and alerts a few seconds."""
         self.notifier.stopping()
         log.info("stopping: flushing shards and checkpoints")
@@ -314,22 +330,30 @@ class Daemon:
             self.dispatcher.close(DRAIN_SECONDS / 3)
         self.status()
         self.notifier.close()
-        return 0
+        return code
 
     def reload(self) -> None:
-        """SIGHUP: re-read the config; spool and state stay as they were."""
+        """SIGHUP: re-read the config; spool and state stay as they were.
+
+        Whatever fails (a bad file, a channel whose secret is not in the environment)
+        keeps the old config, with one line saying why.
+        """
         self.reload_requested = False
         try:
-            cfg = config_mod.load(self.config_path)
-        except ConfigError as exc:
-            log.error("reload failed, keeping the old config: %s", exc)
-            return
+            self._reload()
+        except (TrackerError, OSError, ValueError, TypeError, KeyError) as exc:
+            log.error("reload failed, keeping the old config: %s", _reason(exc))
+
+    def _reload(self) -> None:
+        cfg = config_mod.load(self.config_path)
         cfg = replace(cfg, **{k: v for k, v in self.overrides.items() if v is not None})
         if (cfg.spool is not None and cfg.spool.resolve() != self.spool) or cfg.state != self.state:
             log.warning("reload: spool and state cannot change without a restart; kept")
         cfg.spool, cfg.state = self.cfg.spool, self.cfg.state
-        if cfg.alert != self.cfg.alert:
-            old, self.dispatcher = self.dispatcher, build_dispatcher(cfg)
+        dispatcher = build_dispatcher(cfg) if cfg.alert != self.cfg.alert else None
+        # from here on nothing fails: the new config takes effect as a whole
+        if dispatcher is not None:
+            old, self.dispatcher = self.dispatcher, dispatcher
             self.tailer.dispatcher = self.dispatcher
             for tail in self.tailer.tails.values():
                 if tail.run is not None and tail.run.alerting:
@@ -340,6 +364,7 @@ class Daemon:
         self.tailer.cfg = cfg
         if self.health is not None:
             self.health = DaemonHealth(cfg.health or HealthConfig(), self.dispatcher, cfg.watch_roots)
+        self.tailer.recheck(cfg)  # a narrower allowed_roots applies to open runs too
         log.info("reloaded %s", self.config_path or "the defaults")
 
 
@@ -352,66 +377,10 @@ def _raise_nofile() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
-def replay_summary(doc: dict[str, Any], dry_run: bool) -> dict[str, Any]:
-    """What one pass did, from its status document (the object `expr replay --json` prints)."""
-    totals = doc.get("totals", {})
-    return {"dry_run": dry_run, **{k: int(totals.get(k, 0)) for k in SUMMARY_KEYS}}
-
-
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror and exc.filename:
         return f"{exc.strerror}: {exc.filename}"
     return str(exc) or type(exc).__name__
-
-
-class JsonProgress:
-    """`--progress json`: one JSON object per line on stdout, nothing else there.
-
-    Lines: `{"type": "progress", "files_done", "files_total", "events", "events_per_s"}`
-    (at most every `every` seconds, and once at the end), then one
-    `{"type": "summary", ...replay_summary}` or `{"type": "error", "message"}`.
-    """
-
-    def __init__(self, every: float = 0.1) -> None:
-        # stdout must carry only these lines: whatever else prints to it (a backend's
-        # library, a stray print) is sent to stderr, next to the log lines
-        self.out = os.fdopen(os.dup(1), "w", encoding="utf-8")
-        os.dup2(2, 1)
-        self.every = every
-        self.start = time.monotonic()
-        self.due = 0.0
-        self.last: tuple[int, int, int] | None = None
-        self.shown = True
-
-    def emit(self, obj: dict[str, Any]) -> None:
-        """Write one object as a line and flush it (the reader renders as it goes)."""
-        self.out.write(orjson.dumps(obj).decode() + "\n")
-        self.out.flush()
-
-    def __call__(self, done: int, total: int, events: int) -> None:
-        self.last, self.shown = (done, total, events), False
-        now = time.monotonic()
-        if now >= self.due:
-            self.due = now + self.every
-            self._progress(now)
-
-    def _progress(self, now: float) -> None:
-        if self.last is None:
-            return
-        done, total, events = self.last
-        self.shown = True
-        self.emit({"type": "progress", "files_done": done, "files_total": total,
-                   "events": events, "events_per_s": round(events / max(now - self.start, 1e-6), 1)})
-
-    def summary(self, summary: dict[str, Any]) -> None:
-        """The last progress (if not yet shown), then the summary."""
-        if not self.shown:
-            self._progress(time.monotonic())
-        self.emit({"type": "summary", **summary})
-
-    def error(self, message: str) -> None:
-        """The one failure line; the exit code says it failed."""
-        self.emit({"type": "error", "message": message})
 
 
 def parser() -> argparse.ArgumentParser:
@@ -496,6 +465,7 @@ def entry(argv: list[str] | None = None) -> int:
         "spool": Path(args.spool).absolute() if args.spool else None,
         "state": Path(args.state).absolute() if args.state else None,
     }
+    _raise_nofile()
     try:
         cfg = config_mod.load(args.config)
         cfg = replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
@@ -503,9 +473,10 @@ def entry(argv: list[str] | None = None) -> int:
         daemon = Daemon(cfg, poll=args.poll, replay=args.replay, dry_run=args.dry_run,
                         notifier=Notifier(None) if args.replay else Notifier.from_env(),
                         config_path=args.config, overrides=overrides)
+    except Locked as exc:
+        return fail(str(exc))
     except (TrackerError, OSError, ValueError) as exc:  # ConfigError, a bad alert config
         return fail(str(exc) if report is None else _reason(exc))
-    _raise_nofile()
     _Signals.daemon = daemon
     daemon.stopping = _Signals.stop
     if not one_pass:

@@ -38,6 +38,7 @@ class RunSpec:
     rank: int
     rank_aware: bool
     paths: ShardPaths
+    anchor: Path  # the allowed root the run dir lies in: no symlink is followed below it
     time: float
     host: str
     pid: int | None
@@ -75,12 +76,24 @@ def check_init(ev: Mapping[str, Any], path: Path, spool_root: Path, cfg: Config)
         session = validate_name(ident.get("session"), "session")
     except (TypeError, ValueError) as exc:
         raise InitError(f"bad name in init: {exc}") from None
+    # the SDK's own checks at init, applied again: the spool is a file anyone with the
+    # training user's rights could have written
     rank, world = ident.get("rank"), ident.get("world_size")
     # world_size null: the SDK did not know it (WORLD_SIZE unset, DESIGN 12)
     if type(rank) is not int or rank < 0 or (world is not None and (
             type(world) is not int or not rank < world <= MAX_WORLD)):
         raise InitError(f"bad rank/world_size in init: {rank!r}/{world!r}")
-    rank_aware = ident.get("rank_aware", True) is not False
+    local = ident.get("local_rank", 0)
+    if type(local) is not int or local < 0:
+        raise InitError(f"bad local_rank in init: {local!r}")
+    rank_aware = ident.get("rank_aware", True)
+    if not isinstance(rank_aware, bool):
+        raise InitError(f"rank_aware must be true or false, got {rank_aware!r}")
+    for key in ("rules", "backends"):
+        if not isinstance(ev.get(key) or [], list):
+            raise InitError(f"{key} in init must be a list")
+    if not isinstance(ident.get("config") or {}, dict):
+        raise InitError("config in init must be an object")
     stem = shard_stem(stream, rank if rank_aware else 0)
     expected = spool_path(spool_root, project, name, stem, session)
     if path != expected:
@@ -93,6 +106,7 @@ def check_init(ev: Mapping[str, Any], path: Path, spool_root: Path, cfg: Config)
     rdir = run_dir(root, project, name)
     if not cfg.allows(root) or not cfg.allows(rdir.resolve()):
         raise InitError(f"run dir {raw_dir} is outside allowed_roots")
+    anchor = cfg.root_of(root) or root
     pid = ev.get("pid")
     pid_start = ev.get("pid_start")
     when = ev.get("_time")
@@ -102,6 +116,7 @@ def check_init(ev: Mapping[str, Any], path: Path, spool_root: Path, cfg: Config)
         rank=rank,
         rank_aware=rank_aware,
         paths=ShardPaths(rdir, stem),
+        anchor=anchor,
         time=float(when) if isinstance(when, (int, float)) else 0.0,
         host=str(ev.get("host") or ""),
         pid=pid if type(pid) is int and pid > 0 else None,

@@ -1,31 +1,80 @@
-"""The `{state}` file stores: checkpoints.json (per-file offsets) and the quarantine dir."""
+"""The `{state}` directory: checkpoints.json (per-file offsets) and the quarantine dir.
+
+The directory is opened once; every file exprd writes in it is opened from that
+descriptor without following a symlink (DESIGN 8).
+"""
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from expr_tracker.store.shard import write_atomic
+from expr_tracker.store.safedir import open_below, open_file, write_all, write_atomic_at
 
 log = logging.getLogger("exprd")
+Warn = Callable[[str, str], None]
+QUARANTINE_COPY = 64 * 1024  # bytes of a bad line kept; the index has its full length
+
+
+class StateDir:
+    """exprd's state directory, held open for the daemon's life (no descriptor in dry runs)."""
+
+    def __init__(self, path: Path, *, readonly: bool = False) -> None:
+        self.path = path
+        self.readonly = readonly
+        self.fd: int | None = None
+        if not readonly:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        """Replace `{state}/name` (temp file, fsync, rename; no symlink followed)."""
+        if self.fd is None:
+            return
+        write_atomic_at(self.fd, name, data, mode=0o600)
+
+    def subdir(self, name: str) -> int:
+        """A new descriptor of `{state}/name`, created 0700 if missing (the caller closes it)."""
+        assert self.fd is not None
+        return open_below(self.fd, [name], mode=0o700, where=self.path)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _log_warn(cause: str, message: str) -> None:
+    log.error("%s", message)
+
+
+def _cause(exc: OSError) -> str:
+    return errno.errorcode.get(exc.errno or 0, type(exc).__name__)
 
 
 class Checkpoints:
     """`{state}/checkpoints.json`: per spool file, its offsets and what is known about it."""
 
-    def __init__(self, path: Path, *, readonly: bool = False) -> None:
-        self.path = path
-        self.readonly = readonly
+    NAME = "checkpoints.json"
+
+    def __init__(self, sdir: StateDir, warn: Warn = _log_warn) -> None:
+        self.sdir = sdir
+        self.warn = warn
+        self.path = sdir.path / self.NAME
+        self.readonly = sdir.readonly
         self.files: dict[str, dict[str, Any]] = {}
         self.dirty = False
         self.saved_at = 0.0
         try:
-            data = orjson.loads(path.read_bytes())
+            data = orjson.loads(self.path.read_bytes())
             files = data.get("files") if isinstance(data, dict) else None
             if isinstance(files, dict):
                 self.files = {k: v for k, v in files.items() if isinstance(v, dict)}
@@ -33,7 +82,7 @@ class Checkpoints:
             pass
         except (OSError, orjson.JSONDecodeError) as exc:
             log.warning("checkpoints %s unreadable (%s); starting from the shards' own state",
-                        path, exc)
+                        self.path, exc)
 
     def put(self, key: str, entry: dict[str, Any]) -> None:
         if self.files.get(key) != entry:
@@ -49,50 +98,78 @@ class Checkpoints:
         if not self.dirty or self.readonly:
             return
         try:
-            write_atomic(self.path, orjson.dumps({"version": 1, "files": self.files}))
+            self.sdir.write_atomic(self.NAME, orjson.dumps({"version": 1, "files": self.files}))
             self.dirty = False
             self.saved_at = time.monotonic()
         except OSError as exc:
-            log.error("cannot write checkpoints %s: %s", self.path, exc.strerror or exc)
+            self.warn(f"checkpoints:{_cause(exc)}",
+                      f"cannot write checkpoints {self.path}: {exc.strerror or exc}")
+
+
+def quarantine_name(src: Path, start: int) -> str:
+    """`<hash of the spool path>.<file name>.<offset>.bad`: two runs' files of the same
+    name never share a quarantine file."""
+    digest = hashlib.sha256(str(src).encode()).hexdigest()[:12]
+    return f"{digest}.{src.name}.{start}.bad"
 
 
 class Quarantine:
-    """`{state}/quarantine/`: bad lines with their file, offset and reason in `index.jsonl`."""
+    """`{state}/quarantine/`: bad lines with their file, offset and reason in `index.jsonl`.
 
-    def __init__(self, root: Path, *, readonly: bool = False) -> None:
-        self.root = root
-        self.readonly = readonly
+    A bad line is copied up to `QUARANTINE_COPY` bytes (its full length is in the index).
+    """
+
+    def __init__(self, sdir: StateDir, warn: Warn = _log_warn) -> None:
+        self.sdir = sdir
+        self.warn = warn
+        self.root = sdir.path / "quarantine"
+        self.readonly = sdir.readonly
         self.count = 0
 
     def put(self, src: Path, start: int, end: int, reason: str, *, copy: bool = True) -> None:
-        """Copy bytes [start, end) of `src` aside (streamed) and index them."""
+        """Copy bytes [start, end) of `src` aside (capped) and index them."""
         self.count += 1
         entry: dict[str, Any] = {"time": time.time(), "file": str(src), "offset": start,
                                  "length": end - start, "reason": reason}
-        if self.readonly:
+        if self.readonly or self.sdir.fd is None:
             return
         try:
-            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if copy and end > start:
-                dest = self.root / f"{src.name}.{start}.bad"
-                _copy_range(src, dest, start, end)
-                entry["saved"] = dest.name
-            fd = os.open(self.root / "index.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            dfd = self.sdir.subdir("quarantine")
             try:
-                os.write(fd, orjson.dumps(entry, option=orjson.OPT_APPEND_NEWLINE))
+                if copy and end > start:
+                    name = quarantine_name(src, start)
+                    kept = _copy_range(src, dfd, name, start, min(end, start + QUARANTINE_COPY))
+                    entry["saved"] = name
+                    if kept < end - start:
+                        entry["saved_bytes"] = kept
+                fd = open_file(dfd, "index.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+                               0o600, where=self.root)
+                try:
+                    write_all(fd, orjson.dumps(entry, option=orjson.OPT_APPEND_NEWLINE))
+                finally:
+                    os.close(fd)
             finally:
-                os.close(fd)
+                os.close(dfd)
         except OSError as exc:
-            log.error("cannot write quarantine %s: %s", self.root, exc.strerror or exc)
+            self.warn(f"quarantine:{_cause(exc)}",
+                      f"cannot write quarantine {self.root}: {exc.strerror or exc}")
 
 
-def _copy_range(src: Path, dest: Path, start: int, end: int) -> None:
-    with open(src, "rb") as fin, open(dest, "wb") as fout:
-        fin.seek(start)
-        left = end - start
-        while left > 0:
-            chunk = fin.read(min(left, 1 << 20))
-            if not chunk:
-                break
-            fout.write(chunk)
-            left -= len(chunk)
+def _copy_range(src: Path, dfd: int, name: str, start: int, end: int) -> int:
+    """Copy bytes [start, end) of `src` to `name` in directory `dfd`; returns bytes copied."""
+    sfd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        out = open_file(dfd, name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            pos = start
+            while pos < end:
+                chunk = os.pread(sfd, min(end - pos, 1 << 20), pos)
+                if not chunk:
+                    break
+                write_all(out, chunk)
+                pos += len(chunk)
+            return pos - start
+        finally:
+            os.close(out)
+    finally:
+        os.close(sfd)

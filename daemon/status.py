@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from expr_tracker.store.shard import write_atomic
-
 if TYPE_CHECKING:
+    from .state import StateDir
     from .tailer import Tailer
 
 STATUS_FILE = "status.json"
@@ -28,7 +27,7 @@ def build(tailer: Tailer, *, started: float, mode: str, dispatcher: Any = None,
     mono = time.monotonic()
     files: dict[str, Any] = {}
     totals = {"files": 0, "live": 0, "finished": 0, "crashed": 0, "refused": 0, "new": 0,
-              "lag_bytes": 0, "applied": 0, "skipped": 0, "quarantined": 0}
+              "lag_bytes": 0, "applied": 0, "skipped": 0, "quarantined": 0, "blocked": 0}
     backends: dict[str, dict[str, int]] = {}
     for key, tail in sorted(tailer.tails.items()):
         lag = max(tail.size - tail.offset, 0)
@@ -47,9 +46,16 @@ def build(tailer: Tailer, *, started: float, mode: str, dispatcher: Any = None,
         if tail.reason:
             entry["reason"] = tail.reason
         run = tail.run
+        if run is not None and run.blocked:
+            # rows the shard could not take yet: they stay in the spool, retried
+            entry["blocked"] = run.blocked
+            entry["lag_bytes"] = max(tail.size - tail.committed, 0)
+            totals["blocked"] += 1
+        if tail.read_error:
+            entry["read_error"] = tail.read_error
         if run is not None:
             entry["shard"] = str(run.spec.paths.shard)
-            for name, stats in run.forwarder.stats().items():
+            for name, stats in run.backend_stats().items():
                 agg = backends.setdefault(name, {"pending": 0, "sent": 0, "failed": 0,
                                                  "dropped": 0})
                 for k in agg:
@@ -57,7 +63,7 @@ def build(tailer: Tailer, *, started: float, mode: str, dispatcher: Any = None,
         files[key] = entry
         totals["files"] += 1
         totals[tail.state] = totals.get(tail.state, 0) + 1
-        totals["lag_bytes"] += lag
+        totals["lag_bytes"] += entry["lag_bytes"]
         totals["applied"] += tail.applied
         totals["skipped"] += tail.skipped
         totals["quarantined"] += tail.quarantined
@@ -74,15 +80,16 @@ def build(tailer: Tailer, *, started: float, mode: str, dispatcher: Any = None,
         "backends": backends,
         "alerts": dispatcher.stats() if dispatcher is not None else {},
         "errors": dict(tailer.errors),
+        "open_files": tailer.pool.open_files(),
     }
     if extra:
         out.update(extra)
     return out
 
 
-def write(state: Path, doc: dict[str, Any]) -> None:
+def write(sdir: StateDir, doc: dict[str, Any]) -> None:
     """Atomically replace `{state}/status.json`."""
-    write_atomic(state / STATUS_FILE, orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+    sdir.write_atomic(STATUS_FILE, orjson.dumps(doc, option=orjson.OPT_INDENT_2))
 
 
 def read(state: Path) -> dict[str, Any]:

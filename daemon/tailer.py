@@ -1,96 +1,72 @@
 """Tailing spool files: per-file offsets, checkpoints, quarantine and crash detection.
 
+The second stage of exprd's one-way flow, watcher -> tailer -> applier -> forwarder.
 Each spool file is read from its checkpoint (the byte offset after the last complete
-line applied, per consumer: the shard and each backend). Checkpoints are written
-atomically to `{state}/checkpoints.json` only after the shard data they cover has been
-flushed; the shard's own `_sid`/`_seq` fields make a re-read after a crash harmless.
+line applied, per consumer: the shard and each backend). Every line is parsed once,
+here. A record its run takes as it is (a run without rules or backends: the common case)
+is appended to its shard in the read loop itself; every other event goes to the run's
+pipeline (`applier.RunPipeline`). Checkpoints are written atomically to
+`{state}/checkpoints.json` only after the shard data they cover has been flushed: a
+shard that cannot be written (full disk, no descriptor) blocks its files, which wait.
+The shard's own `_sid`/`_seq` fields make a re-read after a crash harmless.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
-import socket
+import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from expr_tracker.procs import pid_alive
 from expr_tracker.store.spoolfile import SpoolReader
 
-from .applier import RunPipeline, ShardPool
+from .applier import RunPipeline, ShardPool, forget_file
 from .config import Config
-from .forwarder import drop_journals
+from .filetail import FileTail
 from .spec import InitError, check_init
-from .state import Checkpoints, Quarantine
+from .state import Checkpoints, Quarantine, StateDir
 
 log = logging.getLogger("exprd")
 MAX_LOGGED = 10  # quarantine log lines per file; the rest are counted in status.json
-HOST = socket.gethostname()
+LOG_AGAIN = 3600.0  # a cause already logged is logged again (with its count) after this
 
 
-@dataclass
-class FileTail:
-    """What exprd knows about one spool file."""
-
-    path: Path
-    ino: int = 0
-    offset: int = 0  # next byte to read: every line before it is consumed
-    committed: int = 0  # offset covered by flushed shard data (what the checkpoint says)
-    seq: int = -1  # last `_seq` consumed
-    state: str = "new"  # new | live | finished | crashed | refused
-    reason: str = ""
-    host: str = ""
-    pid: int | None = None
-    pid_start: int | None = None
-    size: int = 0
-    mtime: float = 0.0
-    behind_since: float | None = None
-    backends: dict[str, int] = field(default_factory=dict)
-    run: RunPipeline | None = None
-    logged: int = 0
-    quarantined: int = 0
-    applied: int = 0  # record events written to the shard by this process
-    skipped: int = 0  # record events the shard already held
-
-    @property
-    def key(self) -> str:
-        return str(self.path)
-
-    def checkpoint(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"ino": self.ino, "shard": self.committed, "seq": self.seq,
-                               "state": self.state, "host": self.host, "pid": self.pid,
-                               "pid_start": self.pid_start}
-        if self.reason:
-            out["reason"] = self.reason
-        if self.backends:
-            out["backends"] = dict(self.backends)
-        return out
+def _cause(exc: OSError) -> str:
+    return errno.errorcode.get(exc.errno or 0, type(exc).__name__)
 
 
 class Tailer:
     """Reads spool files and hands their events to per-file pipelines."""
 
     def __init__(self, cfg: Config, spool_root: Path, state: Path, *, dispatcher: Any = None,
-                 dry_run: bool = False, live: bool = True) -> None:
+                 dry_run: bool = False, live: bool = True, state_dir: StateDir | None = None,
+                 max_open: int = 256) -> None:
         self.cfg = cfg
         self.spool_root = spool_root
         self.state = state
         self.dispatcher = dispatcher
         self.dry_run = dry_run
         self.live = live  # a daemon (time rules, retention) rather than a one-shot replay
-        self.pool = ShardPool(self._warn)
-        self.checkpoints = Checkpoints(state / "checkpoints.json", readonly=dry_run)
-        self.quarantine = Quarantine(state / "quarantine", readonly=dry_run)
+        self.pool = ShardPool(self.warn, max_open)
+        sdir = state_dir or StateDir(state, readonly=dry_run)
         self.tails: dict[str, FileTail] = {}
         self.errors: dict[str, int] = {}
+        self._logged: dict[str, float] = {}
+        self.checkpoints = Checkpoints(sdir, self.warn)
+        self.quarantine = Quarantine(sdir, self.warn)
 
-    def _warn(self, cause: str, message: str) -> None:
-        self.errors[cause] = self.errors.get(cause, 0) + 1
-        log.warning("%s", message)
+    def warn(self, cause: str, message: str) -> None:
+        """Count every failure; log a cause once (and again, with its count, hourly)."""
+        n = self.errors[cause] = self.errors.get(cause, 0) + 1
+        now = time.monotonic()
+        last = self._logged.get(cause)
+        if last is None or now - last >= LOG_AGAIN:
+            self._logged[cause] = now
+            log.warning("%s%s", message, f" ({n} times so far)" if n > 1 else "")
 
     # -- files ---------------------------------------------------------------------------
     def track(self, path: Path) -> FileTail:
@@ -107,8 +83,9 @@ class Tailer:
             pass
         cp = self.checkpoints.files.get(key)
         if cp and cp.get("ino") == tail.ino and isinstance(cp.get("shard"), int):
-            tail.offset = tail.committed = min(cp["shard"], tail.size)
-            tail.seq = int(cp.get("seq", -1))
+            # not clamped to the size: a file truncated meanwhile is reported by the pump
+            tail.offset = tail.committed = cp["shard"]
+            tail.seq = tail.committed_seq = int(cp.get("seq", -1))
             tail.state = str(cp.get("state", "new"))
             tail.reason = str(cp.get("reason", ""))
             tail.host, tail.pid = str(cp.get("host", "")), cp.get("pid")
@@ -117,6 +94,10 @@ class Tailer:
             back = min(tail.backends.values(), default=tail.offset)
             if back < tail.offset:
                 self._rewind(tail, back)
+        elif cp and tail.ino and cp.get("shard"):
+            self._lost(tail, "rotated", f"replaced by a new file while exprd was stopped (the "
+                       f"old one was applied up to _seq {cp.get('seq')}, offset {cp.get('shard')}); "
+                       "reading the new one from its start")
         self.tails[key] = tail
         return tail
 
@@ -141,6 +122,36 @@ class Tailer:
         if tail.state == "finished":
             tail.state = "live"
 
+    def _same_file(self, tail: FileTail) -> bool:
+        """Before reading: a new inode (rotated) or a size below the offset (truncated) is
+        reported with what was lost, and the new content is read from its start."""
+        try:
+            st = os.stat(tail.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        if tail.ino and st.st_ino != tail.ino:
+            unread = max(tail.size - tail.offset, 0)
+            self._lost(tail, "rotated", f"replaced by a new file; {unread} bytes of the old one "
+                       f"after offset {tail.offset} (_seq {tail.seq}) were not read; reading the "
+                       "new one from its start")
+            if tail.run is not None:
+                tail.run.close()
+                tail.run = None
+            tail.offset = tail.committed = 0
+            tail.seq, tail.state, tail.reason, tail.backends = -1, "new", "", {}
+        elif st.st_size < tail.offset:
+            unread = max(tail.size - tail.offset, 0)
+            self._lost(tail, "truncated", f"truncated to {st.st_size} bytes, below offset "
+                       f"{tail.offset} (_seq {tail.seq}); {unread} bytes not yet read were lost; "
+                       "reading it again from its start")
+            tail.offset = tail.committed = 0
+        tail.ino, tail.size = st.st_ino, st.st_size
+        return True
+
+    def _lost(self, tail: FileTail, kind: str, reason: str) -> None:
+        self.quarantine.put(tail.path, tail.offset, tail.offset, f"{kind}: {reason}", copy=False)
+        self.warn(f"{kind}:{tail.path}", f"{tail.path}: {reason}")
+
     def forget(self, tail: FileTail) -> None:
         if tail.run is not None:
             tail.run.close()
@@ -148,13 +159,12 @@ class Tailer:
         self.tails.pop(tail.key, None)
         self.checkpoints.drop(tail.key)
         if not self.dry_run and not tail.path.exists():
-            # the file is gone (retention, or by hand): its batch journals go with it
             try:
-                drop_journals(self.state, tail.path.relative_to(self.spool_root).as_posix())
+                forget_file(self.state, tail.path.relative_to(self.spool_root).as_posix())
             except ValueError:
-                pass  # not under the spool root: it has none
+                pass  # not under the spool root: nothing was kept for it
 
-    def _log_bad(self, tail: FileTail, start: int, end: int, reason: str, copy: bool = True) -> None:
+    def log_bad(self, tail: FileTail, start: int, end: int, reason: str, copy: bool = True) -> None:
         tail.quarantined += 1
         self.quarantine.put(tail.path, start, end, reason, copy=copy)
         tail.logged += 1
@@ -173,6 +183,22 @@ class Tailer:
             tail.run.close()
             tail.run = None
 
+    def _refuse_unsafe(self, run: RunPipeline) -> None:
+        """A symlink (or the like) below the allowed root: every file of that shard stops."""
+        reason = f"unsafe path: {run.unsafe}"
+        for tail in list(self.tails.values()):
+            if tail.run is not None and tail.run.slot is run.slot:
+                self.refuse(tail, reason)
+
+    def recheck(self, cfg: Config) -> None:
+        """A reload changed allowed_roots: refuse open runs that are no longer under one."""
+        for tail in list(self.tails.values()):
+            if tail.run is None:
+                continue
+            rdir = tail.run.spec.paths.run_dir
+            if not cfg.allows(rdir.parent.parent) or not cfg.allows(rdir):
+                self.refuse(tail, f"run dir {rdir} is outside allowed_roots (after a reload)")
+
     def _open_run(self, tail: FileTail, ev: dict[str, Any]) -> bool:
         try:
             spec = check_init(ev, tail.path, self.spool_root, self.cfg)
@@ -182,6 +208,9 @@ class Tailer:
         tail.host, tail.pid, tail.pid_start = spec.host, spec.pid, spec.pid_start
         tail.run = RunPipeline(spec, self.pool, self.cfg, self.dispatcher, tail.backends,
                                dry_run=self.dry_run)
+        if tail.run.unsafe:
+            self._refuse_unsafe(tail.run)
+            return False
         if tail.state in ("new", "crashed"):
             tail.state = "live"
         return True
@@ -205,139 +234,165 @@ class Tailer:
                 # rebuild rule windows from the start; the shard's seqs skip what it holds
                 tail.offset, tail.seq = end, 0
             return True
-        return False  # the init line is not complete yet
+        tail.drained = True  # the init line is not complete yet
+        return False
 
     # -- reading -------------------------------------------------------------------------
     def pump(self, tail: FileTail, budget: int = 4 << 20) -> bool:
         """Apply up to `budget` bytes of new complete lines; True if more are waiting."""
+        tail.drained = False
         if tail.state == "refused":
             return False
-        if tail.run is not None and tail.run.forwarder.busy():
-            return False  # a backend is far behind: wait instead of dropping
-        if tail.run is None and tail.state in ("finished", "crashed"):
-            try:
-                size = tail.path.stat().st_size
-            except OSError:
-                return False
-            if size <= tail.offset:
-                return False
-        if not self._ensure_run(tail):
-            return False
-        reader = SpoolReader(tail.path)
         run = tail.run
-        paused = False
+        if run is not None and (run.blocked or run.busy()):
+            return False  # the shard cannot take rows, or a backend is far behind: wait
         try:
-            if run is None or not run.plain or tail.state != "live":
-                for start, end, line in reader.lines(tail.offset, budget):
-                    self._line(tail, start, end, line)
-                    tail.offset = end
-                    if tail.state == "refused":
-                        tail.offset = reader.size
-                        return False
-                    run = tail.run
-                    if run is not None and run.plain and tail.state == "live":
-                        break  # the init is in: the rest takes the plain path
-                    if run is not None and run.forwarder.active and run.forwarder.busy():
-                        paused = True  # a backend queue is full: read on once it drains
-                        break
-                else:
-                    run = None
-            if run is not None and run.plain and tail.state == "live":
-                self._pump_plain(tail, run, reader, budget)
+            if not self._same_file(tail):
+                return False
+            if tail.run is None and tail.state in ("finished", "crashed") \
+                    and tail.size <= tail.offset:
+                return False
+            if not self._ensure_run(tail) or (tail.run is not None and tail.run.blocked):
+                return False
+            reader = SpoolReader(tail.path)
+            paused = self._read(tail, reader, budget)
         except FileNotFoundError:
             return False
         except OSError as exc:
-            self._warn(f"read:{tail.path}", f"cannot read {tail.path}: {exc.strerror or exc}")
+            # EMFILE, ENFILE, EIO: temporary; the lines are read again, never called torn
+            tail.read_error = exc.strerror or str(exc)
+            self.warn(f"read:{_cause(exc)}", f"cannot read {tail.path}: {tail.read_error}")
+            return False
+        finally:
+            if tail.run is not None:
+                tail.run.used()
+        tail.read_error = ""
+        if tail.run is not None and tail.run.unsafe:
+            self._refuse_unsafe(tail.run)
+        if tail.state == "refused":
             return False
         tail.size = reader.size
+        tail.drained = not reader.more and not paused
         return reader.more or paused
 
-    def _pump_plain(self, tail: FileTail, run: RunPipeline, reader: SpoolReader,
-                    budget: int) -> None:
-        """The hot path of a run without rules or backends: records go straight to the shard.
-
-        It does what `_line` and `Pipeline.apply` do for such a run (the pipeline would
-        only append the line); anything unusual takes the general path.
-        """
+    def _read(self, tail: FileTail, reader: SpoolReader, budget: int) -> bool:
+        """Apply the complete lines from `tail.offset` (about `budget` bytes); True if it
+        stopped early because the shard or a backend cannot take more now."""
         loads, decode_error = orjson.loads, orjson.JSONDecodeError
-        suffix, skip, max_line = run.suffix, run.skip_upto, reader.max_line
-        append: Callable[[bytes], None] | None = run.slot.writer.append if run.slot.opened else None
-        seq = tail.seq
-        last = applied = 0
+        max_line = reader.max_line
+        run = tail.run
+        fast, skip, suffix = self._fast_case(tail)
+        append = None
+        seq = last = tail.seq
+        applied = 0
+        done = tail.offset  # every line before it is consumed, the last of them `seq`
         try:
             for pos, parts, big_end in reader.chunks(tail.offset, budget):
                 if big_end is not None:
                     tail.seq = seq
-                    self._line(tail, pos, big_end, None)
-                    tail.offset = big_end
+                    self._line(tail, pos, big_end, b"", None)
+                    done = big_end
                     continue
                 for line in parts:
                     end = pos + len(line) + 1
-                    if line[-1:] == b"}" and seq >= skip and len(line) <= max_line:
+                    ev: Any = None
+                    if len(line) <= max_line:
                         try:
                             ev = loads(line)
-                        except decode_error:
-                            ev = None
-                        if (ev.__class__ is dict and ev.get("_seq") == seq + 1
-                                and "_event" not in ev and "_sid" not in ev):
-                            if append is None:
-                                append = run.prepare()
-                            seq += 1
-                            append(line[:-1] + suffix)  # the spool line verbatim, plus `_sid`
-                            applied += 1
-                            last = seq
-                            pos = end
-                            continue
+                        except decode_error as exc:
+                            ev = exc
+                    # the fast case: the next record of a run that only appends it
+                    if (fast and ev.__class__ is dict and ev.get("_seq") == seq + 1
+                            and seq >= skip and line[-1:] == b"}" and "_event" not in ev
+                            and "_sid" not in ev and ev.get("_kind", "rank") == "rank"):
+                        if append is None:
+                            assert run is not None
+                            append = run.prepare()
+                        seq = last = seq + 1
+                        append(line[:-1] + suffix)  # the spool line verbatim, plus `_sid`
+                        applied += 1
+                        pos = done = end
+                        continue
                     tail.seq = seq
-                    self._line(tail, pos, end, line if len(line) <= max_line else None)
+                    self._line(tail, pos, end, line, ev)
                     seq = tail.seq
-                    pos = tail.offset = end
-                    if tail.state != "live":
-                        return
-                tail.offset = pos
+                    pos = done = end
+                    if tail.state == "refused":
+                        done = reader.size
+                        return False
+                    if tail.run is not run or fast != (tail.state == "live" and run is not None
+                                                       and run.plain):
+                        if applied and run is not None:
+                            run.appended(applied, last)
+                            tail.applied += applied
+                            applied = 0
+                        run, append = tail.run, None
+                        fast, skip, suffix = self._fast_case(tail)
+                        if run is not None and run.blocked:
+                            return True  # a new run whose shard cannot be read yet
+                    if run is not None and run.feeds_backends and run.busy():
+                        return True
+                if run is not None and run.blocked:
+                    return True
         finally:
-            tail.seq = seq
-            if applied:
+            # offset and seq move together, whatever ends the loop (an exception too)
+            tail.offset, tail.seq = done, seq
+            if applied and run is not None:
+                run.appended(applied, last)
                 tail.applied += applied
-                run.applied += applied
-                pending = run.slot.pending
-                pending[run.spec.session] = max(last, pending.get(run.spec.session, -1))
+        return False
 
-    def _line(self, tail: FileTail, start: int, end: int, line: bytes | None) -> None:
-        if line is None:
-            self._log_bad(tail, start, end, "line over 16 MiB")
+    @staticmethod
+    def _fast_case(tail: FileTail) -> tuple[bool, int, bytes]:
+        run = tail.run
+        if run is None or tail.state != "live" or not run.plain:
+            return False, 0, b""
+        return True, run.skip_upto, run.suffix
+
+    def _line(self, tail: FileTail, start: int, end: int, line: bytes, ev: Any) -> None:
+        """One line the fast case did not take: `ev` is its parse (None: over 16 MiB)."""
+        if ev is None:
+            self.log_bad(tail, start, end, "line over 16 MiB")
             return
-        try:
-            ev = orjson.loads(line)
-        except orjson.JSONDecodeError as exc:
-            why = "not UTF-8" if "utf-8" in str(exc).lower() else "not JSON"
-            self._log_bad(tail, start, end, why)
+        if isinstance(ev, Exception):
+            why = "not UTF-8" if "utf-8" in str(ev).lower() else "not JSON"
+            self.log_bad(tail, start, end, why)
             return
         seq = ev.get("_seq") if type(ev) is dict else None
         if type(seq) is not int or seq < 0:
-            self._log_bad(tail, start, end, "not an event (a JSON object with _seq)")
+            self.log_bad(tail, start, end, "not an event (a JSON object with _seq)")
             return
         kind = ev.get("_event")
         run = tail.run
         if run is None:
             if kind != "init" or seq != 0:
-                self._log_bad(tail, start, end, "event before its init")
+                self.log_bad(tail, start, end, "event before its init")
             else:
                 self._open_run(tail, ev)
-                tail.seq = 0
+                tail.seq = max(tail.seq, 0)  # a truncated file's init is read again
             return
         if seq <= tail.seq:
-            self._log_bad(tail, start, end, f"_seq repeat: {seq} after {tail.seq}")
+            self.log_bad(tail, start, end, f"_seq repeat: {seq} after {tail.seq}")
             return
         if seq != tail.seq + 1:
             # events went missing (the writer dropped them): say so, keep this one
-            self._log_bad(tail, start, start, f"_seq gap: {tail.seq + 1}..{seq - 1} missing",
+            self.log_bad(tail, start, start, f"_seq gap: {tail.seq + 1}..{seq - 1} missing",
                           copy=False)
         if tail.state == "finished":
-            self._log_bad(tail, start, end, "event after finish")
+            self.log_bad(tail, start, end, "event after finish")
             return
         tail.seq = seq
         if kind is None:
+            rkind = ev.get("_kind")
+            if rkind is not None and rkind != "rank":
+                self.log_bad(tail, start, end, f"unknown _kind {rkind!r}")
+                return
+            if "_sid" in ev:
+                # exprd's bookkeeping field: set from the file's session, never from the line
+                del ev["_sid"]
+                line = orjson.dumps(ev)
+                self.warn(f"spool_sid:{tail.path}", f"{tail.path}: a record carries its own "
+                           "_sid; exprd replaced it with the file's session")
             if run.record(ev, line, seq, start):
                 tail.applied += 1
             else:
@@ -352,59 +407,32 @@ class Tailer:
                        float(when) if isinstance(when, (int, float)) else time.time(), seq)
             tail.state = "finished"
         else:
-            tail.seq = seq
-            self._log_bad(tail, start, end, f"unknown event {kind!r}")
-
-    # -- crash detection -----------------------------------------------------------------
-    def check_crash(self, tail: FileTail, now: float) -> None:
-        """No finish and the writer is gone (or silent too long): the shard is `crashed`."""
-        if tail.state != "live":
-            return
-        try:
-            st = tail.path.stat()
-        except OSError:
-            return
-        tail.size, tail.mtime = st.st_size, st.st_mtime
-        if tail.host == HOST and tail.pid is not None:
-            if pid_alive(tail.pid, tail.pid_start):
-                return
-            why = f"writer pid {tail.pid} is gone"
-        elif now - st.st_mtime > self.cfg.crash_silence:
-            why = f"silent for {now - st.st_mtime:.0f} s"
-        else:
-            return
-        while self.pump(tail, 64 << 20):
-            pass
-        if tail.state != "live":
-            return
-        if tail.size > tail.offset:
-            self._log_bad(tail, tail.offset, tail.size, "torn tail: its writer is gone")
-            tail.offset = tail.size
-        log.warning("%s: no finish and %s; marking %s crashed", tail.path, why,
-                    tail.run.spec.paths.shard if tail.run else "its shard")
-        if tail.run is not None:
-            tail.run.finish("crashed", now)
-        tail.state = "crashed"
+            self.log_bad(tail, start, end, f"unknown event {kind!r}")
 
     # -- committing ----------------------------------------------------------------------
     def commit(self, *, force: bool = False, sidecar_interval: float = 2.0) -> None:
         """Flush shards, then record the offsets they cover; retire finished files."""
-        slots_ok: dict[int, bool] = {id(s): s.flush() for s in self.pool.slots.values()}
+        slots_ok = self.pool.flush()
         now = time.monotonic()
         for tail in list(self.tails.values()):
             run = tail.run
-            if run is None or slots_ok.get(id(run.slot), True):
-                tail.committed = tail.offset
+            if run is not None and run.unsafe:
+                self._refuse_unsafe(run)
+                run = None
+            ok = run is None or slots_ok.get(id(run.slot), not run.blocked)
+            if ok:
+                tail.committed, tail.committed_seq = tail.offset, tail.seq
+            lag = tail.size - tail.committed
+            tail.behind_since = (tail.behind_since or now) if lag > 0 else None
             if run is not None:
                 self._settle(tail, run)
-                if tail.state in ("finished", "crashed", "refused") and not any(
-                    t.is_alive() for t in run.forwarder._closers
-                ):
-                    self._settle(tail, run)
+                if tail.state in ("finished", "crashed", "refused"):
+                    if not ok or run.closing() or not run.status_written():
+                        # a finished file is checkpointed as such only once the shard's
+                        # status is on disk: until then a restart reads its end again
+                        continue
                     run.close()
                     tail.run = None
-            lag = tail.size - tail.offset
-            tail.behind_since = (tail.behind_since or now) if lag > 0 else None
             self.checkpoints.put(tail.key, tail.checkpoint())
         self.pool.sidecars(0.0 if force else sidecar_interval)
         if force or now - self.checkpoints.saved_at >= self.cfg.checkpoint_interval:
@@ -412,18 +440,23 @@ class Tailer:
             if not self.checkpoints.dirty and not self.checkpoints.readonly:
                 for tail in self.tails.values():
                     if tail.run is not None:
-                        tail.run.forwarder.checkpointed()
+                        tail.run.checkpointed()
 
     @staticmethod
     def _settle(tail: FileTail, run: RunPipeline) -> None:
         """Advance the backends' checkpoints to what they have done with."""
         upto = min(tail.committed, tail.offset)
-        run.forwarder.settle(upto, tail.seq if upto == tail.offset else None)
-        tail.backends = dict(run.forwarder.committed)
+        tail.backends = run.settle(upto, tail.seq if upto == tail.offset else None)
 
     def forwarding(self) -> bool:
         """True if some run feeds backends (their progress moves checkpoints on its own)."""
-        return any(t.run is not None and t.run.forwarder.active for t in self.tails.values())
+        return any(t.run is not None and t.run.feeds_backends for t in self.tails.values())
+
+    def blocked(self) -> bool:
+        """True if some shard holds rows (or a status) it could not write yet: retried at
+        each commit."""
+        return any(t.run is not None and (t.run.blocked or t.state != "live")
+                   for t in self.tails.values())
 
     def has_time_rules(self) -> bool:
         """True if some live run has a rule that needs the clock (no_data, age, elapsed)."""
@@ -439,38 +472,16 @@ class Tailer:
             if tail.run is not None and tail.state == "live":
                 tail.run.tick(now)
 
-    def expire(self, now: float) -> int:
-        """Delete finished, fully applied spool files older than the retention."""
-        removed = 0
-        for tail in list(self.tails.values()):
-            if tail.state != "finished" or tail.run is not None or tail.committed < tail.size:
-                continue
-            if any(off < tail.size for off in tail.backends.values()):
-                continue
-            if now - tail.mtime < self.cfg.retention:
-                continue
-            try:
-                tail.path.unlink()
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                self._warn(f"unlink:{tail.path}", f"cannot delete {tail.path}: {exc.strerror}")
-                continue
-            log.info("deleted %s (finished and applied)", tail.path)
-            self.forget(tail)
-            removed += 1
-        return removed
-
     def close(self, timeout: float = 5.0) -> None:
         """Final commit; close every pipeline and shard."""
         self.commit(force=True)
         deadline = time.monotonic() + timeout
         for tail in self.tails.values():
             if tail.run is not None:
-                tail.run.forwarder.close("running", max(0.1, deadline - time.monotonic()))
+                tail.run.drain(max(0.1, deadline - time.monotonic()))
         for tail in self.tails.values():
             if tail.run is not None:
-                tail.run.forwarder.join(max(0.1, deadline - time.monotonic()))
+                tail.run.join(max(0.1, deadline - time.monotonic()))
                 self._settle(tail, tail.run)
                 tail.run.close()
                 tail.run = None

@@ -62,12 +62,13 @@ class Watcher:
         self._failed = False
 
     def _hint(self, paths: list[str], is_dir: bool) -> None:
+        spool = [p for p in paths if p.endswith(".jsonl")]
+        if not is_dir and not spool:
+            return  # exprd's own heartbeat and lock files, temp files: nothing to read
         with self._lock:
             if is_dir:
                 self.rescan_needed = True
-            for p in paths:
-                if p.endswith(".jsonl"):
-                    self._dirty.add(p)
+            self._dirty.update(spool)
         self.wake.set()
 
     def take(self) -> tuple[set[str], bool]:

@@ -16,6 +16,7 @@ from .resolve import (
     stream_label,
 )
 from .shards import inspect_shard
+from .spooled import SPOOL_OPT
 
 # a run is as bad as its worst shard
 _STATUS_ORDER = ("crashed", "stale", "running", "finished")
@@ -44,27 +45,41 @@ def run_row(label: str, path: str, shard_rows: list[dict[str, Any]]) -> dict[str
     }
 
 
-def runs_command(dir: str | None, as_json: bool) -> None:
-    """List the runs under the run root."""
-    from . import render
+def runs_command(dir: str | None, as_json: bool, spool: str | None = None) -> None:
+    """List the runs under the run root, and spooled runs for it not applied yet."""
+    from . import render, spooled
     from .errors import CLIError
 
     root = root_dir(dir)
-    if not root.is_dir():
+    spool_root = spooled.spool_root(spool)
+    waiting = spooled.pending(spool_root, root)
+    if not root.is_dir() and not waiting:
         raise CLIError(f"no run root at {root} (set --dir or $EXPR_DIR)")
-    rows = [run_row(r.label, str(r.path), [inspect_shard(s) for s in list_shards(r)]) for r in list_runs(root)]
+    found = list_runs(root) if root.is_dir() else []
+    rows = [run_row(r.label, str(r.path), [inspect_shard(s) for s in list_shards(r)]) for r in found]
+    have = {(r["project"], r["name"]) for r in rows}
     if as_json:
-        render.print_json([{k: v for k, v in r.items() if not k.endswith("_text")} for r in rows])
-    elif rows:
+        # runs that exist only in the spool so far come last, with status "spooled"
+        extra = [w for w in waiting if (w["project"], w["name"]) not in have]
+        render.print_json([{k: v for k, v in r.items() if not k.endswith("_text")}
+                           for r in rows] + extra)
+        return
+    if rows:
         render.runs(rows, str(root))
-    else:
+    elif root.is_dir():
         render.note(f"no runs under {root}")
+    else:
+        render.note(f"no run root at {root} yet")
+    if waiting:
+        render.note(spooled.mention(waiting, spool_root))
 
 
 def register(app: typer.Typer) -> None:
     """Add `expr runs`."""
 
     @app.command("runs", epilog="Example: expr runs --dir /shared/tracker/jsonl")
-    def runs(dir: str | None = DIR_OPT, json: bool = JSON_OPT) -> None:
-        """Projects and runs under the run root: ranks, streams, last step, status, last write."""
-        runs_command(dir, json)
+    def runs(dir: str | None = DIR_OPT, json: bool = JSON_OPT,
+             spool: str | None = SPOOL_OPT) -> None:
+        """Projects and runs under the run root: ranks, streams, last step, status, last write;
+        and spooled runs exprd has not applied yet."""
+        runs_command(dir, json, spool)

@@ -15,6 +15,7 @@ from expr_tracker.procs import pid_alive
 
 from .errors import CLIError
 from .resolve import JSON_OPT
+from .spooled import SPOOL_OPT
 
 STATUS_FILE = "status.json"  # written atomically by exprd (DESIGN 8)
 
@@ -47,22 +48,32 @@ def read(state: Path) -> dict[str, Any]:
     return data
 
 
-def status_command(state: str | None, json: bool) -> None:
+def status_command(state: str | None, json: bool, spool: str | None = None) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    from . import render
+    from . import render, spooled
 
     where = Path(state) if state else default_state()
     try:
         doc = read(where)
     except FileNotFoundError:
+        # no exprd ever ran here: say so, and what waits in the spool for one
+        spool_root = spooled.spool_root(spool)
+        waiting = spooled.pending(spool_root)
+        if json:
+            render.print_json({"running": False, "state": str(where), "spooled": waiting})
+            return
+        if waiting:
+            render.note(spooled.mention(waiting, spool_root))
         raise CLIError(f"no exprd status in {where} (is exprd running with --state {where}?)") from None
     except (OSError, ValueError) as exc:
         raise CLIError(f"cannot read {where / STATUS_FILE}: {exc}") from None
     running = _alive(doc.get("pid")) and doc.get("mode") != "replay"
+    spool_root = spooled.spool_root(spool or doc.get("spool"))
+    waiting = spooled.pending(spool_root)
     if json:
-        render.print_json({**doc, "running": running})
+        render.print_json({**doc, "running": running, "spooled": waiting})
         return
     out = render.console()
     totals = doc.get("totals", {})
@@ -72,7 +83,8 @@ def status_command(state: str | None, json: bool) -> None:
     out.print(Text(
         f"{totals.get('files', 0)} files: {totals.get('live', 0)} live, "
         f"{totals.get('finished', 0)} finished, {totals.get('crashed', 0)} crashed, "
-        f"{totals.get('refused', 0)} refused; lag {render.fmt_bytes(totals.get('lag_bytes', 0))}; "
+        f"{totals.get('refused', 0)} refused, {totals.get('blocked', 0)} blocked; "
+        f"lag {render.fmt_bytes(totals.get('lag_bytes', 0))}; "
         f"{totals.get('quarantined', 0)} quarantined", style="dim"), soft_wrap=True)
     spool = str(doc.get("spool") or "")
     table = Table(box=None, pad_edge=False, header_style="bold")
@@ -81,11 +93,21 @@ def status_command(state: str | None, json: bool) -> None:
         table.add_column(col, justify="right" if right else "left", no_wrap=right)
     for path, f in doc.get("files", {}).items():
         name = os.path.relpath(path, spool) if spool and path.startswith(spool) else path
-        style = render.STATUS_STYLE.get({"live": "running"}.get(f.get("state"), f.get("state")), "")
-        table.add_row(name, Text(str(f.get("state")), style=style), str(f.get("seq")),
+        state_name = "blocked" if f.get("blocked") else str(f.get("state"))
+        style = "bold red" if f.get("blocked") else render.STATUS_STYLE.get(
+            {"live": "running"}.get(f.get("state"), f.get("state")), "")
+        table.add_row(name, Text(state_name, style=style), str(f.get("seq")),
                       str(f.get("applied")), render.fmt_bytes(int(f.get("lag_bytes", 0))),
                       f"{float(f.get('lag_seconds', 0.0)):.1f}", str(f.get("quarantined", 0)))
     out.print(table)
+    for path, f in doc.get("files", {}).items():
+        if f.get("blocked") or f.get("reason"):
+            name = os.path.relpath(path, spool) if spool and path.startswith(spool) else path
+            why = f"blocked: {f['blocked']}" if f.get("blocked") else str(f.get("reason"))
+            out.print(Text(f"{name}: {why}", style="red" if f.get("blocked") else "dim"),
+                      soft_wrap=True)
+    if waiting:
+        render.note(spooled.mention(waiting, spool_root))
     for name, b in (doc.get("backends") or {}).items():
         out.print(f"backend {name}: {b.get('pending', 0)} queued, {b.get('sent', 0)} sent, "
                   f"{b.get('failed', 0)} failed, {b.get('dropped', 0)} dropped",
@@ -106,6 +128,7 @@ def register(app: typer.Typer) -> None:
                                          help="exprd's state directory (default $EXPRD_STATE, "
                                               "/var/lib/exprd or ~/.local/state/exprd)."),
         json: bool = JSON_OPT,
+        spool: str | None = SPOOL_OPT,
     ) -> None:
-        """The exprd daemon's files, lag, backend queues and errors."""
-        status_command(state, json)
+        """The exprd daemon's files, lag, backend queues and errors; spooled runs not applied."""
+        status_command(state, json, spool)

@@ -156,13 +156,23 @@ def parse_options(
         backends = [backends]
     backend_specs = list(backends)
     backend_objs: list[Any] = []
-    if backend_specs:
+    if backend_specs and mode == "spool":
+        # exprd sends, with its own [backends.NAME] (URLs and tokens live there): a bare
+        # name is that name, checked here only as a name; a mapping is checked in full
+        from expr_tracker.backends.registry import make_backend
+
+        for spec in backend_specs:
+            if isinstance(spec, str):
+                validate_name(spec, "backends")
+            elif isinstance(spec, Mapping):
+                make_backend(spec)
+            else:
+                raise ValueError("backends: a backend object cannot travel through the "
+                                 "spool; use a name from exprd's config or a mapping")
+    elif backend_specs:
         from expr_tracker.backends.registry import make_backend
 
         backend_objs = [make_backend(spec) for spec in backend_specs]
-        if mode == "spool" and any(not isinstance(b, (str, Mapping)) for b in backend_specs):
-            raise ValueError("backends: a backend object cannot travel through the spool; "
-                             "use 'wandb', 'trackio' or an http mapping in spool mode")
     return Options(
         project=project, name=name, stream=stream, root=root, spool_root=spool_root,
         config=config_copy, rank_aware=rank_aware, resume=resume, mode=mode,

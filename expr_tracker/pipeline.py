@@ -147,8 +147,9 @@ class Pipeline:
             entry["suppressed"] = ",".join(sorted(set(outcome.values())))
         line = orjson.dumps(entry, option=orjson.OPT_APPEND_NEWLINE)
         try:
-            self.alerts_path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.alerts_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            # opened like the shard: no symlink followed, below exprd's allowed root
+            fd = self.writer.open_file(self.alerts_path.name,
+                                       os.O_WRONLY | os.O_APPEND | os.O_CREAT)
             try:
                 os.write(fd, line)
             finally:

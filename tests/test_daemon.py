@@ -243,7 +243,9 @@ def test_huge_and_garbage_lines_are_quarantined_the_rest_applied(tmp_path: Path)
     index = lines_of(state / "quarantine" / "index.jsonl")
     assert [q["reason"] for q in index] == ["not JSON", "line over 16 MiB", "not UTF-8"]
     assert index[1]["length"] == len(huge)
-    assert (state / "quarantine" / index[1]["saved"]).stat().st_size == len(huge)
+    # a capped copy: the first 64 KiB, the full length in the index (issue 10 case 18)
+    saved = (state / "quarantine" / index[1]["saved"]).read_bytes()
+    assert saved == huge[: 64 * 1024] and index[1]["saved_bytes"] == 64 * 1024
     assert all(q["file"] == str(path) for q in index)
     assert sidecar(root / "proj" / "bad" / "metrics.meta.json")["status"] == "finished"
 

@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 
 from expr_tracker.backends.base import log
+from expr_tracker.store.safedir import write_all
 
 Batch = tuple[int, int, int]  # (first seq, last seq, number of events) of one journaled batch
 
@@ -139,7 +140,8 @@ class BatchJournal:
 
     def _append(self, line: bytes) -> None:
         self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        # no symlink followed: exprd's state directory is its own, and so is what it writes
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             os.write(fd, line)  # one small write on O_APPEND: whole or (disk full) torn, never mixed
         finally:
@@ -154,5 +156,9 @@ class BatchJournal:
             for a, b, n in self._batches
         )
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_bytes(body)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            write_all(fd, body)
+        finally:
+            os.close(fd)
         os.replace(tmp, self.path)

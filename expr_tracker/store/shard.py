@@ -23,6 +23,7 @@ import orjson
 from expr_tracker.store import records
 from expr_tracker.store.layout import ShardPaths
 from expr_tracker.store.lock import lock_writer
+from expr_tracker.store.safedir import UnsafePath, open_dir, open_file, write_all, write_atomic_at
 
 FLUSH_BYTES = 64 * 1024
 # a retry after a failed write goes in pieces of whole lines this large, so that a disk
@@ -32,26 +33,16 @@ MAX_BUFFER_BYTES = 64 * 1024 * 1024
 _READ_BLOCK = 256 * 1024
 
 Warn = Callable[[str, str], None]
+Opener = Callable[[str, int], int]
 
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Replace `path` with `data`: temp file, fsync, rename; never a half-written file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        _write_all(fd, data)
-        os.fsync(fd)
+        write_atomic_at(dfd, path.name, data)
     finally:
-        os.close(fd)
-    os.replace(tmp, path)
-
-
-def _write_all(fd: int, data: bytes | memoryview) -> None:
-    """os.write until everything is written (short writes happen on some filesystems)."""
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
+        os.close(dfd)
 
 
 def read_sidecar(path: Path) -> dict[str, Any] | None:
@@ -102,15 +93,20 @@ def _scan(data: bytes, cursor: Cursor, base: int) -> None:
     cursor.bytes = base + data.rfind(b"\n") + 1
 
 
-def repair_and_scan(paths: ShardPaths, hint: Mapping[str, Any] | None) -> tuple[Cursor, bool]:
+def repair_and_scan(paths: ShardPaths, hint: Mapping[str, Any] | None,
+                    opener: Opener | None = None) -> tuple[Cursor, bool]:
     """Move a torn tail to `<shard>.torn`, truncate, and compute the cursor.
 
     Uses the sidecar hint to avoid rescanning the whole file when it is consistent.
     Returns (cursor, repaired) where repaired says the sidecar disagreed with the file.
-    The caller holds whatever lock protects the shard.
+    The caller holds whatever lock protects the shard. `opener(name, flags)` opens a
+    file of the run directory (the writer's, which follows no symlink).
     """
+    if opener is None:
+        def opener(name: str, flags: int) -> int:
+            return os.open(paths.run_dir / name, flags | os.O_CLOEXEC, 0o644)
     try:
-        fd = os.open(paths.shard, os.O_RDWR)
+        fd = opener(paths.shard.name, os.O_RDWR)
     except FileNotFoundError:
         return Cursor(), hint is not None and bool(hint.get("cursor", {}).get("bytes"))
     try:
@@ -120,9 +116,9 @@ def repair_and_scan(paths: ShardPaths, hint: Mapping[str, Any] | None) -> tuple[
         original = size
         if tail_start < size:
             torn = os.pread(fd, size - tail_start, tail_start)
-            tfd = os.open(paths.torn, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            tfd = opener(paths.torn.name, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
             try:
-                _write_all(tfd, torn if torn.endswith(b"\n") else torn + b"\n")
+                write_all(tfd, torn if torn.endswith(b"\n") else torn + b"\n")
                 os.fsync(tfd)
             finally:
                 os.close(tfd)
@@ -229,6 +225,7 @@ class ShardWriter:
         max_buffer_bytes: int = MAX_BUFFER_BYTES,
         exclusive: bool = False,
         own_rank: int | None = None,
+        anchor: Path | None = None,
     ) -> None:
         """`exclusive`: hold the shard's writer lock (a second writer gets ShardBusyError
         from `open`). `own_rank` (shared files): the cursor's last step is that rank's."""
@@ -236,6 +233,11 @@ class ShardWriter:
         self.exclusive = exclusive
         self.own_rank = own_rank
         self._lock_fd: int | None = None
+        # exprd: the allowed root the run directory lies in; every directory below it is
+        # opened without following symlinks (see `_run_dir_fd`)
+        self.anchor = anchor
+        self.unsafe: str | None = None  # why a path was refused (a symlink...), if one was
+        self.last_error = ""  # the last failure's reason (strerror), for status displays
         self.identity = dict(identity)
         self.shared = shared
         self.sidecar_enabled = write_sidecar
@@ -273,12 +275,14 @@ class ShardWriter:
         Failures are reported and retried at the next flush; they never raise.
         """
         try:
-            self.paths.run_dir.mkdir(parents=True, exist_ok=True)
-            hint = read_sidecar(self.paths.sidecar)
+            hint = self.read_hint()
             if self.exclusive:
+                # the SDK's own shard (never exprd's, which has an anchor): the lock file
+                # sits in the run directory the user named
+                self.paths.run_dir.mkdir(parents=True, exist_ok=True)
                 self._take_lock(hint)
             with self._locked_file():
-                self.cursor, self.repaired = repair_and_scan(self.paths, hint)
+                self.cursor, self.repaired = repair_and_scan(self.paths, hint, self.open_file)
                 if self.shared and self.own_rank is not None:
                     self.cursor.last_step = self._own_last_step()
             if hint and isinstance(hint.get("start_time"), (int, float)) and self.cursor.rows:
@@ -317,6 +321,64 @@ class ShardWriter:
             sidecar=self.paths.sidecar,
         )
 
+    # -- files of the run directory ----------------------------------------
+    def _run_dir_fd(self, create: bool = True) -> int:
+        """A descriptor of the run directory, created if missing (when `create`).
+
+        With `anchor` (exprd: the allowed root) every directory below the anchor is opened
+        without following a symlink; without one (the SDK) the run directory is the path
+        the user gave. Files in it are never opened through a symlink either way.
+        """
+        run_dir = self.paths.run_dir
+        if self.anchor is None:
+            if create:
+                run_dir.mkdir(parents=True, exist_ok=True)
+            return os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            return open_dir(self.anchor, run_dir.relative_to(self.anchor).parts, create=create)
+        except UnsafePath as exc:
+            self.unsafe = str(exc)
+            raise
+
+    def open_file(self, name: str, flags: int) -> int:
+        """Open file `name` of the run directory (the shard, its torn file, an alerts file),
+        at this moment, following no symlink (`UnsafePath` if one is in the way). The run
+        directory is created only for a file opened with O_CREAT."""
+        dfd = self._run_dir_fd(create=bool(flags & os.O_CREAT))
+        try:
+            return open_file(dfd, name, flags, where=self.paths.run_dir)
+        except UnsafePath as exc:
+            self.unsafe = str(exc)
+            raise
+        finally:
+            os.close(dfd)
+
+    def scan(self) -> Cursor:
+        """The shard's cursor, reading only (nothing is created or repaired)."""
+        try:
+            fd = self.open_file(self.paths.shard.name, os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError):
+            return Cursor()
+        try:
+            return cursor_from(fd, os.fstat(fd).st_size, self.read_hint())
+        finally:
+            os.close(fd)
+
+    def read_hint(self) -> dict[str, Any] | None:
+        """The sidecar, read without following a symlink; None if missing or unreadable."""
+        try:
+            fd = self.open_file(self.paths.sidecar.name, os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        try:
+            with open(fd, "rb", closefd=False) as fh:
+                data = orjson.loads(fh.read())
+        except (OSError, orjson.JSONDecodeError):
+            return None
+        finally:
+            os.close(fd)
+        return data if isinstance(data, dict) else None
+
     @contextlib.contextmanager
     def _locked_file(self) -> Iterator[None]:
         if not self.shared:
@@ -324,7 +386,7 @@ class ShardWriter:
             return
         # the same lock every flush of a shared shard takes: a repair must not cut off
         # a line another rank appends meanwhile
-        fd = os.open(self.paths.shard, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = self.open_file(self.paths.shard.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -347,11 +409,9 @@ class ShardWriter:
                 self.on_deleted()
             else:
                 self._warn("deleted", f"shard {self.paths.shard} was deleted; recreating it")
-            self.paths.run_dir.mkdir(parents=True, exist_ok=True)
-        else:
-            # never opened: the run root was unwritable (or missing) at init; try again now
-            self.paths.run_dir.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.paths.shard, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        # never opened (the run root was unwritable or missing at init), deleted, or closed
+        # to give its descriptor back: (re)open it now, creating the run directory
+        self._fd = self.open_file(self.paths.shard.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         return self._fd
 
     # -- writing ---------------------------------------------------------
@@ -449,13 +509,34 @@ class ShardWriter:
             if self.transform is not None:
                 piece = self.transform(piece, end)
             try:
-                _write_all(fd, piece)
+                write_all(fd, piece)
             except OSError as exc:
                 with contextlib.suppress(OSError):
                     os.ftruncate(fd, end)
                 return pos, end, exc
             pos, end = cut, end + len(piece)
         return pos, end, None
+
+    @property
+    def is_open(self) -> bool:
+        """True while the shard's descriptor is open."""
+        return self._fd is not None
+
+    def release_fd(self) -> None:
+        """Close the descriptor (a pool of open files gives it back); the next flush reopens
+        the shard and writes what is buffered."""
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+
+    def discard(self) -> int:
+        """Forget buffered and pending rows (their caller keeps them elsewhere, as exprd's
+        spool does); returns how many rows that was."""
+        rows = self._pending_rows + self._buf.count(b"\n")
+        self._buf.clear()
+        self._pending, self._pending_rows = b"", 0
+        return rows
 
     def _keep_pending(self, data: bytes, nrows: int) -> None:
         """Keep failed data for a retry, within `max_buffer_bytes`; count what must go."""
@@ -474,6 +555,9 @@ class ShardWriter:
         self._pending_rows = nrows
 
     def _fail(self, op: str, exc: OSError) -> None:
+        if isinstance(exc, UnsafePath):
+            self.unsafe = str(exc)
+        self.last_error = exc.strerror or str(exc)
         cause = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
         key = f"{op}:{cause}"
         self.errors[key] = self.errors.get(key, 0) + 1
@@ -501,14 +585,21 @@ class ShardWriter:
             out["exit"] = self.exit
         return out
 
-    def write_sidecar(self) -> None:
-        """Atomically rewrite the sidecar; failures are reported, never raised."""
+    def write_sidecar(self) -> bool:
+        """Atomically rewrite the sidecar; failures are reported (False), never raised."""
         if not self.sidecar_enabled:
-            return
+            return True
         try:
-            write_atomic(self.paths.sidecar, orjson.dumps(self.sidecar(), option=orjson.OPT_INDENT_2))
+            dfd = self._run_dir_fd()
+            try:
+                write_atomic_at(dfd, self.paths.sidecar.name,
+                                orjson.dumps(self.sidecar(), option=orjson.OPT_INDENT_2))
+            finally:
+                os.close(dfd)
         except OSError as exc:
             self._fail("sidecar", exc)
+            return False
+        return True
 
     def close(self, status: str = "finished", flush_timeout: float | None = None) -> None:
         """Flush, mark the status in the sidecar and close the file.

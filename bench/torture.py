@@ -1,0 +1,211 @@
+"""`make torture`: exprd under kill -9, a full run root and a descriptor limit, for minutes.
+
+    python bench/torture.py [SECONDS] [WRITERS] [RUNS_PER_WRITER] [STEPS]
+
+defaults 180, 4, 25 and 3000. Spool-mode writer processes each keep RUNS_PER_WRITER
+runs open at once (WRITERS x RUNS_PER_WRITER live spool files) and log STEPS steps to
+each at a steady pace. Meanwhile exprd, started with a descriptor limit of 64 (below
+the file count), is killed with SIGKILL at random moments and started again, and the
+run root, a small tmpfs in a private mount namespace, is filled up and freed again.
+At the end every shard must hold every step exactly once. Prints a markdown table.
+
+Runs as root (it mounts a tmpfs); it re-runs itself under `unshare -m`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+EXPRD = [sys.executable, "-m", "exprd.main", "--allow-root"]
+NOFILE = 64
+TMPFS_MB = 48
+
+
+def writer_code(spool: Path, root: Path, w: int, runs: int, steps: int, seconds: float) -> str:
+    return textwrap.dedent(f"""
+        import time, expr_tracker as et
+        runs = [et.Run("torture", "w{w}-r%d" % i, dir={str(root)!r}, upload_mode="spool",
+                       spool_dir={str(spool)!r}) for i in range({runs})]
+        pause = {seconds} * 0.8 / {steps} * 50
+        for s in range(0, {steps}, 50):
+            for run in runs:
+                for k in range(s, min(s + 50, {steps})):
+                    run.log({{"loss": 1.0 / (k + 1), "k": k}})
+            time.sleep(pause)
+        for run in runs:
+            run.finish()
+    """)
+
+
+def low_limit() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (NOFILE, NOFILE))
+
+
+def start_exprd(cfg: Path, log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as err:
+        return subprocess.Popen([*EXPRD, "--config", str(cfg)], stdout=subprocess.DEVNULL,
+                                stderr=err, preexec_fn=low_limit)
+
+
+class Filler:
+    """Fills the run root's tmpfs to the last byte, then frees it, again and again."""
+
+    def __init__(self, root: Path, rng: random.Random) -> None:
+        self.path = root / ".filler"
+        self.rng = rng
+        self.stop = threading.Event()
+        self.fills = 0
+        self.thread = threading.Thread(target=self.loop, daemon=True)
+
+    def fill(self) -> None:
+        block = b"\0" * (1 << 20)
+        try:
+            with open(self.path, "wb", buffering=0) as fh:
+                while True:
+                    fh.write(block)
+        except OSError:
+            pass  # full: ENOSPC is the point
+        self.fills += 1
+
+    def loop(self) -> None:
+        while not self.stop.wait(self.rng.uniform(2.0, 5.0)):
+            self.fill()
+            self.stop.wait(self.rng.uniform(1.0, 3.0))
+            self.path.unlink(missing_ok=True)
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.path.unlink(missing_ok=True)
+
+
+def shards_done(root: Path, names: list[str], steps: int) -> bool:
+    for name in names:
+        run = root / "torture" / name
+        try:
+            meta = json.loads((run / "metrics.meta.json").read_text())
+        except (OSError, ValueError):
+            return False
+        if meta.get("status") != "finished" or meta["cursor"]["rows"] < steps:
+            return False
+    return True
+
+
+def check(root: Path, names: list[str], steps: int) -> tuple[int, int, int]:
+    """(rows, lost, duplicated) over every shard."""
+    rows = lost = dup = 0
+    for name in names:
+        seen: dict[int, int] = {}
+        with open(root / "torture" / name / "metrics.jsonl", "rb") as fh:
+            for line in fh:
+                k = json.loads(line)["_step"]
+                seen[k] = seen.get(k, 0) + 1
+                rows += 1
+        lost += sum(1 for k in range(steps) if k not in seen)
+        dup += sum(n - 1 for n in seen.values() if n > 1)
+    return rows, lost, dup
+
+
+def main() -> None:
+    seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 180.0
+    writers = int(sys.argv[2]) if len(sys.argv) > 2 else 4
+    per = int(sys.argv[3]) if len(sys.argv) > 3 else 25
+    steps = int(sys.argv[4]) if len(sys.argv) > 4 else 3000
+    rng = random.Random(20261130)
+    tmp = Path(tempfile.mkdtemp(prefix="exprd-torture-"))
+    procs: list[subprocess.Popen[bytes]] = []
+    d: subprocess.Popen[bytes] | None = None
+    ok = False
+    spool, state, root = tmp / "spool", tmp / "state", tmp / "runs"
+    root.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_MB}m", "tmpfs", str(root)],
+                   check=True)
+    try:
+        spool.mkdir(mode=0o700)
+        cfg = tmp / "exprd.toml"
+        cfg.write_text(f"spool = {json.dumps(str(spool))}\nstate = {json.dumps(str(state))}\n"
+                       f"allowed_roots = [{json.dumps(str(root))}]\nrescan_interval = 1\n"
+                       "status_interval = 1\n")
+        log = tmp / "exprd.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("EXPR_")}
+        procs = [subprocess.Popen([sys.executable, "-c",
+                                   writer_code(spool, root, w, per, steps, seconds)], env=env)
+                 for w in range(writers)]
+        filler = Filler(root, rng)
+        filler.thread.start()
+        kills = 0
+        d = start_exprd(cfg, log)
+        t0 = time.monotonic()
+        while any(p.poll() is None for p in procs) or time.monotonic() - t0 < seconds:
+            time.sleep(rng.uniform(0.5, 4.0))
+            d.kill()  # SIGKILL: no drain, no checkpoint, maybe half a write
+            d.wait()
+            kills += 1
+            d = start_exprd(cfg, log)
+        assert all(p.wait() == 0 for p in procs)
+        filler.finish()
+        names = [f"w{w}-r{i}" for w in range(writers) for i in range(per)]
+        deadline = time.monotonic() + 120
+        while not shards_done(root, names, steps):
+            if time.monotonic() > deadline:
+                late = [n for n in names if not shards_done(root, [n], steps)]
+                raise SystemExit(f"{len(late)} shards not finished 120 s after the writers "
+                                 f"(e.g. {late[:3]}); state and log kept in {tmp}")
+            time.sleep(0.5)
+        d.send_signal(signal.SIGTERM)
+        d.wait(15)
+        elapsed = time.monotonic() - t0
+        rows, lost, dup = check(root, names, steps)
+        text = log.read_text(errors="replace")
+        # each exprd logs a cause once: these count the exprd lives that met it
+        enospc, emfile = text.count("No space left on device"), text.count("Too many open files")
+        ok = not lost and not dup and rows == writers * per * steps
+    finally:
+        for p in [*procs, *([d] if d is not None else [])]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if not ok:
+            shutil.copytree(root, tmp / "runs-kept", dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns(".filler"))
+        subprocess.run(["umount", str(root)], check=False)
+        if ok:
+            shutil.rmtree(tmp, ignore_errors=True)
+    events = writers * per * steps
+    table = [
+        ("duration", f"{elapsed:.0f} s"),
+        ("writers x live spool files", f"{writers} x {per} = {writers * per}"),
+        ("descriptor limit of exprd", str(NOFILE)),
+        ("events logged", f"{events:,}"),
+        ("exprd kill -9", str(kills)),
+        ("run root filled to ENOSPC", f"{filler.fills} times"),
+        ("exprd lives that met ENOSPC / EMFILE", f"{enospc} / {emfile}"),
+        ("rows in shards", f"{rows:,}"),
+        ("rows lost", str(lost)),
+        ("duplicates", str(dup)),
+    ]
+    print("| measure | value |")
+    print("| --- | --- |")
+    for k, v in table:
+        print(f"| {k} | {v} |")
+    if lost or dup or rows != events:
+        raise SystemExit(f"FAILED: {lost} rows lost, {dup} duplicates")
+
+
+if __name__ == "__main__":
+    if os.environ.get("EXPR_TORTURE_NS") != "1":
+        env = {**os.environ, "EXPR_TORTURE_NS": "1"}
+        sys.exit(subprocess.call(["unshare", "-m", sys.executable, *sys.argv], env=env))
+    main()

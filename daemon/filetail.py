@@ -1,0 +1,58 @@
+"""What exprd knows about one spool file, and the entry it keeps for it in checkpoints.json."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .applier import RunPipeline
+
+
+@dataclass
+class FileTail:
+    """What exprd knows about one spool file."""
+
+    path: Path
+    ino: int = 0
+    offset: int = 0  # next byte to read: every line before it is consumed
+    committed: int = 0  # offset covered by flushed shard data (what the checkpoint says)
+    seq: int = -1  # last `_seq` consumed
+    committed_seq: int = -1  # last `_seq` before `committed`
+    state: str = "new"  # new | live | finished | crashed | refused
+    reason: str = ""
+    host: str = ""
+    pid: int | None = None
+    pid_start: int | None = None
+    size: int = 0
+    mtime: float = 0.0
+    behind_since: float | None = None
+    backends: dict[str, int] = field(default_factory=dict)
+    run: RunPipeline | None = None
+    logged: int = 0
+    quarantined: int = 0
+    applied: int = 0  # record events written to the shard by this process
+    skipped: int = 0  # record events the shard already held
+    drained: bool = False  # the last pump read every complete line there was
+    read_error: str = ""  # why the last read failed (EMFILE...): retried, never "torn"
+
+    @property
+    def key(self) -> str:
+        return str(self.path)
+
+    def checkpoint(self) -> dict[str, Any]:
+        """What `checkpoints.json` keeps: the committed offset and the seq and state there
+        (a file read further than its shard could be written is not finished yet)."""
+        state, seq = self.state, self.seq
+        if self.committed < self.offset:
+            seq = self.committed_seq
+            state = "live" if state in ("finished", "crashed") else state
+        out: dict[str, Any] = {"ino": self.ino, "shard": self.committed, "seq": seq,
+                               "state": state, "host": self.host, "pid": self.pid,
+                               "pid_start": self.pid_start}
+        if self.reason:
+            out["reason"] = self.reason
+        if self.backends:
+            out["backends"] = dict(self.backends)
+        return out
