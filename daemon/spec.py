@@ -81,8 +81,10 @@ def check_init(ev: Mapping[str, Any], path: Path, spool_root: Path, cfg: Config)
     rank, world = ident.get("rank"), ident.get("world_size")
     # world_size null: the SDK did not know it (WORLD_SIZE unset, DESIGN 12)
     if type(rank) is not int or rank < 0 or (world is not None and (
-            type(world) is not int or not rank < world <= MAX_WORLD)):
+            type(world) is not int or not rank < world)):
         raise InitError(f"bad rank/world_size in init: {rank!r}/{world!r}")
+    if world is not None and world > MAX_WORLD:
+        raise InitError(f"world_size {world} is over the supported {MAX_WORLD}")
     local = ident.get("local_rank", 0)
     if type(local) is not int or local < 0:
         raise InitError(f"bad local_rank in init: {local!r}")
