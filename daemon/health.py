@@ -20,7 +20,7 @@ from typing import Any
 
 from expr_tracker.health.config import HealthConfig
 from expr_tracker.health.watch import Watcher
-from expr_tracker.store.shard import read_sidecar
+from expr_tracker.store.cursor import read_sidecar
 
 log = logging.getLogger("exprd")
 HEALTH_INTERVAL = 1.0  # seconds between passes over one run

@@ -6,7 +6,7 @@ import sys
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from expr_tracker.store.shard import ShardReader, select_rows
+from expr_tracker.store.reader import ShardReader, select_rows
 
 from .errors import CLIError
 from .resolve import (

@@ -129,8 +129,8 @@ def build_panel(metric: str, per_rank: dict[int, tuple[list[int], list[float]]],
 
 def _available_metrics(run_dir: Path, stream: str | None) -> set[str]:
     """Numeric step-row keys of the first few shards (for the unknown-metric error)."""
+    from expr_tracker.store.reader import ShardReader
     from expr_tracker.store.runread import run_shards
-    from expr_tracker.store.shard import ShardReader
 
     keys: set[str] = set()
     for shard in run_shards(run_dir, stream)[:8]:

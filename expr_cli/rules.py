@@ -7,7 +7,7 @@ from typing import Any
 
 import typer
 
-from expr_tracker.store.shard import ShardReader
+from expr_tracker.store.reader import ShardReader
 
 from .resolve import (
     DIR_OPT,

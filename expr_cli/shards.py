@@ -20,7 +20,8 @@ import typer
 
 from expr_tracker.procs import pid_alive
 from expr_tracker.store import records
-from expr_tracker.store.shard import ShardReader, read_sidecar
+from expr_tracker.store.cursor import read_sidecar
+from expr_tracker.store.reader import ShardReader
 
 from .resolve import (
     DIR_OPT,

@@ -130,7 +130,7 @@ def load_row_table(
 
 def last_rows(shards: list[ShardRef], garbage: dict[str, int]) -> list[dict[str, Any]]:
     """Each shard's last step row (the fallback view of a run without rank records)."""
-    from expr_tracker.store.shard import ShardReader
+    from expr_tracker.store.reader import ShardReader
 
     out = []
     for shard in shards:

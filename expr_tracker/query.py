@@ -8,7 +8,7 @@ from typing import Any
 
 from expr_tracker.errors import RunNotFoundError
 from expr_tracker.store.layout import parse_shard_name, shard_stem, validate_stream
-from expr_tracker.store.shard import ShardReader, select_rows
+from expr_tracker.store.reader import ShardReader, select_rows
 
 
 def resolve_shard(run: str | os.PathLike[str], stream: str | None = None, rank: int | None = None) -> Path:

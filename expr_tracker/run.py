@@ -470,7 +470,7 @@ class Run:
         if self.mode == "spool":
             rows = self._sink.history(n, metric_list, rng)
         else:
-            from expr_tracker.store.shard import ShardReader, select_rows
+            from expr_tracker.store.reader import ShardReader, select_rows
 
             rows = select_rows(ShardReader(self.paths.shard), n, metrics=metric_list, step_range=rng)
         return query.to_output(rows, output_type)

@@ -26,11 +26,8 @@ from expr_tracker.procs import proc_start
 from expr_tracker.store import records
 from expr_tracker.store.layout import ShardPaths, spool_path
 from expr_tracker.store.lock import ShardBusyError, lock_writer
-from expr_tracker.store.shard import (
-    ShardReader,
-    ShardWriter,
-    select_rows,
-)
+from expr_tracker.store.reader import ShardReader, select_rows
+from expr_tracker.store.shard import ShardWriter
 from expr_tracker.store.spoolfile import (
     HEARTBEAT,
     HEARTBEAT_STALE,

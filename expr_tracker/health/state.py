@@ -31,8 +31,8 @@ from typing import Any
 
 from expr_tracker.procs import pid_alive
 from expr_tracker.store import records
+from expr_tracker.store.cursor import read_sidecar
 from expr_tracker.store.layout import parse_shard_name
-from expr_tracker.store.shard import read_sidecar
 
 DEFAULT_WINDOW = 64  # step rows (and rank records per rank) kept per shard
 MAX_CATCHUP = 4 << 20  # bytes read forward per shard and pass; beyond it, re-read the tail

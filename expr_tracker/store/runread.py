@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, TypeGuard
 
 from expr_tracker.store.layout import parse_shard_name, validate_stream
-from expr_tracker.store.shard import ShardReader
+from expr_tracker.store.reader import ShardReader
 
 ALL_STREAMS: Any = ...
 """`stream=ALL_STREAMS` (the default) reads every stream; None is the default stream."""

@@ -1,8 +1,8 @@
-"""Rank shards on disk: the buffered writer, the sidecar, resume and the reader (DESIGN 3-5).
+"""The shard writer: buffered whole-line appends, the sidecar, resume and one writer (DESIGN 3-5).
 
-The shard file is the truth. Writers append whole lines with one `os.write` on an
-O_APPEND descriptor; readers ignore an unterminated last line. The sidecar
-`<stem>.meta.json` is a hint that a writer repairs from the file when they disagree.
+Writers append whole lines with one `os.write` on an O_APPEND descriptor; readers
+(`store.reader`) ignore an unterminated last line. Failures are reported once per cause,
+counted and retried within a bound; they never raise into the training loop.
 """
 
 from __future__ import annotations
@@ -14,13 +14,18 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from expr_tracker.store import records
+from expr_tracker.store.cursor import (
+    Cursor,
+    cursor_from,
+    last_row_step,
+    rank_last_step,
+    repair_and_scan,
+)
 from expr_tracker.store.layout import ShardPaths
 from expr_tracker.store.lock import lock_writer
 from expr_tracker.store.safedir import UnsafePath, open_dir, open_file, write_all, write_atomic_at
@@ -30,176 +35,8 @@ FLUSH_BYTES = 64 * 1024
 # with less room than the backlog keeps what fits (a normal flush is one piece)
 _PIECE = 256 * 1024
 MAX_BUFFER_BYTES = 64 * 1024 * 1024
-_READ_BLOCK = 256 * 1024
 
 Warn = Callable[[str, str], None]
-Opener = Callable[[str, int], int]
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Replace `path` with `data`: temp file, fsync, rename; never a half-written file."""
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        write_atomic_at(dfd, path.name, data)
-    finally:
-        os.close(dfd)
-
-
-def read_sidecar(path: Path) -> dict[str, Any] | None:
-    """The sidecar as a dict, or None if missing or unreadable."""
-    try:
-        data = orjson.loads(path.read_bytes())
-    except (OSError, orjson.JSONDecodeError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-@dataclass
-class Cursor:
-    """Where a shard stands: bytes of complete lines, rows, largest step, applied spool seqs."""
-
-    bytes: int = 0
-    rows: int = 0
-    last_step: int | None = None
-    applied: dict[str, int] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        nxt = 0 if self.last_step is None else self.last_step + 1
-        return {
-            "bytes": self.bytes,
-            "rows": self.rows,
-            "last_step": self.last_step,
-            "next_step": nxt,
-            "applied": dict(self.applied),
-        }
-
-
-def _scan(data: bytes, cursor: Cursor, base: int) -> None:
-    """Advance `cursor` over the complete lines of `data` (which starts at file offset `base`)."""
-    for _, line in records.iter_lines(data):
-        cursor.rows += 1
-        try:
-            rec = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            continue
-        if not isinstance(rec, dict):
-            continue
-        step = rec.get("_step")
-        if "_kind" not in rec and type(step) is int and (cursor.last_step is None or step > cursor.last_step):
-            cursor.last_step = step
-        sess, seq = rec.get("_sid"), rec.get("_seq")
-        if type(sess) is str and type(seq) is int and seq >= cursor.applied.get(sess, -1):
-            cursor.applied[sess] = seq
-    cursor.bytes = base + data.rfind(b"\n") + 1
-
-
-def repair_and_scan(paths: ShardPaths, hint: Mapping[str, Any] | None,
-                    opener: Opener | None = None) -> tuple[Cursor, bool]:
-    """Move a torn tail to `<shard>.torn`, truncate, and compute the cursor.
-
-    Uses the sidecar hint to avoid rescanning the whole file when it is consistent.
-    Returns (cursor, repaired) where repaired says the sidecar disagreed with the file.
-    The caller holds whatever lock protects the shard. `opener(name, flags)` opens a
-    file of the run directory (the writer's, which follows no symlink).
-    """
-    if opener is None:
-        def opener(name: str, flags: int) -> int:
-            return os.open(paths.run_dir / name, flags | os.O_CLOEXEC, 0o644)
-    try:
-        fd = opener(paths.shard.name, os.O_RDWR)
-    except FileNotFoundError:
-        return Cursor(), hint is not None and bool(hint.get("cursor", {}).get("bytes"))
-    try:
-        size = os.fstat(fd).st_size
-        with open(fd, "rb", closefd=False) as fh:
-            tail_start = records.complete_end(fh, _READ_BLOCK)
-        original = size
-        if tail_start < size:
-            torn = os.pread(fd, size - tail_start, tail_start)
-            tfd = opener(paths.torn.name, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-            try:
-                write_all(tfd, torn if torn.endswith(b"\n") else torn + b"\n")
-                os.fsync(tfd)
-            finally:
-                os.close(tfd)
-            os.ftruncate(fd, tail_start)
-            size = tail_start
-        hint_bytes = ((hint or {}).get("cursor") or {}).get("bytes")
-        repaired = original != size or (original > 0 and hint_bytes != size)
-        return cursor_from(fd, size, hint), repaired
-    finally:
-        os.close(fd)
-
-
-def cursor_from(fd: int, size: int, hint: Mapping[str, Any] | None) -> Cursor:
-    """The cursor of the first `size` bytes of a shard, reading only.
-
-    Starts from the sidecar `hint` when its byte count ends on a line boundary, then
-    scans the complete lines after it: the whole file only when the hint is no use.
-    """
-    cur = (hint or {}).get("cursor") or {}
-    cursor = Cursor()
-    hint_bytes = cur.get("bytes")
-    if isinstance(hint_bytes, int) and 0 < hint_bytes <= size and _line_boundary(fd, hint_bytes):
-        cursor.bytes = hint_bytes
-        cursor.rows = int(cur.get("rows") or 0)
-        step = cur.get("last_step")
-        cursor.last_step = step if isinstance(step, int) else None
-        cursor.applied = {str(k): int(v) for k, v in (cur.get("applied") or {}).items()}
-    pos = cursor.bytes
-    while pos < size:
-        block = os.pread(fd, min(16 * _READ_BLOCK, size - pos), pos)
-        last_nl = block.rfind(b"\n")
-        if last_nl < 0:
-            break
-        _scan(block[: last_nl + 1], cursor, pos)
-        pos = cursor.bytes
-    return cursor
-
-
-def _last_row_step(data: bytes) -> int | None:
-    """`_step` of the last step row (not a `_kind` record) in `data`, parsing just that line."""
-    end = len(data) - 1
-    while end > 0:
-        start = data.rfind(b"\n", 0, end) + 1
-        if not data.startswith(b'{"_kind"', start):
-            try:
-                step = orjson.loads(data[start:end]).get("_step")
-            except (orjson.JSONDecodeError, AttributeError):
-                return None
-            return step if type(step) is int else None
-        end = start - 1
-    return None
-
-
-def rank_last_step(fd: int, size: int, rank: int) -> int | None:
-    """The largest `_step` of rank `rank`'s own step rows in a shared (rank_aware=False)
-    shard, reading backwards from `size`: a rank's rows are appended in step order, so its
-    last row holds its largest step. None if the rank has no row (a fresh rank starts at 0)."""
-    needle = b'"_rank":%d' % rank
-    end, carry = size, b""
-    while end > 0:
-        start = max(0, end - _READ_BLOCK)
-        data = os.pread(fd, end - start, start) + carry
-        lines = data.split(b"\n")
-        carry = lines[0] if start > 0 else b""
-        for line in reversed(lines[1:] if start > 0 else lines):
-            if needle not in line or line.startswith(b'{"_kind"'):
-                continue
-            try:
-                rec = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                continue
-            step = rec.get("_step") if isinstance(rec, dict) else None
-            if rec.get("_rank") == rank and "_kind" not in rec and type(step) is int:
-                return step
-        end = start
-    return None
-
-
-def _line_boundary(fd: int, offset: int) -> bool:
-    """True if `offset` is the start of a line (the byte before it is a newline)."""
-    return os.pread(fd, 1, offset - 1) == b"\n"
 
 
 class ShardWriter:
@@ -477,7 +314,7 @@ class ShardWriter:
             rows = nrows if written is data else written.count(b"\n")
             self.cursor.bytes = end
             self.cursor.rows += rows
-            step = _last_row_step(written)
+            step = last_row_step(written)
             if step is not None and (self.cursor.last_step is None or step > self.cursor.last_step):
                 self.cursor.last_step = step
             self.last_write = time.time()
@@ -627,125 +464,3 @@ class ShardWriter:
             with contextlib.suppress(OSError):
                 os.close(self._lock_fd)  # releases the writer lock
             self._lock_fd = None
-
-
-# -- reading -------------------------------------------------------------
-
-
-class ShardReader:
-    """Reads complete lines of a shard that another process may be appending to."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-        self.garbage = 0  # lines that did not parse, skipped
-
-    def _parse(self, line: bytes) -> dict[str, Any] | None:
-        try:
-            return records.loads(line)
-        except ValueError:
-            self.garbage += 1
-            return None
-
-    def iter_records(self, start: int = 0) -> Iterator[tuple[int, dict[str, Any]]]:
-        """Yield (end offset, record) for every complete, parseable line from `start`."""
-        with open(self.path, "rb") as fh:
-            for base, data in records.complete_blocks(fh, 4 * _READ_BLOCK, start):
-                for off, line in records.iter_lines(data):
-                    rec = self._parse(line) if line.strip() else None
-                    if rec is not None:
-                        yield base + off + len(line) + 1, rec
-
-    def records(self) -> list[dict[str, Any]]:
-        """Every complete record in file order."""
-        return [rec for _, rec in self.iter_records()]
-
-    def iter_reverse(self) -> Iterator[dict[str, Any]]:
-        """Complete records from the last to the first, reading the file backwards in blocks."""
-        return self.iter_reverse_from()
-
-    def iter_reverse_from(
-        self, end: int | None = None, block: int = _READ_BLOCK
-    ) -> Iterator[dict[str, Any]]:
-        """`iter_reverse` from offset `end` (where complete lines end; None: find it).
-
-        `block` bytes are read at a time: a reader that wants a few lines of each of many
-        shards passes a small one. A given `end` keeps the view stable while the file grows.
-        """
-        with open(self.path, "rb") as fh:
-            if end is None:
-                end = records.complete_end(fh, block)  # only terminated lines count
-            carry = b""
-            while end > 0:
-                start = max(0, end - block)
-                fh.seek(start)
-                data = fh.read(end - start) + carry
-                lines = data.split(b"\n")
-                # lines[0] may be the end of a line that started in an earlier block
-                carry = lines[0] if start > 0 else b""
-                body = lines[1:] if start > 0 else lines
-                for line in reversed(body):
-                    if line.strip():
-                        rec = self._parse(line)
-                        if rec is not None:
-                            yield rec
-                end = start
-
-
-def select_rows(
-    reader: ShardReader,
-    n: int | None,
-    *,
-    metrics: list[str] | None = None,
-    step_range: tuple[int | None, int | None] | None = None,
-    kind: str | None = None,
-) -> list[dict[str, Any]]:
-    """The last `n` matching rows (all if n is None or negative), oldest first.
-
-    `kind` None selects step rows (records without `_kind`); "rank" selects rank
-    records; "*" everything. `step_range` is half-open [lo, hi). With `metrics`, a
-    row matches if it has at least one of them, and is projected to them.
-    """
-    lo, hi = step_range or (None, None)
-    want = set(metrics) if metrics else None
-
-    def keep(rec: dict[str, Any]) -> dict[str, Any] | None:
-        if kind != "*" and rec.get("_kind") != kind:
-            return None
-        step = rec.get("_step")
-        if lo is not None and (not isinstance(step, int) or step < lo):
-            return None
-        if hi is not None and (not isinstance(step, int) or step >= hi):
-            return None
-        if want is None:
-            if "_sid" in rec:  # exprd's exactly-once bookkeeping, not the user's data
-                rec = {k: v for k, v in rec.items() if k not in _SPOOL_KEYS}
-            return rec
-        picked = {k: v for k, v in rec.items() if k in want}
-        if not picked:
-            return None
-        out = {k: v for k, v in rec.items() if k[:1] == "_" and k in _ROW_META}
-        out.update(picked)
-        return out
-
-    if n is None or n < 0:
-        out = []
-        for _, rec in reader.iter_records():
-            row = keep(rec)
-            if row is not None:
-                out.append(row)
-        return out
-    picked_rows: list[dict[str, Any]] = []
-    if n == 0:
-        return picked_rows
-    for rec in reader.iter_reverse():
-        row = keep(rec)
-        if row is not None:
-            picked_rows.append(row)
-            if len(picked_rows) >= n:
-                break
-    picked_rows.reverse()
-    return picked_rows
-
-
-_SPOOL_KEYS = ("_sid", "_seq")
-_ROW_META = ("_step", "_time", "_kind", "_rank", "_world_size", "_local_rank", "_weight")

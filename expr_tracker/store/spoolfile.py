@@ -16,8 +16,8 @@ from typing import Any
 import orjson
 
 from expr_tracker.store import records
+from expr_tracker.store.cursor import Cursor, cursor_from, rank_last_step, read_sidecar
 from expr_tracker.store.layout import ShardPaths
-from expr_tracker.store.shard import Cursor, cursor_from, rank_last_step, read_sidecar
 
 SPOOL_VERSION = 1
 MAX_LINE = 16 * 1024 * 1024  # a longer spool line is quarantined by exprd
