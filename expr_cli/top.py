@@ -61,7 +61,7 @@ class TopView:
         state = self.reader.read()
         self.log.sync()
         findings = detect(state, [], self.cfg, self.memory, wall)
-        p = plan(self.log.open.values(), findings, wall)
+        p = plan(self.log.open.values(), findings, wall, state)
         recorded = [i for i in self.log.open.values() if i.kind == "alert"]  # needs alert files
         incidents = sorted([*p.still_open, *p.opened, *recorded],
                            key=lambda i: (_SEVERITY.get(i.kind, 9), i.ranks))

@@ -65,3 +65,22 @@ def test_a_silent_live_rank_is_a_hang_once_another_advanced() -> None:
     silent.last_write = now - 120.0
     silent.last_step = 5
     assert ("hang", (1,)) in _kinds(detect(state, [], CFG, Memory(), now))
+
+
+def test_a_hang_resolves_only_when_the_rank_writes_again() -> None:
+    """A watcher with other thresholds (no hang finding) must not resolve another's hang."""
+    from expr_tracker.health.incidents import Incident, plan
+
+    now = time.time()
+    state = _state({r: [0.1] * 30 for r in range(3)}, now)
+    state.ranks[1].last_write = now - 120.0
+    hang = Incident(kind="hang", ranks=(1,), hosts=("node0",), step=5, first_seen=now - 60.0,
+                    last_seen=now - 60.0, detail="rank 1 has written nothing")
+    kept = plan([hang], [], now, state)
+    assert kept.resolved == [] and [i.kind for i in kept.still_open] == ["hang"]
+    state.ranks[1].last_write = now  # it wrote again
+    assert [i.kind for i in plan([hang], [], now, state).resolved] == ["hang"]
+    # a straggler is a matter of thresholds: no finding, no incident
+    slow = Incident(kind="straggler", ranks=(2,), hosts=("node0",), step=5, first_seen=now,
+                    last_seen=now, detail="rank 2 is slow")
+    assert [i.kind for i in plan([slow], [], now, state).resolved] == ["straggler"]

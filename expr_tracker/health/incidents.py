@@ -4,6 +4,10 @@ An incident is one (kind, set of ranks) while it is open. A pass's findings of o
 are matched to the open incidents of that kind: an incident stays open while any of its
 ranks still fires (a rank that joins later opens an incident of its own), and resolves
 when none does. New findings of one kind on one host form one incident naming the host.
+
+A hang resolves on what the rank does, not on thresholds: only when each of its ranks has
+written again (or is no longer live). So a watcher with other settings (an `expr watch`
+beside exprd) never resolves a hang another watcher opened while the rank stays silent.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from expr_tracker.health.detect import Finding
+from expr_tracker.health.state import RunState
 
 LINE_KEYS = ("kind", "ranks", "hosts", "step", "first_seen", "last_seen", "detail", "state",
              "delivered")
@@ -98,8 +103,21 @@ def _merge(kind: str, group: list[Finding], now: float) -> Incident:
                     first_seen=now, last_seen=now, detail=detail, level=level)
 
 
-def plan(open_incidents: Iterable[Incident], findings: Iterable[Finding], now: float) -> Plan:
-    """Match this pass's findings to the open incidents (see the module docstring)."""
+def _still_silent(inc: Incident, state: RunState | None) -> bool:
+    """A hang incident whose ranks have not written since it opened (and still run)."""
+    if inc.kind != "hang" or state is None:
+        return False
+    for r in inc.ranks:
+        rs = state.ranks.get(r)
+        if rs is not None and rs.live and (rs.last_write or 0.0) <= inc.first_seen:
+            return True
+    return False
+
+
+def plan(open_incidents: Iterable[Incident], findings: Iterable[Finding], now: float,
+         state: RunState | None = None) -> Plan:
+    """Match this pass's findings to the open incidents (see the module docstring).
+    `state`, the pass's reading of the run, lets a hang resolve only on a new write."""
     by_kind: dict[str, list[Finding]] = {}
     for f in findings:
         by_kind.setdefault(f.kind, []).append(f)
@@ -113,6 +131,9 @@ def plan(open_incidents: Iterable[Incident], findings: Iterable[Finding], now: f
             hits = [f for f in by_kind[inc.kind] if set(f.ranks) & set(inc.ranks)]
             steps = [f.step for f in hits if f.step is not None]
             still.append(replace(inc, last_seen=now, step=max(steps) if steps else inc.step))
+            taken.update((inc.kind, r) for r in inc.ranks)
+        elif _still_silent(inc, state):
+            still.append(replace(inc, last_seen=now))
             taken.update((inc.kind, r) for r in inc.ranks)
         else:
             resolved.append(replace(inc, state="resolved", last_seen=now, delivered=False))

@@ -178,7 +178,7 @@ class Watcher:
         self._read_alerts()
         self.log.sync()
         findings = detect(self.state, list(self._suppressed.values()), self.cfg, self.memory, now)
-        p = plan(self.log.open.values(), findings, now)
+        p = plan(self.log.open.values(), findings, now, self.state)
         for inc in p.still_open:  # last_seen and step in memory; the file keeps the first line
             self.log.open[inc.key] = inc
         if not (p.opened or p.resolved) or not self.run_dir.is_dir():
