@@ -84,3 +84,15 @@ def test_a_hang_resolves_only_when_the_rank_writes_again() -> None:
     slow = Incident(kind="straggler", ranks=(2,), hosts=("node0",), step=5, first_seen=now,
                     last_seen=now, detail="rank 2 is slow")
     assert [i.kind for i in plan([slow], [], now, state).resolved] == ["straggler"]
+
+
+def test_ranks_leaving_do_not_make_the_rest_a_slowdown() -> None:
+    """Two fast ranks finish; the slow one left is no slower than it always was."""
+    now = time.time()
+    memory = Memory()
+    gaps = {0: [0.05] * 30, 1: [0.05] * 30, 2: [0.15] * 30, 3: [0.05] * 30}
+    detect(_state(gaps, now), [], CFG, memory, now)
+    state = _state(gaps, now)
+    state.ranks[0].status = state.ranks[1].status = "finished"
+    found = _kinds(detect(state, [], CFG, memory, now))
+    assert not any(kind == "slowdown" for kind, _ in found), found

@@ -149,10 +149,11 @@ def _slowdowns(state: RunState, times: Mapping[int, list[float]], cfg: HealthCon
     if not live:
         return []
     job_now = median(current[r] for r in live)
-    job_best = median(memory.best[r] for r in live)
-    memory.best[JOB] = min(job_best, memory.best.get(JOB, job_best))
-    ratio = job_now / memory.best[JOB] if memory.best[JOB] > 0 else 0.0
-    slower = ratio >= cfg.slowdown_ratio and job_now - memory.best[JOB] >= SLOWDOWN_MIN_SECONDS
+    # the same ranks' best windows: when ranks finish or crash, the median of those left
+    # must not be compared with a best that ranks no longer running made
+    job_best = memory.best[JOB] = median(memory.best[r] for r in live)
+    ratio = job_now / job_best if job_best > 0 else 0.0
+    slower = ratio >= cfg.slowdown_ratio and job_now - job_best >= SLOWDOWN_MIN_SECONDS
     if _hysteresis(memory, "slowdown", JOB, slower, not slower):
         ranks = tuple(sorted(live))
         hosts = sorted({h for r in ranks if (h := state.ranks[r].host)})
