@@ -91,7 +91,7 @@ def test_spool_mode_config_event_applied_by_a_live_exprd(tmp_path: Path) -> None
         et.flush()
         side = _wait_config(run.paths.sidecar, {"lr": 0.2, "warmup": 500}, timeout=10.0)
         assert side["status"] == "running" and side["session"] == run.session
-        for k in range(10):
+        for _ in range(10):
             et.log({"loss": 0.1})
         et.finish()
         deadline = time.monotonic() + 10
