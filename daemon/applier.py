@@ -83,6 +83,7 @@ class ShardSlot:
             self.writer.start_time = self.first_time  # the run's start, not exprd's
         self.writer.status = "running"
         self.writer.end_time = None
+        self.writer.exit = None
         return True
 
     def flush(self) -> bool:
@@ -102,18 +103,47 @@ class ShardSlot:
             self.sidecar_dirty = True
         return True
 
-    def set_status(self, status: str, when: float) -> None:
-        """Mark the shard `finished` or `crashed` in its sidecar (only if that changes it)."""
+    def set_status(self, status: str, when: float, exit: dict[str, Any] | None = None) -> None:
+        """Mark the shard `finished` or `crashed` in its sidecar (only if that changes it);
+        `exit` is a crash's {type, message, time}, kept in the sidecar as direct mode does."""
         if not self.opened:
             side = self.writer.read_hint() or {}
-            if side.get("status") == status or not self.writer.sidecar_enabled:
+            if not self.writer.sidecar_enabled or (
+                    side.get("status") == status and side.get("exit") == exit):
                 return
             if not self.paths.shard.exists():
                 return
             self.open()
         self.writer.status = status
+        self.writer.exit = exit if status == "crashed" else None
         self.writer.end_time = when
         self.sidecar_dirty = True
+
+    def set_config(self, config: dict[str, Any]) -> None:
+        """The run's config changed (`Run.update_config`): the sidecar says so, written at
+        the next commit, before the checkpoint that covers the event (see `adopt_config`)."""
+        if self.writer.identity.get("config") == config:
+            return
+        self.writer.identity["config"] = config
+        if self.writer.sidecar_enabled:
+            self.sidecar_dirty = True
+            self.last_sidecar = 0.0
+
+    def adopt_config(self, session: str) -> None:
+        """A session read again from a checkpoint: the config its `config` events set before
+        the checkpoint is in the sidecar (written before the checkpoint that covers them)."""
+        try:
+            side = self.writer.read_hint() or {}
+        except OSError:
+            return  # an unsafe or unreadable path: the init's config stands
+        config = side.get("config")
+        if side.get("session") == session and isinstance(config, dict):
+            self.writer.identity["config"] = config
+
+    def running(self) -> None:
+        """A record arrived: the shard is running again (a resumed session)."""
+        if self.writer.status != "running":
+            self.writer.status, self.writer.end_time, self.writer.exit = "running", None, None
 
     def write_sidecar(self) -> bool:
         """Rewrite the sidecar if it changed, and never while rows wait to be written: it
@@ -170,6 +200,7 @@ class ShardPool:
         if spec.time >= slot.newest:
             slot.newest = spec.time
             slot.writer.identity = spec.writer_identity()
+            slot.adopt_config(spec.session)
         slot.refs += 1
         return slot
 
@@ -286,8 +317,7 @@ class RunPipeline:
         """Open the shard for the plain case (once this session has an event to add)."""
         slot = self.slot
         slot.open()  # on failure the lines wait in the writer's buffer (slot.blocked)
-        if slot.writer.status != "running":
-            slot.writer.status, slot.writer.end_time = "running", None
+        slot.running()
         return slot.writer.append
 
     def appended(self, count: int, last_seq: int) -> None:
@@ -368,8 +398,7 @@ class RunPipeline:
         slot = self.slot
         if not slot.opened:
             slot.open()
-        if slot.writer.status != "running":
-            slot.writer.status, slot.writer.end_time = "running", None
+        slot.running()
         # the spool line verbatim, plus the session (the tailer took out any `_sid` the
         # line had): no re-encoding on the hot path
         self.pipeline.apply(ev, line=line.rstrip()[:-1] + self.suffix)
@@ -411,20 +440,39 @@ class RunPipeline:
         self.pipeline.rules = self.rules
         self.needs_values = bool(self.rules is not None and self.rules.rules) or self.forwarder.active
 
+    def set_config(self, ev: Mapping[str, Any], seq: int) -> None:
+        """`Run.update_config`: the event holds the whole merged config (a replay of an
+        older one is overtaken by the newer ones after it). Only a session that is the
+        shard's newest sets it; backends keep the config they were opened with."""
+        config = ev.get("config")
+        if not isinstance(config, dict):
+            log.warning("%s: config event %d ignored: config is not an object",
+                        self.spec.paths.shard, seq)
+            return
+        if self.dry_run or self.spec.time < self.slot.newest:
+            return
+        if self.slot.writer.sidecar_enabled:
+            self.slot.open()
+        self.slot.set_config(config)
+        if seq > self.skip_upto:
+            self._done(seq)
+
     def tick(self, now: float) -> None:
         """Time rules (no_data, age, elapsed) of a live run."""
         if not self.dry_run and self.rules is not None and self.rules.has_time_rules:
             self.pipeline.tick(now)
 
-    def finish(self, status: str, when: float, seq: int | None = None) -> None:
-        """The run finished (`seq` of its finish event) or was found crashed (None)."""
+    def finish(self, status: str, when: float, seq: int | None = None,
+               exit: Any = None) -> None:
+        """The run finished (`seq` of its finish event) or was found crashed (None); `exit`
+        is the finish event's {type, message, time} of an uncaught exception."""
         if self.dry_run:
             return
         self.forwarder.close(status)
         if seq is not None and seq <= self.skip_upto:
             return
         if self.spec.time >= self.slot.newest:
-            self.slot.set_status(status, when)
+            self.slot.set_status(status, when, exit_info(exit) if status == "crashed" else None)
         if seq is not None and self.slot.opened:
             self._done(seq)
 
@@ -433,6 +481,22 @@ class RunPipeline:
         if not self.closed:
             self.closed = True
             self.pool.release(self.slot)
+
+
+def exit_info(value: Any) -> dict[str, Any] | None:
+    """A finish event's `exit`, checked: only the fields direct mode writes, bounded (the
+    spool is a file anyone with the training user's rights could have written)."""
+    if not isinstance(value, Mapping):
+        return None
+    out: dict[str, Any] = {"type": str(value.get("type") or "exception")[:200],
+                           "message": str(value.get("message") or "")[:1000]}
+    when = value.get("time")
+    if isinstance(when, (int, float)) and not isinstance(when, bool):
+        out["time"] = float(when)
+    thread = value.get("thread")
+    if isinstance(thread, str):
+        out["thread"] = thread[:200]
+    return out
 
 
 def forget_file(state: Path, rel: str) -> None:

@@ -401,12 +401,16 @@ class Tailer:
             run.alert(ev, seq)
         elif kind == "rules":
             run.set_rules(ev)
+        elif kind == "config":
+            run.set_config(ev, seq)
         elif kind == "finish":
             when = ev.get("_time")
             run.finish(str(ev.get("status") or "finished"),
-                       float(when) if isinstance(when, (int, float)) else time.time(), seq)
+                       float(when) if isinstance(when, (int, float)) else time.time(), seq,
+                       ev.get("exit"))
             tail.state = "finished"
         else:
+            # an event of a newer SDK: skipped (and kept in quarantine), the file goes on
             self.log_bad(tail, start, end, f"unknown event {kind!r}")
 
     # -- committing ----------------------------------------------------------------------

@@ -40,6 +40,7 @@ __all__ = [
     "log_rank_metrics",
     "read_run",
     "remove_alert_rule",
+    "update_config",
 ]
 
 
@@ -144,6 +145,11 @@ def add_alert_rule(rule: str | Mapping[str, Any]) -> str:
 def remove_alert_rule(name: str) -> bool:
     """Remove an alert rule from the current run by name."""
     return _state.get().remove_alert_rule(name)
+
+
+def update_config(values: Mapping[str, Any]) -> None:
+    """Merge `values` into the current run's config (visible in its sidecar)."""
+    _state.get().update_config(values)
 
 
 def flush() -> None:

@@ -107,6 +107,12 @@ class DirectSink:
         if self.alerting and self.pipeline.dispatcher is None:
             self.pipeline.dispatcher = self._dispatcher()
 
+    def config_changed(self, config: dict[str, Any]) -> None:
+        """`Run.update_config`: the next sidecar write carries `config` (backends keep the
+        config they were opened with)."""
+        self.run.config = config
+        self.writer.identity["config"] = config
+
     def flush(self) -> None:
         self.writer.flush()
 

@@ -182,3 +182,22 @@ def parse_options(
         backend_rank_metrics=bool(backend_rank_metrics), rules=rules, alert_config=alert_config,
         backend_specs=backend_specs, backend_objs=backend_objs,
     )
+
+
+def merge_config(current: Mapping[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:
+    """`current` with the top-level keys of `values` replaced (as JSON round-trips them).
+
+    Checked whole before anything changes: a TypeError names the first key that is not a
+    string or whose value JSON cannot hold.
+    """
+    if not isinstance(values, Mapping):
+        raise TypeError(f"config values must be a dict, got {type(values).__name__}")
+    merged = dict(current)
+    for key, value in values.items():
+        if not isinstance(key, str):
+            raise TypeError(f"config key {key!r} must be a string, got {type(key).__name__}")
+        try:
+            merged[key] = orjson.loads(orjson.dumps(value))
+        except (TypeError, orjson.JSONEncodeError) as exc:
+            raise TypeError(f"config value of {key!r} is not JSON-serializable: {exc}") from None
+    return merged

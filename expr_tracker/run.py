@@ -21,7 +21,7 @@ import orjson
 
 from expr_tracker.context import RunContext
 from expr_tracker.errors import UsageError
-from expr_tracker.options import parse_options
+from expr_tracker.options import merge_config, parse_options
 from expr_tracker.store import records
 from expr_tracker.store.layout import (
     ShardPaths,
@@ -111,6 +111,7 @@ class Run:
         self._last_step: int | None = None
         self._pid = os.getpid()
         self._exit: dict[str, Any] | None = None  # the uncaught exception that ends the process
+        self._sidecar_due = False  # update_config: write the sidecar at the next tick
         self._sink = self._make_sink()
         self._step = self._sink.next_step
         self._rows_base = self._sink.rows
@@ -336,6 +337,25 @@ class Run:
             self._sink.rules_changed(self._ruleset)
         return bool(removed)
 
+    # -- config ------------------------------------------------------------
+    def update_config(self, values: Mapping[str, Any]) -> None:
+        """Merge `values` into the run's config (top-level keys replaced), in the sidecar.
+
+        Direct mode rewrites the sidecar within a second; spool mode sends a `config`
+        event that exprd applies. Raises TypeError naming a key JSON cannot hold.
+        """
+        merged = merge_config(self.config, values)
+        with self._lock:
+            if self._finished:
+                raise UsageError("this run is finished; call expr_tracker.init() to start another")
+            if self._detached or merged == self.config:
+                return
+            # a new dict, never changed in place: the background thread may be writing the
+            # sidecar from the old one
+            self.config = merged
+            self._sink.config_changed(merged)
+            self._sidecar_due = True
+
     # -- lifecycle ---------------------------------------------------------
     def flush(self) -> None:
         """Write everything buffered now (failures are reported, never raised)."""
@@ -359,8 +379,9 @@ class Run:
                         last_rules = now
                         self._sink.tick()
                 self._sink.flush()
-                if now - last_sidecar >= SIDECAR_EVERY:
+                if now - last_sidecar >= SIDECAR_EVERY or self._sidecar_due:
                     last_sidecar = now
+                    self._sidecar_due = False
                     self._sink.checkpoint()
             except Exception as exc:  # the tracker must never take the process down
                 self.warn_once(f"background:{type(exc).__name__}", f"expr_tracker: background error: {exc!r}")

@@ -2,8 +2,8 @@
 
 A spool file is `{spool}/{project}/{name}/{shard-stem}.{session}.jsonl`. Line 1 is an
 `init` event (identity, run dir, config, rule texts, rank/backend/alert options, never a
-secret), then one line per record (the record plus `_seq`), `alert` and `rules` events,
-and a `finish` event. Every line has `_seq` 0, 1, 2, ...; the event id is
+secret), then one line per record (the record plus `_seq`), `alert`, `rules` and
+`config` events, and a `finish` event. Every line has `_seq` 0, 1, 2, ...; the event id is
 `{session}:{seq}`. The training process evaluates no rules and opens no connection.
 """
 
@@ -238,6 +238,12 @@ class SpoolSink:
         self.run.ruleset = ruleset
         specs = [r.to_spec() for r in ruleset.rules] if ruleset is not None else []
         self._emit({"_event": "rules", "_time": time.time(), "rules": specs})
+
+    def config_changed(self, config: dict[str, Any]) -> None:
+        """`Run.update_config`: a `config` event with the whole merged config (a replay
+        of it is harmless); a later init (after a rotation) carries it too."""
+        self.run.config = config
+        self._emit({"_event": "config", "_time": time.time(), "config": config})
 
     def flush(self) -> None:
         self.writer.flush()

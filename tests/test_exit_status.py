@@ -83,3 +83,57 @@ def test_resume_says_so_once_on_stderr(tmp_path):
     assert second.stderr.count("resuming") == 1
     assert "resuming sft-1 rank 2 at step 300\n" in second.stderr
     assert second.stdout == ""
+
+
+def test_spool_mode_crash_reaches_the_sidecar_through_exprd(tmp_path):
+    """A spool-mode rank that raises: its finish event's exit is applied by a real exprd,
+    and `expr shards` and `expr watch --once` show the crash with its exception."""
+    from tests.test_daemon import exprd_once, write_config
+
+    spool, state, root = tmp_path / "spool", tmp_path / "state", tmp_path / "runs"
+    proc = _run(tmp_path, f"""
+        et.init("p", "sft-1", dir={str(root)!r}, upload_mode="spool", spool_dir={str(spool)!r})
+        for i in range(5):
+            et.log({{"loss": 1.0}})
+        raise ValueError("loss went to inf at step 5")
+    """)
+    assert proc.returncode == 1 and "ValueError: loss went to inf" in proc.stderr
+    exprd_once(write_config(tmp_path / "exprd.toml", spool, state, [root]))
+    side = _sidecar(root)
+    assert side["status"] == "crashed" and side["cursor"]["rows"] == 5
+    assert side["exit"]["type"] == "ValueError"
+    assert side["exit"]["message"] == "loss went to inf at step 5"
+    assert isinstance(side["exit"]["time"], float)
+    run_dir = str(root / "p" / "sft-1")
+
+    def expr(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "expr_cli.main", *args], capture_output=True,
+                              text=True, timeout=60, env={**os.environ, "NO_COLOR": "1"})
+
+    shards = expr("shards", run_dir, "--json")
+    assert shards.returncode == 0, shards.stderr
+    row = next(r for r in orjson.loads(shards.stdout) if r["rank"] == 2)
+    assert row["status"] == "crashed"
+    assert row["exit"]["type"] == "ValueError"
+    assert "crashed: ValueError: loss went to inf at step 5" in row["attention"]
+    watch = expr("watch", run_dir, "--once", "--json", "--missing-after", "1h")
+    assert watch.returncode == 1, watch.stderr  # an incident is open
+    incidents = [orjson.loads(line) for line in watch.stdout.splitlines()]
+    crashed = [i for i in incidents if i["kind"] == "crashed"]
+    assert len(crashed) == 1 and crashed[0]["ranks"] == [2]
+    assert "ValueError: loss went to inf at step 5" in crashed[0]["detail"]
+
+
+def test_spool_mode_clean_finish_has_no_exit(tmp_path):
+    """The same run without an exception: exprd marks it finished, with no exit."""
+    from tests.test_daemon import exprd_once, write_config
+
+    spool, state, root = tmp_path / "spool", tmp_path / "state", tmp_path / "runs"
+    proc = _run(tmp_path, f"""
+        et.init("p", "sft-1", dir={str(root)!r}, upload_mode="spool", spool_dir={str(spool)!r})
+        et.log({{"loss": 1.0}})
+    """)
+    assert proc.returncode == 0, proc.stderr
+    exprd_once(write_config(tmp_path / "exprd.toml", spool, state, [root]))
+    side = _sidecar(root)
+    assert side["status"] == "finished" and "exit" not in side

@@ -129,15 +129,42 @@ def test_hyperparams_after_the_start_reach_the_sidecar(tmp_path: Path) -> None:
     assert (logger.name, logger.version, logger.save_dir) == ("pl", "late", None)
     logger.log_hyperparams(Namespace(lr=0.1))
     logger.log_metrics({"loss": 1.0, "labels": [1, 2]}, step=0)
-    logger.log_hyperparams({"batch": 8})  # after rows: the shard is resumed with the new config
+    run = logger.session.run
+    assert run is not None
+    logger.log_hyperparams({"batch": 8})  # after rows: merged into the open run's config
+    shard = tmp_path / "pl" / "late" / "metrics.jsonl"
+    assert logger.session.run is run and run.config == {"seed": 1, "lr": 0.1, "batch": 8}
     logger.log_metrics({"loss": 0.5}, step=1)
     assert logger.experiment.step == 1  # the Run (its open step), through the lazy handle
     logger.save()
     logger.finalize("success")
-    shard = tmp_path / "pl" / "late" / "metrics.jsonl"
     assert [(r["_step"], r["loss"]) for r in _rows(shard)] == [(0, 1.0), (1, 0.5)]
     side = _sidecar(shard.with_suffix(".meta.json"))
     assert side["config"] == {"seed": 1, "lr": 0.1, "batch": 8}
     assert side["status"] == "finished"
+    assert side["session"] == run.session  # one session: the run was never finished and resumed
+
+
+def test_late_hyperparams_in_spool_mode_keep_one_session(tmp_path: Path) -> None:
+    """Spool mode with a real exprd: every row of the shard carries the one session."""
+    need("lightning.pytorch", "lightning")
+    from expr_tracker.integrations.lightning import ExprTrackerLogger
+    from tests.test_daemon import exprd_once, write_config
+
+    spool, state, root = tmp_path / "spool", tmp_path / "state", tmp_path / "runs"
+    logger = ExprTrackerLogger("pl", "late", dir=root, upload_mode="spool", spool_dir=spool)
+    logger.log_hyperparams({"lr": 0.1})
+    logger.log_metrics({"loss": 1.0}, step=0)
+    logger.log_hyperparams({"batch": 8})
+    logger.log_metrics({"loss": 0.5}, step=1)
+    logger.finalize("success")
+    exprd_once(write_config(tmp_path / "exprd.toml", spool, state, [root]))
+    shard = root / "pl" / "late" / "metrics.jsonl"
+    rows = _rows(shard)
+    assert [(r["_step"], r["loss"]) for r in rows] == [(0, 1.0), (1, 0.5)]
+    assert len({r["_sid"] for r in rows}) == 1
+    assert len(list((spool / "pl" / "late").glob("*.jsonl"))) == 1  # one spool session file
+    side = _sidecar(shard.with_suffix(".meta.json"))
+    assert side["config"] == {"lr": 0.1, "batch": 8} and side["status"] == "finished"
     with pytest.raises(TypeError, match="hyperparameters"):
         logger.log_hyperparams([1, 2])

@@ -2,8 +2,8 @@
 
 Trainers hand over their configuration at different moments: Transformers at train begin,
 Lightning after it has already touched the logger, Accelerate after `start()`. `Session`
-starts the run on first use and folds a configuration that arrives after the start into
-the sidecar by resuming the shard with the merged config (the same shard, a new session).
+starts the run on first use and merges a configuration that arrives after the start into
+the open run's config (`Run.update_config`: the same shard, the same session).
 """
 
 from __future__ import annotations
@@ -96,17 +96,16 @@ class Session:
         return self.run
 
     def update_config(self, values: Mapping[str, Any]) -> None:
-        """Merge into the run's config; an open run of ours is resumed to record it."""
-        merged = {**self.config, **jsonable(dict(values))}
+        """Merge into the run's config; an open run of ours gets it through
+        `Run.update_config` (a run the training code started keeps its own config)."""
+        fresh = jsonable(dict(values))
+        merged = {**self.config, **fresh}
         if merged == self.config:
             return
         self.config = merged
         if self.started and self.owned:
             assert self.run is not None
-            # the sidecar's config is written at init: resume the shard with the new one
-            self.run.finish()
-            self.run = None
-            self.ensure()
+            self.run.update_config(fresh)
 
     def log(self, values: Mapping[str, Any], step: int | None = None) -> None:
         """Log the loggable part of `values` at the trainer's `step`."""

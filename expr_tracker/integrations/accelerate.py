@@ -40,7 +40,7 @@ class ExprTrackerTracker(GeneralTracker):
         """Nothing yet: the run starts at the first config or log, so the config is in it."""
 
     def store_init_configuration(self, values: dict[str, Any]) -> None:
-        """The run's config (merged into the sidecar; a running shard is resumed with it)."""
+        """The run's config (merged into the sidecar of a run already open, same session)."""
         self.session.update_config(values)
         self.session.ensure()
 

@@ -80,7 +80,7 @@ class ExprTrackerLogger(Logger):
         return self._experiment
 
     def log_hyperparams(self, params: dict[str, Any] | Namespace, *args: Any, **kwargs: Any) -> None:
-        """Merge into the run's config (a run already writing is resumed to record it)."""
+        """Merge into the run's config (a run already writing records it in its sidecar)."""
         if isinstance(params, Namespace):
             params = vars(params)
         if not isinstance(params, Mapping):
