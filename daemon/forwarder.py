@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from expr_tracker.store.records import DECODE_NONFINITE
-from expr_tracker.store.spoolfile import SpoolReader, event_id
+from expr_tracker.store.spoolfile import SpoolReader
 
 if TYPE_CHECKING:
     from .config import Config
@@ -41,7 +41,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("exprd")
 HIGH_WATER = 5000  # records queued in one backend before its spool reader waits
 READ_BUDGET = 4 << 20  # bytes one backend reader takes from its spool file per round
-_NONFINITE_TOKENS = (b'"NaN"', b'Infinity"', b'"nan"', b'inf"')
+# a string value that may spell a non-finite float (checked on the line: one C call)
+_NONFINITE = re.compile(rb'"(?:NaN|-?Infinity|nan|-?inf)"')
 MAX_MARKS = 4096  # settle points remembered per backend; past it the newest is overwritten
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
 _warned: set[str] = set()
@@ -202,10 +203,13 @@ class Forwarder:
               room: int) -> tuple[int, int | None]:
         """Submit up to `room` records of the lines in [off, upto); the new (off, seq)."""
         loads, decode_error = orjson.loads, orjson.JSONDecodeError
-        session = self._session
+        nonfinite = _NONFINITE.search
+        prefix = self._session + ":"  # the event id is `{session}:{seq}` (event_id)
         batch: list[dict[str, Any]] = []
+        append = batch.append
         reader = SpoolReader(path)
         max_line = reader.max_line
+        last = -1 if seq is None else seq
         try:
             for pos, parts, big_end in reader.chunks(off, min(READ_BUDGET, upto - off)):
                 if big_end is not None:
@@ -215,27 +219,30 @@ class Forwarder:
                     end = pos + len(line) + 1
                     if end > upto:
                         return off, seq
-                    pos = end
-                    ev: Any = None
-                    if len(line) <= max_line:
-                        try:
-                            ev = loads(line)
-                        except decode_error:
-                            ev = None
-                    at = ev.get("_seq") if ev.__class__ is dict else None
-                    if (type(at) is int and (seq is None or at > seq) and "_event" not in ev
-                            and ev.get("_kind", "rank") == "rank"):
-                        ev.pop("_sid", None)
-                        if any(tok in line for tok in _NONFINITE_TOKENS):
-                            for key, value in ev.items():
-                                if (value.__class__ is str and key[:1] != "_"
-                                        and value in DECODE_NONFINITE):
-                                    ev[key] = DECODE_NONFINITE[value]
-                        ev["_id"] = event_id(session, at)
-                        batch.append(ev)
-                    if type(at) is int and (seq is None or at > seq):
-                        seq = at
-                    off = end
+                    pos = off = end
+                    if len(line) > max_line:
+                        continue
+                    try:
+                        ev = loads(line)
+                    except decode_error:
+                        continue  # the shard consumer quarantines it
+                    if ev.__class__ is not dict:
+                        continue
+                    at = ev.get("_seq")
+                    if at.__class__ is not int or at <= last:
+                        continue
+                    seq = last = at
+                    if "_event" in ev or ev.get("_kind", "rank") != "rank":
+                        continue  # init, finish, rules; alerts reach backends from the pipeline
+                    if "_sid" in ev:
+                        del ev["_sid"]
+                    if nonfinite(line) is not None:
+                        for key, value in ev.items():
+                            if (value.__class__ is str and key[:1] != "_"
+                                    and value in DECODE_NONFINITE):
+                                ev[key] = DECODE_NONFINITE[value]
+                    ev["_id"] = prefix + str(at)
+                    append(ev)
                     if len(batch) >= room:
                         return off, seq
         except OSError as exc:
