@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from .spec import RunSpec
 
 log = logging.getLogger("exprd")
-HIGH_WATER = 5000  # records queued in one backend before its spool reader waits
+HIGH_WATER = 5000  # records queued in one backend (at least 2 batches) before its reader waits
 READ_BUDGET = 4 << 20  # bytes one backend reader takes from its spool file per round
 # a string value that may spell a non-finite float (checked on the line: one C call)
 _NONFINITE = re.compile(rb'"(?:NaN|-?Infinity|nan|-?inf)"')
@@ -121,6 +121,7 @@ class Forwarder:
         self._marks: dict[str, deque[tuple[int, int, int | None]]] = {}
         self._settled: dict[str, int] = {}  # seq at the committed offset, when known
         self._closers: list[threading.Thread] = []
+        self._high: dict[str, int] = {}  # per backend: records queued before its reader waits
         self._finish: str | None = None  # the run's end: each worker closes once caught up
         self._closed: set[str] = set()  # backends whose close has started
         self._session = spec.session
@@ -153,11 +154,13 @@ class Forwarder:
             journal = None
             if cfg.state is not None and callable(getattr(backend, "log_batch", None)):
                 journal = BatchJournal(journal_path(cfg.state, spool_rel(spec), name))
+            size = int(getattr(backend, "batch", 100)) if journal is not None else 100
+            # two batches: one in flight while the reader fills the next
+            self._high[name] = max(HIGH_WATER, 2 * size)
             self._workers[name] = BackendWorker(
                 backend, identity, rank_metrics=spec.backend_rank_metrics, journal=journal,
                 # a new batch is one POST, so its journal entry is its key
-                batch=int(getattr(backend, "batch", 100)) if journal is not None else 100,
-                max_queue=2 * HIGH_WATER, pulled=True)
+                batch=size, max_queue=2 * self._high[name], pulled=True)
             self.committed[name] = int(offsets.get(name, 0))
             self._read[name] = (self.committed[name], None)
             self._marks[name] = deque()
@@ -188,7 +191,7 @@ class Forwarder:
         more = False
         for name, worker in self._workers.items():
             off, seq = self._read[name]
-            room = HIGH_WATER - worker.backlog()
+            room = self._high[name] - worker.backlog()
             if off < upto and room > 0:
                 off, seq = self._feed(worker, path, off, seq, upto, room)
                 if (off, seq) != self._read[name]:

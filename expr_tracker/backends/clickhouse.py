@@ -120,7 +120,7 @@ class ClickHouseBackend:
         user_env: str = "CLICKHOUSE_USER",
         password_env: str = "CLICKHOUSE_PASSWORD",
         create: bool = True,
-        batch: int = 1000,
+        batch: int = 5000,
         timeout: float = 10.0,
         retries: int = 8,
         backoff: float = 0.5,
