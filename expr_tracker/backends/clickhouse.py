@@ -248,7 +248,7 @@ class ClickHouseBackend:
         dumps = orjson.dumps
         head = dumps({"project": ident.project, "name": ident.name,
                       "stream": ident.stream or ""})[:-1]
-        own_rank, world_size = ident.rank, ident.world_size
+        own_rank, world_size = ident.rank, ident.world_size or 0
         last_time = self._last_time
         for ev in events:
             kind = ev.get("_kind")
