@@ -168,8 +168,8 @@ class ClickHouseBackend:
         """Insert one journaled batch (exprd): retried until the server acknowledges it.
 
         exprd's checkpoint passes a batch only once this returns, so a server that is down
-        for a long time holds the batch (and, past exprd's high-water mark, its spool
-        file) instead of losing it. `interrupt()` (exprd stopping) cuts it short: the batch
+        for a long time holds the batch (and, past exprd's high-water mark, that backend's
+        reader of the spool file; never the shard) instead of losing it. `interrupt()` (exprd stopping) cuts it short: the batch
         is sent again after the restart, under the same key.
         """
         self._send(events, keep=True)
