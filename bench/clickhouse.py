@@ -75,7 +75,7 @@ def main() -> None:
             assert events == WRITERS * n, events
             shards_only = apply(tmp, spool, "shards", "")
             backend = (f'[backends.clickhouse]\ntype = "clickhouse"\nurl = {json.dumps(ch.url)}\n'
-                       'database = "bench"\nbatch = 1000\n')
+                       'database = "bench"\nbatch = 5000\n')
             forwarded = apply(tmp, spool, "clickhouse", backend)
             rows = ch.count("SELECT count() FROM bench.metrics FINAL")
             assert rows == 3 * events, (rows, 3 * events)

@@ -19,7 +19,6 @@ from expr_tracker.pipeline import Pipeline
 from expr_tracker.store.records import DECODE_NONFINITE
 from expr_tracker.store.safedir import UnsafePath
 from expr_tracker.store.shard import ShardWriter
-from expr_tracker.store.spoolfile import event_id
 
 from .config import Config
 from .forwarder import Forwarder, drop_journals
@@ -272,8 +271,8 @@ class RunPipeline:
             reporting=bool(self.forwarder.workers()), warn=self._warn,
         )
         self.suffix = b',"_sid":"%b"}\n' % spec.session.encode()
-        self.needs_values = bool(self.rules is not None and self.rules.rules) or bool(
-            self.forwarder.workers())
+        # backends read the spool themselves (forwarder.Forwarder.pump): only rules need values
+        self.needs_values = bool(self.rules is not None and self.rules.rules)
         self.closed = False
 
     def _warn(self, cause: str, message: str) -> None:
@@ -301,10 +300,6 @@ class RunPipeline:
     def unsafe(self) -> str | None:
         """Why the run's path is refused (a symlink below the allowed root), if it is."""
         return self.slot.writer.unsafe
-
-    def busy(self) -> bool:
-        """A backend is far behind: read on once it drains instead of dropping."""
-        return self.forwarder.busy()
 
     @property
     def feeds_backends(self) -> bool:
@@ -337,7 +332,7 @@ class RunPipeline:
 
     def closing(self) -> bool:
         """True while a backend is still finishing (the run stays open until it is done)."""
-        return any(t.is_alive() for t in self.forwarder._closers)
+        return self.forwarder.closing()
 
     def status_written(self) -> bool:
         """The shard's rows and status are on disk (flushed, sidecar written): a finished
@@ -383,14 +378,11 @@ class RunPipeline:
         """Apply one record event; False if the shard already holds it."""
         if self.needs_values:
             self._values(ev, line)
-            if self.forwarder.active:
-                ev["_id"] = event_id(self.spec.session, seq)
         if seq <= self.skip_upto:
             self.skipped += 1
             if self.rules is not None and self.rules.rules:
                 # rebuild window state from what was applied before; alerts already went out
                 self.rules.observe(ev, ev.get("_step"), ev.get("_time") or time.time())
-            self.forwarder.catch_up(ev, offset)
             return False
         self.applied += 1
         if self.dry_run:
@@ -438,7 +430,7 @@ class RunPipeline:
                 if rule.name not in have:
                     self.rules.add(rule)
         self.pipeline.rules = self.rules
-        self.needs_values = bool(self.rules is not None and self.rules.rules) or self.forwarder.active
+        self.needs_values = bool(self.rules is not None and self.rules.rules)
 
     def set_config(self, ev: Mapping[str, Any], seq: int) -> None:
         """`Run.update_config`: the event holds the whole merged config (a replay of an
@@ -468,7 +460,7 @@ class RunPipeline:
         is the finish event's {type, message, time} of an uncaught exception."""
         if self.dry_run:
             return
-        self.forwarder.close(status)
+        self.forwarder.finish(status)
         if seq is not None and seq <= self.skip_upto:
             return
         if self.spec.time >= self.slot.newest:

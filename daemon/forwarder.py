@@ -2,10 +2,13 @@
 
 A run names the backends it wants (secret-free specs in its init event); exprd uses
 its own configured spec of that type (URLs and tokens live in the daemon's config and
-environment). Each backend consumer has its own checkpoint: the offset up to which
-every event was handed over and the backend had done with it. After a restart the
-events past that offset are sent again with the same `_id`, so a receiver can
-de-duplicate.
+environment). Each backend consumer reads the spool file itself, from its own
+checkpoint (the offset up to which every event was handed over and the backend had
+done with it), never past what the shard consumer has read, and never more than
+HIGH_WATER records ahead of its backend: a backend that is slow or down for hours
+holds only its own reader, never the shard, and costs bounded memory. After a restart
+the events past its checkpoint are sent again with the same `_id`, so a receiver can
+de-duplicate. The spool file is kept until every consumer is done with it.
 
 Backends that send batches under one Idempotency-Key (http) also keep a batch journal,
 `{state}/batches/<spool file>.<backend>.jsonl`: every batch is journaled before it is
@@ -26,12 +29,20 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
+from expr_tracker.store.records import DECODE_NONFINITE
+from expr_tracker.store.spoolfile import SpoolReader
+
 if TYPE_CHECKING:
     from .config import Config
     from .spec import RunSpec
 
 log = logging.getLogger("exprd")
-HIGH_WATER = 5000  # records queued in one backend before its spool file is paused
+HIGH_WATER = 5000  # records queued in one backend (at least 2 batches) before its reader waits
+READ_BUDGET = 4 << 20  # bytes one backend reader takes from its spool file per round
+# a string value that may spell a non-finite float (checked on the line: one C call)
+_NONFINITE = re.compile(rb'"(?:NaN|-?Infinity|nan|-?inf)"')
 MAX_MARKS = 4096  # settle points remembered per backend; past it the newest is overwritten
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
 _warned: set[str] = set()
@@ -96,17 +107,24 @@ def resolve(requested: list[Any], cfg: Config) -> dict[str, Any]:
 
 
 class Forwarder:
-    """The backend workers of one spool file and their delivered offsets."""
+    """The backend consumers of one spool file: per backend a worker, the reader feeding
+    it from the spool and its delivered offset."""
 
     def __init__(self, spec: RunSpec, cfg: Config, offsets: Mapping[str, int], *,
                  enabled: bool) -> None:
         self._workers: dict[str, Any] = {}
         self.committed: dict[str, int] = {}
-        # per backend: (records queued, offset, seq at it) when settle() was asked; the
+        # per backend: the offset its reader got to and the seq of the last line before it
+        self._read: dict[str, tuple[int, int | None]] = {}
+        # per backend: (records queued, offset, seq at it) once its reader got there; the
         # offset is committed once the backend has done with that many records
         self._marks: dict[str, deque[tuple[int, int, int | None]]] = {}
         self._settled: dict[str, int] = {}  # seq at the committed offset, when known
         self._closers: list[threading.Thread] = []
+        self._high: dict[str, int] = {}  # per backend: records queued before its reader waits
+        self._finish: str | None = None  # the run's end: each worker closes once caught up
+        self._closed: set[str] = set()  # backends whose close has started
+        self._session = spec.session
         if not enabled or not spec.backends:
             return
         specs = resolve(spec.backends, cfg)
@@ -136,11 +154,15 @@ class Forwarder:
             journal = None
             if cfg.state is not None and callable(getattr(backend, "log_batch", None)):
                 journal = BatchJournal(journal_path(cfg.state, spool_rel(spec), name))
+            size = int(getattr(backend, "batch", 100)) if journal is not None else 100
+            # two batches: one in flight while the reader fills the next
+            self._high[name] = max(HIGH_WATER, 2 * size)
             self._workers[name] = BackendWorker(
                 backend, identity, rank_metrics=spec.backend_rank_metrics, journal=journal,
                 # a new batch is one POST, so its journal entry is its key
-                batch=int(getattr(backend, "batch", 100)) if journal is not None else 100)
+                batch=size, max_queue=2 * self._high[name], pulled=True)
             self.committed[name] = int(offsets.get(name, 0))
+            self._read[name] = (self.committed[name], None)
             self._marks[name] = deque()
 
     @property
@@ -148,32 +170,108 @@ class Forwarder:
         return bool(self._workers)
 
     def workers(self) -> list[Any]:
+        """The workers, for the run's pipeline: its alerts reach them; its records do not
+        (each worker's own reader sends them, see `pump`)."""
         return list(self._workers.values())
 
-    def catch_up(self, ev: dict[str, Any], offset: int) -> None:
-        """An event the shard already holds: send it to the backends that may lack it."""
-        for name, worker in self._workers.items():
-            if self.committed[name] <= offset:
-                worker.submit(ev)
+    def behind(self, upto: int) -> bool:
+        """True while some backend's reader has not got to `upto` (the shard's offset)
+        or a finished run's backend has not closed yet."""
+        if any(off < upto for off, _ in self._read.values()):
+            return True
+        return self.closing()
 
-    def busy(self) -> bool:
-        """True while some backend has a long queue: the file waits instead of dropping."""
-        return any(w.backlog() >= HIGH_WATER for w in self._workers.values())
+    def progressed(self) -> int:
+        """A number that grows while some backend makes progress (records done, closes)."""
+        return sum(w.progress()[1] for w in self._workers.values()) + len(self._closed)
+
+    def pump(self, path: Path, upto: int) -> bool:
+        """Read spool lines before `upto` into each backend with room in its queue;
+        True if a reader moved and is still behind (more now), False if it waits."""
+        more = False
+        for name, worker in self._workers.items():
+            off, seq = self._read[name]
+            room = self._high[name] - worker.backlog()
+            if off < upto and room > 0:
+                off, seq = self._feed(worker, path, off, seq, upto, room)
+                if (off, seq) != self._read[name]:
+                    self._read[name] = (off, seq)
+                    self._mark(name, worker, off, seq)
+                    more = more or off < upto
+        if self._finish is not None:
+            self._close_caught_up(upto)
+        return more
+
+    def _feed(self, worker: Any, path: Path, off: int, seq: int | None, upto: int,
+              room: int) -> tuple[int, int | None]:
+        """Submit up to `room` records of the lines in [off, upto); the new (off, seq)."""
+        loads, decode_error = orjson.loads, orjson.JSONDecodeError
+        nonfinite = _NONFINITE.search
+        prefix = self._session + ":"  # the event id is `{session}:{seq}` (event_id)
+        batch: list[dict[str, Any]] = []
+        append = batch.append
+        reader = SpoolReader(path)
+        max_line = reader.max_line
+        last = -1 if seq is None else seq
+        try:
+            for pos, parts, big_end in reader.chunks(off, min(READ_BUDGET, upto - off)):
+                if big_end is not None:
+                    off = big_end  # an oversize line: the shard consumer quarantines it
+                    continue
+                for line in parts:
+                    end = pos + len(line) + 1
+                    if end > upto:
+                        return off, seq
+                    pos = off = end
+                    if len(line) > max_line:
+                        continue
+                    try:
+                        ev = loads(line)
+                    except decode_error:
+                        continue  # the shard consumer quarantines it
+                    if ev.__class__ is not dict:
+                        continue
+                    at = ev.get("_seq")
+                    if at.__class__ is not int or at <= last:
+                        continue
+                    seq = last = at
+                    if "_event" in ev or ev.get("_kind", "rank") != "rank":
+                        continue  # init, finish, rules; alerts reach backends from the pipeline
+                    if "_sid" in ev:
+                        del ev["_sid"]
+                    if nonfinite(line) is not None:
+                        for key, value in ev.items():
+                            if (value.__class__ is str and key[:1] != "_"
+                                    and value in DECODE_NONFINITE):
+                                ev[key] = DECODE_NONFINITE[value]
+                    ev["_id"] = prefix + str(at)
+                    append(ev)
+                    if len(batch) >= room:
+                        return off, seq
+        except OSError as exc:
+            log.warning("backend reader: cannot read %s: %s", path, exc.strerror or exc)
+        finally:
+            if batch:
+                worker.submit_many(batch)
+        return off, seq
+
+    def _mark(self, name: str, worker: Any, offset: int, seq: int | None) -> None:
+        """The reader of `name` submitted everything before `offset`: remember the point."""
+        queued, _ = worker.progress()
+        marks = self._marks[name]
+        mark = (queued, offset, seq)
+        if len(marks) >= MAX_MARKS:
+            marks[-1] = mark  # coarser, never wrong: a later point needs more done
+        else:
+            marks.append(mark)
 
     def settle(self, offset: int, seq: int | None = None) -> None:
-        """Every event before `offset` (the last of them `seq`, if known) has been submitted:
-        advance each backend's checkpoint to the latest such point it has done with."""
+        """Advance each backend's checkpoint to the latest point its reader got to that
+        the backend has done with (never past `offset`, the shard's checkpoint)."""
         for name, worker in self._workers.items():
-            queued, done = worker.progress()
+            _, done = worker.progress()
             marks = self._marks[name]
-            mark = (queued, offset, seq)
-            if marks and marks[-1][1] == offset:
-                pass
-            elif len(marks) >= MAX_MARKS:
-                marks[-1] = mark  # coarser, never wrong: a later point needs more done
-            else:
-                marks.append(mark)
-            while marks and marks[0][0] <= done:
+            while marks and marks[0][0] <= done and marks[0][1] <= offset:
                 _, off, at = marks.popleft()
                 if off >= self.committed[name]:
                     self.committed[name] = off
@@ -196,13 +294,40 @@ class Forwarder:
     def stats(self) -> dict[str, Any]:
         return {name: w.stats() for name, w in self._workers.items()}
 
+    def finish(self, status: str) -> None:
+        """The run ended with `status`: each backend is finished once its reader has read
+        the whole file and the backend has done with every record (see `pump`)."""
+        if self._finish is None:
+            self._finish = status
+
+    def _close_caught_up(self, upto: int) -> None:
+        for name in list(self._workers):
+            worker = self._workers[name]
+            queued, done = worker.progress()
+            if self._read[name][0] >= upto and done >= queued:
+                self._start_close(name, self._finish or "finished", 30.0)
+
+    def _start_close(self, name: str, status: str, timeout: float) -> None:
+        if name in self._closed:
+            return
+        self._closed.add(name)
+        worker = self._workers[name]
+        t = threading.Thread(target=worker.close, args=(timeout, status),
+                             name="exprd-backend-close", daemon=True)
+        t.start()
+        self._closers.append(t)
+
+    def closing(self) -> bool:
+        """True while a finished run's backend is still catching up or finishing."""
+        if self._finish is not None and len(self._closed) < len(self._workers):
+            return True
+        return any(t.is_alive() for t in self._closers)
+
     def close(self, status: str, timeout: float = 30.0) -> None:
-        """Drain and finish every backend on background threads (never blocks the loop)."""
-        for worker in self._workers.values():
-            t = threading.Thread(target=worker.close, args=(timeout, status),
-                                 name="exprd-backend-close", daemon=True)
-            t.start()
-            self._closers.append(t)
+        """Drain and finish every backend on background threads (never blocks the loop):
+        exprd stopping. What a reader has not read yet stays behind its checkpoint."""
+        for name in self._workers:
+            self._start_close(name, status, timeout)
 
     def join(self, timeout: float) -> None:
         """Wait for the closing threads (at shutdown)."""

@@ -46,6 +46,8 @@ from .waker import Waker
 
 log = logging.getLogger("exprd")
 STATUS_HEARTBEAT = 30.0  # seconds between status.json rewrites when nothing changed
+ONCE_BACKEND_WAIT = 60.0  # --once: seconds a backend may go without progress before exit
+LAGGING_POLL = 0.05  # seconds between reads for a backend behind its shard
 DRAIN_SECONDS = 6.0  # of the 10 s systemd (and the tests) allow after SIGTERM
 Progress = Callable[[int, int, int], None]
 
@@ -178,9 +180,25 @@ class Daemon:
         """Apply everything complete in the spool once (replay and --once); returns status."""
         tails = self.scan()
         todo = tails
-        while todo and not self.stopping:
-            todo = self.pump(todo, progress)
-            self.tailer.commit()
+        seen, since = -1, time.monotonic()
+        while not self.stopping:
+            if todo:
+                todo = self.pump(todo, progress)
+                self.tailer.commit()
+                continue
+            # the shards are done; backends read on behind them while they make progress
+            lagging = self.tailer.lagging()
+            if not lagging:
+                break
+            done = sum(t.run.forwarder.progressed() for t in lagging if t.run is not None)
+            if done != seen:
+                seen, since = done, time.monotonic()
+            elif time.monotonic() - since > ONCE_BACKEND_WAIT:
+                log.warning("backends made no progress for %.0f s; what they lack stays in the "
+                            "spool for the next exprd", ONCE_BACKEND_WAIT)
+                break
+            time.sleep(0.02)
+            todo = lagging
         self.check_crashes()
         self.tailer.close()
         doc = self.status()
@@ -254,12 +272,13 @@ class Daemon:
         next_rescan = next_status = now + rescan
         next_tick = now + 1.0
         busy: list[FileTail] = []
+        lagging: list[FileTail] = []
         while not self.stopping:
             now = time.monotonic()
             due = min(next_rescan, next_status, next_tick, self._next_ping,
                       self.health.next_due if self.health else float("inf"))
             if not busy:
-                self.wake.wait(max(0.0, due - now))
+                self.wake.wait(max(0.0, min(due - now, LAGGING_POLL if lagging else due - now)))
             self.wake.clear()
             if self.reload_requested:
                 self.reload()
@@ -282,6 +301,8 @@ class Daemon:
                 due_now.update((t.key, t) for t in self._changed())
                 self.check_crashes()
                 retire.expire(self.tailer, time.time())
+            lagging = self.tailer.lagging()
+            due_now.update((t.key, t) for t in lagging)  # backends read on as they drain
             busy = self.pump(list(due_now.values()))
             if due_now or self.tailer.forwarding() or self.tailer.blocked():
                 # an idle daemon has nothing to flush or checkpoint; a blocked shard retries

@@ -244,8 +244,8 @@ class Tailer:
         if tail.state == "refused":
             return False
         run = tail.run
-        if run is not None and (run.blocked or run.busy()):
-            return False  # the shard cannot take rows, or a backend is far behind: wait
+        if run is not None and run.blocked:
+            return False  # the shard cannot take rows: wait
         try:
             if not self._same_file(tail):
                 return False
@@ -256,6 +256,10 @@ class Tailer:
                 return False
             reader = SpoolReader(tail.path)
             paused = self._read(tail, reader, budget)
+            # each backend reads the same file on its own, behind the shard, never holding it
+            run = tail.run
+            forwarding = run is not None and run.feeds_backends and \
+                run.forwarder.pump(tail.path, tail.offset)
         except FileNotFoundError:
             return False
         except OSError as exc:
@@ -273,7 +277,7 @@ class Tailer:
             return False
         tail.size = reader.size
         tail.drained = not reader.more and not paused
-        return reader.more or paused
+        return reader.more or paused or forwarding
 
     def _read(self, tail: FileTail, reader: SpoolReader, budget: int) -> bool:
         """Apply the complete lines from `tail.offset` (about `budget` bytes); True if it
@@ -330,8 +334,6 @@ class Tailer:
                         fast, skip, suffix = self._fast_case(tail)
                         if run is not None and run.blocked:
                             return True  # a new run whose shard cannot be read yet
-                    if run is not None and run.feeds_backends and run.busy():
-                        return True
                 if run is not None and run.blocked:
                     return True
         finally:
@@ -455,6 +457,12 @@ class Tailer:
     def forwarding(self) -> bool:
         """True if some run feeds backends (their progress moves checkpoints on its own)."""
         return any(t.run is not None and t.run.feeds_backends for t in self.tails.values())
+
+    def lagging(self) -> list[FileTail]:
+        """Files some backend's reader has not caught up with (read again without a change
+        to the file, as its backend drains)."""
+        return [t for t in self.tails.values() if t.run is not None and t.run.feeds_backends
+                and t.run.forwarder.behind(t.offset)]
 
     def blocked(self) -> bool:
         """True if some shard holds rows (or a status) it could not write yet: retried at

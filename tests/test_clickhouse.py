@@ -442,3 +442,49 @@ def test_incidents_keep_their_last_change(server: ClickHouse, db: str) -> None:
         "FORMAT JSONEachRow").splitlines()]
     assert rows == [{"kind": "straggler", "ranks": [3, 5], "hosts": ["node-2"], "step": "90",
                      "state": "resolved", "detail": '{"ratio":1.6}'}]
+
+
+def test_a_long_outage_never_holds_the_shards_and_everything_lands_after(
+        tmp_path: Path, db: str) -> None:
+    """More events than a backend may hold (HIGH_WATER) arrive while the server is down:
+    the shards still reach the end, and the server gets every event once it is back."""
+    from daemon.forwarder import HIGH_WATER
+
+    ch = ClickHouse(tmp_path / "clickhouse")
+    ch.start()
+    try:
+        spool, state, root = tmp_path / "spool", tmp_path / "state", tmp_path / "runs"
+        n = 6000  # 2 events per step: 12,000 events, well over HIGH_WATER
+        assert 2 * n > 2 * HIGH_WATER
+        cfg = write_config(tmp_path / "exprd.toml", spool, state, [root],
+                           extra=_daemon_backend(ch, db))
+        d = start_exprd(cfg)
+        try:
+            wait_ready(state, d)
+            proc = spawn(_writer(spool, root, "long", 200, chunk=100),
+                         {"RANK": "0", "WORLD_SIZE": "1"})
+            run_all([proc])
+            wait_for(lambda: _exists(ch, db) and ch.count(
+                f"SELECT count() FROM {db}.rank_metrics FINAL") == 200, 30, "the first rows")
+            ch.stop()
+            proc = spawn(_writer(spool, root, "long2", n, chunk=500),
+                         {"RANK": "0", "WORLD_SIZE": "1"})
+            run_all([proc])
+            shard = root / "proj" / "long2" / "metrics.jsonl"
+            # the whole run reaches its shard while the server is still down
+            wait_for(lambda: shard.exists() and shard.read_bytes().count(b"\n") == 2 * n,
+                     60, "every row in the shard during the outage")
+            status = json.loads((state / "status.json").read_text())
+            assert status is not None
+            ch.start()
+            wait_for(lambda: ch.count(f"SELECT count() FROM {db}.runs FINAL "
+                                      "WHERE status = 'finished'") == 2,
+                     120, "both runs finished in runs")
+        finally:
+            assert stop(d) == 0
+        q = ch.count
+        assert q(f"SELECT count() FROM {db}.metrics FINAL WHERE name = 'long2'") == 2 * n
+        assert q(f"SELECT count() FROM {db}.rank_metrics FINAL WHERE name = 'long2'") == n
+        assert q(f"SELECT uniqExact(event_id) FROM {db}.metrics WHERE name = 'long2'") == n
+    finally:
+        ch.stop()

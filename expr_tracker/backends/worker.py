@@ -41,6 +41,7 @@ class BackendWorker:
         batch: int = 100,
         rank_metrics: bool = False,
         journal: BatchJournal | None = None,
+        pulled: bool = False,
     ) -> None:
         if max_queue < 1 or batch < 1:
             raise ValueError("max_queue and batch must be >= 1")
@@ -50,6 +51,9 @@ class BackendWorker:
         self.batch = batch
         self.rank_metrics = rank_metrics
         self.journal = journal
+        # exprd reads the spool for this backend itself (`submit_many`): a pipeline's
+        # `submit()` is ignored, its alerts still go through
+        self.pulled = pulled
         # a backend that stores rank records as they are (the team store) gets every record
         self._raw = getattr(backend, "raw_records", False) is True
         self._counters = Counters()
@@ -98,6 +102,8 @@ class BackendWorker:
 
     def submit(self, record: Mapping[str, Any]) -> None:
         """Queue one record. Never blocks, never raises; a full queue counts it `dropped`."""
+        if self.pulled:
+            return
         try:
             row = dict(record) if self._raw else reportable(record, self.rank_metrics)
         except Exception as exc:
@@ -125,6 +131,49 @@ class BackendWorker:
                     self._cond.notify()
                 return
         self._counters.error(cause, records=1, kind="dropped")
+
+    def submit_many(self, records: list[dict[str, Any]]) -> None:
+        """Queue records in order under one lock (exprd's spool reader, which gives up the
+        dicts: a backend that takes records as they are gets them without a copy). Never
+        blocks, never raises; what a full queue cannot take is counted `dropped`."""
+        if not self._raw:
+            rows = []
+            for record in records:
+                try:
+                    row = reportable(record, self.rank_metrics)
+                except Exception as exc:
+                    self._counters.error(f"{self._name}: unreadable record: "
+                                         f"{type(exc).__name__}", str(exc), records=1)
+                    continue
+                if row is None:
+                    self._counters.add("skipped")
+                else:
+                    rows.append(row)
+            records = rows
+        if not records:
+            return
+        cause, lost = "", 0
+        with self._cond:
+            if not self.enabled:
+                cause = f"{self._name}: backend disabled"
+            elif self._closing:
+                cause = f"{self._name}: record submitted after close"
+            else:
+                room = self.max_queue - self._queued_logs
+                if room < len(records):
+                    cause = f"{self._name}: queue full ({self.max_queue} records)"
+                    lost = len(records) - max(room, 0)
+                    records = records[: max(room, 0)]
+                wake = not self._items or self._waiting
+                self._items.extend((_LOG, row) for row in records)
+                self._queued_logs += len(records)
+                self._accepted += len(records)
+                if wake and records:
+                    self._cond.notify()
+            if cause and not lost:
+                lost = len(records)
+        if cause:
+            self._counters.error(cause, records=lost, kind="dropped")
 
     def alert(self, alert: Mapping[str, Any]) -> None:
         """Queue one alert, in order with the records. Never blocks, never raises."""
