@@ -8,10 +8,15 @@ latest step every live rank has reported.
 
 A `RunReader` kept between calls (a watcher, `expr top`) reads each shard's tail once and
 then only the complete lines appended since, so a pass over thousands of idle shards is a
-`stat` per shard and per sidecar. Memory per shard is bounded by the window whatever the
-shard's size: at most `window` step rows and `window` rank records per rank are kept, and a
-shard that grew by more than `MAX_CATCHUP` bytes since the last pass is read from its tail
-again rather than from the old offset.
+`stat` per shard and per sidecar. What it derives per rank (the `RankState`, the rank
+records merged by `_rank`) is kept too and rebuilt only for the shards whose size, mtime
+or inode, or whose sidecar's, changed: a repeat pass costs the stats plus work in
+proportion to what changed (`RunState.changed` names those ranks). Only the check that a
+local writer's process is still alive runs for every local rank on every pass (once per
+pid). Memory per shard is bounded by the window whatever the shard's size: at most
+`window` step rows and `window` rank records per rank are kept, and a shard that grew by
+more than `MAX_CATCHUP` bytes since the last pass is read from its tail again rather than
+from the old offset.
 
 Nothing here writes.
 """
@@ -24,7 +29,7 @@ import socket
 from array import array
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -84,6 +89,14 @@ class RankState:
         """Still training: status running (a dead writer on this host is already `crashed`)."""
         return self.status == "running"
 
+    def local_to(self, here: str) -> bool:
+        """Running, by its sidecar, in a process of host `here` (whose pid can be checked)."""
+        return self.status == "running" and self.host == here and self.pid is not None
+
+    def gone(self) -> RankState:
+        """A copy marked crashed because its writer process is gone."""
+        return replace(self, status="crashed", status_reason="process gone")
+
 
 @dataclass
 class RunState:
@@ -98,22 +111,24 @@ class RunState:
     # value of each key) and `series` the KEY values of the window, oldest first
     series_key: str | None = None
     series: dict[int, Sequence[float]] = field(default_factory=dict)
+    # the ranks whose shard or sidecar changed since the reader's previous pass (every
+    # rank on a first pass); the RankStates of the others are the previous pass's objects
+    changed: frozenset[int] = frozenset()
 
     # computed once per pass: the detectors ask for them per rank
     @cached_property
     def world_size(self) -> int | None:
         """The largest world size any sidecar or rank record names (None if none does)."""
-        sizes = [r.world_size for r in self.ranks.values() if r.world_size]
-        for recs in self.rank_records.values():
-            ws = recs[-1].get("_world_size") if recs else None
-            if type(ws) is int and ws > 0:
-                sizes.append(ws)
+        # sets first: 16,384 ranks name a handful of distinct sizes
+        sizes = [ws for ws in {r.world_size for r in self.ranks.values()} if ws]
+        logged = {recs[-1].get("_world_size") for recs in self.rank_records.values() if recs}
+        sizes += [ws for ws in logged if type(ws) is int and ws > 0]
         return max(sizes) if sizes else None
 
     @cached_property
     def live(self) -> list[RankState]:
         """The live ranks (status running), ascending."""
-        return [r for r in self.ranks.values() if r.live]
+        return [r for r in self.ranks.values() if r.status == "running"]  # (`RankState.live`)
 
     @cached_property
     def frontier(self) -> int | None:
@@ -124,7 +139,7 @@ class RunState:
         no live rank left, the run is over and the frontier is the latest step of any rank.
         None when no rank has reported a step.
         """
-        live = [r.last_step for r in self.ranks.values() if r.live and r.last_step is not None]
+        live = [r.last_step for r in self.live if r.last_step is not None]
         if live:
             return min(live)
         steps = [r.last_step for r in self.ranks.values() if r.last_step is not None]
@@ -247,7 +262,14 @@ class _ShardTail:
         self.rank_recs: dict[int, deque[dict[str, Any]]] = {}  # by `_rank` (no series key)
         self.series: dict[int, _Series] = {}  # by `_rank` (with a series key)
         self.sidecar: dict[str, Any] | None = None
-        self.sidecar_mtime_ns = -1
+        self.sidecar_stat: tuple[int, int, int] | None = None  # (mtime_ns, size, inode)
+        # plain strings: a pass stats every shard and sidecar, and a Path costs a conversion
+        self._shard_name = os.fspath(path)
+        self._side_name = self._shard_name[: -len(".jsonl")] + ".meta.json"
+        self.version = 0  # bumped whenever the shard or its sidecar is read again
+        self.ok = False  # the last refresh found the shard (and could read it)
+        self.read_now = False  # the last refresh read shard data ...
+        self.side_read_now = False  # ... or the sidecar
 
     # -- records -----------------------------------------------------------
     def _take(self, recs: list[dict[str, Any]]) -> None:
@@ -384,19 +406,28 @@ class _ShardTail:
                 if self.offset >= end:
                     break
 
-    def refresh(self) -> bool:
-        """Read what changed since the last pass; False if the shard is gone."""
+    def refresh(self, sidecar: bool = True) -> bool:
+        """Read what changed since the last pass; False if the shard is gone. An unchanged
+        shard (size, mtime and inode as before) and sidecar cost two `stat`s, no read;
+        with `sidecar=False` (the reader knows no sidecar was replaced) the sidecar is
+        checked only when the shard changed."""
+        self.ok = self.read_now = self.side_read_now = False
         try:
-            st = os.stat(self.path)
+            st = os.stat(self._shard_name)
         except OSError:
             return False
-        self._refresh_sidecar()
-        if st.st_mtime_ns == self.mtime_ns and st.st_size == self.size and st.st_ino == self.ino:
+        same = st.st_mtime_ns == self.mtime_ns and st.st_size == self.size and st.st_ino == self.ino
+        if (sidecar or not same) and self._refresh_sidecar():
+            self.version += 1
+        if same:
+            self.ok = True
             return True
         replaced = self.ino is not None and st.st_ino != self.ino
         self.ino, self.mtime_ns, self.size = st.st_ino, st.st_mtime_ns, st.st_size
+        self.version += 1
+        self.read_now = True
         try:
-            with open(self.path, "rb") as fh:
+            with open(self._shard_name, "rb") as fh:
                 end = records.complete_end(fh, TAIL_BLOCK)
             if replaced or end < self.offset or end - self.offset > MAX_CATCHUP or self.offset == 0:
                 self._read_tail(end)
@@ -404,22 +435,36 @@ class _ShardTail:
                 self._read_forward(end)
         except OSError:
             return False
+        self.ok = True
         return True
 
-    def _refresh_sidecar(self) -> None:
-        side = self.path.with_name(self.path.name[: -len(".jsonl")] + ".meta.json")
+    def _refresh_sidecar(self) -> bool:
+        """Read the sidecar again if it changed (it is rewritten by a rename: a new inode);
+        True if it did."""
         try:
-            mtime = os.stat(side).st_mtime_ns
+            st = os.stat(self._side_name)
         except OSError:
-            self.sidecar, self.sidecar_mtime_ns = None, -1
-            return
-        if mtime != self.sidecar_mtime_ns:
-            self.sidecar = read_sidecar(side)
-            self.sidecar_mtime_ns = mtime
+            changed = self.sidecar_stat is not None
+            self.sidecar, self.sidecar_stat = None, None
+            return changed
+        key = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if key == self.sidecar_stat:
+            return False
+        self.sidecar = read_sidecar(Path(self._side_name))
+        self.sidecar_stat = key
+        self.side_read_now = True
+        return True
 
     # -- the snapshot --------------------------------------------------------
     def state(self, here: str) -> RankState:
         """This shard as a RankState; `here` is this host's name (to check pids)."""
+        out = self.base_state()
+        if out.local_to(here) and out.pid is not None and not pid_alive(out.pid):
+            out = out.gone()
+        return out
+
+    def base_state(self) -> RankState:
+        """This shard as a RankState from its files alone (no check of the writer's pid)."""
         meta = self.sidecar or {}
         out = RankState(
             rank=self.rank,
@@ -451,9 +496,6 @@ class _ShardTail:
         out.status = status if status in STATUSES else "running"
         if out.status == "crashed":
             out.status_reason = "exception" if out.exit else "crashed"
-        elif (out.status == "running" and out.host == here and out.pid is not None
-              and not pid_alive(out.pid)):
-            out.status, out.status_reason = "crashed", "process gone"
         return out
 
 
@@ -480,6 +522,17 @@ def list_shards(run_dir: str | os.PathLike[str], stream: str | None = None) -> d
     return out
 
 
+_UNPARSED = object()
+# Creating, removing or renaming a file in a directory sets its mtime, and sidecars are
+# rewritten by a rename (`write_atomic`): while the run directory's mtime and inode stay
+# as they were, its listing and every sidecar are too, and a pass `stat`s only the shards.
+# Trusted only when the listing was taken DIR_SETTLE seconds after that mtime (a change
+# in the same timestamp tick would not move it), and a full pass (listing, every sidecar)
+# runs every FULL_EVERY seconds anyway, for a writer that rewrites a sidecar in place.
+DIR_SETTLE = 2.0
+FULL_EVERY = 30.0
+
+
 class RunReader:
     """Reads one stream of a run again and again, keeping offsets and windows in memory."""
 
@@ -500,91 +553,213 @@ class RunReader:
         self.series = series
         self._tails: dict[int, _ShardTail] = {}
         self._here = socket.gethostname()
+        self.names: list[str] = []  # the run directory's entries at the last pass
+        self._parsed: dict[str, Any] = {}  # entry name -> (rank, Path) | None
+        # what the last pass derived, kept for the tails that did not change
+        self._seen: dict[int, tuple[_ShardTail, int]] = {}  # shard rank -> (tail, version)
+        self._states: dict[int, RankState] = {}  # shard rank -> RankState (no pid check)
+        self._local: dict[int, set[int]] = {}  # pid -> shard ranks it writes on this host
+        self._gone: dict[int, tuple[RankState, RankState]] = {}  # shard rank -> (base, crashed)
+        self._keys: dict[int, frozenset[int]] = {}  # shard rank -> the `_rank`s it holds
+        self._owners: dict[int, dict[int, _ShardTail]] = {}  # `_rank` -> shards holding it
+        self._records: dict[int, list[dict[str, Any]]] = {}
+        self._series: dict[int, Sequence[float]] = {}
+        # the last pass: shard files and sidecars read (not just `stat`ed)
+        self.shards_read = 0
+        self.sidecars_read = 0
+        self._found: dict[int, Path] = {}
+        self._dir_key: tuple[int, int] | None = None  # (mtime_ns, inode) of a trusted listing
+        self._full_at = -math.inf  # wall clock of the last full pass
+
+    def _list(self) -> dict[int, Path]:
+        """`list_shards`, with each entry name parsed once for the reader's life."""
+        out: dict[int, Path] = {}
+        try:
+            names = os.listdir(self.run_dir)
+        except OSError:
+            self.names = []
+            return out
+        parsed = self._parsed
+        if len(parsed) > 2 * len(names) + 1024:  # bounded by what the directory holds
+            parsed.clear()
+        for name in names:
+            hit = parsed.get(name, _UNPARSED)
+            if hit is _UNPARSED:
+                shard = parse_shard_name(name)
+                ok = shard is not None and shard.stream == self.stream
+                hit = parsed[name] = (shard.rank, self.run_dir / name) if ok and shard else None
+            if hit is not None:
+                out[hit[0]] = hit[1]
+        self.names = names
+        return out
 
     def read(self) -> RunState:
-        """One pass: list the shards, refresh each (a first read of many in processes)."""
+        """One pass: list the shards, refresh each (a first read of many in processes),
+        and rebuild what is derived from the shards that changed."""
         import time
 
         now = time.time()
-        found = list_shards(self.run_dir, self.stream)
-        for rank in [r for r in self._tails if r not in found or self._tails[r].path != found[r]]:
-            del self._tails[rank]
-        for rank, path in found.items():
-            if rank not in self._tails:
-                self._tails[rank] = _ShardTail(path, rank, self.stream, self.window, self.series)
+        full = True
+        try:
+            st = os.stat(self.run_dir)
+        except OSError:
+            dir_key = None
+        else:
+            dir_key = (st.st_mtime_ns, st.st_ino)
+            full = dir_key != self._dir_key or now - self._full_at >= FULL_EVERY
+        if full:
+            found = self._found = self._list()
+            self._full_at = now
+            settled = dir_key is not None and now - dir_key[0] / 1e9 >= DIR_SETTLE
+            self._dir_key = dir_key if settled else None
+        else:
+            found = self._found
+        tails = self._tails
+        if full:
+            for rank in [r for r, t in tails.items() if r not in found or
+                         (t.path is not found[r] and t.path != found[r])]:
+                del tails[rank]
+            for rank, path in found.items():
+                if rank not in tails:
+                    tails[rank] = _ShardTail(path, rank, self.stream, self.window, self.series)
         live = []
-        fresh = [t for t in self._tails.values() if t.ino is None]  # never read: a whole tail each
+        # never read: a whole tail each (none on a quiet pass: no shard appeared)
+        fresh = [t for t in tails.values() if t.ino is None] if full else []
         if len(fresh) >= _FORK_MIN:
             from expr_tracker.stats.parallel import map_forked
 
-            for good, t in map_forked(_refresh, fresh):
-                self._tails[t.rank] = t  # a copy, from a worker process
-                if good:
+            for t in map_forked(_refresh, fresh):
+                tails[t.rank] = t  # a copy, from a worker process
+                if t.ok:
                     live.append(t)
             fresh_ranks = {t.rank for t in fresh}
-            rest = [t for r, t in self._tails.items() if r not in fresh_ranks]
+            rest = [t for r, t in tails.items() if r not in fresh_ranks]
         else:
-            rest = list(self._tails.values())
-        live.extend(t for good, t in _refresh(rest) if good)
-        live.sort(key=lambda t: t.rank)
-        state = RunState(
+            rest = list(tails.values())
+        live.extend(t for t in _refresh(rest, full) if t.ok)
+        changed = self._update(live)
+        self.shards_read = sum(tails[r].read_now for r in changed if r in tails)
+        self.sidecars_read = sum(tails[r].side_read_now for r in changed if r in tails)
+        ranks = self._states.copy()
+        for pid, mine in self._local.items():  # one check per pid and pass
+            if not pid_alive(pid):
+                for r in mine:
+                    base = ranks[r]
+                    got = self._gone.get(r)
+                    if got is None or got[0] is not base:  # the same copy while nothing changes
+                        got = self._gone[r] = (base, base.gone())
+                    ranks[r] = got[1]
+        return RunState(
             run_dir=self.run_dir,
             stream=self.stream,
-            ranks={t.rank: t.state(self._here) for t in live},
-            rank_records={},
+            ranks=ranks,
+            rank_records=self._records.copy(),
             read_time=now,
             series_key=self.series,
+            series=self._series.copy() if self.series is not None else {},
+            changed=frozenset(changed),
         )
-        if self.series is None:
-            state.rank_records = _merge_records(live, self.window)
-        else:
-            state.rank_records, state.series = _merge_series(live, self.window)
-        return state
 
+    def _update(self, live: list[_ShardTail]) -> list[int]:
+        """Bring the derived state up to date with this pass's tails; returns the shard
+        ranks that changed (were read again, appeared, or went)."""
+        seen, keys, owners = self._seen, self._keys, self._owners
+        now_in = {t.rank: t for t in live}
+        changed = [t.rank for t in live if (p := seen.get(t.rank)) is None or p[0] is not t
+                   or p[1] != t.version]
+        gone = seen.keys() - now_in.keys()
+        dirty: set[int] = set()
+        added = False
+        for r in gone:
+            del seen[r]
+            self._unlocal(self._states.pop(r, None))
+            self._gone.pop(r, None)
+            for k in keys.pop(r, ()):
+                owners[k].pop(r, None)
+                dirty.add(k)
+        for r in changed:
+            t = now_in[r]
+            seen[r] = (t, t.version)
+            mine = frozenset(t.series if self.series is not None else t.rank_recs)
+            for k in keys.get(r, frozenset()) - mine:
+                owners[k].pop(r, None)
+            for k in mine:
+                owners.setdefault(k, {})[r] = t
+            dirty |= keys.get(r, frozenset()) | mine
+            keys[r] = mine
+            rs = t.base_state()
+            old = self._states.get(r)
+            added = added or old is None
+            self._unlocal(old)
+            self._states[r] = rs
+            if rs.local_to(self._here):
+                assert rs.pid is not None  # (`local_to`)
+                self._local.setdefault(rs.pid, set()).add(r)
+        if added:
+            self._states = dict(sorted(self._states.items()))
+        self._merge(dirty)
+        return changed
 
-def _merge_records(tails: list[_ShardTail], window: int) -> dict[int, list[dict[str, Any]]]:
-    """The rank records of every shard by `_rank`; a rank named in several shards keeps
-    its latest `window` records by step."""
-    by_rank: dict[int, deque[dict[str, Any]]] = {}
-    for t in tails:
-        for r, q in t.rank_recs.items():
-            mine = by_rank.get(r)
-            if mine is None:
-                by_rank[r] = deque(q, maxlen=window)
+    def _unlocal(self, rs: RankState | None) -> None:
+        """Forget `rs` among the ranks whose writer's pid is checked."""
+        if rs is not None and rs.pid is not None and (mine := self._local.get(rs.pid)):
+            mine.discard(rs.rank)
+            if not mine:
+                del self._local[rs.pid]
+
+    def _merge(self, dirty: set[int]) -> None:
+        """Merge again the rank records (or series) of the `_rank`s in `dirty`."""
+        records, series, owners = self._records, self._series, self._owners
+        added = False
+        for k in dirty:
+            parts = [t for _, t in sorted(owners.get(k, {}).items())]
+            if not parts:
+                owners.pop(k, None)
+                records.pop(k, None)
+                series.pop(k, None)
+                continue
+            added = added or k not in records
+            if self.series is None:
+                records[k] = _merge_records(k, parts, self.window)
             else:
-                mine.extend(q)
-                by_rank[r] = deque(sorted(mine, key=_step_of)[-window:], maxlen=window)
-    return {r: list(q) for r, q in sorted(by_rank.items())}
+                records[k], series[k] = _merge_series(k, parts, self.window)
+        if added:
+            self._records = dict(sorted(records.items()))
+            if self.series is not None:
+                self._series = dict(sorted(series.items()))
 
 
-def _merge_series(tails: list[_ShardTail], window: int) -> tuple[
-        dict[int, list[dict[str, Any]]], dict[int, Sequence[float]]]:
-    """`_merge_records` for compact tails: per rank one record (the latest value of each
-    key; the shard with the latest step wins) and the series values. Shared with the
-    tails, which replace rather than change them."""
-    by_rank: dict[int, list[_Series]] = {}
-    for t in tails:
-        for r, s in t.series.items():
-            by_rank.setdefault(r, []).append(s)
-    latest: dict[int, list[dict[str, Any]]] = {}
-    values: dict[int, Sequence[float]] = {}
-    for r in sorted(by_rank):
-        parts = by_rank[r]
-        rec: dict[str, Any]
-        if len(parts) == 1:
-            s = parts[0]
-            rec, vals = s.latest, s.values
-        else:
-            parts.sort(key=lambda s: s.steps[-1] if s.steps else -1)
-            rec = {}
-            for s in parts:
-                rec.update(s.latest)
-            pairs = sorted((p for s in parts for p in zip(s.steps, s.values, strict=True)),
-                           key=lambda p: p[0])
-            vals = array("d", (v for _, v in pairs[-window:]))
-        latest[r] = [_decoded(rec) or rec]
-        values[r] = vals
-    return latest, values
+def _merge_records(rank: int, tails: list[_ShardTail], window: int) -> list[dict[str, Any]]:
+    """The rank records of `rank` in `tails` (in shard order); when several shards name
+    it, its latest `window` records by step."""
+    if len(tails) == 1:
+        return list(tails[0].rank_recs[rank])
+    mine = deque(tails[0].rank_recs[rank], maxlen=window)
+    for t in tails[1:]:
+        mine.extend(t.rank_recs[rank])
+        mine = deque(sorted(mine, key=_step_of)[-window:], maxlen=window)
+    return list(mine)
+
+
+def _merge_series(rank: int, tails: list[_ShardTail], window: int) -> tuple[
+        list[dict[str, Any]], Sequence[float]]:
+    """`_merge_records` for compact tails: one record (the latest value of each key; the
+    shard with the latest step wins) and the series values. Shared with the tails, which
+    replace rather than change them."""
+    parts = [t.series[rank] for t in tails]
+    rec: dict[str, Any]
+    if len(parts) == 1:
+        s = parts[0]
+        rec, vals = s.latest, s.values
+    else:
+        parts.sort(key=lambda s: s.steps[-1] if s.steps else -1)
+        rec = {}
+        for s in parts:
+            rec.update(s.latest)
+        pairs = sorted((p for s in parts for p in zip(s.steps, s.values, strict=True)),
+                       key=lambda p: p[0])
+        vals = array("d", (v for _, v in pairs[-window:]))
+    return [_decoded(rec) or rec], vals
 
 
 def _step_of(rec: Mapping[str, Any]) -> int:
@@ -592,9 +767,13 @@ def _step_of(rec: Mapping[str, Any]) -> int:
     return step if type(step) is int else -1
 
 
-def _refresh(tails: list[_ShardTail]) -> list[tuple[bool, _ShardTail]]:
-    """Refresh each tail (see `_ShardTail.refresh`); run in worker processes too."""
-    return [(t.refresh(), t) for t in tails]
+def _refresh(tails: list[_ShardTail], sidecars: bool = True) -> list[_ShardTail]:
+    """Refresh each tail (see `_ShardTail.refresh`; `ok` says how it went); run in worker
+    processes too. No (ok, tail) pairs: 16,384 tuples alive through a pass would be
+    promoted by the garbage collector and bring on a full collection every few passes."""
+    for t in tails:
+        t.refresh(sidecars)
+    return tails
 
 
 def read_run(
