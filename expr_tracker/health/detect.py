@@ -198,7 +198,7 @@ def _slowdowns(state: RunState, derived: Mapping[int, _Derived], cfg: HealthConf
     n = cfg.slowdown_steps
     current = {r: d.slow[1] for r, d in derived.items() if d.slow is not None}
     ranks = state.ranks
-    live = [r for r in current if ranks[r].live]
+    live = [r for r in current if ranks[r].status == "running"]  # (`RankState.live`)
     if not live:
         return []
     job_now = median(current[r] for r in live)
@@ -242,7 +242,8 @@ def median_period(times: Mapping[int, list[float]]) -> float | None:
 
 def _hangs(state: RunState, threshold: float, now: float) -> list[Finding]:
     # most passes find no live rank silent that long: one comprehension, no sort
-    if not any(rs.last_write is not None and now - rs.last_write >= threshold for rs in state.live):
+    oldest = min([w for rs in state.live if (w := rs.last_write) is not None], default=None)
+    if oldest is None or now - oldest < threshold:
         return []
     # "another rank advanced": some rank wrote later and reached a later step. The ranks
     # sorted by last write, with the largest step of those written at or after each, answer
@@ -289,9 +290,7 @@ def _behind(state: RunState, cfg: HealthConfig) -> list[Finding]:
 
 def _crashed(state: RunState) -> list[Finding]:
     out = []
-    for rs in state.ranks.values():
-        if rs.status != "crashed":
-            continue
+    for rs in [rs for rs in state.ranks.values() if rs.status == "crashed"]:
         why = rs.status_reason or "crashed"
         if rs.exit:
             why = f"{rs.exit.get('type', 'exception')}: {rs.exit.get('message', '')}".rstrip(": ")
@@ -304,12 +303,12 @@ def _crashed(state: RunState) -> list[Finding]:
 
 
 def _missing(state: RunState, cfg: HealthConfig, now: float) -> list[Finding]:
-    world = state.world_size
-    starts = [t for rs in state.ranks.values() if (t := rs.start_time or rs.last_write) is not None]
-    if not world or not starts or now - min(starts) < cfg.missing_after:
+    world, ranks = state.world_size, state.ranks
+    if not world or (len(ranks) >= world and max(ranks) < world):  # every rank has a shard
         return []
-    gone = tuple(r for r in range(world) if r not in state.ranks)
-    if not gone:
+    gone = tuple(r for r in range(world) if r not in ranks)
+    starts = [t for rs in ranks.values() if (t := rs.start_time or rs.last_write) is not None]
+    if not gone or not starts or now - min(starts) < cfg.missing_after:
         return []
     return [Finding("missing", gone,
                     f"{len(gone)} of {world} ranks never wrote a shard within "

@@ -27,7 +27,7 @@ import math
 import os
 import socket
 from array import array
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -563,6 +563,9 @@ class RunReader:
         self._keys: dict[int, frozenset[int]] = {}  # shard rank -> the `_rank`s it holds
         self._owners: dict[int, dict[int, _ShardTail]] = {}  # `_rank` -> shards holding it
         self._records: dict[int, list[dict[str, Any]]] = {}
+        # how many shards (sidecars) and `_rank`s (latest record) name each world size:
+        # `RunState.world_size` without a look at every rank
+        self._sizes: Counter[int] = Counter()
         self._series: dict[int, Sequence[float]] = {}
         # the last pass: shard files and sidecars read (not just `stat`ed)
         self.shards_read = 0
@@ -649,7 +652,7 @@ class RunReader:
                     if got is None or got[0] is not base:  # the same copy while nothing changes
                         got = self._gone[r] = (base, base.gone())
                     ranks[r] = got[1]
-        return RunState(
+        state = RunState(
             run_dir=self.run_dir,
             stream=self.stream,
             ranks=ranks,
@@ -659,6 +662,9 @@ class RunReader:
             series=self._series.copy() if self.series is not None else {},
             changed=frozenset(changed),
         )
+        sizes = [ws for ws, n in self._sizes.items() if n > 0]
+        state.__dict__["world_size"] = max(sizes) if sizes else None  # (the cached property)
+        return state
 
     def _update(self, live: list[_ShardTail]) -> list[int]:
         """Bring the derived state up to date with this pass's tails; returns the shard
@@ -672,7 +678,9 @@ class RunReader:
         added = False
         for r in gone:
             del seen[r]
-            self._unlocal(self._states.pop(r, None))
+            old = self._states.pop(r, None)
+            self._unlocal(old)
+            self._count_size(old.world_size if old else None, -1)
             self._gone.pop(r, None)
             for k in keys.pop(r, ()):
                 owners[k].pop(r, None)
@@ -691,6 +699,8 @@ class RunReader:
             old = self._states.get(r)
             added = added or old is None
             self._unlocal(old)
+            self._count_size(old.world_size if old else None, -1)
+            self._count_size(rs.world_size, 1)
             self._states[r] = rs
             if rs.local_to(self._here):
                 assert rs.pid is not None  # (`local_to`)
@@ -698,7 +708,11 @@ class RunReader:
         if added:
             self._states = dict(sorted(self._states.items()))
         self._merge(dirty)
-        return changed
+        return [*changed, *gone]
+
+    def _count_size(self, ws: int | None, n: int) -> None:
+        if ws:
+            self._sizes[ws] += n
 
     def _unlocal(self, rs: RankState | None) -> None:
         """Forget `rs` among the ranks whose writer's pid is checked."""
@@ -713,6 +727,7 @@ class RunReader:
         added = False
         for k in dirty:
             parts = [t for _, t in sorted(owners.get(k, {}).items())]
+            self._count_size(_logged_size(records.get(k)), -1)
             if not parts:
                 owners.pop(k, None)
                 records.pop(k, None)
@@ -723,10 +738,17 @@ class RunReader:
                 records[k] = _merge_records(k, parts, self.window)
             else:
                 records[k], series[k] = _merge_series(k, parts, self.window)
+            self._count_size(_logged_size(records[k]), 1)
         if added:
             self._records = dict(sorted(records.items()))
             if self.series is not None:
                 self._series = dict(sorted(series.items()))
+
+
+def _logged_size(recs: list[dict[str, Any]] | None) -> int | None:
+    """The world size a `_rank`'s latest record names (as `RunState.world_size` reads it)."""
+    ws = recs[-1].get("_world_size") if recs else None
+    return ws if type(ws) is int and ws > 0 else None
 
 
 def _merge_records(rank: int, tails: list[_ShardTail], window: int) -> list[dict[str, Any]]:
