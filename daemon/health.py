@@ -56,6 +56,9 @@ class DaemonHealth:
         """When (monotonic) `tick` has work; inf when nothing is watched."""
         if not self.watchers and not self.watch_roots:
             return float("inf")
+        return self._soonest()
+
+    def _soonest(self) -> float:
         return min(self._next, *self._due.values()) if self._due else self._next
 
     def _watch(self, run_dir: Path, stream: str | None, until: float) -> None:
@@ -87,7 +90,7 @@ class DaemonHealth:
 
     def tick(self, now: float, tails: Iterable[Any] = ()) -> int:
         """A pass over each watched run that is due; returns the incidents recorded."""
-        if now < self.next_due:
+        if now < self._soonest():  # (not `next_due`: new spool runs are looked for too)
             return 0
         if now >= self._next:
             self._next = now + self.interval

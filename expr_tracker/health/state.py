@@ -34,23 +34,17 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import orjson
-
+from expr_tracker.health.tail import MAX_CATCHUP as MAX_CATCHUP  # (re-exported)
+from expr_tracker.health.tail import ShardTail, decoded, refresh_all
 from expr_tracker.procs import pid_alive
-from expr_tracker.store import records
 from expr_tracker.store.layout import parse_shard_name
-from expr_tracker.store.shard import read_sidecar
 
 DEFAULT_WINDOW = 64  # step rows (and rank records per rank) kept per shard
-MAX_CATCHUP = 4 << 20  # bytes read forward per shard and pass; beyond it, re-read the tail
-MAX_TAIL_LINES = 100_000  # records parsed by one tail read
-TAIL_BLOCK = 16 << 10  # reverse-read block: a few dozen lines, not the 256 KiB of a full read
 # First reads of at least this many shards are shared among forked processes: parsing
 # is CPU work under the GIL (threads made a warm-cache pass slower, not faster), and a
 # tail read costs several times what sending its compact result back does
 _FORK_MIN = 256
 STATUSES = ("running", "finished", "crashed")
-_MIN_STEP, _MAX_STEP = -(1 << 63), (1 << 63) - 1  # steps an array("q") holds
 
 
 @dataclass
@@ -166,337 +160,40 @@ class RunState:
         return max(0, lead - state.last_step)
 
 
-class _Series:
-    """One rank's rank records in a compact tail (`RunReader(series=KEY)`): the steps and
-    KEY's values of its last `window` records (NaN where a record has no number), and the
-    latest value of every key. Arrays, not records: 16,384 ranks of 64 records cost a few
-    MB instead of the ~1 GB of parsed records (DESIGN 14)."""
-
-    __slots__ = ("latest", "steps", "values")
-
-    def __init__(self) -> None:
-        self.steps: array[int] = array("q")
-        self.values: array[float] = array("d")
-        self.latest: dict[str, Any] = {}
-
-
-def _pushed(arr: array[Any], more: array[Any], window: int) -> array[Any]:
-    """`arr` then `more`, the last `window` items, as a new array: a RunState handed out
-    earlier shares the old one, so it is never changed in place."""
-    out = arr + more
-    if len(out) > window:
-        del out[: len(out) - window]
+def _rank_state(tail: ShardTail) -> RankState:
+    """One shard as a RankState from its files alone (no check of the writer's pid)."""
+    meta = tail.sidecar or {}
+    out = RankState(
+        rank=tail.rank,
+        stream=tail.stream,
+        path=tail.path,
+        last_step=tail.last_step,
+        last_write=tail.mtime_ns / 1e9 if tail.mtime_ns >= 0 else None,
+        size=tail.size,
+        steps=tail.steps,
+        times=tail.times,
+        last_row=decoded(tail.last_row),
+    )
+    # spool mode: exprd writes the shard, the sidecar names the training process as origin
+    spool = meta.get("source") == "spool"
+    host = meta.get("origin_host" if spool else "host")
+    pid = meta.get("origin_pid" if spool else "pid")
+    out.host = host if isinstance(host, str) else None
+    out.pid = pid if type(pid) is int and pid > 0 else None
+    out.world_size = _int(meta.get("world_size"))
+    out.local_rank = _int(meta.get("local_rank"), zero=True)
+    out.local_world_size = _int(meta.get("local_world_size"))
+    session = meta.get("session")
+    out.session = session if isinstance(session, str) else None
+    out.start_time = _num(meta.get("start_time"))
+    out.end_time = _num(meta.get("end_time"))
+    ex = meta.get("exit")
+    out.exit = dict(ex) if isinstance(ex, Mapping) else None
+    status = meta.get("status")
+    out.status = status if status in STATUSES else "running"
+    if out.status == "crashed":
+        out.status_reason = "exception" if out.exit else "crashed"
     return out
-
-
-def _series_value(v: Any) -> float:
-    """A record's value as a float for a series (NaN when it is not a number)."""
-    if v.__class__ is float:
-        return v
-    if v.__class__ is int:
-        try:
-            return float(v)
-        except OverflowError:
-            return math.nan
-    if v.__class__ is str:
-        return records.DECODE_NONFINITE.get(v, math.nan)
-    return math.nan
-
-
-def _decoded(rec: dict[str, Any] | None) -> dict[str, Any] | None:
-    """`rec` with non-finite values written as text ("NaN", "Infinity") turned back into
-    floats, as `records.loads` does (the bulk parse below skips that per line)."""
-    if rec is None or str not in set(map(type, rec.values())):  # (in C: most records)
-        return rec
-    bad = [k for k, v in rec.items() if v.__class__ is str and k[:1] != "_" and v in records.DECODE_NONFINITE]
-    if not bad:
-        return rec
-    out = dict(rec)
-    for k in bad:
-        out[k] = records.DECODE_NONFINITE[out[k]]
-    return out
-
-
-def _parse_lines(data: bytes) -> list[dict[str, Any]]:
-    """The records of `data` (whole lines, each ending in a newline), in file order; lines
-    that are not a JSON object are skipped. The lines are parsed as one JSON array, in C,
-    as `stats.scan` does; line by line only when that fails (a torn or foreign line)."""
-    if not data:
-        return []
-    try:
-        recs = orjson.loads(b"[" + data[:-1].replace(b"\n", b",") + b"]")
-    except orjson.JSONDecodeError:
-        pass
-    else:
-        if len(recs) == data.count(b"\n") and set(map(type, recs)) == {dict}:
-            return recs
-    out = []
-    for _, line in records.iter_lines(data):
-        if line.strip():
-            try:
-                out.append(records.loads(line))
-            except ValueError:
-                continue
-    return out
-
-
-class _ShardTail:
-    """What a reader keeps of one shard between passes: offsets and bounded recent rows."""
-
-    def __init__(self, path: Path, rank: int, stream: str | None, window: int,
-                 series: str | None = None) -> None:
-        self.path = path
-        self.rank = rank
-        self.stream = stream
-        self.window = window
-        self.series_key = series
-        self.offset = 0  # end of the last complete line read
-        self.ino: int | None = None
-        self.mtime_ns = -1
-        self.size = 0
-        # the step rows' (step, _time), oldest first, at most `window`
-        self.steps: array[int] = array("q")
-        self.times: array[float] = array("d")
-        self.last_step: int | None = None
-        self.last_row: dict[str, Any] | None = None
-        self.rank_recs: dict[int, deque[dict[str, Any]]] = {}  # by `_rank` (no series key)
-        self.series: dict[int, _Series] = {}  # by `_rank` (with a series key)
-        self.sidecar: dict[str, Any] | None = None
-        self.sidecar_stat: tuple[int, int, int] | None = None  # (mtime_ns, size, inode)
-        # plain strings: a pass stats every shard and sidecar, and a Path costs a conversion
-        self._shard_name = os.fspath(path)
-        self._side_name = self._shard_name[: -len(".jsonl")] + ".meta.json"
-        self.version = 0  # bumped whenever the shard or its sidecar is read again
-        self.ok = False  # the last refresh found the shard (and could read it)
-        self.read_now = False  # the last refresh read shard data ...
-        self.side_read_now = False  # ... or the sidecar
-
-    # -- records -----------------------------------------------------------
-    def _take(self, recs: list[dict[str, Any]]) -> None:
-        """Add records read forward (oldest first). One loop sorts them, then each kind
-        is added in bulk, its last `window` only: a first read takes ~130 records per
-        shard, and at 16,384 shards a method call per record would be most of the pass."""
-        rank, window = self.rank, self.window
-        row_steps: list[int] = []
-        row_times: list[float] = []
-        last_row = None
-        top = self.last_step
-        by_rank: dict[int, list[dict[str, Any]]] = {}
-        for rec in recs:
-            step = rec.get("_step")
-            if step.__class__ is not int or not _MIN_STEP <= step <= _MAX_STEP:
-                continue
-            kind = rec.get("_kind")
-            if kind is None:
-                t = rec.get("_time")
-                if t.__class__ is float or t.__class__ is int:
-                    row_steps.append(step)
-                    row_times.append(t)
-                last_row = rec
-            elif kind == "rank":
-                r = rec.get("_rank")
-                if r.__class__ is not int or r < 0:
-                    continue
-                group = by_rank.get(r)
-                if group is None:
-                    by_rank[r] = [rec]
-                else:
-                    group.append(rec)
-                if r != rank:
-                    continue
-            else:
-                continue
-            if top is None or step > top:
-                top = step
-        self.last_step = top
-        if last_row is not None:
-            self.last_row = last_row
-        if row_steps:
-            try:
-                times = array("d", row_times[-window:])
-            except OverflowError:  # an int _time beyond a float
-                times = array("d", (_series_value(t) for t in row_times[-window:]))
-            self.steps = _pushed(self.steps, array("q", row_steps[-window:]), window)
-            self.times = _pushed(self.times, times, window)
-        for r, group in by_rank.items():
-            group = group[-window:]
-            if self.series_key is None:
-                q = self.rank_recs.get(r)
-                if q is None:
-                    q = self.rank_recs[r] = deque(maxlen=window)
-                q.extend(group)
-                continue
-            s = self.series.get(r)
-            if s is None:
-                s = self.series[r] = _Series()
-            key = self.series_key
-            s.steps = _pushed(s.steps, array("q", [rec["_step"] for rec in group]), window)
-            s.values = _pushed(s.values, array("d", [_series_value(rec.get(key)) for rec in group]),
-                               window)
-            s.latest = latest = dict(s.latest)  # a new dict: see `_pushed`
-            for rec in group:
-                latest.update(rec)
-
-    def _reset(self) -> None:
-        self.offset = 0
-        self.steps = array("q")
-        self.times = array("d")
-        self.rank_recs.clear()
-        self.series.clear()
-        self.last_step = None
-        self.last_row = None
-
-    def _read_tail(self, end: int) -> None:
-        """Fill the window from the end of the file backwards (first pass, or a big jump).
-
-        Enough lines for `window` step rows (and the rank records of their steps), or for
-        `window` steps of rank records when the shard holds only those (an all-gathering
-        rank 0 writes world_size of them per step), and never more than MAX_TAIL_LINES.
-        Blocks are read backwards, growing, each parsed in one go.
-        """
-        self._reset()
-        got: list[dict[str, Any]] = []  # newest first
-        n_steps = 0
-        top: int | None = None  # the largest step seen
-        oldest: int | None = None  # the step of the window-th step row from the end
-        pos, block = end, TAIL_BLOCK
-        done = False
-        with open(self.path, "rb") as fh:
-            while pos > 0 and not done:
-                start = max(0, pos - block)
-                fh.seek(start)
-                data = fh.read(pos - start)
-                if start > 0:
-                    cut = data.find(b"\n") + 1  # the block's first line may be cut
-                    if cut == 0 or cut >= len(data):
-                        block *= 2  # not one whole line in the block: a longer block
-                        continue
-                    data, start = data[cut:], start + cut
-                for rec in reversed(_parse_lines(data)):
-                    step = rec.get("_step")
-                    if step.__class__ is not int:
-                        continue
-                    if top is None or step > top:
-                        top = step
-                    if oldest is not None and step < oldest:
-                        done = True
-                        break
-                    if rec.get("_kind") is None:
-                        n_steps += 1
-                        if n_steps >= self.window:
-                            oldest = step
-                    elif n_steps == 0 and step <= top - self.window:
-                        done = True
-                        break
-                    got.append(rec)
-                    if len(got) >= MAX_TAIL_LINES:
-                        done = True
-                        break
-                pos = start
-                block = min(2 * block, MAX_CATCHUP)
-        got.reverse()
-        self._take(got)
-        self.offset = end
-
-    def _read_forward(self, end: int) -> None:
-        with open(self.path, "rb") as fh:
-            for _, data in records.complete_blocks(fh, 1 << 20, self.offset):
-                self._take(_parse_lines(data))
-                self.offset += len(data)
-                if self.offset >= end:
-                    break
-
-    def refresh(self, sidecar: bool = True) -> bool:
-        """Read what changed since the last pass; False if the shard is gone. An unchanged
-        shard (size, mtime and inode as before) and sidecar cost two `stat`s, no read;
-        with `sidecar=False` (the reader knows no sidecar was replaced) the sidecar is
-        checked only when the shard changed."""
-        self.ok = self.read_now = self.side_read_now = False
-        try:
-            st = os.stat(self._shard_name)
-        except OSError:
-            return False
-        same = st.st_mtime_ns == self.mtime_ns and st.st_size == self.size and st.st_ino == self.ino
-        if (sidecar or not same) and self._refresh_sidecar():
-            self.version += 1
-        if same:
-            self.ok = True
-            return True
-        replaced = self.ino is not None and st.st_ino != self.ino
-        self.ino, self.mtime_ns, self.size = st.st_ino, st.st_mtime_ns, st.st_size
-        self.version += 1
-        self.read_now = True
-        try:
-            with open(self._shard_name, "rb") as fh:
-                end = records.complete_end(fh, TAIL_BLOCK)
-            if replaced or end < self.offset or end - self.offset > MAX_CATCHUP or self.offset == 0:
-                self._read_tail(end)
-            elif end > self.offset:
-                self._read_forward(end)
-        except OSError:
-            return False
-        self.ok = True
-        return True
-
-    def _refresh_sidecar(self) -> bool:
-        """Read the sidecar again if it changed (it is rewritten by a rename: a new inode);
-        True if it did."""
-        try:
-            st = os.stat(self._side_name)
-        except OSError:
-            changed = self.sidecar_stat is not None
-            self.sidecar, self.sidecar_stat = None, None
-            return changed
-        key = (st.st_mtime_ns, st.st_size, st.st_ino)
-        if key == self.sidecar_stat:
-            return False
-        self.sidecar = read_sidecar(Path(self._side_name))
-        self.sidecar_stat = key
-        self.side_read_now = True
-        return True
-
-    # -- the snapshot --------------------------------------------------------
-    def state(self, here: str) -> RankState:
-        """This shard as a RankState; `here` is this host's name (to check pids)."""
-        out = self.base_state()
-        if out.local_to(here) and out.pid is not None and not pid_alive(out.pid):
-            out = out.gone()
-        return out
-
-    def base_state(self) -> RankState:
-        """This shard as a RankState from its files alone (no check of the writer's pid)."""
-        meta = self.sidecar or {}
-        out = RankState(
-            rank=self.rank,
-            stream=self.stream,
-            path=self.path,
-            last_step=self.last_step,
-            last_write=self.mtime_ns / 1e9 if self.mtime_ns >= 0 else None,
-            size=self.size,
-            steps=self.steps,
-            times=self.times,
-            last_row=_decoded(self.last_row),
-        )
-        # spool mode: exprd writes the shard, the sidecar names the training process as origin
-        spool = meta.get("source") == "spool"
-        host = meta.get("origin_host" if spool else "host")
-        pid = meta.get("origin_pid" if spool else "pid")
-        out.host = host if isinstance(host, str) else None
-        out.pid = pid if type(pid) is int and pid > 0 else None
-        out.world_size = _int(meta.get("world_size"))
-        out.local_rank = _int(meta.get("local_rank"), zero=True)
-        out.local_world_size = _int(meta.get("local_world_size"))
-        session = meta.get("session")
-        out.session = session if isinstance(session, str) else None
-        out.start_time = _num(meta.get("start_time"))
-        out.end_time = _num(meta.get("end_time"))
-        ex = meta.get("exit")
-        out.exit = dict(ex) if isinstance(ex, Mapping) else None
-        status = meta.get("status")
-        out.status = status if status in STATUSES else "running"
-        if out.status == "crashed":
-            out.status_reason = "exception" if out.exit else "crashed"
-        return out
 
 
 def _int(value: Any, zero: bool = False) -> int | None:
@@ -551,17 +248,17 @@ class RunReader:
         self.stream = stream
         self.window = window
         self.series = series
-        self._tails: dict[int, _ShardTail] = {}
+        self._tails: dict[int, ShardTail] = {}
         self._here = socket.gethostname()
         self.names: list[str] = []  # the run directory's entries at the last pass
         self._parsed: dict[str, Any] = {}  # entry name -> (rank, Path) | None
         # what the last pass derived, kept for the tails that did not change
-        self._seen: dict[int, tuple[_ShardTail, int]] = {}  # shard rank -> (tail, version)
+        self._seen: dict[int, tuple[ShardTail, int]] = {}  # shard rank -> (tail, version)
         self._states: dict[int, RankState] = {}  # shard rank -> RankState (no pid check)
         self._local: dict[int, set[int]] = {}  # pid -> shard ranks it writes on this host
         self._gone: dict[int, tuple[RankState, RankState]] = {}  # shard rank -> (base, crashed)
         self._keys: dict[int, frozenset[int]] = {}  # shard rank -> the `_rank`s it holds
-        self._owners: dict[int, dict[int, _ShardTail]] = {}  # `_rank` -> shards holding it
+        self._owners: dict[int, dict[int, ShardTail]] = {}  # `_rank` -> shards holding it
         self._records: dict[int, list[dict[str, Any]]] = {}
         # how many shards (sidecars) and `_rank`s (latest record) name each world size:
         # `RunState.world_size` without a look at every rank
@@ -624,14 +321,14 @@ class RunReader:
                 del tails[rank]
             for rank, path in found.items():
                 if rank not in tails:
-                    tails[rank] = _ShardTail(path, rank, self.stream, self.window, self.series)
+                    tails[rank] = ShardTail(path, rank, self.stream, self.window, self.series)
         live = []
         # never read: a whole tail each (none on a quiet pass: no shard appeared)
         fresh = [t for t in tails.values() if t.ino is None] if full else []
         if len(fresh) >= _FORK_MIN:
             from expr_tracker.stats.parallel import map_forked
 
-            for t in map_forked(_refresh, fresh):
+            for t in map_forked(refresh_all, fresh):
                 tails[t.rank] = t  # a copy, from a worker process
                 if t.ok:
                     live.append(t)
@@ -639,7 +336,7 @@ class RunReader:
             rest = [t for r, t in tails.items() if r not in fresh_ranks]
         else:
             rest = list(tails.values())
-        live.extend(t for t in _refresh(rest, full) if t.ok)
+        live.extend(t for t in refresh_all(rest, full) if t.ok)
         changed = self._update(live)
         self.shards_read = sum(tails[r].read_now for r in changed if r in tails)
         self.sidecars_read = sum(tails[r].side_read_now for r in changed if r in tails)
@@ -666,7 +363,7 @@ class RunReader:
         state.__dict__["world_size"] = max(sizes) if sizes else None  # (the cached property)
         return state
 
-    def _update(self, live: list[_ShardTail]) -> list[int]:
+    def _update(self, live: list[ShardTail]) -> list[int]:
         """Bring the derived state up to date with this pass's tails; returns the shard
         ranks that changed (were read again, appeared, or went)."""
         seen, keys, owners = self._seen, self._keys, self._owners
@@ -695,7 +392,7 @@ class RunReader:
                 owners.setdefault(k, {})[r] = t
             dirty |= keys.get(r, frozenset()) | mine
             keys[r] = mine
-            rs = t.base_state()
+            rs = _rank_state(t)
             old = self._states.get(r)
             added = added or old is None
             self._unlocal(old)
@@ -751,7 +448,7 @@ def _logged_size(recs: list[dict[str, Any]] | None) -> int | None:
     return ws if type(ws) is int and ws > 0 else None
 
 
-def _merge_records(rank: int, tails: list[_ShardTail], window: int) -> list[dict[str, Any]]:
+def _merge_records(rank: int, tails: list[ShardTail], window: int) -> list[dict[str, Any]]:
     """The rank records of `rank` in `tails` (in shard order); when several shards name
     it, its latest `window` records by step."""
     if len(tails) == 1:
@@ -763,7 +460,7 @@ def _merge_records(rank: int, tails: list[_ShardTail], window: int) -> list[dict
     return list(mine)
 
 
-def _merge_series(rank: int, tails: list[_ShardTail], window: int) -> tuple[
+def _merge_series(rank: int, tails: list[ShardTail], window: int) -> tuple[
         list[dict[str, Any]], Sequence[float]]:
     """`_merge_records` for compact tails: one record (the latest value of each key; the
     shard with the latest step wins) and the series values. Shared with the tails, which
@@ -781,7 +478,7 @@ def _merge_series(rank: int, tails: list[_ShardTail], window: int) -> tuple[
         pairs = sorted((p for s in parts for p in zip(s.steps, s.values, strict=True)),
                        key=lambda p: p[0])
         vals = array("d", (v for _, v in pairs[-window:]))
-    return [_decoded(rec) or rec], vals
+    return [decoded(rec) or rec], vals
 
 
 def _step_of(rec: Mapping[str, Any]) -> int:
@@ -789,8 +486,8 @@ def _step_of(rec: Mapping[str, Any]) -> int:
     return step if type(step) is int else -1
 
 
-def _refresh(tails: list[_ShardTail], sidecars: bool = True) -> list[_ShardTail]:
-    """Refresh each tail (see `_ShardTail.refresh`; `ok` says how it went); run in worker
+def _refresh(tails: list[ShardTail], sidecars: bool = True) -> list[ShardTail]:
+    """Refresh each tail (see `ShardTail.refresh`; `ok` says how it went); run in worker
     processes too. No (ok, tail) pairs: 16,384 tuples alive through a pass would be
     promoted by the garbage collector and bring on a full collection every few passes."""
     for t in tails:
