@@ -3,8 +3,12 @@
 Watched runs: every run whose rank-0 shard this exprd writes (spool mode), and, with
 `watch_roots = [...]`, every live run under those roots whose rank-0 sidecar names this
 host (direct mode on a shared filesystem: one watcher per run, no coordination needed
-beyond `incidents.jsonl`'s lock). `tick()` runs one `Watcher.check()` per run at most
-once per `HEALTH_INTERVAL`; the daemon loop calls it and wakes for `next_due`.
+beyond `incidents.jsonl`'s lock). `tick()` runs one `Watcher.check()` per run when it is
+due; the daemon loop calls it and wakes for `next_due`. A run's next pass is due
+max(`HEALTH_INTERVAL`, `PACE` x its last pass's duration) after that pass ended, so
+watching takes at most about 1/(1 + PACE) of a core whatever the run's size: a 16,384-rank
+run whose passes take 0.15 s is still checked every 1.5 s, and a first pass of several
+seconds is followed by a pause ten times as long instead of a busy core.
 A run stops being watched `LINGER` seconds after its rank-0 writer is done.
 """
 
@@ -23,7 +27,8 @@ from expr_tracker.health.watch import Watcher
 from expr_tracker.store.cursor import read_sidecar
 
 log = logging.getLogger("exprd")
-HEALTH_INTERVAL = 1.0  # seconds between passes over one run
+HEALTH_INTERVAL = 1.0  # seconds between passes over one run, at least
+PACE = 10.0  # ... and at least this many times the last pass's duration
 LINGER = 60.0  # keep watching a run this long after its rank-0 writer finished or crashed
 ROOT_SCAN = 10.0  # seconds between scans of watch_roots for new runs
 
@@ -39,7 +44,9 @@ class DaemonHealth:
         self.interval = interval
         self.watchers: dict[tuple[Path, str | None], Watcher] = {}
         self._until: dict[tuple[Path, str | None], float] = {}  # key -> stop watching after
-        self._next = 0.0
+        self._due: dict[tuple[Path, str | None], float] = {}  # key -> its next pass (monotonic)
+        self.last_pass: dict[tuple[Path, str | None], float] = {}  # key -> seconds it took
+        self._next = 0.0  # the next look for new runs (spool tails, watch_roots)
         self._next_scan = 0.0
         self._here = socket.gethostname()
         self._warned: set[str] = set()
@@ -49,7 +56,10 @@ class DaemonHealth:
         """When (monotonic) `tick` has work; inf when nothing is watched."""
         if not self.watchers and not self.watch_roots:
             return float("inf")
-        return self._next
+        return self._soonest()
+
+    def _soonest(self) -> float:
+        return min(self._next, *self._due.values()) if self._due else self._next
 
     def _watch(self, run_dir: Path, stream: str | None, until: float) -> None:
         key = (run_dir, stream)
@@ -79,23 +89,28 @@ class DaemonHealth:
                 self._watch(side.parent, None, now + LINGER)
 
     def tick(self, now: float, tails: Iterable[Any] = ()) -> int:
-        """One pass over the watched runs if due; returns the incidents recorded."""
-        if now < self._next:
+        """A pass over each watched run that is due; returns the incidents recorded."""
+        if now < self._soonest():  # (not `next_due`: new spool runs are looked for too)
             return 0
-        self._next = now + self.interval
-        self._from_tails(tails, now)
-        if self.watch_roots and now >= self._next_scan:
-            self._next_scan = now + ROOT_SCAN
-            self._from_roots(now)
+        if now >= self._next:
+            self._next = now + self.interval
+            self._from_tails(tails, now)
+            if self.watch_roots and now >= self._next_scan:
+                self._next_scan = now + ROOT_SCAN
+                self._from_roots(now)
         recorded = 0
-        wall = time.time()
         for key, watcher in list(self.watchers.items()):
             if now > self._until.get(key, 0.0) or not os.path.isdir(key[0]):
                 del self.watchers[key]
                 self._until.pop(key, None)
+                self._due.pop(key, None)
+                self.last_pass.pop(key, None)
                 continue
+            if now < self._due.get(key, 0.0):
+                continue
+            start = time.monotonic()
             try:
-                for inc in watcher.check(wall):
+                for inc in watcher.check(time.time()):
                     recorded += 1
                     log.warning("health %s: %s %s ranks %s: %s", key[0], inc.state, inc.kind,
                                 ",".join(map(str, inc.ranks)), inc.detail)
@@ -104,4 +119,7 @@ class DaemonHealth:
                 if cause not in self._warned:
                     self._warned.add(cause)
                     log.error("health check of %s failed: %r", key[0], exc)
+            end = time.monotonic()
+            took = self.last_pass[key] = end - start
+            self._due[key] = end + max(self.interval, PACE * took)
         return recorded

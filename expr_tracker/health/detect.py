@@ -5,6 +5,13 @@ wrong now, rank by rank. `Memory` carries what one pass cannot see: each rank's 
 step-time window (slowdown) and which ranks were firing (so straggler and slowdown
 resolve only once their window is back under the ratio, not at the first fast step).
 Turning findings into incidents is `incidents.plan`.
+
+A watcher of 16,384 ranks runs them every second or so, and most ranks' windows did not
+change since the last pass: `Memory` also keeps, per rank, what the detectors derive from
+its window (medians, extremes, window means), rebuilt only when the window is a new
+object (a `RunReader` replaces a window that changed, never changes it in place). What
+depends on wall time (hang) or on every rank (the ranks' median) is computed each pass
+from those, with list comprehensions and one sort at most.
 """
 
 from __future__ import annotations
@@ -48,6 +55,25 @@ class Memory:
 
     best: dict[int, float] = field(default_factory=dict)  # rank (or JOB) -> best window mean
     firing: dict[str, set[int]] = field(default_factory=dict)  # kind -> ranks firing
+    derived: dict[int, _Derived] = field(default_factory=dict, repr=False)  # rank -> its window's
+    derived_for: tuple[Any, ...] = ()  # the settings `derived` was computed with
+
+
+class _Derived:
+    """What the detectors need of one rank's step times, and the window they came from."""
+
+    __slots__ = ("count", "median", "series", "slow", "steps", "strag", "times")
+
+    def __init__(self, series: Any, steps: Any, times: Any, vals: list[float], n_strag: int,
+                 n_slow: int) -> None:
+        self.series, self.steps, self.times = series, steps, times  # identity: the cache key
+        self.count = len(vals)
+        self.median = median(vals) if vals else 0.0
+        last = vals[-n_strag:]
+        # (median, min, max) of the straggler window: all >= limit is min >= limit
+        self.strag = (median(last), min(last), max(last)) if len(vals) >= n_strag else None
+        means = _window_means(vals, n_slow)
+        self.slow = (min(means), means[-1]) if means else None  # (best, current) window mean
 
 
 def _number(v: Any) -> float | None:
@@ -64,25 +90,55 @@ def step_times(state: RunState, key: str = "step_time") -> dict[int, list[float]
     """
     out: dict[int, list[float]] = {}
     series = state.series if state.series_key == key else None
-    inf = math.inf
     for rank, rs in state.ranks.items():
-        if series is not None:
-            logged = [v for v in series.get(rank, ()) if 0.0 <= v < inf]  # NaN: not a number
-        else:
-            logged = [v for rec in state.rank_records.get(rank, ())
-                      if (v := _number(rec.get(key))) is not None]
-        if logged:
-            out[rank] = logged
-            continue
-        steps, times = rs.steps, rs.times
-        gaps = []
-        for i in range(1, len(steps)):
-            s0, s1, t0, t1 = steps[i - 1], steps[i], times[i - 1], times[i]
-            if s1 > s0 and t1 >= t0:
-                gaps.append((t1 - t0) / (s1 - s0))
-        if gaps:
-            out[rank] = gaps
+        vals = _rank_times(state, rank, rs.steps, rs.times, series, key)
+        if vals:
+            out[rank] = vals
     return out
+
+
+def _rank_times(state: RunState, rank: int, steps: Sequence[int], times: Sequence[float],
+                series: Mapping[int, Sequence[float]] | None, key: str) -> list[float]:
+    """One rank's step durations (see `step_times`)."""
+    if series is not None:
+        inf = math.inf
+        logged = [v for v in series.get(rank, ()) if 0.0 <= v < inf]  # NaN: not a number
+    else:
+        logged = [v for rec in state.rank_records.get(rank, ())
+                  if (v := _number(rec.get(key))) is not None]
+    if logged:
+        return logged
+    gaps = []
+    for i in range(1, len(steps)):
+        s0, s1, t0, t1 = steps[i - 1], steps[i], times[i - 1], times[i]
+        if s1 > s0 and t1 >= t0:
+            gaps.append((t1 - t0) / (s1 - s0))
+    return gaps
+
+
+def _derive(state: RunState, cfg: HealthConfig, memory: Memory) -> dict[int, _Derived]:
+    """Per rank with step times, its `_Derived`: from `memory` when its window is the one
+    of the last pass, else computed again (and its best slowdown window updated)."""
+    key = cfg.step_time_key
+    settings = (key, cfg.straggler_steps, cfg.slowdown_steps)
+    if memory.derived_for != settings:
+        memory.derived, memory.derived_for = {}, settings
+    cache = memory.derived
+    series = state.series if state.series_key == key else None
+    fresh: dict[int, _Derived] = {}
+    best = memory.best
+    for rank, rs in state.ranks.items():
+        mine = series.get(rank) if series is not None else state.rank_records.get(rank)
+        d = cache.get(rank)
+        if d is None or d.series is not mine or d.steps is not rs.steps or d.times is not rs.times:
+            vals = _rank_times(state, rank, rs.steps, rs.times, series, key)
+            d = _Derived(mine, rs.steps, rs.times, vals, cfg.straggler_steps, cfg.slowdown_steps)
+            if d.slow is not None:
+                b = d.slow[0]
+                best[rank] = min(b, best.get(rank, b))
+        fresh[rank] = d
+    memory.derived = fresh
+    return {r: d for r, d in fresh.items() if d.count}
 
 
 def _hysteresis(memory: Memory, kind: str, rank: int, fire: bool, clear: bool) -> bool:
@@ -95,28 +151,31 @@ def _hysteresis(memory: Memory, kind: str, rank: int, fire: bool, clear: bool) -
     return rank in now_firing
 
 
-def _stragglers(state: RunState, times: Mapping[int, list[float]], cfg: HealthConfig,
+def _stragglers(state: RunState, derived: Mapping[int, _Derived], cfg: HealthConfig,
                 memory: Memory) -> list[Finding]:
     n = cfg.straggler_steps
-    recent = {r: v[-n:] for r, v in times.items() if len(v) >= n}
+    recent = {r: d.strag for r, d in derived.items() if d.strag is not None}
     if len(recent) < 2:
         return []
-    ref = median(median(v) for v in recent.values())
+    ref = median(v[0] for v in recent.values())
     if ref <= 0:
         return []
     limit = cfg.straggler_ratio * ref
+    # only ranks firing already or slow now can be (or stop being) stragglers
+    firing = memory.firing.setdefault("straggler", set())
+    maybe = {r for r, v in recent.items() if v[1] >= limit}
+    maybe.update(r for r in firing if r in recent)
     out = []
-    for rank, vals in sorted(recent.items()):
+    for rank in sorted(maybe):
         rs = state.ranks.get(rank)
         if rs is None or not rs.live:
-            memory.firing.get("straggler", set()).discard(rank)
+            firing.discard(rank)
             continue
-        slow = all(v >= limit for v in vals)
-        fast = all(v < limit for v in vals)
-        if _hysteresis(memory, "straggler", rank, slow, fast):
+        med, lo, hi = recent[rank]
+        if _hysteresis(memory, "straggler", rank, lo >= limit, hi < limit):
             out.append(Finding(
                 "straggler", (rank,),
-                f"rank {rank} step time {median(vals):.3g}s is {median(vals) / ref:.2f}x the ranks' "
+                f"rank {rank} step time {med:.3g}s is {med / ref:.2f}x the ranks' "
                 f"median {ref:.3g}s over its last {n} steps",
                 rs.last_step, rs.host, LEVELS["straggler"]))
     return out
@@ -134,18 +193,12 @@ def _window_means(vals: Sequence[float], n: int) -> list[float]:
     return out
 
 
-def _slowdowns(state: RunState, times: Mapping[int, list[float]], cfg: HealthConfig,
+def _slowdowns(state: RunState, derived: Mapping[int, _Derived], cfg: HealthConfig,
                memory: Memory) -> list[Finding]:
     n = cfg.slowdown_steps
-    current: dict[int, float] = {}
-    for rank, vals in times.items():
-        means = _window_means(vals, n)
-        if not means:
-            continue
-        best = min(means)
-        memory.best[rank] = min(best, memory.best.get(rank, best))
-        current[rank] = means[-1]
-    live = [r for r in current if state.ranks[r].live]
+    current = {r: d.slow[1] for r, d in derived.items() if d.slow is not None}
+    ranks = state.ranks
+    live = [r for r in current if ranks[r].status == "running"]  # (`RankState.live`)
     if not live:
         return []
     job_now = median(current[r] for r in live)
@@ -155,26 +208,30 @@ def _slowdowns(state: RunState, times: Mapping[int, list[float]], cfg: HealthCon
     ratio = job_now / job_best if job_best > 0 else 0.0
     slower = ratio >= cfg.slowdown_ratio and job_now - job_best >= SLOWDOWN_MIN_SECONDS
     if _hysteresis(memory, "slowdown", JOB, slower, not slower):
-        ranks = tuple(sorted(live))
-        hosts = sorted({h for r in ranks if (h := state.ranks[r].host)})
-        step = max((s for r in ranks if (s := state.ranks[r].last_step) is not None), default=None)
+        ranks_now = tuple(sorted(live))
+        hosts = sorted({h for r in ranks_now if (h := ranks[r].host)})
+        step = max((s for r in ranks_now if (s := ranks[r].last_step) is not None), default=None)
         return [Finding(
-            "slowdown", ranks,
+            "slowdown", ranks_now,
             f"the whole job runs {ratio:.2f}x slower than its best {n}-step window "
             f"({job_now:.3g}s vs {memory.best[JOB]:.3g}s per step)",
             step, hosts[0] if len(hosts) == 1 else None, LEVELS["slowdown"], group=False)]
+    # a live rank fires exactly while it is slower than its best window (no hysteresis)
+    best, limit = memory.best, cfg.slowdown_ratio
+    slow_now = [r for r in live if (current[r] / best[r] if best[r] > 0 else 0.0) >= limit
+                and current[r] - best[r] >= SLOWDOWN_MIN_SECONDS]
+    firing = memory.firing.setdefault("slowdown", set())
+    firing.difference_update(live)
+    firing.update(slow_now)
     out = []
-    for rank in sorted(live):
-        best = memory.best[rank]
-        r_ratio = current[rank] / best if best > 0 else 0.0
-        slower = r_ratio >= cfg.slowdown_ratio and current[rank] - best >= SLOWDOWN_MIN_SECONDS
-        if _hysteresis(memory, "slowdown", rank, slower, not slower):
-            rs = state.ranks[rank]
-            out.append(Finding(
-                "slowdown", (rank,),
-                f"rank {rank} runs {r_ratio:.2f}x slower than its best {n}-step window "
-                f"({current[rank]:.3g}s vs {best:.3g}s per step)",
-                rs.last_step, rs.host, LEVELS["slowdown"]))
+    for rank in sorted(slow_now):
+        rs, b = ranks[rank], best[rank]
+        r_ratio = current[rank] / b if b > 0 else 0.0
+        out.append(Finding(
+            "slowdown", (rank,),
+            f"rank {rank} runs {r_ratio:.2f}x slower than its best {n}-step window "
+            f"({current[rank]:.3g}s vs {b:.3g}s per step)",
+            rs.last_step, rs.host, LEVELS["slowdown"]))
     return out
 
 
@@ -185,6 +242,10 @@ def median_period(times: Mapping[int, list[float]]) -> float | None:
 
 
 def _hangs(state: RunState, threshold: float, now: float) -> list[Finding]:
+    # most passes find no live rank silent that long: one comprehension, no sort
+    oldest = min([w for rs in state.live if (w := rs.last_write) is not None], default=None)
+    if oldest is None or now - oldest < threshold:
+        return []
     # "another rank advanced": some rank wrote later and reached a later step. The ranks
     # sorted by last write, with the largest step of those written at or after each, answer
     # that for every silent rank with one bisection (all pairs would be 268M at 16,384).
@@ -215,10 +276,13 @@ def _hangs(state: RunState, threshold: float, now: float) -> list[Finding]:
 
 def _behind(state: RunState, cfg: HealthConfig) -> list[Finding]:
     lead = state.lead
+    if lead is None:
+        return []
+    short = lead - max(cfg.behind_steps, 0)  # a step at or below it is behind_steps short
     out = []
-    for rs in state.live:
+    for rs in [rs for rs in state.live if rs.last_step is not None and rs.last_step <= short]:
         gap = state.behind(rs.rank)
-        if lead is not None and gap is not None and gap >= cfg.behind_steps:
+        if gap is not None and gap >= cfg.behind_steps:
             out.append(Finding(
                 "behind", (rs.rank,), f"rank {rs.rank} is at step {rs.last_step}, {gap} steps behind {lead}",
                 rs.last_step, rs.host, LEVELS["behind"]))
@@ -227,9 +291,7 @@ def _behind(state: RunState, cfg: HealthConfig) -> list[Finding]:
 
 def _crashed(state: RunState) -> list[Finding]:
     out = []
-    for rs in state.ranks.values():
-        if rs.status != "crashed":
-            continue
+    for rs in [rs for rs in state.ranks.values() if rs.status == "crashed"]:
         why = rs.status_reason or "crashed"
         if rs.exit:
             why = f"{rs.exit.get('type', 'exception')}: {rs.exit.get('message', '')}".rstrip(": ")
@@ -242,12 +304,12 @@ def _crashed(state: RunState) -> list[Finding]:
 
 
 def _missing(state: RunState, cfg: HealthConfig, now: float) -> list[Finding]:
-    world = state.world_size
-    starts = [t for rs in state.ranks.values() if (t := rs.start_time or rs.last_write) is not None]
-    if not world or not starts or now - min(starts) < cfg.missing_after:
+    world, ranks = state.world_size, state.ranks
+    if not world or (len(ranks) >= world and max(ranks) < world):  # every rank has a shard
         return []
-    gone = tuple(r for r in range(world) if r not in state.ranks)
-    if not gone:
+    gone = tuple(r for r in range(world) if r not in ranks)
+    starts = [t for rs in ranks.values() if (t := rs.start_time or rs.last_write) is not None]
+    if not gone or not starts or now - min(starts) < cfg.missing_after:
         return []
     return [Finding("missing", gone,
                     f"{len(gone)} of {world} ranks never wrote a shard within "
@@ -280,12 +342,13 @@ def detect(
     now: float,
 ) -> list[Finding]:
     """Every finding of one pass. `suppressed`: the latest suppressed alert line per (rank, rule)."""
-    times = step_times(state, cfg.step_time_key)
+    derived = _derive(state, cfg, memory)
+    period = median([d.median for d in derived.values()]) if derived else None
     return [
         *_crashed(state),
-        *_hangs(state, cfg.hang_threshold(median_period(times)), now),
-        *_stragglers(state, times, cfg, memory),
-        *_slowdowns(state, times, cfg, memory),
+        *_hangs(state, cfg.hang_threshold(period), now),
+        *_stragglers(state, derived, cfg, memory),
+        *_slowdowns(state, derived, cfg, memory),
         *_behind(state, cfg),
         *_missing(state, cfg, now),
         *_alerts(state, suppressed),

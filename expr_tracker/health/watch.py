@@ -154,10 +154,8 @@ class Watcher:
         return sorted(self.log.open.values(), key=lambda i: (i.first_seen, i.kind, i.ranks))
 
     def _read_alerts(self) -> None:
-        try:
-            names = [e.name for e in os.scandir(self.run_dir) if _ALERTS_RE.match(e.name)]
-        except OSError:
-            return
+        # the reader listed the run directory this pass (or knows it did not change)
+        names = [n for n in self.reader.names if n.startswith("alerts") and _ALERTS_RE.match(n)]
         for name in names:
             tail = self._alerts.get(name)
             if tail is None:

@@ -1,0 +1,324 @@
+"""One shard's tail, read again and again (DESIGN 13, 14): what `health.state` builds on.
+
+A `ShardTail` keeps a shard's read offset, its identity (size, mtime, inode, and its
+sidecar's), and the recent rows of a bounded window: the last `window` step rows as
+arrays of (step, _time), and of the rank records either the last `window` per `_rank`
+or, with a series key, that key's values and the latest value of each key (`Series`).
+`refresh()` costs a `stat` of the shard (and of its sidecar) when nothing changed, reads
+only the complete lines appended since the last pass, and reads the tail again after a
+truncation, a replacement or a jump of more than `MAX_CATCHUP` bytes.
+
+Nothing here writes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from array import array
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from expr_tracker.store import records
+from expr_tracker.store.cursor import read_sidecar
+
+MAX_CATCHUP = 4 << 20  # bytes read forward per shard and pass; beyond it, re-read the tail
+MAX_TAIL_LINES = 100_000  # records parsed by one tail read
+TAIL_BLOCK = 16 << 10  # reverse-read block: a few dozen lines, not the 256 KiB of a full read
+_MIN_STEP, _MAX_STEP = -(1 << 63), (1 << 63) - 1  # steps an array("q") holds
+
+
+class Series:
+    """One rank's rank records in a compact tail (`RunReader(series=KEY)`): the steps and
+    KEY's values of its last `window` records (NaN where a record has no number), and the
+    latest value of every key. Arrays, not records: 16,384 ranks of 64 records cost a few
+    MB instead of the ~1 GB of parsed records (DESIGN 14)."""
+
+    __slots__ = ("latest", "steps", "values")
+
+    def __init__(self) -> None:
+        self.steps: array[int] = array("q")
+        self.values: array[float] = array("d")
+        self.latest: dict[str, Any] = {}
+
+
+def _pushed(arr: array[Any], more: array[Any], window: int) -> array[Any]:
+    """`arr` then `more`, the last `window` items, as a new array: a RunState handed out
+    earlier shares the old one, so it is never changed in place."""
+    out = arr + more
+    if len(out) > window:
+        del out[: len(out) - window]
+    return out
+
+
+def _series_value(v: Any) -> float:
+    """A record's value as a float for a series (NaN when it is not a number)."""
+    if v.__class__ is float:
+        return v
+    if v.__class__ is int:
+        try:
+            return float(v)
+        except OverflowError:
+            return math.nan
+    if v.__class__ is str:
+        return records.DECODE_NONFINITE.get(v, math.nan)
+    return math.nan
+
+
+def decoded(rec: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`rec` with non-finite values written as text ("NaN", "Infinity") turned back into
+    floats, as `records.loads` does (the bulk parse below skips that per line)."""
+    if rec is None or str not in set(map(type, rec.values())):  # (in C: most records)
+        return rec
+    bad = [k for k, v in rec.items() if v.__class__ is str and k[:1] != "_" and v in records.DECODE_NONFINITE]
+    if not bad:
+        return rec
+    out = dict(rec)
+    for k in bad:
+        out[k] = records.DECODE_NONFINITE[out[k]]
+    return out
+
+
+def _parse_lines(data: bytes) -> list[dict[str, Any]]:
+    """The records of `data` (whole lines, each ending in a newline), in file order; lines
+    that are not a JSON object are skipped. The lines are parsed as one JSON array, in C,
+    as `stats.scan` does; line by line only when that fails (a torn or foreign line)."""
+    if not data:
+        return []
+    recs = records.loads_block(data)
+    if recs is not None:
+        return recs
+    out = []
+    for _, line in records.iter_lines(data):
+        if line.strip():
+            try:
+                out.append(records.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
+class ShardTail:
+    """What a reader keeps of one shard between passes: offsets and bounded recent rows."""
+
+    def __init__(self, path: Path, rank: int, stream: str | None, window: int,
+                 series: str | None = None) -> None:
+        self.path = path
+        self.rank = rank
+        self.stream = stream
+        self.window = window
+        self.series_key = series
+        self.offset = 0  # end of the last complete line read
+        self.ino: int | None = None
+        self.mtime_ns = -1
+        self.size = 0
+        # the step rows' (step, _time), oldest first, at most `window`
+        self.steps: array[int] = array("q")
+        self.times: array[float] = array("d")
+        self.last_step: int | None = None
+        self.last_row: dict[str, Any] | None = None
+        self.rank_recs: dict[int, deque[dict[str, Any]]] = {}  # by `_rank` (no series key)
+        self.series: dict[int, Series] = {}  # by `_rank` (with a series key)
+        self.sidecar: dict[str, Any] | None = None
+        self.sidecar_stat: tuple[int, int, int] | None = None  # (mtime_ns, size, inode)
+        # plain strings: a pass stats every shard and sidecar, and a Path costs a conversion
+        self._shard_name = os.fspath(path)
+        self._side_name = self._shard_name[: -len(".jsonl")] + ".meta.json"
+        self.version = 0  # bumped whenever the shard or its sidecar is read again
+        self.ok = False  # the last refresh found the shard (and could read it)
+        self.read_now = False  # the last refresh read shard data ...
+        self.side_read_now = False  # ... or the sidecar
+
+    # -- records -----------------------------------------------------------
+    def _take(self, recs: list[dict[str, Any]]) -> None:
+        """Add records read forward (oldest first). One loop sorts them, then each kind
+        is added in bulk, its last `window` only: a first read takes ~130 records per
+        shard, and at 16,384 shards a method call per record would be most of the pass."""
+        rank, window = self.rank, self.window
+        row_steps: list[int] = []
+        row_times: list[float] = []
+        last_row = None
+        top = self.last_step
+        by_rank: dict[int, list[dict[str, Any]]] = {}
+        for rec in recs:
+            step = rec.get("_step")
+            if step.__class__ is not int or not _MIN_STEP <= step <= _MAX_STEP:
+                continue
+            kind = rec.get("_kind")
+            if kind is None:
+                t = rec.get("_time")
+                if t.__class__ is float or t.__class__ is int:
+                    row_steps.append(step)
+                    row_times.append(t)
+                last_row = rec
+            elif kind == "rank":
+                r = rec.get("_rank")
+                if r.__class__ is not int or r < 0:
+                    continue
+                group = by_rank.get(r)
+                if group is None:
+                    by_rank[r] = [rec]
+                else:
+                    group.append(rec)
+                if r != rank:
+                    continue
+            else:
+                continue
+            if top is None or step > top:
+                top = step
+        self.last_step = top
+        if last_row is not None:
+            self.last_row = last_row
+        if row_steps:
+            try:
+                times = array("d", row_times[-window:])
+            except OverflowError:  # an int _time beyond a float
+                times = array("d", (_series_value(t) for t in row_times[-window:]))
+            self.steps = _pushed(self.steps, array("q", row_steps[-window:]), window)
+            self.times = _pushed(self.times, times, window)
+        for r, group in by_rank.items():
+            group = group[-window:]
+            if self.series_key is None:
+                q = self.rank_recs.get(r)
+                if q is None:
+                    q = self.rank_recs[r] = deque(maxlen=window)
+                q.extend(group)
+                continue
+            s = self.series.get(r)
+            if s is None:
+                s = self.series[r] = Series()
+            key = self.series_key
+            s.steps = _pushed(s.steps, array("q", [rec["_step"] for rec in group]), window)
+            s.values = _pushed(s.values, array("d", [_series_value(rec.get(key)) for rec in group]),
+                               window)
+            s.latest = latest = dict(s.latest)  # a new dict: see `_pushed`
+            for rec in group:
+                latest.update(rec)
+
+    def _reset(self) -> None:
+        self.offset = 0
+        self.steps = array("q")
+        self.times = array("d")
+        self.rank_recs.clear()
+        self.series.clear()
+        self.last_step = None
+        self.last_row = None
+
+    def _read_tail(self, end: int) -> None:
+        """Fill the window from the end of the file backwards (first pass, or a big jump).
+
+        Enough lines for `window` step rows (and the rank records of their steps), or for
+        `window` steps of rank records when the shard holds only those (an all-gathering
+        rank 0 writes world_size of them per step), and never more than MAX_TAIL_LINES.
+        Blocks are read backwards, growing, each parsed in one go.
+        """
+        self._reset()
+        got: list[dict[str, Any]] = []  # newest first
+        n_steps = 0
+        top: int | None = None  # the largest step seen
+        oldest: int | None = None  # the step of the window-th step row from the end
+        pos, block = end, TAIL_BLOCK
+        done = False
+        with open(self.path, "rb") as fh:
+            while pos > 0 and not done:
+                start = max(0, pos - block)
+                fh.seek(start)
+                data = fh.read(pos - start)
+                if start > 0:
+                    cut = data.find(b"\n") + 1  # the block's first line may be cut
+                    if cut == 0 or cut >= len(data):
+                        block *= 2  # not one whole line in the block: a longer block
+                        continue
+                    data, start = data[cut:], start + cut
+                for rec in reversed(_parse_lines(data)):
+                    step = rec.get("_step")
+                    if step.__class__ is not int:
+                        continue
+                    if top is None or step > top:
+                        top = step
+                    if oldest is not None and step < oldest:
+                        done = True
+                        break
+                    if rec.get("_kind") is None:
+                        n_steps += 1
+                        if n_steps >= self.window:
+                            oldest = step
+                    elif n_steps == 0 and step <= top - self.window:
+                        done = True
+                        break
+                    got.append(rec)
+                    if len(got) >= MAX_TAIL_LINES:
+                        done = True
+                        break
+                pos = start
+                block = min(2 * block, MAX_CATCHUP)
+        got.reverse()
+        self._take(got)
+        self.offset = end
+
+    def _read_forward(self, end: int) -> None:
+        with open(self.path, "rb") as fh:
+            for _, data in records.complete_blocks(fh, 1 << 20, self.offset):
+                self._take(_parse_lines(data))
+                self.offset += len(data)
+                if self.offset >= end:
+                    break
+
+    def refresh(self, sidecar: bool = True) -> bool:
+        """Read what changed since the last pass; False if the shard is gone. An unchanged
+        shard (size, mtime and inode as before) and sidecar cost two `stat`s, no read;
+        with `sidecar=False` (the reader knows no sidecar was replaced) the sidecar is
+        checked only when the shard changed."""
+        self.ok = self.read_now = self.side_read_now = False
+        try:
+            st = os.stat(self._shard_name)
+        except OSError:
+            return False
+        same = st.st_mtime_ns == self.mtime_ns and st.st_size == self.size and st.st_ino == self.ino
+        if (sidecar or not same) and self._refresh_sidecar():
+            self.version += 1
+        if same:
+            self.ok = True
+            return True
+        replaced = self.ino is not None and st.st_ino != self.ino
+        self.ino, self.mtime_ns, self.size = st.st_ino, st.st_mtime_ns, st.st_size
+        self.version += 1
+        self.read_now = True
+        try:
+            with open(self._shard_name, "rb") as fh:
+                end = records.complete_end(fh, TAIL_BLOCK)
+            if replaced or end < self.offset or end - self.offset > MAX_CATCHUP or self.offset == 0:
+                self._read_tail(end)
+            elif end > self.offset:
+                self._read_forward(end)
+        except OSError:
+            return False
+        self.ok = True
+        return True
+
+    def _refresh_sidecar(self) -> bool:
+        """Read the sidecar again if it changed (it is rewritten by a rename: a new inode);
+        True if it did."""
+        try:
+            st = os.stat(self._side_name)
+        except OSError:
+            changed = self.sidecar_stat is not None
+            self.sidecar, self.sidecar_stat = None, None
+            return changed
+        key = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if key == self.sidecar_stat:
+            return False
+        self.sidecar = read_sidecar(Path(self._side_name))
+        self.sidecar_stat = key
+        self.side_read_now = True
+        return True
+
+
+def refresh_all(tails: list[ShardTail], sidecars: bool = True) -> list[ShardTail]:
+    """Refresh each tail (see `ShardTail.refresh`; `ok` says how it went); run in worker
+    processes too. No (ok, tail) pairs: 16,384 tuples alive through a pass would be
+    promoted by the garbage collector and bring on a full collection every few passes."""
+    for t in tails:
+        t.refresh(sidecars)
+    return tails
