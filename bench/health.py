@@ -70,7 +70,7 @@ def _timed(fn: object) -> tuple[float, float]:
 def _touch(run: Path, ranks: list[int], step: int, world: int) -> None:
     """Append a step row and a rank record to these ranks' shards and rewrite their sidecars
     (temp file and rename, as writers do)."""
-    from expr_tracker.store.shard import write_atomic
+    from expr_tracker.store.cursor import write_atomic
 
     t = time.time()
     for r in ranks:

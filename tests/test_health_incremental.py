@@ -10,7 +10,7 @@ from pathlib import Path
 from expr_tracker.health.config import HealthConfig
 from expr_tracker.health.state import RunReader
 from expr_tracker.health.watch import Watcher
-from expr_tracker.store.shard import write_atomic
+from expr_tracker.store.cursor import write_atomic
 from tests.conftest import write_shard, write_sidecar
 
 RANKS = 12
