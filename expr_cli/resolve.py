@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from expr_tracker.ranks import compact as compact_ranks
 from expr_tracker.store.layout import default_dir, parse_shard_name, validate_stream
 
 from .errors import CLIError
@@ -171,20 +172,6 @@ def pick_shard(run: RunRef, stream: str | None, rank: int | None) -> ShardRef:
     raise CLIError(
         f"run {run.label} has no shard for rank {want} of stream {stream_label(stream)}; ranks: {ranks}"
     )
-
-
-def compact_ranks(ranks: list[int]) -> str:
-    """`[0, 1, 2, 3, 7]` -> `0-3,7`."""
-    out: list[str] = []
-    rs = sorted(set(ranks))
-    i = 0
-    while i < len(rs):
-        j = i
-        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
-            j += 1
-        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
-        i = j + 1
-    return ",".join(out) if out else "-"
 
 
 def parse_step_range(text: str | None) -> tuple[int | None, int | None] | None:

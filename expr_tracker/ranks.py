@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -54,3 +54,17 @@ def detect(env: Mapping[str, str] | None = None) -> RankInfo:
         # another): the rank names the shard; the world size is not known after all
         world = None
     return RankInfo(rank=rank, world_size=world, local_rank=local, local_world_size=local_world)
+
+
+def compact(ranks: Iterable[int]) -> str:
+    """Ranks as ranges for people: `[0, 1, 2, 3, 7]` -> `0-3,7` (`-` for none)."""
+    rs = sorted(set(ranks))
+    out: list[str] = []
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        i = j + 1
+    return ",".join(out) if out else "-"

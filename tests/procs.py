@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Mapping
+from typing import Any
 
 CLEAN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_JOB_ID",
          "SLURM_NTASKS", "SLURM_LOCALID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
@@ -40,3 +41,22 @@ def run_all(procs: list[subprocess.Popen], timeout: float = 60) -> list[str]:
         assert p.returncode == 0, f"rank process failed ({p.returncode}):\n{err}"
         outs.append(out)
     return outs
+
+
+def in_mount_namespace(code: str, timeout: float = 120) -> Any:
+    """Run `code` as root of a private mount namespace (`unshare -m`: a tmpfs it mounts is
+    its own); its last stdout line is JSON, returned parsed. Skips where there is none."""
+    import json
+
+    import pytest
+
+    try:
+        out = subprocess.run(["unshare", "-m", sys.executable, "-c", textwrap.dedent(code)],
+                             capture_output=True, text=True, timeout=timeout, env=env_for())
+    except FileNotFoundError:
+        pytest.skip("unshare is not installed")
+    if out.returncode != 0 and ("mount" in out.stderr or "unshare" in out.stderr) \
+            and not out.stdout:
+        pytest.skip(f"no private mount namespace here: {out.stderr.strip().splitlines()[-1]}")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -7,33 +7,16 @@ root cannot write past it either; the test skips where no namespace can be made.
 
 from __future__ import annotations
 
-import json
 import resource
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import orjson
-import pytest
 
 import expr_tracker as et
-from tests.procs import env_for
+from tests.procs import env_for, in_mount_namespace
 from tests.test_daemon import EXPRD, check_shard, lines_of, make_spool, sidecar, write_config
-
-
-def _in_namespace(code: str, timeout: float = 120) -> dict:
-    """Run `code` as root of a private mount namespace; its last stdout line is JSON."""
-    try:
-        out = subprocess.run(["unshare", "-m", sys.executable, "-c", textwrap.dedent(code)],
-                             capture_output=True, text=True, timeout=timeout, env=env_for())
-    except FileNotFoundError:
-        pytest.skip("unshare is not installed")
-    if out.returncode != 0 and ("mount" in out.stderr or "unshare" in out.stderr) \
-            and not out.stdout:
-        pytest.skip(f"no private mount namespace here: {out.stderr.strip().splitlines()[-1]}")
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_full_disk_blocks_keeps_the_checkpoint_behind_and_lands_every_row_once(
@@ -44,7 +27,7 @@ def test_full_disk_blocks_keeps_the_checkpoint_behind_and_lands_every_row_once(
     path = make_spool(spool, mnt, "full", n)
     cfg = write_config(tmp_path / "exprd.toml", spool, state, [mnt])
     log = tmp_path / "exprd.log"
-    result = _in_namespace(f"""
+    result = in_mount_namespace(f"""
         import atexit, json, os, signal, subprocess, sys, time
         EXPRD, cfg, state, mnt = {EXPRD!r}, {str(cfg)!r}, {str(state)!r}, {str(mnt)!r}
         shard = os.path.join(mnt, "proj", "full", "metrics.jsonl")

@@ -14,6 +14,8 @@ import pytest
 import expr_tracker as et
 from expr_tracker.errors import UsageError
 
+from .procs import in_mount_namespace
+
 
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch, tmp_path):
@@ -330,9 +332,6 @@ def test_readonly_filesystem_never_raises(tmp_path):
     private mount namespace (`unshare -m`), remounted writable mid-run. (A file that is
     already open keeps writing when its directory turns read-only; the open is what fails.)
     """
-    import json
-    import subprocess
-    import sys
 
     mnt = tmp_path / "mnt"
     mnt.mkdir()
@@ -354,15 +353,7 @@ rows = [json.loads(x)["x"] for x in open(run.shard_path)]
 print(json.dumps({{"warnings": [str(w.message) for w in caught], "buffered": buffered,
                   "rows": rows, "dropped": run.info()["dropped"]}}))
 """
-    try:
-        out = subprocess.run(["unshare", "-m", sys.executable, "-c", code],
-                             capture_output=True, text=True, timeout=60)
-    except FileNotFoundError:
-        pytest.skip("unshare is not installed")
-    if out.returncode != 0 and ("mount" in out.stderr or "unshare" in out.stderr):
-        pytest.skip(f"no private mount namespace here: {out.stderr.strip().splitlines()[-1]}")
-    assert out.returncode == 0, out.stderr
-    got = json.loads(out.stdout)
+    got = in_mount_namespace(code, timeout=60)
     ro = [w for w in got["warnings"] if "Read-only file system" in w]
     assert len(ro) == 1, got["warnings"]  # one warning per cause, not one per flush
     assert got["buffered"] > 0

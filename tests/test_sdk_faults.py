@@ -9,7 +9,7 @@ import pytest
 
 import expr_tracker as et
 
-from .procs import run_all, spawn
+from .procs import in_mount_namespace, run_all, spawn
 
 
 @pytest.fixture(autouse=True)
@@ -555,22 +555,12 @@ print(json.dumps({{"backlog": backlog, "rows": rows, "dropped": info["dropped"],
 
 
 def test_disk_full_keeps_the_rows_that_fit_when_space_returns(tmp_path):
-    import subprocess
-    import sys
 
     n, free = 60_000, 2 * 1024 * 1024
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     code = DISK_FULL.format(mnt=str(mnt), n=n, free=free)
-    try:
-        out = subprocess.run(["unshare", "-m", sys.executable, "-c", code],
-                             capture_output=True, text=True, timeout=120)
-    except FileNotFoundError:
-        pytest.skip("unshare is not installed")
-    if out.returncode != 0 and ("mount" in out.stderr or "unshare" in out.stderr):
-        pytest.skip(f"no private mount namespace here: {out.stderr.strip().splitlines()[-1]}")
-    assert out.returncode == 0, out.stderr
-    got = json.loads(out.stdout)
+    got = in_mount_namespace(code, timeout=120)
     line = len(json.dumps({"_step": 0, "_time": 1764410000.123456, "i": 0, "pad": "x" * 60}))
     assert got["backlog"] > free  # the backlog is larger than the space that came free
     kept = got["rows"]

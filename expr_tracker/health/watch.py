@@ -27,6 +27,7 @@ from expr_tracker.health.config import HealthConfig
 from expr_tracker.health.detect import Memory, detect
 from expr_tracker.health.incidents import Incident, plan
 from expr_tracker.health.state import DEFAULT_WINDOW, RunReader, RunState
+from expr_tracker.ranks import compact
 from expr_tracker.store import records
 
 if TYPE_CHECKING:
@@ -195,13 +196,13 @@ class Watcher:
         run = self.run_dir
         what = "resolved" if inc.state == "resolved" else inc.kind
         where = f" on {', '.join(inc.hosts)}" if inc.hosts and len(inc.hosts) <= 3 else ""
-        title = f"{what}: rank{'s' if len(inc.ranks) != 1 else ''} {_ranks(inc.ranks)}{where}"
+        title = f"{what}: rank{'s' if len(inc.ranks) != 1 else ''} {compact(inc.ranks)}{where}"
         try:
             alert = make_alert(
                 title=title if inc.state == "open" else f"recovered: {inc.kind} {title}",
                 text=inc.detail,
                 level=inc.level if inc.state == "open" else "info",
-                rule=f"health:{inc.kind}:{_ranks(inc.ranks)}",  # one dedup key per incident
+                rule=f"health:{inc.kind}:{compact(inc.ranks)}",  # one dedup key per incident
                 kind="fire" if inc.state == "open" else "recover",
                 step=inc.step, time=inc.last_seen, project=run.parent.name, run=run.name,
                 stream=self.reader.stream, rank=inc.ranks[0] if inc.ranks else 0,
@@ -210,19 +211,6 @@ class Watcher:
             return False
         outcome = self.dispatcher.submit(alert)
         return any(v == "queued" for v in outcome.values())
-
-
-def _ranks(ranks: tuple[int, ...]) -> str:
-    """`(0, 1, 2, 5)` -> `0-2,5`."""
-    out: list[str] = []
-    i = 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ",".join(out) or "-"
 
 
 def read_incidents(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
