@@ -178,7 +178,8 @@ def _fmt_robust(x: float | None) -> str:
     """The robust score; `MAD 0` when there is no spread to score against."""
     if x is None:
         return "MAD 0"
-    text = fmt_num(x, 3)
+    # a whole number past 100 (`+1970`, not `+1.97e3`): a score people read, not a float
+    text = f"{x:.0f}" if math.isfinite(x) and abs(x) >= 100 else fmt_num(x, 3)
     return "+" + text if x > 0 and math.isfinite(x) else text
 
 

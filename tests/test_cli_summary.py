@@ -157,3 +157,12 @@ def test_metric_logged_with_et_log_has_the_rank_record_json_shape(cli):
     # loss = 2/(s+1) + 0.01 r at step 39: every rank's step row
     assert math.isclose(item["stats"]["max"], 2 / 40 + 0.07)
     assert view["heatmap"]["key"] == "loss" and len(view["heatmap"]["cells"]) == WORLD
+
+
+def test_robust_scores_read_as_numbers() -> None:
+    """Issue 11: `+2.57e3` means nothing to a reader; large scores are whole numbers."""
+    from expr_cli.render_summary import _fmt_robust
+
+    assert _fmt_robust(2570.4) == "+2570"
+    assert _fmt_robust(-13.42) == "-13.4"
+    assert _fmt_robust(None) == "MAD 0"
