@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from expr_tracker.errors import TrackerError
+from expr_tracker.store.spoolfile import make_private_dirs
 
 from . import config as config_mod
 from . import retire
@@ -85,6 +86,11 @@ class Daemon:
         if not dry_run:
             # one exprd per state directory and per spool root: a second one exits 2
             self._lock_fd = hold(self.state, "the state directory")
+            if not replay and not self.spool.exists():
+                # a daemon waiting for the first run still leaves its heartbeat, so that
+                # run's init does not warn that no exprd is running (0700, as the SDK does)
+                make_private_dirs(self.spool)
+                log.info("created the spool root %s", self.spool)
             self.presence.claim()
         self.dispatcher = None if dry_run else build_dispatcher(cfg)
         self.tailer = Tailer(cfg, self.spool, self.state, dispatcher=self.dispatcher,

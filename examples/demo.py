@@ -51,10 +51,14 @@ def main() -> None:
         cmd.append("--allow-root")  # the demo may run as root in a container
     daemon = subprocess.Popen(cmd, env=env)
     try:
+        # ranks start once exprd's heartbeat is there (else init warns that none runs)
+        deadline = time.monotonic() + 15
+        while not (spool / ".exprd.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
         procs = [
             subprocess.Popen(
                 [sys.executable, str(HERE / "train.py"), "--steps", "120", "--nan-at", "90",
-                 "--slow-rank", "2"],
+                 "--slow-rank", "2", "--sleep", "0.04"],
                 env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
             )
             for r in range(RANKS)
@@ -79,6 +83,8 @@ def main() -> None:
     sh("expr", "history", "sft-1", "-n", "5")
     sh("expr", "summary", "sft-1", "--metric", "step_time", "--heatmap", "step_time")
     sh("expr", "alerts", "sft-1")
+    sh("expr", "query", "sft-1", "SELECT kind, ranks, state, detail FROM incidents")
+    sh("expr", "plot", "sft-1", "-m", "loss")
     sh("expr", "status", "--state", str(state))
     print(f"\neverything is in {base}; `rm -r {base}` when done")
 

@@ -21,6 +21,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--nan-at", type=int, default=-1, help="step at which rank 0's loss diverges")
     parser.add_argument("--slow-rank", type=int, default=-1, help="a straggler rank")
+    parser.add_argument("--sleep", type=float, default=0.001, help="seconds of 'work' per step")
     args = parser.parse_args()
 
     run = et.init(
@@ -42,7 +43,7 @@ def main() -> None:
             step=step,
             weight=4096.0,
         )
-        time.sleep(0.001)
+        time.sleep(args.sleep * (2.0 if run.rank == args.slow_rank else 1.0))
     et.finish()
 
 

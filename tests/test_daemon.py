@@ -9,6 +9,7 @@ import json
 import os
 import random
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -483,3 +484,25 @@ def test_signal_storm_never_deadlocks_and_sigterm_still_stops(tmp_path: Path) ->
     finally:
         code = stop(d)
     assert code == 0
+
+
+def test_exprd_started_before_any_run_creates_the_spool_root_and_beats(tmp_path: Path) -> None:
+    """The usual order (exprd first, training later): the first rank's init finds a
+    heartbeat and does not warn that no exprd runs."""
+    spool, state, root = tmp_path / "spool", tmp_path / "state", tmp_path / "runs"
+    d = start_exprd(write_config(tmp_path / "exprd.toml", spool, state, [root]))
+    try:
+        wait_ready(state, d)
+        wait_for(lambda: (spool / ".exprd.json").exists(), 10, "the heartbeat")
+        assert stat.S_IMODE(spool.stat().st_mode) == 0o700
+        code = ("import warnings, expr_tracker as et\n"
+                "with warnings.catch_warnings(record=True) as caught:\n"
+                "    warnings.simplefilter('always')\n"
+                f"    run = et.init('p', 'r', dir={str(root)!r}, upload_mode='spool', "
+                f"spool_dir={str(spool)!r})\n"
+                "    et.log({'x': 1.0}); et.finish()\n"
+                "print(len([w for w in caught if 'no exprd' in str(w.message)]))\n")
+        (out,) = run_all([spawn(code)])
+        assert out.strip() == "0"
+    finally:
+        assert stop(d) == 0
