@@ -478,6 +478,9 @@ def entry(argv: list[str] | None = None) -> int:
         log.addHandler(handler)
         log.setLevel(level)
         log.propagate = False
+    # httpx logs every request at INFO: one line per backend batch is noise, failures are
+    # reported by the backends themselves, once per cause
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLevelName(level)))
 
     def fail(message: str, code: int = 2) -> int:
         if report is not None:

@@ -105,3 +105,6 @@ def test_kill9_during_forwarding_leaves_every_event_once_by_key(
     assert recv.posts > len(recv.bodies)  # restarts did re-send batches
     assert any(journaled)
     assert not list((state / "batches").glob("*")), "journals outlived their spool files"
+    # one log line per batch would bury what matters: httpx's request lines stay out
+    log_text = (tmp_path / "exprd.log").read_text()
+    assert "exprd INFO ready" in log_text and "HTTP Request" not in log_text
