@@ -12,7 +12,18 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .layout import coverage_runs
-from .render import GLYPHS, MISSING, NONFINITE, SCALE, _show, _table, console, fmt_cell, fmt_num
+from .render import (
+    GLYPHS,
+    MISSING,
+    NONFINITE,
+    SCALE,
+    _show,
+    _table,
+    console,
+    fmt_cell,
+    fmt_num,
+    fmt_signed,
+)
 from .resolve import compact_ranks
 
 if TYPE_CHECKING:
@@ -179,8 +190,7 @@ def _fmt_robust(x: float | None) -> str:
     if x is None:
         return "MAD 0"
     # a whole number past 100 (`+1970`, not `+1.97e3`): a score people read, not a float
-    text = f"{x:.0f}" if math.isfinite(x) and abs(x) >= 100 else fmt_num(x, 3)
-    return "+" + text if x > 0 and math.isfinite(x) else text
+    return fmt_signed(round(x) if math.isfinite(x) and abs(x) >= 100 else x, 3)
 
 
 def _coverage(out: Console, rows: Sequence[Mapping[str, Any]], checked: Mapping[str, Any]) -> None:

@@ -334,12 +334,6 @@ def summary_command(
         render_summary.summary(view)
 
 
-def _ratio(text: str) -> float:
-    value = float(text)
-    if not value >= 0.0:
-        raise ValueError(text)
-    return value
-
 
 # `main` runs `expr summary` without typer when it can parse the arguments with these
 # (the root group checks that they match the typer options below)

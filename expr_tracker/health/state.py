@@ -486,14 +486,6 @@ def _step_of(rec: Mapping[str, Any]) -> int:
     return step if type(step) is int else -1
 
 
-def _refresh(tails: list[ShardTail], sidecars: bool = True) -> list[ShardTail]:
-    """Refresh each tail (see `ShardTail.refresh`; `ok` says how it went); run in worker
-    processes too. No (ok, tail) pairs: 16,384 tuples alive through a pass would be
-    promoted by the garbage collector and bring on a full collection every few passes."""
-    for t in tails:
-        t.refresh(sidecars)
-    return tails
-
 
 def read_run(
     run_dir: str | os.PathLike[str], stream: str | None = None, *, window: int = DEFAULT_WINDOW

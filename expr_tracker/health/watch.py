@@ -211,16 +211,3 @@ class Watcher:
             return False
         outcome = self.dispatcher.submit(alert)
         return any(v == "queued" for v in outcome.values())
-
-
-def read_incidents(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every line of `{run}/incidents.jsonl` (empty if none), for readers such as `expr top`."""
-    out: list[dict[str, Any]] = []
-    try:
-        data = (Path(run_dir) / INCIDENTS).read_bytes()
-    except OSError:
-        return out
-    for _, line in records.iter_lines(data):
-        with contextlib.suppress(ValueError):
-            out.append(records.loads(line))
-    return out

@@ -95,22 +95,6 @@ def scan_shard(paths: ShardPaths, rank: int | None = None) -> Cursor:
         os.close(fd)
 
 
-def iter_spool_events(path: Path) -> Iterator[dict[str, Any]]:
-    """Every parseable event of a spool file, in order (unparseable lines are skipped)."""
-    try:
-        fh = open(path, "rb")  # noqa: SIM115 - closed by the `with` below
-    except OSError:
-        return
-    with fh:
-        for _, data in records.complete_blocks(fh, 4 * _BLOCK):
-            for _, line in records.iter_lines(data):
-                try:
-                    ev = records.loads(line)
-                except ValueError:
-                    continue
-                if type(ev.get("_seq")) is int:
-                    yield ev
-
 
 def line_seq(line: bytes) -> int | None:
     m = SEQ_RE.search(line)
