@@ -136,7 +136,7 @@ def entry() -> None:
 def _command_module(name: str) -> ModuleType:
     import importlib
 
-    return importlib.import_module(f"{__package__}.{name}")
+    return importlib.import_module(f"{__package__}.commands.{name}")
 
 
 def _run_fast(module: ModuleType, args: list[str]) -> None:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from expr_cli.plot import parse_ranks, smooth
+from expr_cli.commands.plot import parse_ranks, smooth
 from tests.test_cli_export import _blocked
 from tests.views_runs import make_run
 

@@ -161,7 +161,7 @@ def test_metric_logged_with_et_log_has_the_rank_record_json_shape(cli):
 
 def test_robust_scores_read_as_numbers() -> None:
     """Issue 11: `+2.57e3` means nothing to a reader; large scores are whole numbers."""
-    from expr_cli.render_summary import _fmt_robust
+    from expr_cli.render.summary import _fmt_robust
 
     assert _fmt_robust(2570.4) == "+2570"
     assert _fmt_robust(-13.42) == "-13.4"

@@ -16,9 +16,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import CLIError
-from .plotdraw import Band, Line, Panel
-from .resolve import (
+from expr_cli.errors import CLIError
+from expr_cli.render.plot import Band, Line, Panel
+from expr_cli.resolve import (
     RunRef,
     compact_ranks,
     parse_metrics,
@@ -189,7 +189,7 @@ def plot_command(run: str, dir: str | None, metrics: list[str] | None, rank: str
         raise CLIError("--follow draws in the terminal; leave out --out", 2)
     ranks = parse_ranks(rank)
     rng = parse_step_range(steps)
-    from .extras import require
+    from expr_cli.extras import require
 
     if not as_json:
         require("matplotlib" if out_path is not None else "plotext", "plot")
@@ -197,16 +197,16 @@ def plot_command(run: str, dir: str | None, metrics: list[str] | None, rank: str
     shards_of(ref, stream)  # the errors for an empty run or an unknown stream
     label = ref.label + ("" if stream is None else f" [{stream_label(stream)}]")
     if as_json:
-        from . import render
+        from expr_cli import render
 
         render.print_json({"run": ref.label, "stream": stream,
                            "panels": _panels_json(chart(ref, stream, wanted, ranks, rng, window))})
         return
     if out_path is not None:
-        from . import plotdraw
+        from expr_cli.render import plot as plotdraw
 
         plotdraw.image(label, chart(ref, stream, wanted, ranks, rng, window), out_path)
-        from . import render
+        from expr_cli import render
 
         render.note(f"wrote {out_path}")
         return
@@ -228,7 +228,7 @@ def plot_command(run: str, dir: str | None, metrics: list[str] | None, rank: str
 
 
 def _draw(title: str, panels: list[Panel], color: bool) -> None:
-    from . import plotdraw
+    from expr_cli.render import plot as plotdraw
 
     width, height = terminal_size()
     height = min(height, 20 * len(panels)) if len(panels) > 1 else height
@@ -240,7 +240,7 @@ def register(app: typer.Typer) -> None:
     """Add `expr plot`."""
     import typer
 
-    from .resolve import DIR_OPT, JSON_OPT, RUN_ARG, STREAM_OPT
+    from expr_cli.resolve import DIR_OPT, JSON_OPT, RUN_ARG, STREAM_OPT
 
     metric_opt = typer.Option(None, "--metric", "-m", show_default=False, metavar="METRIC",
                               help="Metric to plot (repeatable, or comma-separated).")

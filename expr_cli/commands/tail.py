@@ -21,10 +21,8 @@ from typing import Any
 
 import typer
 
-from expr_tracker.store import records
-
-from .errors import CLIError
-from .resolve import (
+from expr_cli.errors import CLIError
+from expr_cli.resolve import (
     DIR_OPT,
     JSON_OPT,
     METRICS_OPT,
@@ -39,6 +37,7 @@ from .resolve import (
     root_dir,
     shards_of,
 )
+from expr_tracker.store import records
 
 POLL = 0.5  # seconds between polls when no file event arrives
 _BLOCK = 256 * 1024
@@ -152,7 +151,7 @@ class Tail:
         self.warned = False
 
     def emit(self, batch: list[tuple[int, dict[str, Any]]]) -> None:
-        from . import render
+        from expr_cli import render
 
         if self.all_ranks:
             batch.sort(key=_order)  # interleave ranks by step
@@ -254,7 +253,7 @@ def _find(run: str, dir: str | None, r: int | str | None,
 def _wait_for(run: str, dir: str | None, r: int | str | None,
               stream: str | None) -> tuple[RunRef, list[ShardRef], str | None]:
     """`_find`, retried every POLL seconds while the run is not there yet (said once)."""
-    from . import render
+    from expr_cli import render
 
     said = False
     while True:
@@ -273,7 +272,7 @@ def tail_command(run: str, dir: str | None, rank: str | None, stream: str | None
                  metrics: list[str] | None, n: int, follow: bool, rank_records: bool,
                  json: bool = False) -> None:
     """Print the last `n` rows of RUN, then follow it until Ctrl-C (exit 130)."""
-    from . import render
+    from expr_cli import render
 
     r = parse_rank(rank, allow_all=True)
     wanted = parse_metrics(metrics)

@@ -11,11 +11,10 @@ from typing import Any
 
 import typer
 
+from expr_cli.errors import CLIError
+from expr_cli.resolve import JSON_OPT
+from expr_cli.spooled import SPOOL_OPT
 from expr_tracker.procs import pid_alive
-
-from .errors import CLIError
-from .resolve import JSON_OPT
-from .spooled import SPOOL_OPT
 
 STATUS_FILE = "status.json"  # written atomically by exprd (DESIGN 8)
 
@@ -52,7 +51,7 @@ def status_command(state: str | None, json: bool, spool: str | None = None) -> N
     from rich.table import Table
     from rich.text import Text
 
-    from . import render, spooled
+    from expr_cli import render, spooled
 
     where = Path(state) if state else default_state()
     try:

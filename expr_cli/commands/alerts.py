@@ -7,9 +7,8 @@ from typing import Any
 
 import typer
 
+from expr_cli.resolve import DIR_OPT, JSON_OPT, RUN_ARG, RunRef, resolve_run, root_dir
 from expr_tracker.store import records
-
-from .resolve import DIR_OPT, JSON_OPT, RUN_ARG, RunRef, resolve_run, root_dir
 
 _ALERTS_RE = re.compile(r"alerts(?:\.rank(\d+))?\.jsonl\Z")
 
@@ -50,7 +49,7 @@ def counts_by_rank(alerts: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def alerts_command(run: str, dir: str | None, rank: int | None, as_json: bool) -> None:
     """List the alerts of RUN."""
-    from . import render
+    from expr_cli import render
 
     ref = resolve_run(run, root_dir(dir))
     alerts, bad = read_alerts(ref)

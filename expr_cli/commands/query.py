@@ -11,8 +11,8 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .errors import CLIError
-from .resolve import resolve_run, root_dir
+from expr_cli.errors import CLIError
+from expr_cli.resolve import resolve_run, root_dir
 
 if TYPE_CHECKING:
     import typer
@@ -52,7 +52,7 @@ def query_command(run: str, sql: str, dir: str | None, as_json: bool, as_csv: bo
     """Run `sql` over the views of RUN and print the result."""
     if as_json and as_csv:
         raise CLIError("--json and --csv exclude each other", 2)
-    from .extras import require
+    from expr_cli.extras import require
 
     require("duckdb", "query")
     from expr_tracker.views.sql import connect, run_query
@@ -75,7 +75,7 @@ def print_result(columns: list[str], chunks: Iterator[Sequence[Sequence[Any]]], 
             writer.writerows([_csv(v) for v in row] for row in rows)
         sys.stdout.flush()
     else:
-        from . import render_views
+        from expr_cli.render import views as render_views
 
         shown: list[Sequence[Any]] = []
         more = 0
@@ -117,7 +117,7 @@ def register(app: typer.Typer) -> None:
     """Add `expr query`."""
     import typer
 
-    from .resolve import DIR_OPT, JSON_OPT
+    from expr_cli.resolve import DIR_OPT, JSON_OPT
 
     args_arg = typer.Argument(..., metavar="[RUN] SQL", show_default=False,
                               help="RUN and one SELECT over its views metrics, ranks, alerts, "

@@ -6,10 +6,8 @@ import sys
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from expr_tracker.store.reader import ShardReader, select_rows
-
-from .errors import CLIError
-from .resolve import (
+from expr_cli.errors import CLIError
+from expr_cli.resolve import (
     DIR_FLAGS,
     JSON_FLAGS,
     METRICS_FLAGS,
@@ -26,6 +24,7 @@ from .resolve import (
     root_dir,
     unknown_metrics,
 )
+from expr_tracker.store.reader import ShardReader, select_rows
 
 if TYPE_CHECKING:
     import typer
@@ -65,7 +64,7 @@ def shard_keys(shard: ShardRef, kind: str | None = None) -> tuple[set[str], list
 def warn_garbage(reader: ShardReader) -> None:
     """The one warning line for lines that did not parse."""
     if reader.garbage:
-        from . import render
+        from expr_cli import render
 
         n = reader.garbage
         render.warning(f"skipped {n} line{'s' if n != 1 else ''} of {reader.path} that did not parse")
@@ -114,7 +113,7 @@ def history_command(
     as_json: bool,
 ) -> None:
     """Print the last `n` step rows of one shard of RUN."""
-    from . import render
+    from expr_cli import render
 
     rng = parse_step_range(step_range)
     wanted = parse_metrics(metrics)
@@ -164,7 +163,7 @@ def register(app: typer.Typer) -> None:
     """Add `expr history`."""
     import typer
 
-    from .resolve import DIR_OPT, JSON_OPT, METRICS_OPT, RANK_OPT, RUN_ARG, STREAM_OPT
+    from expr_cli.resolve import DIR_OPT, JSON_OPT, METRICS_OPT, RANK_OPT, RUN_ARG, STREAM_OPT
 
     rows_opt = typer.Option(20, "-n", "--rows", help="How many of the last rows; -1 for all.")
     range_opt = typer.Option(None, "--step-range", show_default=False, metavar="START:STOP",

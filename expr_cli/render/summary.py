@@ -11,8 +11,10 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .layout import coverage_runs
-from .render import (
+from expr_cli.layout import coverage_runs
+from expr_cli.resolve import compact_ranks
+
+from . import (
     GLYPHS,
     MISSING,
     NONFINITE,
@@ -24,7 +26,6 @@ from .render import (
     fmt_num,
     fmt_signed,
 )
-from .resolve import compact_ranks
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -12,9 +12,9 @@ from typing import Any
 
 import typer
 
-from .errors import CLIError
-from .layout import NODE_AGGS
-from .resolve import DIR_OPT, JSON_OPT, RUN_ARG, STREAM_OPT, RunRef, resolve_run, root_dir
+from expr_cli.errors import CLIError
+from expr_cli.layout import NODE_AGGS
+from expr_cli.resolve import DIR_OPT, JSON_OPT, RUN_ARG, STREAM_OPT, RunRef, resolve_run, root_dir
 
 _SEVERITY = {"crashed": 0, "hang": 1, "missing": 2, "alert": 3, "straggler": 4, "slowdown": 5,
              "behind": 6}
@@ -52,10 +52,9 @@ class TopView:
         self.log = IncidentLog(ref.path)
 
     def __call__(self) -> dict[str, Any]:
+        from expr_cli.render.health import age_now
         from expr_tracker.health.detect import detect
         from expr_tracker.health.incidents import plan
-
-        from .render_health import age_now
 
         wall = time.time()
         state = self.reader.read()
@@ -119,7 +118,9 @@ def _nodes(rows: list[dict[str, Any]], state: Any) -> list[dict[str, Any]]:
 def top_command(run: str, dir: str | None, stream: str | None, metric: str | None, once: bool,
                 as_json: bool, config: str | None, refresh: float, agg: str = "worst") -> int:
     """Show RUN's ranks; the exit code."""
-    from . import render, render_health
+    from expr_cli import render
+    from expr_cli.render import health as render_health
+
     from .watch import health_config
 
     ref = resolve_run(run, root_dir(dir))

@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .render import _show, _status, _table, console, fmt_age, fmt_num
-from .resolve import compact_ranks
+from expr_cli.resolve import compact_ranks
+
+from . import _show, _status, _table, console, fmt_age, fmt_bytes, fmt_num
 
 NODE_ROWS = 10  # nodes listed, worst first
 ATTENTION_ROWS = 20  # shards needing attention listed; the rest are counted
@@ -90,3 +91,18 @@ def overview(rows: Sequence[Mapping[str, Any]], label: str) -> None:
         more = compact_ranks(sorted(r["rank"] for r in need[ATTENTION_ROWS:]))
         out.print(Text(f"  ... and {len(need) - ATTENTION_ROWS:,} more: ranks {more} (--all)",
                        style="dim"), soft_wrap=True)
+
+
+def table(rows: Sequence[Mapping[str, Any]], label: str) -> None:
+    """`expr shards`: a row per shard file."""
+    from rich.text import Text
+
+    headers = ["rank", "stream", "file", "rows", "last step", "size", "status", "last write", "sidecar"]
+    table = _table(headers, right=["rank", "rows", "last step", "size"], keep=["file", "status"])
+    for r in rows:
+        sidecar = Text(r["sidecar"], style="green" if r["sidecar"] == "ok" else "yellow")
+        table.add_row(
+            str(r["rank"]), r["stream_text"], r["file"], str(r["rows"]), fmt_num(r["last_step"]),
+            fmt_bytes(r["size"]), _status(r["status"]), fmt_age(r["last_write"]), sidecar,
+        )
+    _show(console(), f"shards of {label}", table)

@@ -7,9 +7,7 @@ from typing import Any
 
 import typer
 
-from expr_tracker.store.reader import ShardReader
-
-from .resolve import (
+from expr_cli.resolve import (
     DIR_OPT,
     JSON_OPT,
     RANK_OPT,
@@ -20,6 +18,7 @@ from .resolve import (
     resolve_run,
     root_dir,
 )
+from expr_tracker.store.reader import ShardReader
 
 TICK = 10.0  # seconds between time-rule evaluations, as a live run does by default
 MAX_TICKS_PER_GAP = 100  # a day-long pause in a run must not cost millions of ticks
@@ -27,9 +26,8 @@ MAX_TICKS_PER_GAP = 100  # a day-long pause in a run must not cost millions of t
 
 def explain_command(rule: str, as_json: bool) -> None:
     """Print the parsed rule."""
+    from expr_cli import render
     from expr_tracker.alerts.rules import explain
-
-    from . import render
 
     info = explain(rule)
     if as_json:
@@ -68,9 +66,9 @@ def replay(rule_text: str, records: list[dict[str, Any]], context: dict[str, Any
 def test_command(rule: str, run: str, dir: str | None, rank: str | None, stream: str | None,
                  as_json: bool) -> None:
     """Replay `rule` over one shard of RUN and list its firings."""
+    from expr_cli import render
     from expr_tracker.alerts.rules import parse_rule
 
-    from . import render
     from .history import warn_garbage
 
     parse_rule(rule)  # a bad rule is reported before any file is read

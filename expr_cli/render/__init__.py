@@ -208,21 +208,6 @@ def runs(rows: Sequence[Mapping[str, Any]], root: str) -> None:
     _show(console(), f"runs under {root}", table)
 
 
-def shards(rows: Sequence[Mapping[str, Any]], label: str) -> None:
-    """`expr shards`: a row per shard file."""
-    from rich.text import Text
-
-    headers = ["rank", "stream", "file", "rows", "last step", "size", "status", "last write", "sidecar"]
-    table = _table(headers, right=["rank", "rows", "last step", "size"], keep=["file", "status"])
-    for r in rows:
-        sidecar = Text(r["sidecar"], style="green" if r["sidecar"] == "ok" else "yellow")
-        table.add_row(
-            str(r["rank"]), r["stream_text"], r["file"], str(r["rows"]), fmt_num(r["last_step"]),
-            fmt_bytes(r["size"]), _status(r["status"]), fmt_age(r["last_write"]), sidecar,
-        )
-    _show(console(), f"shards of {label}", table)
-
-
 def history(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], title: str) -> None:
     """`expr history`: rows as a table, `_step` and `_time` first."""
     table = _table(["step", "time", *columns], right=["step", *columns], keep=["time"])

@@ -13,8 +13,8 @@ from typing import Any
 
 import typer
 
-from .errors import CLIError
-from .resolve import DIR_OPT, JSON_OPT, RUN_ARG, STREAM_OPT, resolve_run, root_dir
+from expr_cli.errors import CLIError
+from expr_cli.resolve import DIR_OPT, JSON_OPT, RUN_ARG, STREAM_OPT, resolve_run, root_dir
 
 FLUSH_TIMEOUT = 10.0  # seconds `--once` waits for the channels to deliver before exiting
 
@@ -53,9 +53,8 @@ def dispatcher(config: str | None) -> Any:
 def watch_command(run: str, dir: str | None, stream: str | None, once: bool, as_json: bool,
                   config: str | None, interval: float, overrides: dict[str, Any]) -> int:
     """Watch RUN; the exit code (with --once: 1 if an incident is open, else 0)."""
+    from expr_cli.render import health as render_health
     from expr_tracker.health.watch import Watcher
-
-    from . import render_health
 
     if config is not None and not os.path.isfile(config):
         raise CLIError(f"--config {config}: no such file", 2)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .render import _table, console, fmt_num
+from . import _table, console, fmt_num
 
 
 def cell(v: Any) -> str:

@@ -6,8 +6,8 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import CLIError
-from .resolve import parse_metrics, resolve_run, root_dir, shards_of
+from expr_cli.errors import CLIError
+from expr_cli.resolve import parse_metrics, resolve_run, root_dir, shards_of
 
 if TYPE_CHECKING:
     import typer
@@ -60,15 +60,14 @@ def export_command(
     as_json: bool,
 ) -> None:
     """Write the rows of every rank of RUN to `out`."""
+    from expr_cli import render
     from expr_tracker.store.runread import ALL_STREAMS
     from expr_tracker.views.export import WRITERS, open_run
-
-    from . import render
 
     out_path = Path(out)
     kind = pick_format(fmt, out_path)
     if kind == "parquet":
-        from .extras import require
+        from expr_cli.extras import require
 
         require("pyarrow", "export")
     ref = resolve_run(run, root_dir(dir))
@@ -95,7 +94,7 @@ def register(app: typer.Typer) -> None:
     """Add `expr export`."""
     import typer
 
-    from .resolve import DIR_OPT, JSON_OPT, METRICS_OPT, RUN_ARG
+    from expr_cli.resolve import DIR_OPT, JSON_OPT, METRICS_OPT, RUN_ARG
 
     format_opt = typer.Option(None, "--format", "-f", show_default=False,
                               help="parquet, csv or jsonl (default: from the --out suffix).")

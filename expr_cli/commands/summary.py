@@ -18,9 +18,9 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from typing import TYPE_CHECKING, Any
 
-from . import layout
-from .errors import CLIError
-from .resolve import (
+from expr_cli import layout
+from expr_cli.errors import CLIError
+from expr_cli.resolve import (
     DIR_FLAGS,
     JSON_FLAGS,
     STREAM_FLAGS,
@@ -35,7 +35,7 @@ from .resolve import (
     stream_label,
     unknown_metrics,
 )
-from .summary_load import COVERAGE_STEPS, last_rows, load_row_table, load_table, read_window
+from expr_cli.summary_load import COVERAGE_STEPS, last_rows, load_row_table, load_table, read_window
 
 if TYPE_CHECKING:
     import typer
@@ -274,7 +274,8 @@ def summary_command(
     agg: str = "max",
 ) -> None:
     """Load the recent rank records (and step rows) of RUN and print the summary."""
-    from . import render, render_summary
+    from expr_cli import render
+    from expr_cli.render import summary as render_summary
 
     if step is not None and steps is not None:
         raise CLIError("use either --step or --steps, not both", 2)
@@ -362,7 +363,7 @@ def register(app: typer.Typer) -> None:
     """Add `expr summary`."""
     import typer
 
-    from .resolve import DIR_OPT, JSON_OPT, RUN_ARG, STREAM_OPT
+    from expr_cli.resolve import DIR_OPT, JSON_OPT, RUN_ARG, STREAM_OPT
 
     metric_opt = typer.Option(None, "--metric", "-m", show_default=False, metavar="KEY",
                               help="Metric key to summarise (repeatable, or comma-separated); "

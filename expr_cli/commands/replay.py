@@ -19,8 +19,8 @@ from typing import Any
 
 import typer
 
-from .errors import CLIError
-from .resolve import JSON_OPT
+from expr_cli.errors import CLIError
+from expr_cli.resolve import JSON_OPT
 
 # exprd's log format is "exprd LEVEL message"; these levels are the CLI's warning lines
 _LOG_PREFIXES = ("exprd WARNING ", "exprd ERROR ", "exprd CRITICAL ")
@@ -78,7 +78,7 @@ def run_exprd(argv: list[str], on_progress: Callable[[dict[str, Any]], None],
     through, as they come; progress objects go to `on_progress`. A traceback (exprd
     crashed) is kept for the caller.
     """
-    from . import render
+    from expr_cli import render
 
     summary: dict[str, Any] | None = None
     error: str | None = None
@@ -129,7 +129,7 @@ def replay_command(spool_dir: str, dry_run: bool, state: str | None, config: str
                    json: bool) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from . import render
+    from expr_cli import render
 
     spool = Path(spool_dir).absolute()
     if not spool.is_dir():

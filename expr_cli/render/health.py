@@ -7,7 +7,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .render import _status, _table, console, fmt_num, jsonable, now
+from . import _status, _table, console, fmt_num, jsonable, now
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -19,7 +19,7 @@ KIND_STYLE = {"crashed": "bold red", "hang": "red", "missing": "red", "alert": "
 
 
 def _ranks_text(ranks: Sequence[int]) -> str:
-    from .resolve import compact_ranks
+    from expr_cli.resolve import compact_ranks
 
     return compact_ranks(list(ranks))
 
@@ -85,7 +85,7 @@ def top_frame(view: Mapping[str, Any], height: int, agg: str = "worst") -> Rende
     from rich.console import Group
     from rich.text import Text
 
-    from .layout import fold_nodes
+    from expr_cli.layout import fold_nodes
 
     height = max(height, 12)
     parts: list[Any] = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .errors import CLIError
+from expr_cli.errors import CLIError
 
 _FLOAT_WORDS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"),
                 "+inf": float("inf")}

@@ -6,7 +6,7 @@ from typing import Any
 
 import typer
 
-from .resolve import (
+from expr_cli.resolve import (
     DIR_OPT,
     JSON_OPT,
     compact_ranks,
@@ -15,8 +15,9 @@ from .resolve import (
     root_dir,
     stream_label,
 )
+from expr_cli.spooled import SPOOL_OPT
+
 from .shards import inspect_shard
-from .spooled import SPOOL_OPT
 
 # a run is as bad as its worst shard
 _STATUS_ORDER = ("crashed", "stale", "running", "finished")
@@ -47,8 +48,8 @@ def run_row(label: str, path: str, shard_rows: list[dict[str, Any]]) -> dict[str
 
 def runs_command(dir: str | None, as_json: bool, spool: str | None = None) -> None:
     """List the runs under the run root, and spooled runs for it not applied yet."""
-    from . import render, spooled
-    from .errors import CLIError
+    from expr_cli import render, spooled
+    from expr_cli.errors import CLIError
 
     root = root_dir(dir)
     spool_root = spooled.spool_root(spool)

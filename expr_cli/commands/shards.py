@@ -18,12 +18,7 @@ from typing import Any
 
 import typer
 
-from expr_tracker.procs import pid_alive
-from expr_tracker.store import records
-from expr_tracker.store.cursor import read_sidecar
-from expr_tracker.store.reader import ShardReader
-
-from .resolve import (
+from expr_cli.resolve import (
     DIR_OPT,
     JSON_OPT,
     RUN_ARG,
@@ -33,6 +28,10 @@ from .resolve import (
     root_dir,
     stream_label,
 )
+from expr_tracker.procs import pid_alive
+from expr_tracker.store import records
+from expr_tracker.store.cursor import read_sidecar
+from expr_tracker.store.reader import ShardReader
 
 _BLOCK = 1 << 20  # counting lines
 _TAIL = 16 << 10  # finding the end of the last complete line
@@ -142,9 +141,8 @@ def _map(fn: Any, items: list[Any]) -> list[Any]:
 
 def inspect_run(found: list[ShardRef], run_path: Any) -> list[dict[str, Any]]:
     """Every shard's row, with its node, behind count and what needs attention."""
+    from expr_cli.layout import Nodes
     from expr_tracker.health.state import read_run
-
-    from .layout import Nodes
 
     streams = sorted({s.stream for s in found}, key=lambda x: x or "")
     states = {st: read_run(run_path, st, window=4) for st in streams}
@@ -210,8 +208,8 @@ def shards_command(
     show_all: bool = False,
 ) -> None:
     """List the shards of RUN."""
-    from . import render
-    from .errors import CLIError
+    from expr_cli import render
+    from expr_cli.errors import CLIError
 
     ref = resolve_run(run, root_dir(dir))
     found = list_shards(ref)
@@ -221,12 +219,12 @@ def shards_command(
     if as_json:
         render.print_json([{k: v for k, v in r.items() if k not in _JSON_DROP} for r in rows])
         return
-    if show_all or len(rows) <= ALL_ROWS_UP_TO:
-        render.shards(rows, ref.label)
-        return
-    from . import render_shards
+    from expr_cli.render import shards as render_shards
 
-    render_shards.overview(rows, ref.label)
+    if show_all or len(rows) <= ALL_ROWS_UP_TO:
+        render_shards.table(rows, ref.label)
+    else:
+        render_shards.overview(rows, ref.label)
 
 
 def register(app: typer.Typer) -> None:

@@ -1,0 +1,1 @@
+"""One module per `expr` command (or command group): parse arguments, call the library, hand data to `expr_cli.render`."""
