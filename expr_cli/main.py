@@ -337,7 +337,7 @@ def build_app(only: str | None = None) -> typer.Typer:
         try:
             module = _command_module(name)
         except ModuleNotFoundError as exc:
-            if exc.name == f"{__package__}.{name}":
+            if exc.name == f"{__package__}.commands.{name}":
                 continue  # that command group is not written yet
             raise
         module.register(app)

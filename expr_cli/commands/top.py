@@ -150,7 +150,7 @@ def register(app: typer.Typer) -> None:
         once: bool = typer.Option(False, "--once", help="Print one frame and exit."),
         json: bool = JSON_OPT,
         config: str | None = typer.Option(None, "--config", "-c", metavar="FILE", show_default=False,
-                                          help="Alert config whose [health] table sets thresholds."),
+                                          help="Alert config whose \\[health] table sets thresholds."),
         refresh: float = typer.Option(1.0, "--refresh", min=0.2, help="Seconds between frames."),
         agg: str = typer.Option("worst", "--agg", metavar="worst|max|min|mean",
                                 help="How a bin of nodes combines its nodes' values."),

@@ -85,7 +85,7 @@ def watch_command(run: str, dir: str | None, stream: str | None, once: bool, as_
 
 _ONCE = typer.Option(False, "--once", help="One pass, then exit: 1 if an incident is open, else 0.")
 _CONFIG = typer.Option(None, "--config", "-c", metavar="FILE", show_default=False,
-                       help="Alert config (channels, policy, [health]); default $EXPR_ALERT_CONFIG.")
+                       help="Alert config (channels, policy, \\[health]); default $EXPR_ALERT_CONFIG.")
 _INTERVAL = typer.Option(1.0, "--interval", min=0.1, help="Seconds between passes.")
 
 
