@@ -46,7 +46,8 @@ def check_crash(tailer: Tailer, tail: FileTail, now: float) -> None:
     if tail.size > tail.offset:
         tailer.log_bad(tail, tail.offset, tail.size, "torn tail: its writer is gone")
         tail.offset = tail.size
-    log.warning("%s: no finish and %s; marking %s crashed", tail.path, why,
+    log.warning("%s: no finish and %s; %s %s crashed", tail.path, why,
+                "would mark" if tailer.dry_run else "marking",
                 tail.run.spec.paths.shard if tail.run else "its shard")
     if tail.run is not None:
         tail.run.finish("crashed", now)

@@ -75,6 +75,25 @@ def test_replay_dry_run_writes_nothing(tmp_path: Path, invoke) -> None:  # type:
     assert _tree(spool) == before
 
 
+def test_replay_dry_run_of_a_dead_writer_says_would_mark(tmp_path: Path, invoke) -> None:  # type: ignore[no-untyped-def]
+    spool, root = tmp_path / "spool", tmp_path / "runs"
+    code = f"""
+        import os, expr_tracker as et
+        et.init("proj", "dead", dir={str(root)!r}, upload_mode="spool", spool_dir={str(spool)!r})
+        for k in range(5):
+            et.log({{"k": k}})
+        et.flush()
+        os._exit(0)  # no finish: the writer is gone
+    """
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env_for(), timeout=60,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    res = invoke("replay", str(spool), "--dry-run", "--state", str(tmp_path / "state"))
+    assert res.exit_code == 0, res.output
+    assert "would mark" in res.output and "marking" not in res.output, res.output
+    assert not root.exists()
+
+
 def test_replay_missing_spool_is_one_error_line(tmp_path: Path, invoke) -> None:  # type: ignore[no-untyped-def]
     res = invoke("replay", str(tmp_path / "nope"))
     assert res.exit_code == 1
