@@ -82,7 +82,7 @@ class Daemon:
         self.overrides = overrides or {}
         self.notifier = notifier or Notifier(None)
         self.sdir = StateDir(self.state, readonly=dry_run)
-        self.presence = Presence(self.spool)
+        self.presence = Presence(self.spool, self.state)
         if not dry_run:
             # one exprd per state directory and per spool root: a second one exits 2
             self._lock_fd = hold(self.state, "the state directory")

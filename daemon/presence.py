@@ -1,7 +1,7 @@
 """Who consumes this spool: one exprd per state directory and per spool root, and a heartbeat.
 
 Each of the two directories is held with an `flock` on the directory itself, so a
-second exprd exits 2 with one line naming the first one's pid. `{spool}/.exprd.json` (host, pid, time), rewritten every few
+second exprd exits 2 with one line naming the first one's pid. `{spool}/.exprd.json` (host, pid, time, state directory), rewritten every few
 seconds, tells the SDK and `expr status` that a consumer is alive (DESIGN 8).
 """
 
@@ -69,8 +69,9 @@ def _holder(dev: int, ino: int) -> str:
 class Presence:
     """The spool root's lock and heartbeat (taken once the spool root exists)."""
 
-    def __init__(self, spool: Path) -> None:
+    def __init__(self, spool: Path, state: Path | None = None) -> None:
         self.spool = spool
+        self.state = state  # named in the heartbeat, so `expr status` finds status.json
         self.fd: int | None = None
         self.next_beat = 0.0
         self.warned = False
@@ -101,7 +102,9 @@ class Presence:
         if self.fd is None or (not force and now < self.next_beat):
             return
         self.next_beat = now + HEARTBEAT_EVERY
-        doc = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+        doc: dict[str, object] = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
+        if self.state is not None:
+            doc["state"] = str(self.state.absolute())
         try:
             dfd = os.open(self.spool, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -88,9 +89,12 @@ def _applied(run_dir: Path, stem: str, session: str) -> int:
     return value if type(value) is int else -1
 
 
-def pending(spool: Path, root: Path | None = None) -> list[dict[str, Any]]:
+def pending(spool: Path, root: Path | None = None,
+            committed: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
     """Spool files whose events are not all in their shard yet, per run: project, name,
-    run dir, files, events waiting. With `root`, only runs whose run root is `root`."""
+    run dir, files, events waiting. With `root`, only runs whose run root is `root`.
+    `committed` (spool file path -> last seq in its shard, from exprd's status) overrides
+    the sidecar's cursor, which exprd rewrites only every few seconds."""
     want = str(root.absolute()) if root is not None else None
     runs: dict[tuple[str, str], dict[str, Any]] = {}
     try:
@@ -123,7 +127,8 @@ def pending(spool: Path, root: Path | None = None) -> list[dict[str, Any]]:
                 ident = init.get("identity") or {}
                 session, stem = str(ident.get("session", "")), str(init.get("stem", ""))
                 run_dir = Path(init["dir"]) / proj.name / run.name
-                waiting = last - max(_applied(run_dir, stem, session), 0)
+                done = max(_applied(run_dir, stem, session), (committed or {}).get(os.path.abspath(f.path), -1))
+                waiting = last - max(done, 0)
                 if waiting <= 0:
                     continue
                 row = runs.setdefault((proj.name, run.name), {

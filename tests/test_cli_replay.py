@@ -15,7 +15,18 @@ from typer.testing import CliRunner
 
 from expr_cli.main import build_app
 from tests.procs import env_for
-from tests.test_daemon import check_shard, exprd_once, lines_of, make_spool, sidecar, write_config
+from tests.test_daemon import (
+    check_shard,
+    exprd_once,
+    lines_of,
+    make_spool,
+    sidecar,
+    start_exprd,
+    stop,
+    wait_for,
+    wait_ready,
+    write_config,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -116,6 +127,31 @@ def test_status_shows_the_daemon_status(tmp_path: Path, invoke) -> None:  # type
     assert doc["files"][str(files[0])]["lag_bytes"] == 0
     res = invoke("status", "--state", str(tmp_path / "none"))
     assert res.exit_code == 1 and "no exprd status" in res.output
+
+
+def test_status_finds_the_state_directory_from_the_spools_heartbeat(
+        tmp_path: Path, invoke, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    spool, root, _ = _spools(tmp_path)
+    state = tmp_path / "state"
+    proc = start_exprd(write_config(tmp_path / "exprd.toml", spool, state, [root]))
+    try:
+        wait_ready(state, proc)
+        wait_for(lambda: json.loads((state / "status.json").read_bytes())["totals"]["finished"] == 2,
+                 15, "both files finished in status.json")
+        assert json.loads((spool / ".exprd.json").read_bytes())["state"] == str(state)
+        monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.local/state/exprd to fall back on
+        monkeypatch.setenv("EXPR_SPOOL", str(spool))
+        res = invoke("status")
+    finally:
+        stop(proc)
+    assert res.exit_code == 0, res.output
+    assert "2 files: 0 live, 2 finished" in res.output
+    # a finished file: every event it holds is in its shard, and no spooled run is waiting
+    row = next(line for line in res.output.splitlines() if "proj/a/" in line).split()
+    header = next(line for line in res.output.splitlines() if line.startswith("file")).split()
+    assert header[:5] == ["file", "state", "seq", "in", "shard"], header
+    assert row[1] == "finished" and row[2] == row[3], row
+    assert "not applied yet" not in res.output
 
 
 def test_replay_passes_exprd_warnings_through_and_config_errors_are_one_line(

@@ -19,11 +19,18 @@ from expr_tracker.procs import pid_alive
 STATUS_FILE = "status.json"  # written atomically by exprd (DESIGN 8)
 
 
-def default_state() -> Path:
-    """`$EXPRD_STATE`, else /var/lib/exprd if it has a status, else ~/.local/state/exprd."""
+def default_state(spool: str | None = None) -> Path:
+    """`$EXPRD_STATE`, else the state directory named by the heartbeat of the exprd consuming
+    the spool root (`--spool`, else `$EXPR_SPOOL`, else the default), else /var/lib/exprd if
+    it has a status, else ~/.local/state/exprd."""
+    from expr_cli import spooled
+
     env = os.environ.get("EXPRD_STATE")
     if env:
         return Path(env)
+    beat = spooled.heartbeat(spooled.spool_root(spool))
+    if beat is not None and isinstance(beat.get("state"), str):
+        return Path(beat["state"])
     system = Path("/var/lib/exprd")
     if (system / "status.json").exists():
         return system
@@ -53,7 +60,7 @@ def status_command(state: str | None, json: bool, spool: str | None = None) -> N
 
     from expr_cli import render, spooled
 
-    where = Path(state) if state else default_state()
+    where = Path(state) if state else default_state(spool)
     try:
         doc = read(where)
     except FileNotFoundError:
@@ -70,7 +77,10 @@ def status_command(state: str | None, json: bool, spool: str | None = None) -> N
         raise CLIError(f"cannot read {where / STATUS_FILE}: {exc}") from None
     running = _alive(doc.get("pid")) and doc.get("mode") != "replay"
     spool_root = spooled.spool_root(spool or doc.get("spool"))
-    waiting = spooled.pending(spool_root)
+    # what exprd has committed is newer than the sidecars it rewrites every few seconds
+    committed = {os.path.abspath(path): f["committed_seq"] for path, f in doc.get("files", {}).items()
+                 if type(f.get("committed_seq")) is int}
+    waiting = spooled.pending(spool_root, committed=committed)
     if json:
         render.print_json({**doc, "running": running, "spooled": waiting})
         return
@@ -87,16 +97,17 @@ def status_command(state: str | None, json: bool, spool: str | None = None) -> N
         f"{totals.get('quarantined', 0)} quarantined", style="dim"), soft_wrap=True)
     spool = str(doc.get("spool") or "")
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for col, right in (("file", False), ("state", False), ("seq", True), ("applied", True),
+    for col, right in (("file", False), ("state", False), ("seq", True), ("in shard", True),
                        ("lag", True), ("lag s", True), ("quarantined", True)):
-        table.add_column(col, justify="right" if right else "left", no_wrap=right)
+        table.add_column(col, justify="right" if right else "left", no_wrap=right,
+                         overflow="fold" if col == "file" else "ellipsis")
     for path, f in doc.get("files", {}).items():
         name = os.path.relpath(path, spool) if spool and path.startswith(spool) else path
         state_name = "blocked" if f.get("blocked") else str(f.get("state"))
         style = "bold red" if f.get("blocked") else render.STATUS_STYLE.get(
             {"live": "running"}.get(f.get("state"), f.get("state")), "")
         table.add_row(name, Text(state_name, style=style), str(f.get("seq")),
-                      str(f.get("applied")), render.fmt_bytes(int(f.get("lag_bytes", 0))),
+                      str(f.get("committed_seq", "")), render.fmt_bytes(int(f.get("lag_bytes", 0))),
                       f"{float(f.get('lag_seconds', 0.0)):.1f}", str(f.get("quarantined", 0)))
     out.print(table)
     for path, f in doc.get("files", {}).items():
