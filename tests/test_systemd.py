@@ -197,3 +197,73 @@ def test_retention_deletes_under_the_hardened_unit(tmp_path: Path) -> None:
     assert [r["k"] for r in lines_of(runs / "proj" / "old" / "metrics.jsonl")] == list(range(5))
     assert (runs / "proj" / "old" / "metrics.jsonl").stat().st_uid == EXPRD_UID
     assert "deleted" in log and "Traceback" not in log
+
+
+def _readme_service_steps() -> list[str]:
+    """The shell lines of the README's "System service" block, comments dropped."""
+    readme = README.read_text()
+    section = readme[readme.index("### System service"):readme.index("### User service")]
+    block = section.split("```sh\n", 1)[1].split("```", 1)[0]
+    return [line.split("  #", 1)[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def _staged(line: str, root: Path) -> list[str] | None:
+    """A README line as it runs against the staged root `root` (None: done by the test)."""
+    import shlex
+
+    words = shlex.split(line)
+    if words[:3] == ["python3", "-m", "venv"] or words[0].endswith("/bin/pip"):
+        return None  # the venv: this test links the venv's own exprd where the unit runs it
+    if words[0] == "install":
+        *opts, src, dest = words
+        return [*opts, src, f"{root}{dest}"]
+    if words[0] in ("systemd-sysusers", "systemd-tmpfiles", "systemd-analyze"):
+        return [words[0], f"--root={root}", *words[1:]]
+    if words[:3] == ["systemctl", "enable", "--now"]:
+        return ["systemctl", f"--root={root}", "enable", *words[3:]]  # no PID 1 to start it on
+    raise AssertionError(f"the README gained a step this test does not know: {line!r}")
+
+
+def _passwd(root: Path) -> dict[str, int]:
+    return {f[0]: int(f[2]) for f in (line.split(":") for line in
+                                      (root / "etc/passwd").read_text().splitlines())}
+
+
+def test_readme_service_steps_run_top_to_bottom_in_a_staged_root(tmp_path: Path) -> None:
+    tools = ("systemd-sysusers", "systemd-tmpfiles", "systemd-analyze", "systemctl")
+    if any(shutil.which(t) is None for t in tools):
+        pytest.skip("systemd's tools are not installed (.ci/run installs the systemd package)")
+    if os.geteuid() != 0:
+        pytest.skip("systemd-tmpfiles must be root to give the spool root to its owner")
+    root = tmp_path / "root"
+    # a fresh Debian machine as far as these steps go: systemd's own units, /bin/kill, no users
+    shutil.copytree("/usr/lib/systemd/system", root / "usr/lib/systemd/system", symlinks=True)
+    (root / "usr/bin").mkdir(parents=True)
+    shutil.copy("/bin/kill", root / "usr/bin/kill")
+    (root / "bin").symlink_to("usr/bin")
+    (root / "etc").mkdir()
+    (root / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    (root / "etc/group").write_text("root:x:0:\n")
+    exprd = root / INSTALLED_EXPRD.lstrip("/")
+    exprd.parent.mkdir(parents=True)
+    shutil.copy(VENV_EXPRD, exprd)  # a copy: symlinks are resolved inside the staged root
+    steps = _readme_service_steps()
+    assert steps[-1] == "systemctl enable --now exprd", steps
+    for line in steps:
+        cmd = _staged(line, root)
+        if cmd is None:
+            continue
+        done = subprocess.run(cmd, cwd=UNITS.parent, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, f"{line}: {done.stderr}"
+        if cmd[0] == "systemd-analyze":
+            assert not done.stderr.strip(), f"{line}: {done.stderr}"  # verify's findings
+    users = _passwd(root)
+    assert {"exprd", "train"} <= users.keys(), users
+    spool, runs = (root / "var/spool/expr").stat(), (root / "srv/runs").stat()
+    assert (spool.st_uid, spool.st_mode & 0o777) == (users["train"], 0o755)
+    assert (runs.st_uid, runs.st_mode & 0o777) == (users["exprd"], 0o755)
+    assert (root / "etc/systemd/system/multi-user.target.wants/exprd.service").is_symlink()
+    # the directories the tmpfiles file makes are the ones the unit and the example config name
+    unit = (UNITS / "exprd.service").read_text()
+    assert unit_values(unit, "ReadWritePaths") == ["/var/spool/expr", "/srv/runs"]
+    assert 'spool = "/var/spool/expr"' in EXAMPLE_CONFIG.read_text()
