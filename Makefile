@@ -64,6 +64,7 @@ bench: $(STAMP)
 	$(PY) bench/summary.py
 	$(PY) bench/daemon.py
 	$(PY) bench/views.py
+	$(PY) bench/completion.py
 	-$(PY) bench/clickhouse.py
 
 # 1,024 / 4,096 / 16,384 synthetic ranks (about 1.3 GB, cached under /tmp/expr-scale-cache)

@@ -128,6 +128,10 @@ def entry() -> None:
         if command in FAST_COMMANDS:
             _run_fast(_command_module(command), argv[1:])
     else:
+        from .complete import run as complete_fast
+
+        if complete_fast(os.environ[COMPLETE_VAR]):
+            sys.exit(0)  # answered from the generated table, without typer
         command = None  # completion may need any command
     # `expr history ...` needs the history module only; `expr --help` needs all of them
     get_app(command if command in COMMAND_MODULES else None)(prog_name=PROG)

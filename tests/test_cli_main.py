@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -14,6 +15,7 @@ import pytest
 
 from expr_cli.completions import SHELLS, script
 from expr_cli.main import build_app, is_ours
+from tests.procs import env_for
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPR = Path(sys.executable).parent / "expr"
@@ -170,3 +172,83 @@ def test_bash_completion_answers_commands_and_run_names(cli_root):
     runs = _run(_EXPR_COMPLETE="complete_bash", COMP_WORDS="expr shards run-", COMP_CWORD="2",
                 EXPR_DIR=str(cli_root))
     assert re.findall(r"\S+", runs.stdout) == ["run-1", "run-2", "run-3"]
+
+
+def test_completion_table_is_fresh():
+    from expr_cli.completions import TABLE_FILE, table_source
+
+    assert TABLE_FILE.read_text() == table_source(), "run `make completions` and commit the result"
+
+
+# (shell, the command line so far): what a TAB asks for; the fast path must answer as typer does
+COMPLETION_CASES = [
+    "expr ", "expr su", "expr summary ", "expr summary run-", "expr summary run-1 --",
+    "expr summary run-1 --st", "expr summary --json -", "expr summary --json --json -",
+    "expr export run-1 --format ", "expr export run-1 --format=c", "expr rules ",
+    "expr rules test x ", "expr rules explain -", "expr history run-1 --rank 1 -",
+    "expr tail -", "expr -", "expr watch run-1 --config ", "expr plot run-1 -m x -",
+    "expr summary --dir DIR run-", "expr nosuch ",
+]
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh", "fish"])
+def test_fast_completion_answers_as_typer_does(shell, cli_root, monkeypatch):
+    from expr_cli.complete import answer
+
+    monkeypatch.setenv("EXPR_DIR", str(cli_root))  # run names come from the default root
+    envs = []
+    for line in COMPLETION_CASES:
+        line = line.replace("DIR", str(cli_root))
+        env = {**env_for(), "EXPR_DIR": str(cli_root), "_EXPR_COMPLETE": f"complete_{shell}",
+               "COLUMNS": "10000"}  # typer wraps help texts at the terminal's width
+        if shell == "bash":
+            words = line.split()
+            env |= {"COMP_WORDS": line, "COMP_CWORD": str(len(words) - (not line.endswith(" ")))}
+        else:
+            env |= {"_TYPER_COMPLETE_ARGS": line, "_TYPER_COMPLETE_FISH_ACTION": "get-args"}
+        envs.append((line, env))
+    # typer's answers, all in one process (the app is built once)
+    code = ("import io, os, sys, contextlib, json\n"
+            "from expr_cli.main import get_app\n"
+            "out = []\n"
+            "for env in json.loads(sys.stdin.read()):\n"
+            "    os.environ.update(env)\n"
+            "    buf = io.StringIO()\n"
+            "    with contextlib.redirect_stdout(buf):\n"
+            "        try:\n"
+            "            get_app()(prog_name='expr')\n"
+            "        except SystemExit:\n"
+            "            pass\n"
+            "    out.append(buf.getvalue())\n"
+            "sys.__stdout__.write(json.dumps(out))\n")
+    done = subprocess.run([sys.executable, "-c", code], input=json.dumps([e for _, e in envs]),
+                          env=env_for(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    expected = json.loads(done.stdout)
+    for (line, env), want in zip(envs, expected, strict=True):
+        got = answer(env["_EXPR_COMPLETE"], env)
+        assert got is not None
+        # the same completions (as printed: click's echo adds a newline); click orders -h and
+        # --help as a set does, so the lines are compared sorted (zsh's wrapper taken off)
+        assert _lines(got[0] + "\n") == _lines(want), (shell, line)
+
+
+def _lines(text: str) -> list[str]:
+    if text.startswith("_arguments '*: :(("):
+        text = text[len("_arguments '*: :(("):].rstrip("\n").removesuffix("))'")
+    return sorted(text.splitlines())
+
+
+def test_the_installed_script_completes_without_importing_typer(cli_root):
+    code = ("import atexit, sys\n"
+            "atexit.register(lambda: sys.stderr.write(f'typer={\"typer\" in sys.modules}'))\n"
+            "from expr_cli.main import entry\n"
+            "sys.argv = ['expr']\n"
+            "entry()\n")
+    env = {**env_for(), "EXPR_DIR": str(cli_root), "_EXPR_COMPLETE": "complete_bash",
+           "COMP_WORDS": "expr summary run-", "COMP_CWORD": "2"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["run-1", "run-2", "run-3"]
+    assert done.stderr.endswith("typer=False"), done.stderr
