@@ -88,13 +88,13 @@ def status_command(state: str | None, json: bool, spool: str | None = None) -> N
     totals = doc.get("totals", {})
     head = (f"exprd pid {doc.get('pid')} ({'running' if running else 'not running'}), "
             f"{doc.get('mode')}, spool {doc.get('spool')}, updated {render.fmt_age(doc.get('updated'))}")
-    out.print(Text(head, style="bold"), soft_wrap=True)
+    out.print(Text(head, style="bold"))
     out.print(Text(
         f"{totals.get('files', 0)} files: {totals.get('live', 0)} live, "
         f"{totals.get('finished', 0)} finished, {totals.get('crashed', 0)} crashed, "
         f"{totals.get('refused', 0)} refused, {totals.get('blocked', 0)} blocked; "
         f"lag {render.fmt_bytes(totals.get('lag_bytes', 0))}; "
-        f"{totals.get('quarantined', 0)} quarantined", style="dim"), soft_wrap=True)
+        f"{totals.get('quarantined', 0)} quarantined", style="dim"))
     spool = str(doc.get("spool") or "")
     table = Table(box=None, pad_edge=False, header_style="bold")
     for col, right in (("file", False), ("state", False), ("seq", True), ("in shard", True),

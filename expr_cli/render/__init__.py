@@ -209,12 +209,28 @@ def runs(rows: Sequence[Mapping[str, Any]], root: str) -> None:
 
 
 def history(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], title: str) -> None:
-    """`expr history`: rows as a table, `_step` and `_time` first."""
-    table = _table(["step", "time", *columns], right=["step", *columns], keep=["time"])
-    for r in rows:
-        table.add_row(fmt_cell(r.get("_step")), fmt_time(r.get("_time")),
-                      *(fmt_cell(r.get(c)) for c in columns))
-    _show(console(), title, table)
+    """`expr history`: rows as a table, `_step` and `_time` first, then the keys that fit the
+    terminal whole (values are never cut); a line names the keys left out and how to see them."""
+    out = console()
+    cells = [[fmt_cell(r.get("_step")), fmt_time(r.get("_time")), *(fmt_cell(r.get(c)) for c in columns)]
+             for r in rows]
+    headers = ["step", "time", *columns]
+    widths = [max([len(h), *(len(row[i]) for row in cells)]) for i, h in enumerate(headers)]
+    used, shown = widths[0] + 2 + widths[1], 2
+    while shown < len(headers) and used + 2 + widths[shown] <= out.width:
+        used += 2 + widths[shown]
+        shown += 1
+    table = _table(headers[:shown], right=["step", *columns], keep=headers[:shown])
+    for row in cells:
+        table.add_row(*row[:shown])
+    _show(out, title, table)
+    left = list(columns[shown - 2:])
+    if left:
+        from rich.text import Text
+
+        names = ", ".join(left[:2]) + (", ..." if len(left) > 2 else "")
+        out.print(Text(f"{len(left)} more key(s) not shown ({names}): -m KEY,KEY picks them, "
+                       f"-f json or -f csv shows all", style="dim"))
 
 
 def tail_line(row: Mapping[str, Any], rank: int | None, metrics: Sequence[str] | None) -> None:

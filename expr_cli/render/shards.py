@@ -97,12 +97,20 @@ def table(rows: Sequence[Mapping[str, Any]], label: str) -> None:
     """`expr shards`: a row per shard file."""
     from rich.text import Text
 
-    headers = ["rank", "stream", "file", "rows", "last step", "size", "status", "last write", "sidecar"]
-    table = _table(headers, right=["rank", "rows", "last step", "size"], keep=["file", "status"])
-    for r in rows:
-        sidecar = Text(r["sidecar"], style="green" if r["sidecar"] == "ok" else "yellow")
-        table.add_row(
-            str(r["rank"]), r["stream_text"], r["file"], str(r["rows"]), fmt_num(r["last_step"]),
-            fmt_bytes(r["size"]), _status(r["status"]), fmt_age(r["last_write"]), sidecar,
-        )
-    _show(console(), f"shards of {label}", table)
+    out = console()
+    cells = [[str(r["rank"]), r["stream_text"], r["file"], str(r["rows"]), fmt_num(r["last_step"]),
+              fmt_bytes(r["size"]), r["status"] or "-", fmt_age(r["last_write"]), r["sidecar"]]
+             for r in rows]
+    headers = ["rank", "stream", "file", "rows", "step", "size", "status", "written", "sidecar"]
+    widths = [max([len(h), *(len(c[i]) for c in cells)]) for i, h in enumerate(headers)]
+    # every column stays whole but the sidecar's note, which folds; on a narrow terminal the
+    # stream column goes first (the file name says the stream too)
+    drop = {"stream"} if sum(widths[:-1]) + 2 * len(widths) + 8 > out.width else set()
+    shown = [h for h in headers if h not in drop]
+    table = _table(shown, right=["rank", "rows", "step", "size"], keep=shown[:-1])
+    table.columns[-1].overflow = "fold"
+    for r, c in zip(rows, cells, strict=True):
+        c[6] = _status(r["status"])
+        c[8] = Text(r["sidecar"], style="green" if r["sidecar"] == "ok" else "yellow")
+        table.add_row(*(v for h, v in zip(headers, c, strict=True) if h not in drop))
+    _show(out, f"shards of {label}", table)

@@ -1,0 +1,85 @@
+"""The CLI at 80 columns, as a terminal shows it: the step and the time always, no value cut."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from expr_cli.main import build_app
+from tests.conftest import NOW, T0, write_shard, write_sidecar
+from tests.test_daemon import exprd_once, make_spool, write_config
+
+
+@pytest.fixture
+def cli80(cli_root: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """`cli80("history", "wide")` -> the output at COLUMNS=80, frozen clock, root = cli_root."""
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setenv("EXPR_NOW", str(NOW))
+    monkeypatch.setenv("EXPR_DIR", str(cli_root))
+    app = build_app()
+
+    def run(*args: str) -> str:
+        result = CliRunner().invoke(app, list(args))
+        assert result.exit_code == 0, result.output
+        lines = result.output.splitlines()
+        assert all(len(line) <= 80 for line in lines), "\n".join(lines)
+        assert "…" not in result.output, result.output  # nothing cut with an ellipsis
+        return result.output
+
+    return run
+
+
+@pytest.fixture
+def wide(cli_root: Path) -> Path:
+    """proj/wide: 14 metric keys of 7-9 digits, too many for 80 columns."""
+    run = cli_root / "proj" / "wide"
+    recs = [{"_step": s, "_time": T0 + s,
+             **{f"train/metric_{i:02d}": round(math.sin(s + i) * 1000, 3) for i in range(14)}}
+            for s in range(5)]
+    nbytes = write_shard(run / "metrics.jsonl", recs, mtime=T0 + 5)
+    write_sidecar(run / "metrics.meta.json", rank=0, stream=None, rows=5, nbytes=nbytes,
+                  last_step=4, world=1)
+    return run
+
+
+def test_history_of_many_keys_keeps_step_time_and_whole_values(cli80, wide, golden) -> None:  # type: ignore[no-untyped-def]
+    out = cli80("history", "wide")
+    header = out.splitlines()[1].split()
+    assert header[:2] == ["step", "time"]
+    said = " ".join(out.split())
+    assert "11 more key(s) not shown (train/metric_03, train/metric_04, ...)" in said
+    assert "-m KEY,KEY picks them, -f json or -f csv shows all" in said
+    golden("history_wide_80.txt", out)
+    # the keys asked for are shown, and all of them with -f json
+    picked = cli80("history", "wide", "-m", "train/metric_13")
+    assert "train/metric_13" in picked and "not shown" not in picked
+    rows = json.loads(CliRunner().invoke(build_app(), ["history", "wide", "-f", "json"]).stdout)
+    assert len(rows[0]) == 2 + 14
+
+
+def test_shards_at_80_columns(cli80, golden) -> None:  # type: ignore[no-untyped-def]
+    out = cli80("shards", "run-1")
+    assert "written" in out and "step" in out
+    golden("shards_run1_80.txt", out)
+
+
+def test_summary_at_80_columns(cli80, golden) -> None:  # type: ignore[no-untyped-def]
+    golden("summary_run1_80.txt", cli80("summary", "run-1", "-m", "train/loss"))
+
+
+def test_status_at_80_columns(tmp_path: Path, cli80) -> None:  # type: ignore[no-untyped-def]
+    spool, root, state = tmp_path / "spool", tmp_path / "runs", tmp_path / "state"
+    files = [make_spool(spool, root, name, 20) for name in ("a-run-with-a-long-name", "b")]
+    exprd_once(write_config(tmp_path / "exprd.toml", spool, state, [root]))
+    out = cli80("status", "--state", str(state))
+    # the numbers of a file agree: every event read is in the shard
+    rows = [line.split() for line in out.splitlines() if "finished" in line.split()[1:2]]
+    assert len(rows) == 2 and all(r[2] == r[3] for r in rows), out
+    # a long file name folds onto the next line, whole
+    joined = "".join(line.split()[0] if line.split() else "" for line in out.splitlines())
+    for f in files:
+        assert f.name in joined, out
