@@ -159,6 +159,11 @@ def flush() -> None:
         run.flush()
 
 
+def __dir__() -> list[str]:
+    # the public names only: not the modules and typing names this file imports
+    return sorted(__all__)
+
+
 def finish() -> None:
     """Finish the current run (idempotent)."""
     run = _state.current

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from expr_tracker.errors import RunNotFoundError
+from expr_tracker.outputs import output_kind
 from expr_tracker.store.layout import parse_shard_name, shard_stem, validate_stream
 from expr_tracker.store.reader import ShardReader, select_rows
 
@@ -53,8 +54,7 @@ def history_args(n: Any, metrics: list[str] | str | None, step_range: Any, outpu
     """Check `history`'s arguments; return the metrics list and the step range."""
     if n is not None and (isinstance(n, bool) or not isinstance(n, int)):
         raise TypeError(f"n must be an int or None, got {type(n).__name__}")
-    if output_type not in ("dict", "pandas"):
-        raise ValueError(f"output_type must be 'dict' or 'pandas', got {output_type!r}")
+    output_kind(output_type)
     if isinstance(metrics, str):
         metrics = [metrics]
     return metrics, _parse_range(step_range)
@@ -82,10 +82,18 @@ def history(
 
 
 def to_output(rows: list[dict[str, Any]], output_type: str) -> Any:
-    if output_type == "pandas":
+    """`rows` as `output_type` asks: a list of dicts, a pandas DataFrame or an Arrow table."""
+    kind = output_kind(output_type)
+    if kind == "pandas":
         try:
             import pandas as pd
         except ImportError:
             raise ImportError("output_type='pandas' needs pandas: pip install pandas") from None
         return pd.DataFrame(rows)
+    if kind == "arrow":
+        try:
+            import pyarrow as pa
+        except ImportError:
+            raise ImportError("output_type='arrow' needs pyarrow: pip install 'expr-tracker[export]'") from None
+        return pa.Table.from_pylist(rows)
     return rows

@@ -11,6 +11,7 @@ import email.utils
 import importlib.util
 import logging
 import math
+import sys
 import threading
 import time
 import warnings
@@ -166,6 +167,8 @@ def require(module: str, extra: str) -> bool:
     Uses `find_spec`, so nothing heavy is imported. Call it on the caller's
     thread: the warning names the install command.
     """
+    if sys.modules.get(module) is not None:
+        return True  # imported already (find_spec raises for a module without __spec__)
     try:
         found = importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):

@@ -26,11 +26,11 @@ from typing import IO, Any
 import orjson
 
 from expr_tracker.errors import RunNotFoundError
+from expr_tracker.outputs import output_kind
 from expr_tracker.store import records
 from expr_tracker.store.runread import ALL_STREAMS, BATCH_ROWS, RunReader
 
 FORMATS = ("parquet", "csv", "jsonl")
-OUTPUT_TYPES = ("pandas", "arrow", "dict")
 
 
 def open_run(
@@ -183,8 +183,7 @@ def read_run(
     output_type: str = "pandas",
 ) -> Any:
     """Every rank's rows of a run as one table: pandas DataFrame, Arrow table or list of dicts."""
-    if output_type not in OUTPUT_TYPES:
-        raise ValueError(f"output_type must be one of {', '.join(OUTPUT_TYPES)}, got {output_type!r}")
+    output_type = output_kind(output_type)
     reader = open_run(run, stream=stream, rank_records=rank_records, metrics=metrics)
     if output_type == "dict":
         return list(reader.rows())
