@@ -152,6 +152,13 @@ def parse_options(
         from expr_tracker.alerts import load_config
 
         alert_config = load_config(alert)
+        if mode == "spool":
+            for chan in alert_config.channels:
+                if chan.type == "callable":
+                    raise ValueError(
+                        f"alert channel {chan.name!r}: a callable channel runs in this process "
+                        "and cannot travel through the spool (exprd delivers spool-mode "
+                        "alerts): use direct mode, or a channel in exprd's config")
     if isinstance(backends, (str, Mapping)):
         backends = [backends]
     backend_specs = list(backends)

@@ -56,3 +56,70 @@ def test_a_backend_module_imported_without_a_spec_counts_as_installed(monkeypatc
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert require("expr_fake_backend_lib", "fake") is True
+
+
+class Plugin04:
+    """A backend as expr-tracker 0.4 documents them: init(run_info), log(row), finish()."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, object]] = []
+
+    def init(self, run_info):  # type: ignore[no-untyped-def]
+        self.calls.append(("init", run_info))
+
+    def log(self, row):  # type: ignore[no-untyped-def]
+        self.calls.append(("log", row))
+
+    def finish(self):  # type: ignore[no-untyped-def]
+        self.calls.append(("finish", None))
+
+
+def test_a_0_4_backend_object_gets_the_run_its_rows_and_the_finish(tmp_path: Path) -> None:
+    plugin = Plugin04()
+    et.init("p", "plug", dir=tmp_path, config={"lr": 0.1}, backends=[plugin])
+    for k in range(3):
+        et.log({"loss": float(k)})
+    et.finish()
+    kinds = [c[0] for c in plugin.calls]
+    assert kinds == ["init", "log", "log", "log", "finish"], kinds
+    info = plugin.calls[0][1]
+    assert isinstance(info, dict)
+    assert (info["project"], info["name"], info["config"]) == ("p", "plug", {"lr": 0.1})
+    rows = [c[1] for c in plugin.calls if c[0] == "log"]
+    assert [(r["_step"], r["loss"]) for r in rows] == [(0, 0.0), (1, 1.0), (2, 2.0)]
+
+
+def test_an_object_that_is_no_backend_is_refused_naming_both_protocols(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"open/log/alert/finish methods \(or 0\.4's init/log/finish\)"):
+        et.init("p", "bad", dir=tmp_path, backends=[object()])
+
+
+def test_alert_channels_as_0_4_list_with_a_callable(tmp_path: Path) -> None:
+    got: list[dict] = []
+
+    def boom(alert: dict) -> None:
+        raise RuntimeError("the notebook's channel is broken")
+
+    run = et.init("p", "al", dir=tmp_path, alert={"channels": [
+        {"type": "callable", "callable": got.append, "name": "mine"}, boom]},
+        alert_rules=["loss > 1 => warning: high loss"])
+    et.log({"loss": 2.0})
+    et.alert("manual", "by hand", level="error")
+    et.finish()  # waits for delivery (exit_timeout)
+    titles = sorted(a["title"] for a in got)
+    assert titles == ["high loss", "manual"], got
+    assert all(a["project"] == "p" and "level" in a for a in got)
+    # the function that raised: counted as a failure, never raised into the script
+    stats = run.info()["alerts"]
+    assert stats["mine"]["sent"] == 2 and stats["callable1"] == {**stats["callable1"], "failed": 2}
+
+
+def test_a_callable_channel_is_refused_in_spool_mode(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="callable channel runs in this process"):
+        et.init("p", "sp", dir=tmp_path, upload_mode="spool", spool_dir=tmp_path / "spool",
+                alert={"channels": [print]})
+
+
+def test_a_channel_list_entry_that_is_neither_table_nor_function_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"channels\[1\] must be a table or a function"):
+        et.init("p", "x", dir=tmp_path, alert={"channels": [{"type": "log"}, 3]})

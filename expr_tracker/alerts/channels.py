@@ -237,6 +237,29 @@ class SlackChannel(WebhookChannel):
         return slack_payload(alert)
 
 
+class CallableChannel(Channel):
+    """A Python function in this process, called with the alert as a dict (a notebook's
+    or a test's channel, as in expr-tracker 0.4). What it raises is a failed delivery,
+    counted by the dispatcher like any channel's (not retried), never raised into training."""
+
+    type = "callable"
+
+    def __init__(self, name: str, fn: Any, **kwargs: Any) -> None:
+        super().__init__(name, **kwargs)
+        self.fn = fn
+
+    def describe(self) -> str:
+        return f"callable {getattr(self.fn, '__qualname__', type(self.fn).__name__)}"
+
+    def send(self, alert: Alert, timeout: float) -> None:
+        try:
+            self.fn(alert.as_dict())
+        except Exception as exc:
+            # not retried: a function that raised once is likely to raise again
+            raise DeliveryError(f"the function raised {type(exc).__name__}", retryable=False,
+                                detail=str(exc)) from None
+
+
 class CommandChannel(Channel):
     """Run argv (never via a shell) with the alert JSON on stdin; exit status 0 is success."""
 
@@ -303,6 +326,8 @@ def build_channel(cfg: ChannelConfig) -> Channel:
         if cfg.secret_env is not None:
             secret = _from_env(cfg, "secret_env", cfg.secret_env)
         return WebhookChannel(cfg.name, url, secret=secret, **common)
+    if cfg.type == "callable":
+        return CallableChannel(cfg.name, cfg.fn, **common)
     if cfg.type == "command":
         if shutil.which(cfg.argv[0]) is None:
             raise ValueError(

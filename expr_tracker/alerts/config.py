@@ -43,14 +43,14 @@ import math
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 LEVELS = ("debug", "info", "warning", "error", "critical")
-CHANNEL_TYPES = ("log", "webhook", "slack", "command")
+CHANNEL_TYPES = ("log", "webhook", "slack", "command", "callable")
 CONFIG_ENV = "EXPR_ALERT_CONFIG"
 
 _RANK = {level: i for i, level in enumerate(LEVELS)}
@@ -61,6 +61,7 @@ _TYPE_KEYS: dict[str, tuple[str, ...]] = {
     "webhook": ("url", "url_env", "secret", "secret_env"),
     "slack": ("url", "url_env"),
     "command": ("argv",),
+    "callable": ("fn",),
 }
 
 
@@ -104,6 +105,7 @@ class ChannelConfig:
     secret: str | None = field(default=None, repr=False)
     secret_env: str | None = None
     argv: tuple[str, ...] = ()
+    fn: Any = field(default=None, repr=False, compare=False)  # a callable channel's function
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,28 @@ def _channel(name: object, raw: object, base: Policy) -> ChannelConfig:
         ):
             raise ValueError(f"{where}: key 'argv' must be a non-empty list of non-empty strings")
         out = replace(out, argv=tuple(argv))
+    if kind == "callable":
+        if not callable(raw.get("fn")):
+            raise ValueError(f"{where}: key 'fn' must be a function taking the alert (a dict)")
+        out = replace(out, fn=raw["fn"])
+    return out
+
+
+def _channel_list(chans: Sequence[Any]) -> dict[str, Any]:
+    """expr-tracker 0.4's `channels` list (tables with a `type`, maybe a `name`; a bare
+    function is a callable channel) as this project's table of named channels."""
+    out: dict[str, Any] = {}
+    for i, item in enumerate(chans):
+        if callable(item) and not isinstance(item, Mapping):
+            item = {"type": "callable", "fn": item}
+        if not isinstance(item, Mapping):
+            raise ValueError(f"alert config: channels[{i}] must be a table or a function, "
+                             f"got {type(item).__name__}")
+        table = {("fn" if k == "callable" else k): v for k, v in item.items() if k != "name"}
+        name = item.get("name") or f"{item.get('type', 'channel')}{i if i else ''}"
+        if name in out:
+            raise ValueError(f"alert config: channels[{i}]: the name {name!r} is taken")
+        out[name] = table
     return out
 
 
@@ -256,6 +280,8 @@ def load_config(
     if alert is not None and not isinstance(alert, Mapping):
         raise TypeError(f"alert must be a mapping or None, got {type(alert).__name__}")
     explicit = dict(alert or {})
+    if isinstance(explicit.get("channels"), (list, tuple)):
+        explicit["channels"] = _channel_list(explicit["channels"])
     chans = explicit.get("channels")
     if isinstance(chans, Mapping):
         for name, table in chans.items():

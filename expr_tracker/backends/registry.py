@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from expr_tracker.backends.base import Backend
+from expr_tracker.backends.legacy import LegacyBackend, is_legacy
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 # Which keys each backend type accepts in a mapping spec; "type" is always allowed.
@@ -99,10 +100,13 @@ def make_backend(spec: str | Mapping[str, Any] | Backend) -> Backend:
         kind, options = spec_type, spec
     elif all(callable(getattr(spec, m, None)) for m in ("open", "log", "alert", "finish")):
         return spec  # a user's own backend object (direct mode only)
+    elif is_legacy(spec):
+        return LegacyBackend(spec)  # an expr-tracker 0.4 plugin: init(run_info), log(row), finish()
     else:
         raise TypeError(
             "backend spec must be 'wandb', 'trackio', a mapping with a type, or an object with "
-            f"open/log/alert/finish methods; got {type(spec).__name__}"
+            "open/log/alert/finish methods (or 0.4's init/log/finish); "
+            f"got {type(spec).__name__}"
         )
     if kind not in _SPEC_KEYS:
         raise ValueError(
