@@ -36,6 +36,25 @@ def default_name() -> str:
     return time.strftime("run-%Y%m%d-%H%M%S")
 
 
+def default_backends() -> list[str]:
+    """The backends of an `init` that names none: `$EXPR_BACKENDS` (comma-separated names),
+    else `[defaults] backends` of the `$EXPR_ALERT_CONFIG` file, else none (no network unless
+    asked; expr-tracker 0.4 defaulted to wandb, and a site restores that with either)."""
+    env = os.environ.get("EXPR_BACKENDS")
+    if env is not None:
+        return [b.strip() for b in env.split(",") if b.strip()]
+    path = os.environ.get("EXPR_ALERT_CONFIG")
+    if not path:
+        return []
+    from expr_tracker.alerts.config import read_config_file
+
+    defaults = read_config_file(path).get("defaults", {})
+    names = defaults.get("backends", []) if isinstance(defaults, Mapping) else None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"$EXPR_ALERT_CONFIG={path}: [defaults] backends must be a list of names")
+    return list(names)
+
+
 def check_rank_option(value: object, field: str, world: int | None) -> int | None:
     """A rank option; checked against the world size only when the launcher set it."""
     if value is None:
@@ -161,7 +180,7 @@ def parse_options(
                         "alerts): use direct mode, or a channel in exprd's config")
     if isinstance(backends, (str, Mapping)):
         backends = [backends]
-    backend_specs = list(backends)
+    backend_specs = list(backends) or default_backends()
     backend_objs: list[Any] = []
     if backend_specs and mode == "spool":
         # exprd sends, with its own [backends.NAME] (URLs and tokens live there): a bare

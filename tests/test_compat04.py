@@ -123,3 +123,27 @@ def test_a_callable_channel_is_refused_in_spool_mode(tmp_path: Path) -> None:
 def test_a_channel_list_entry_that_is_neither_table_nor_function_is_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"channels\[1\] must be a table or a function"):
         et.init("p", "x", dir=tmp_path, alert={"channels": [{"type": "log"}, 3]})
+
+
+def _spooled_backends(tmp_path: Path, name: str) -> object:
+    import json
+
+    run = et.init("p", name, dir=tmp_path / "runs", upload_mode="spool", spool_dir=tmp_path / "spool")
+    spool_file = Path(run.info()["spool_file"])
+    et.finish()
+    return json.loads(spool_file.read_text().splitlines()[0])["backends"]
+
+
+def test_a_site_restores_0_4s_default_backend_with_expr_backends(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _spooled_backends(tmp_path, "none") == []  # no network unless asked
+    monkeypatch.setenv("EXPR_BACKENDS", "wandb, trackio")
+    assert _spooled_backends(tmp_path, "env") == ["wandb", "trackio"]
+    monkeypatch.delenv("EXPR_BACKENDS")
+    conf = tmp_path / "alerts.toml"
+    conf.write_text('[defaults]\nbackends = ["wandb"]\n\n[channels.ops]\ntype = "log"\n')
+    monkeypatch.setenv("EXPR_ALERT_CONFIG", str(conf))
+    assert _spooled_backends(tmp_path, "file") == ["wandb"]
+    conf.write_text('[defaults]\nbackends = "wandb"\n')
+    with pytest.raises(ValueError, match=r"\[defaults\] backends must be a list of names"):
+        et.init("p", "bad", dir=tmp_path / "runs", upload_mode="spool", spool_dir=tmp_path / "spool")

@@ -293,6 +293,7 @@ def load_config(
     path = path or os.environ.get(CONFIG_ENV) or None
     from_file = read_config_file(path) if path else {}
     from_file.pop("health", None)  # detector thresholds (DESIGN 13), parsed by expr_tracker.health
+    from_file.pop("defaults", None)  # init's defaults (backends), read by expr_tracker.options
     merged = _merge(from_file, explicit)
     for key in merged:
         if key not in ("channels", "policy"):
