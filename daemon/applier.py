@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from expr_tracker.pipeline import Pipeline
 from expr_tracker.store.records import DECODE_NONFINITE
 from expr_tracker.store.safedir import UnsafePath
@@ -455,9 +457,10 @@ class RunPipeline:
             self.pipeline.tick(now)
 
     def finish(self, status: str, when: float, seq: int | None = None,
-               exit: Any = None) -> None:
+               exit: Any = None, summary: Any = None) -> None:
         """The run finished (`seq` of its finish event) or was found crashed (None); `exit`
-        is the finish event's {type, message, time} of an uncaught exception."""
+        is the finish event's {type, message, time} of an uncaught exception, `summary` the
+        run's final values (`Run.finish`)."""
         if self.dry_run:
             return
         self.forwarder.finish(status)
@@ -465,6 +468,9 @@ class RunPipeline:
             return
         if self.spec.time >= self.slot.newest:
             self.slot.set_status(status, when, exit_info(exit) if status == "crashed" else None)
+            checked = summary_info(summary)
+            if checked is not None:
+                self.slot.writer.identity["summary"] = checked
         if seq is not None and self.slot.opened:
             self._done(seq)
 
@@ -473,6 +479,24 @@ class RunPipeline:
         if not self.closed:
             self.closed = True
             self.pool.release(self.slot)
+
+
+MAX_SUMMARY = 64 << 10  # bytes of a summary exprd puts in a sidecar
+
+
+def summary_info(value: Any) -> dict[str, Any] | None:
+    """A finish event's `summary`, checked: an object of string keys, bounded in size (the
+    spool is untrusted input); None to leave the sidecar without one."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        return None
+    try:
+        size = len(orjson.dumps(value))
+    except (TypeError, orjson.JSONEncodeError):
+        return None
+    if size > MAX_SUMMARY:
+        log.warning("a summary of %d bytes is over %d: not put in the sidecar", size, MAX_SUMMARY)
+        return None
+    return value
 
 
 def exit_info(value: Any) -> dict[str, Any] | None:
@@ -488,6 +512,9 @@ def exit_info(value: Any) -> dict[str, Any] | None:
     thread = value.get("thread")
     if isinstance(thread, str):
         out["thread"] = thread[:200]
+    code = value.get("code")  # finish(exit_code=N)
+    if type(code) is int and -(1 << 31) <= code < (1 << 31):
+        out["code"] = code
     return out
 
 

@@ -409,7 +409,7 @@ class Tailer:
             when = ev.get("_time")
             run.finish(str(ev.get("status") or "finished"),
                        float(when) if isinstance(when, (int, float)) else time.time(), seq,
-                       ev.get("exit"))
+                       ev.get("exit"), ev.get("summary"))
             tail.state = "finished"
         else:
             # an event of a newer SDK: skipped (and kept in quarantine), the file goes on

@@ -40,6 +40,7 @@ __all__ = [
     "log_rank_metrics",
     "read_run",
     "remove_alert_rule",
+    "summary",
     "update_config",
 ]
 
@@ -63,6 +64,12 @@ def init(
     spool_dir: str | os.PathLike[str] | None = None,
     idle_timeout: float = 60.0,
     time_rule_interval: float = 10.0,
+    tags: Sequence[str] | None = None,
+    notes: str | None = None,
+    entity: str | None = None,
+    run_dir: str | os.PathLike[str] | None = None,
+    step_policy: str = "drop",
+    backend_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Run:
     """Start (or resume) this process's shard of run `project/name` and make it current."""
     active = _state.current
@@ -76,7 +83,8 @@ def init(
         alert_rules=alert_rules, alert_on_rank=alert_on_rank, alert=alert, backends=backends,
         backend_on_rank=backend_on_rank, backend_rank_metrics=backend_rank_metrics,
         upload_mode=upload_mode, spool_dir=spool_dir, idle_timeout=idle_timeout,
-        time_rule_interval=time_rule_interval,
+        time_rule_interval=time_rule_interval, tags=tags, notes=notes, entity=entity,
+        run_dir=run_dir, step_policy=step_policy, backend_kwargs=backend_kwargs,
     )
     _state.set_current(run)
     return run
@@ -164,8 +172,21 @@ def __dir__() -> list[str]:
     return sorted(__all__)
 
 
-def finish() -> None:
-    """Finish the current run (idempotent)."""
+def finish(exit_code: int | None = None) -> None:
+    """Finish the current run (idempotent; without a run, nothing to do). A non-zero
+    `exit_code` (0.4) finishes it as crashed, with the code in the sidecar's `exit`."""
     run = _state.current
     if run is not None:
-        run.finish()
+        run.finish(exit_code=exit_code)
+
+
+def summary(values: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The current run's summary (0.4's `run.summary`): `values` merged into it, then the
+    final values as `finish` will save them (the last logged value of each key, yours over)."""
+    from expr_tracker.options import merge_config
+
+    run = _state.get()
+    if values is not None:
+        run.summary = merge_config(run.summary, values)
+    run.flush()
+    return run.final_summary()

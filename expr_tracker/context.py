@@ -42,6 +42,7 @@ class RunContext:
     alert_config: Any = None
     backend_specs: list[Any] = field(default_factory=list)
     backend_objs: list[Any] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)  # tags, notes, entity (those given)
 
     def identity(self) -> dict[str, Any]:
         """Who writes this shard (stored in the sidecar and the spool's init event)."""
@@ -55,6 +56,7 @@ class RunContext:
             "session": self.session,
             "rank_aware": self.rank_aware,
             "config": self.config,
+            **self.meta,
         }
 
     @property

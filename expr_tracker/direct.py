@@ -122,6 +122,10 @@ class DirectSink:
     def checkpoint(self) -> None:
         self.writer.write_sidecar()
 
+    def set_summary(self, summary: dict[str, Any]) -> None:
+        """`Run.finish`: the final sidecar carries the run's summary."""
+        self.writer.identity["summary"] = summary
+
     def close(self, status: str, exit: dict[str, Any] | None = None) -> None:
         """Finish the shard with `status`; `exit` is the crash's {type, message, time}."""
         self.writer.exit = exit

@@ -20,6 +20,8 @@ from expr_tracker.store.layout import default_dir, default_spool, validate_name,
 from expr_tracker.store.records import MAX_WORLD
 
 RESUME_MODES = ("allow", "must", "never")
+STEP_POLICIES = ("drop", "allow")  # a step behind the current one: dropped (counted) or kept
+MAX_TAGS, MAX_TAG, MAX_NOTES = 64, 128, 10_000
 UPLOAD_MODES = ("direct", "spool")
 
 
@@ -93,6 +95,69 @@ class Options:
     alert_config: Any
     backend_specs: list[Any]
     backend_objs: list[Any]
+    meta: dict[str, Any]  # tags, notes, entity (those given): in the sidecar's identity
+    step_policy: str
+
+
+def config_dict(config: object) -> Mapping[str, Any] | None:
+    """`config` as a mapping: a dict, a pydantic model (`model_dump`, or v1's `dict`), a
+    dataclass or an argparse Namespace, as expr-tracker 0.4 (and wandb) take them."""
+    if config is None or isinstance(config, Mapping):
+        return config
+    import dataclasses
+
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return dataclasses.asdict(config)
+    for method in ("model_dump", "dict"):  # pydantic v2, then v1
+        dump = getattr(config, method, None)
+        if callable(dump) and hasattr(type(config), "model_fields" if method == "model_dump" else "__fields__"):
+            out = dump()
+            if isinstance(out, Mapping):
+                return out
+    if type(config).__name__ == "Namespace" and hasattr(config, "__dict__"):
+        return dict(vars(config))
+    raise TypeError(f"config must be a dict, a dataclass or a pydantic model, got {type(config).__name__}")
+
+
+def run_meta(tags: object, notes: object, entity: object) -> dict[str, Any]:
+    """`init`'s tags, notes and entity (0.4 and wandb take them), checked; only those given."""
+    out: dict[str, Any] = {}
+    if tags is not None:
+        if isinstance(tags, str) or not isinstance(tags, (list, tuple, set, frozenset)):
+            raise TypeError(f"tags must be a list of strings, got {type(tags).__name__}")
+        tags = list(tags)
+        if len(tags) > MAX_TAGS or not all(isinstance(t, str) and 0 < len(t) <= MAX_TAG
+                                           and "\x00" not in t for t in tags):
+            raise ValueError(f"tags must be at most {MAX_TAGS} non-empty strings of at most "
+                             f"{MAX_TAG} characters")
+        out["tags"] = list(dict.fromkeys(tags))
+    if notes is not None:
+        if not isinstance(notes, str) or len(notes) > MAX_NOTES:
+            raise ValueError(f"notes must be a string of at most {MAX_NOTES:,} characters")
+        out["notes"] = notes
+    if entity is not None:
+        out["entity"] = validate_name(entity, "entity")
+    return out
+
+
+def with_backend_kwargs(specs: list[Any], kwargs: object) -> list[Any]:
+    """`backend_kwargs={"wandb": {...}}` (0.4): each backend's extra options, by type."""
+    if kwargs is None:
+        return specs
+    if not isinstance(kwargs, Mapping) or not all(isinstance(v, Mapping) for v in kwargs.values()):
+        raise TypeError("backend_kwargs must map a backend name to a dict of its options")
+    out, used = [], set()
+    for spec in specs:
+        kind = spec if isinstance(spec, str) else spec.get("type") if isinstance(spec, Mapping) else None
+        if isinstance(kind, str) and kind in kwargs:
+            used.add(kind)
+            base = {"type": kind} if isinstance(spec, str) else dict(spec)
+            spec = {**base, **kwargs[kind]}
+        out.append(spec)
+    unused = set(kwargs) - used
+    if unused:
+        raise ValueError(f"backend_kwargs: {', '.join(sorted(unused))} is not among the backends")
+    return out
 
 
 def _path(value: object, field: str) -> None:
@@ -119,22 +184,35 @@ def parse_options(
     spool_dir: str | os.PathLike[str] | None,
     idle_timeout: float,
     time_rule_interval: float,
+    tags: Sequence[str] | None = None,
+    notes: str | None = None,
+    entity: str | None = None,
+    run_dir: str | os.PathLike[str] | None = None,
+    step_policy: str = "drop",
+    backend_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Options:
     """Check every argument of `init`; raise TypeError/ValueError naming the field."""
     project = validate_name(project, "project")
     name = validate_name(default_name() if name is None else name, "name")
     stream = validate_stream(stream)
     _path(dir, "dir")
+    _path(run_dir, "run_dir")
+    if run_dir is not None:
+        if dir is not None:
+            raise ValueError("dir and run_dir are the same setting (0.4 called it run_dir): give one")
+        dir = run_dir
     # absolute: a later chdir in the training script must not move the shard
     root = (Path(dir) if dir is not None else default_dir()).absolute()
-    if config is not None and not isinstance(config, Mapping):
-        raise TypeError(f"config must be a dict, got {type(config).__name__}")
+    config = config_dict(config)
     try:
         config_copy: dict[str, Any] = orjson.loads(orjson.dumps(dict(config or {})))
     except (TypeError, orjson.JSONEncodeError) as exc:
         raise TypeError(f"config must be JSON-serializable: {exc}") from None
     if not isinstance(rank_aware, bool):
         raise TypeError("rank_aware must be True or False")
+    if step_policy not in STEP_POLICIES:
+        raise ValueError(f"step_policy must be one of {', '.join(STEP_POLICIES)}; got {step_policy!r}")
+    meta = run_meta(tags, notes, entity)
     if resume not in RESUME_MODES:
         raise ValueError(f"resume must be one of {', '.join(RESUME_MODES)}; got {resume!r}")
     mode = upload_mode if upload_mode is not None else (os.environ.get("EXPR_MODE") or "direct")
@@ -180,7 +258,7 @@ def parse_options(
                         "alerts): use direct mode, or a channel in exprd's config")
     if isinstance(backends, (str, Mapping)):
         backends = [backends]
-    backend_specs = list(backends) or default_backends()
+    backend_specs = with_backend_kwargs(list(backends) or default_backends(), backend_kwargs)
     backend_objs: list[Any] = []
     if backend_specs and mode == "spool":
         # exprd sends, with its own [backends.NAME] (URLs and tokens live there): a bare
@@ -206,7 +284,7 @@ def parse_options(
         rank=info.rank, world_size=info.world_size, local_rank=info.local_rank,
         alert_on_rank=alert_rank, backend_on_rank=backend_rank,
         backend_rank_metrics=bool(backend_rank_metrics), rules=rules, alert_config=alert_config,
-        backend_specs=backend_specs, backend_objs=backend_objs,
+        backend_specs=backend_specs, backend_objs=backend_objs, meta=meta, step_policy=step_policy,
     )
 
 

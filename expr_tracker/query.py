@@ -69,8 +69,10 @@ def history(
     stream: Any = ...,
     rank: int | None = None,
     output_type: str = "dict",
+    include_meta: bool = True,
 ) -> Any:
     """The last `n` committed rows (all for n=-1 or None) of a shard of `run`, oldest first.
+    `include_meta=False` (0.4) leaves out the `_` keys but `_step`.
 
     Reads files only; the current run's own rows (read-your-writes, spool mode) are
     `Run.history`'s.
@@ -78,7 +80,14 @@ def history(
     metric_list, rng = history_args(n, metrics, step_range, output_type)
     path = resolve_shard(run, None if stream is ... else stream, rank)
     rows = select_rows(ShardReader(path), n, metrics=metric_list, step_range=rng)
-    return to_output(rows, output_type)
+    return to_output(strip_meta(rows, include_meta), output_type)
+
+
+def strip_meta(rows: list[dict[str, Any]], include_meta: bool) -> list[dict[str, Any]]:
+    """`rows` as they are, or without the `_` keys (`_time`, `_sid`, `_seq`...) but `_step`."""
+    if include_meta:
+        return rows
+    return [{k: v for k, v in r.items() if k == "_step" or not k.startswith("_")} for r in rows]
 
 
 def to_output(rows: list[dict[str, Any]], output_type: str) -> Any:

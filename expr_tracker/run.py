@@ -62,6 +62,12 @@ class Run:
         spool_dir: str | os.PathLike[str] | None = None,
         idle_timeout: float = 60.0,
         time_rule_interval: float = 10.0,
+        tags: Sequence[str] | None = None,
+        notes: str | None = None,
+        entity: str | None = None,
+        run_dir: str | os.PathLike[str] | None = None,
+        step_policy: str = "drop",
+        backend_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         # -- validate everything before touching the disk -------------------
         o = parse_options(
@@ -70,8 +76,13 @@ class Run:
             backends=backends, backend_on_rank=backend_on_rank,
             backend_rank_metrics=backend_rank_metrics, upload_mode=upload_mode,
             spool_dir=spool_dir, idle_timeout=idle_timeout,
-            time_rule_interval=time_rule_interval,
+            time_rule_interval=time_rule_interval, tags=tags, notes=notes, entity=entity,
+            run_dir=run_dir, step_policy=step_policy, backend_kwargs=backend_kwargs,
         )
+        self.meta, self.step_policy = o.meta, o.step_policy
+        # final values (0.4's run.summary): yours, over the last logged value of each key,
+        # saved in the sidecar at finish
+        self.summary: dict[str, Any] = {}
         self.project, self.name, self.stream, self.config = o.project, o.name, o.stream, o.config
         self.root, self.spool_root, self.mode, self.rank_aware = o.root, o.spool_root, o.mode, o.rank_aware
         self.rank, self.world_size, self.local_rank = o.rank, o.world_size, o.local_rank
@@ -144,7 +155,7 @@ class Run:
             backend_on_rank=self.backend_on_rank, backend_rank_metrics=self.backend_rank_metrics,
             time_rule_interval=self.time_rule_interval, warn_once=self.warn_once,
             dropped=self.dropped, ruleset=self._ruleset, alert_config=self._alert_config,
-            backend_specs=self._backend_specs, backend_objs=self._backend_objs,
+            backend_specs=self._backend_specs, backend_objs=self._backend_objs, meta=self.meta,
         )
         if self.mode == "spool":
             from expr_tracker.spool import SpoolSink
@@ -236,6 +247,14 @@ class Run:
                 return
             self._last_log = time.monotonic()
             if step is not None:
+                if step < self._step and self.step_policy == "allow":
+                    # kept as a row of its own at that step; the cursor stays where it is
+                    record = {"_step": step, "_time": time.time(), **row}
+                    if not self.rank_aware:
+                        record["_rank"] = self.rank
+                    self._rows_committed += 1
+                    self._sink.apply(record, nonfinite)
+                    return
                 if step < self._step:
                     self._count("backward_step")
                     self.warn_once(
@@ -386,8 +405,31 @@ class Run:
             except Exception as exc:  # the tracker must never take the process down
                 self.warn_once(f"background:{type(exc).__name__}", f"expr_tracker: background error: {exc!r}")
 
-    def finish(self, status: str = "finished") -> None:
-        """Commit the open row, flush, write the sidecar, drain alerts and backends. Idempotent."""
+    def final_summary(self) -> dict[str, Any]:
+        """The last committed value of each key (read back from the tail of this process's
+        own shard or spool file: nothing on the hot path), with `summary`'s values over them."""
+        from expr_tracker.store.reader import last_values
+
+        path = self._sink.path if self.mode == "spool" else self.paths.shard
+        try:
+            found = last_values(path)
+        except OSError:
+            found = {}
+        return {**found, **self.summary}
+
+    def finish(self, status: str = "finished", exit_code: int | None = None) -> None:
+        """Commit the open row, flush, write the sidecar, drain alerts and backends. Idempotent.
+
+        `exit_code` (0.4's `finish(exit_code=1)`): a non-zero code finishes the run as crashed,
+        with the code in the sidecar's `exit`."""
+        if exit_code is not None:
+            if isinstance(exit_code, bool) or not isinstance(exit_code, int):
+                raise TypeError(f"exit_code must be an int, got {type(exit_code).__name__}")
+            if exit_code != 0:
+                status = "crashed"
+                if self._exit is None:
+                    self._exit = {"type": "exit_code", "message": f"exit code {exit_code}",
+                                  "code": exit_code, "time": time.time()}
         with self._lock:
             if self._finished:
                 return
@@ -400,6 +442,11 @@ class Run:
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=5.0)
+        try:
+            self._sink.flush()
+            self._sink.set_summary(self.final_summary())
+        except Exception as exc:  # a summary never stops the finish
+            self.warn_once("summary", f"expr_tracker: cannot save the summary: {exc!r}")
         self._sink.close(status, self._exit if status == "crashed" else None)
         # in spool mode exprd evaluates the rules: this process never fed them a row
         if self.mode == "direct" and self._ruleset is not None and self._ruleset.rules:
@@ -476,6 +523,7 @@ class Run:
         stream: Any = ...,
         rank: int | None = None,
         output_type: str = "dict",
+        include_meta: bool = True,
     ) -> Any:
         """The last `n` committed rows of this run; see `expr_tracker.history`."""
         from expr_tracker import query
@@ -485,7 +533,8 @@ class Run:
         ):
             where = self.paths.run_dir if run is None else run
             return query.history(n, metrics=metrics, step_range=step_range, run=where,
-                                 stream=stream, rank=rank, output_type=output_type)
+                                 stream=stream, rank=rank, output_type=output_type,
+                                 include_meta=include_meta)
         metric_list, rng = query.history_args(n, metrics, step_range, output_type)
         self.flush()  # read-your-writes
         if self.mode == "spool":
@@ -494,7 +543,7 @@ class Run:
             from expr_tracker.store.reader import ShardReader, select_rows
 
             rows = select_rows(ShardReader(self.paths.shard), n, metrics=metric_list, step_range=rng)
-        return query.to_output(rows, output_type)
+        return query.to_output(query.strip_meta(rows, include_meta), output_type)
 
     def info(self) -> dict[str, Any]:
         """Where this process stands: rank, shard, rows, drops, rules, alerts, backends."""

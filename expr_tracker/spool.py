@@ -254,11 +254,19 @@ class SpoolSink:
     def checkpoint(self) -> None:
         """Nothing to do: the spool has no sidecar."""
 
+    def set_summary(self, summary: dict[str, Any]) -> None:
+        """`Run.finish`: the finish event carries the summary, which exprd puts in the sidecar."""
+        self._summary = summary
+
     def close(self, status: str, exit: dict[str, Any] | None = None) -> None:
-        """The finish event; `exit` (a crash's {type, message, time}) goes into the sidecar."""
+        """The finish event; `exit` (a crash's {type, message, time}) and the summary go
+        into the sidecar."""
         event: dict[str, Any] = {"_event": "finish", "_time": time.time(), "status": status}
         if exit is not None:
             event["exit"] = exit
+        summary = getattr(self, "_summary", None)
+        if summary:
+            event["summary"] = summary
         self._emit(event)
         self.writer.close("finished")
         if self._lock_fd is not None:

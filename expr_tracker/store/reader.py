@@ -130,3 +130,34 @@ def select_rows(
 
 _SPOOL_KEYS = ("_sid", "_seq")
 _ROW_META = ("_step", "_time", "_kind", "_rank", "_world_size", "_local_rank", "_weight")
+
+
+SUMMARY_TAIL = 1 << 20  # bytes of a shard's end that `last_values` reads
+
+
+def last_values(path: Path, tail: int = SUMMARY_TAIL) -> dict[str, Any]:
+    """The last value of each key among the step rows in the last `tail` bytes of a shard or
+    spool file, and the largest `_step` (the summary `finish` saves)."""
+    import orjson
+
+    with open(path, "rb") as fh:
+        end = fh.seek(0, 2)
+        start = max(0, end - tail)
+        fh.seek(start)
+        data = fh.read(end - start)
+    if start:
+        data = data[data.find(b"\n") + 1:]
+    out: dict[str, Any] = {}
+    for line in data.splitlines():
+        try:
+            rec = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue  # a torn or foreign line: the summary is best effort
+        if not isinstance(rec, dict) or "_event" in rec or "_kind" in rec or "_step" not in rec:
+            continue
+        step = rec["_step"]
+        if type(step) is int and step >= out.get("_step", step):
+            out["_step"] = step  # the largest: a row kept out of order (step_policy) may be last
+        out.update((k, v) for k, v in rec.items() if not k.startswith("_"))
+    return out
+
