@@ -80,6 +80,11 @@ def alerts_name(rank: int) -> str:
     return "alerts.jsonl" if rank == 0 else f"alerts.rank{rank}.jsonl"
 
 
+def spans_name(rank: int) -> str:
+    """`spans.jsonl` for rank 0, `spans.rank2.jsonl` otherwise (`trace_spans=True`)."""
+    return "spans.jsonl" if rank == 0 else f"spans.rank{rank}.jsonl"
+
+
 @dataclass(frozen=True)
 class ShardName:
     """What a shard file name says about its contents."""
