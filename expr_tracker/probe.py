@@ -66,7 +66,8 @@ _IO_FILES = ("/socket.py", "/selectors.py", "/ssl.py", "/subprocess.py", "/_pyio
 def _library(filename: str) -> str | None:
     """The path of `filename` below its library root, or None for user code."""
     if filename.startswith("<"):
-        return filename  # <frozen ...>, <string>: never user code worth pointing at
+        # `python -c` and a REPL are the user's code; <frozen ...> modules are not
+        return None if filename in ("<string>", "<stdin>") else filename
     path = os.path.abspath(filename)
     if path.startswith(_HERE):
         return "expr_tracker/" + path[len(_HERE):]

@@ -85,6 +85,15 @@ def spans_name(rank: int) -> str:
     return "spans.jsonl" if rank == 0 else f"spans.rank{rank}.jsonl"
 
 
+_SPANS_RE = re.compile(r"spans(?:\.rank(?P<rank>\d+))?\.jsonl\Z")
+
+
+def parse_spans_name(filename: str) -> int | None:
+    """The rank of a span trace file name (`spans.jsonl`: 0), None for anything else."""
+    m = _SPANS_RE.match(filename)
+    return None if m is None else int(m.group("rank") or 0)
+
+
 @dataclass(frozen=True)
 class ShardName:
     """What a shard file name says about its contents."""
