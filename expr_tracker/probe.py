@@ -115,14 +115,26 @@ def _callee(frame: FrameType) -> str | None:
         return None
 
 
-def _waiting(files: list[str], callee: str | None) -> str | None:
+def _process_group() -> bool:
+    """True when torch.distributed has a process group in this process (DDP's reducer
+    all-reduces inside `backward()`, in C++: only the backward frame shows)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return bool(dist is not None and dist.is_available() and dist.is_initialized())
+    except Exception:  # a half-imported torch: no verdict
+        return False
+
+
+def _waiting(files: list[str], callee: str | None, group: bool = False) -> str | None:
     """collective | sleep | io | None, from the C callee and the library frames inside the
     innermost user frame (`files`: those, innermost first; a launcher's wrapper around
-    the whole script, such as torch.distributed.elastic's `@record`, is not a wait)."""
+    the whole script, such as torch.distributed.elastic's `@record`, is not a wait).
+    With a process group (`group`), a long `backward()` is DDP's gradient all-reduce."""
     name = (callee or "").lower()
     last = name.rsplit(".", 1)[-1]
     if any(marker in f for f in files for marker in _COLLECTIVE_FILES) or (
-            last in _COLLECTIVE_CALLS and (last != "wait" or "work" in name)):
+            last in _COLLECTIVE_CALLS and (last != "wait" or "work" in name)) or (
+            group and any("torch/autograd/" in f for f in files)):
         return "collective"
     if any(s in last for s in _SLEEP_CALLS) or any(m in f for f in files[:2] for m in _SLEEP_FILES):
         return "sleep"
@@ -162,7 +174,8 @@ def sample(ident: int | None = None) -> dict[str, Any] | None:
         if in_user and len(where) >= MAX_WHERE:
             break
         f = f.f_back
-    return {"where": where, "spans": _spans.open_spans(ident), "waiting": _waiting(files, callee)}
+    return {"where": where, "spans": _spans.open_spans(ident),
+            "waiting": _waiting(files, callee, _process_group())}
 
 
 class Prober:

@@ -167,3 +167,59 @@ def test_bad_env_probe_after_names_the_variable(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setenv("EXPR_PROBE_AFTER", "soon")
     with pytest.raises(ValueError, match="EXPR_PROBE_AFTER"):
         et.init("p", "r", dir=tmp_path)
+
+
+DDP = """
+import os, sys, time
+import torch, torch.distributed as dist
+import expr_tracker as et
+go, root = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+et.init("proj", "ddp", dir=root)
+for step in range(6):
+    with et.span("data"):
+        if rank == 1 and step == 3:
+            while not os.path.exists(go):
+                time.sleep(0.05)
+        x = torch.randn(4, 8)
+    with et.span("step"):
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    et.log({"loss": loss.item()})
+et.finish()
+dist.destroy_process_group()
+"""
+
+
+def test_ddp_the_sleeping_rank_sleeps_in_data_the_other_waits_in_the_collective(tmp_path: Path) -> None:
+    """torchrun, 2 ranks, gloo: rank 1 stops in et.span("data"); rank 0 blocks in DDP's
+    gradient all-reduce inside backward()."""
+    script, go, root = tmp_path / "ddp_probe.py", tmp_path / "go", tmp_path / "runs"
+    script.write_text(DDP)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(script), str(go), str(root)]
+    proc = subprocess.Popen(cmd, env=env_for({"EXPR_PROBE_AFTER": "1", "OMP_NUM_THREADS": "1"}),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    metas = [root / "proj" / "ddp" / name for name in ("metrics.meta.json", "metrics.rank1.meta.json")]
+    try:
+        wait_for(lambda: all(sidecar(m).get("probe") for m in metas), 60, "both ranks' probes")
+        waiting, sleeping = (sidecar(m)["probe"] for m in metas)
+        go.touch()
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert sleeping["spans"] == ["data"] and sleeping["waiting"] == "sleep"
+    assert sleeping["where"][:2] == ["ddp_probe.py:15 time.sleep", "ddp_probe.py:15 <module> [user]"]
+    assert waiting["spans"] == ["step"] and waiting["waiting"] == "collective"
+    assert any(w.startswith("torch/autograd/") for w in waiting["where"])
+    assert waiting["where"][-1] == "ddp_probe.py:20 <module> [user]"
+    for m in metas:
+        assert sidecar(m)["status"] == "finished" and "probe" not in sidecar(m)
