@@ -63,7 +63,7 @@ def _thread_state() -> _Thread:
 class Sink:
     """Where closed spans go while a run is active (set by `Run`, see `activate`).
 
-    `pending`: (path, ns) of spans closed since the last committed row, drained by
+    `pending`: (time_ms key, ns) of spans closed since the last committed row, drained by
     `drain`. `trace` (with `trace_spans=True`): (path, start ns, ns, step, thread id) of
     every closed span, written by the run's background thread. `run`: the open step is
     `run._step`.
@@ -109,10 +109,24 @@ def check_name(name: object) -> str:
     return name
 
 
-def _closed(path: str, start: int, dur: int) -> None:
+# parent path -> name -> (path, its time_ms key): a span's path is looked up, not built,
+# on the hot path (bounded: a program has few distinct span paths)
+_joined: dict[str, dict[str, tuple[str, str]]] = {}
+MAX_PATHS = 100_000
+
+
+def _join(parent: str, name: str) -> tuple[str, str]:
+    path = f"{parent}/{name}" if parent else name
+    pair = (path, f"time_ms/{path}")
+    if len(_joined) < MAX_PATHS:
+        _joined.setdefault(parent, {})[name] = pair
+    return pair
+
+
+def _closed(path: str, key: str, start: int, dur: int) -> None:
     sink = _sink
     if sink is not None:
-        sink.pending.append((path, dur))
+        sink.pending.append((key, dur))
         trace = sink.trace
         if trace is not None:
             trace.append((path, start, dur, sink.run._step, _get_ident()))
@@ -126,14 +140,12 @@ class Span:
     threads are fine.
     """
 
-    __slots__ = ("_cache_parent", "_cache_path", "_parent", "_path", "_start", "_state", "name")
+    __slots__ = ("_key", "_parent", "_path", "_start", "_state", "name")
 
     def __init__(self, name: str) -> None:
         if name.__class__ is not str or name not in _names:
             check_name(name)
         self.name = name
-        self._cache_parent: str | None = None
-        self._cache_path = ""
         self._start = 0
 
     def __enter__(self) -> Span:
@@ -144,12 +156,11 @@ class Span:
         except AttributeError:
             state = _thread_state()
         parent = state.top
-        if parent is self._cache_parent:
-            path = self._cache_path
-        else:
-            path = f"{parent}/{self.name}" if parent else self.name
-            self._cache_parent, self._cache_path = parent, path
-        self._parent, self._path, self._state = parent, path, state
+        try:
+            path, key = _joined[parent][self.name]
+        except KeyError:
+            path, key = _join(parent, self.name)
+        self._parent, self._path, self._key, self._state = parent, path, key, state
         state.top = path
         self._start = _ns()
         return self
@@ -162,7 +173,7 @@ class Span:
         sink = _sink
         if sink is not None:  # inline _closed: this is the hot path
             dur = end - start
-            sink.pending.append((self._path, dur))
+            sink.pending.append((self._key, dur))
             trace = sink.trace
             if trace is not None:
                 trace.append((self._path, start, dur, sink.run._step, _get_ident()))
@@ -203,7 +214,7 @@ class StartedSpan:
     of spans opened after it (it may end in any order, on any thread).
     """
 
-    __slots__ = ("_start", "path")
+    __slots__ = ("_start", "key", "path")
 
     def __init__(self, name: str) -> None:
         if name.__class__ is not str or name not in _names:
@@ -212,7 +223,10 @@ class StartedSpan:
             parent = _local.state.top
         except AttributeError:
             parent = ""
-        self.path = f"{parent}/{name}" if parent else name
+        try:
+            self.path, self.key = _joined[parent][name]
+        except KeyError:
+            self.path, self.key = _join(parent, name)
         self._start = _ns()
 
     def end(self) -> None:
@@ -220,7 +234,7 @@ class StartedSpan:
         start = self._start
         if start:
             self._start = 0
-            _closed(self.path, start, _ns() - start)
+            _closed(self.path, self.key, start, _ns() - start)
 
 
 def start_span(name: str) -> StartedSpan:
@@ -245,7 +259,7 @@ def open_spans(ident: int | None = None) -> list[str]:
     return ["/".join(parts[: i + 1]) for i in range(len(parts))]
 
 
-_keys: dict[str, tuple[str, str]] = {}
+_count_keys: dict[str, str] = {}  # time_ms/<path> -> count/<path>
 
 
 def drain(sink: Sink, record: dict[str, Any]) -> None:
@@ -256,21 +270,23 @@ def drain(sink: Sink, record: dict[str, Any]) -> None:
     operations, so nothing is lost or counted twice).
     """
     pending = sink.pending
-    n = len(pending)
-    items = pending[:n]
-    del pending[:n]
+    items = pending[:]
+    del pending[: len(items)]
     totals: dict[str, int] = {}
-    counts: dict[str, int] = {}
-    for path, dur in items:
-        totals[path] = totals.get(path, 0) + dur
-        counts[path] = counts.get(path, 0) + 1
-    for path, ns in totals.items():
-        keys = _keys.get(path)
-        if keys is None:
-            keys = _keys[path] = (f"time_ms/{path}", f"count/{path}")
-        record[keys[0]] = ns / 1e6
-        if sink.count:
-            record[keys[1]] = counts[path]
+    get = totals.get
+    for key, dur in items:
+        totals[key] = get(key, 0) + dur
+    for key, ns in totals.items():
+        record[key] = ns / 1e6
+    if sink.count:
+        counts: dict[str, int] = {}
+        for key, _ in items:
+            counts[key] = counts.get(key, 0) + 1
+        for key, n in counts.items():
+            ckey = _count_keys.get(key)
+            if ckey is None:
+                ckey = _count_keys[key] = "count/" + key[len("time_ms/"):]
+            record[ckey] = n
 
 
 def take_trace(sink: Sink) -> list[tuple[str, int, int, int, int]]:
