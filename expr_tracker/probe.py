@@ -204,6 +204,9 @@ class Prober:
         """Once a second on the background thread: trace lines, then probe or clear."""
         run = self.run
         self._trace()
+        if len(run._spans.pending) > _spans.FOLD_AT:
+            with run._lock:
+                _spans.fold(run._spans)
         token = (run._rows_committed, run._last_log)
         if token != self._seen:
             rows = token[0] - self._seen[0]

@@ -24,7 +24,6 @@ open when it starts).
 from __future__ import annotations
 
 import functools
-import inspect
 import threading
 import time
 import weakref
@@ -66,15 +65,17 @@ class Sink:
     `pending`: (time_ms key, ns) of spans closed since the last committed row, drained by
     `drain`. `trace` (with `trace_spans=True`): (path, start ns, ns, step, thread id) of
     every closed span, written by the run's background thread. `run`: the open step is
-    `run._step`.
+    `run._step`. `folded`: key -> [ns, count] of spans `fold` took out of a long
+    `pending` (a program that closes spans for minutes without logging a row).
     """
 
-    __slots__ = ("count", "pending", "run", "trace")
+    __slots__ = ("count", "folded", "pending", "run", "trace")
 
     def __init__(self, run: Any, count: bool, trace: bool) -> None:
         self.run = run
         self.count = count
         self.pending: list[tuple[str, int]] = []
+        self.folded: dict[str, list[int]] = {}
         self.trace: list[tuple[str, int, int, int, int]] | None = [] if trace else None
 
 
@@ -165,7 +166,7 @@ class Span:
         self._start = _ns()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         end = _ns()
         start = self._start
         self._start = 0
@@ -181,11 +182,13 @@ class Span:
     async def __aenter__(self) -> Span:
         return self.__enter__()
 
-    async def __aexit__(self, *exc: object) -> None:
-        self.__exit__()
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.__exit__(exc_type, exc, tb)
 
     def __call__(self, fn: F) -> F:
         """Decorate `fn` (sync or async): each call runs inside a span of this name."""
+        import inspect  # here: importing it costs `import expr_tracker` milliseconds
+
         name = self.name
         if inspect.iscoroutinefunction(fn):
 
@@ -276,12 +279,23 @@ def drain(sink: Sink, record: dict[str, Any]) -> None:
     get = totals.get
     for key, dur in items:
         totals[key] = get(key, 0) + dur
-    for key, ns in totals.items():
-        record[key] = ns / 1e6
+    counts: dict[str, int] | None = None
     if sink.count:
-        counts: dict[str, int] = {}
+        counts = {}
         for key, _ in items:
             counts[key] = counts.get(key, 0) + 1
+    if sink.folded:  # `fold` left its marker ("", 0) in `pending`
+        for key, (ns, n) in sink.folded.items():
+            totals[key] = get(key, 0) + ns
+            if counts is not None:
+                counts[key] = counts.get(key, 0) + n
+        sink.folded = {}
+        del totals[""]
+        if counts is not None:
+            del counts[""]
+    for key, ns in totals.items():
+        record[key] = ns / 1e6
+    if counts is not None:
         for key, n in counts.items():
             ckey = _count_keys.get(key)
             if ckey is None:
@@ -289,14 +303,40 @@ def drain(sink: Sink, record: dict[str, Any]) -> None:
             record[ckey] = n
 
 
+FOLD_AT = 4096  # pending spans the background thread folds into `Sink.folded`
+MAX_TRACE = 1 << 20  # traced spans kept for the background thread; beyond, counted
+
+
+def fold(sink: Sink) -> None:
+    """Sum a long `pending` into `folded` (memory stays bounded however long no row is
+    logged). The caller holds the run's lock, so `drain` cannot run meanwhile; a marker
+    ("", 0) stays in `pending`, so the next commit drains what was folded."""
+    pending = sink.pending
+    items = pending[:]
+    del pending[: len(items)]
+    folded = sink.folded
+    for key, dur in items:
+        if key:
+            entry = folded.get(key)
+            if entry is None:
+                folded[key] = [dur, 1]
+            else:
+                entry[0] += dur
+                entry[1] += 1
+    if folded:
+        pending.append(("", 0))
+
+
 def take_trace(sink: Sink) -> list[tuple[str, int, int, int, int]]:
     """The traced spans closed since the last call (for the background writer)."""
     trace = sink.trace
     if not trace:
         return []
-    n = len(trace)
-    items = trace[:n]
-    del trace[:n]
+    items = trace[:]
+    del trace[: len(items)]
+    if len(items) > MAX_TRACE:  # the thread could not keep up (a stuck disk): keep the newest
+        sink.run._count("spans_trace", len(items) - MAX_TRACE)
+        del items[: len(items) - MAX_TRACE]
     return items
 
 

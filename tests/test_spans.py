@@ -140,3 +140,20 @@ def test_bad_names_fail_at_the_call_naming_the_field(tmp_path: Path) -> None:
     s = et.span("twice")
     with s, pytest.raises(RuntimeError, match="already open"), s:
         pass
+
+
+def test_spans_without_a_log_for_long_are_folded_and_still_land_whole(tmp_path: Path) -> None:
+    run = et.init("p", "r", dir=tmp_path, span_count=True)
+    sink = run._spans
+    for i in range(3 * spans_mod.FOLD_AT):
+        with et.span("eval"):
+            pass
+        if i % spans_mod.FOLD_AT == 0:
+            with run._lock:
+                spans_mod.fold(sink)  # what the background thread does once a second
+    assert len(sink.pending) <= spans_mod.FOLD_AT + 1
+    et.log({"loss": 1.0})
+    et.finish()
+    (r,) = rows(run)
+    assert r["count/eval"] == 3 * spans_mod.FOLD_AT and r["time_ms/eval"] > 0
+    assert "time_ms/" not in r and "count/" not in r
