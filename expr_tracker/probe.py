@@ -247,9 +247,10 @@ class Prober:
         if any(item[4] not in names for item in items):
             names.update((t.ident, t.name) for t in threading.enumerate() if t.ident is not None)
         epoch = _spans.epoch_of
-        lines = [{"path": path, "start": round(epoch(start), 6), "dur_ms": dur / 1e6,
+        cut = len(_spans.PREFIX)
+        lines = [{"path": key[cut:], "start": round(epoch(start), 6), "dur_ms": dur / 1e6,
                   "step": step, "thread": names.get(ident, str(ident))}
-                 for path, start, dur, step, ident in items]
+                 for key, start, dur, step, ident in items]
         run = self.run
         with run._lock:
             if not run._detached:

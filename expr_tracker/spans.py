@@ -38,7 +38,8 @@ _get_ident = threading.get_ident
 
 
 class _Thread:
-    """One thread's innermost open span path ("" when none is open)."""
+    """One thread's innermost open span, as its key `time_ms/<path>` ("" when none is
+    open): the key is what both the next nested span and the row need."""
 
     __slots__ = ("__weakref__", "top")
 
@@ -110,74 +111,69 @@ def check_name(name: object) -> str:
     return name
 
 
-# parent path -> name -> (path, its time_ms key): a span's path is looked up, not built,
-# on the hot path (bounded: a program has few distinct span paths)
-_joined: dict[str, dict[str, tuple[str, str]]] = {}
+PREFIX = "time_ms/"
+_CUT = len(PREFIX)
+# parent key -> name -> key (`time_ms/<parent path>/<name>`): a span's key is looked up,
+# not built, on the hot path (bounded: a program has few distinct span paths)
+_joined: dict[str, dict[str, str]] = {}
 MAX_PATHS = 100_000
 
 
-def _join(parent: str, name: str) -> tuple[str, str]:
-    path = f"{parent}/{name}" if parent else name
-    pair = (path, f"time_ms/{path}")
+def _join(parent: str, name: str) -> str:
+    key = f"{parent}/{name}" if parent else PREFIX + name
     if len(_joined) < MAX_PATHS:
-        _joined.setdefault(parent, {})[name] = pair
-    return pair
+        _joined.setdefault(parent, {})[name] = key
+    return key
 
 
-def _closed(path: str, key: str, start: int, dur: int) -> None:
+def _closed(key: str, start: int, dur: int) -> None:
     sink = _sink
     if sink is not None:
         sink.pending.append((key, dur))
         trace = sink.trace
         if trace is not None:
-            trace.append((path, start, dur, sink.run._step, _get_ident()))
+            trace.append((key, start, dur, sink.run._step, _get_ident()))
 
 
 class Span:
     """A span as a context manager (sync or async) or a decorator; see the module docs.
 
     One object is one use as a context manager (`with et.span("x")` makes a new one
-    each time); as a decorator it opens a fresh span per call, so recursion and
-    threads are fine.
+    each time; entering one object twice before it exits mixes up its timing); as a
+    decorator it opens a fresh span per call, so recursion and threads are fine.
     """
 
-    __slots__ = ("_key", "_parent", "_path", "_start", "_state", "name")
+    __slots__ = ("_key", "_parent", "_start", "_state", "name")
 
     def __init__(self, name: str) -> None:
         if name.__class__ is not str or name not in _names:
             check_name(name)
         self.name = name
-        self._start = 0
 
     def __enter__(self) -> Span:
-        if self._start:
-            raise RuntimeError(f"span {self.name!r} is already open; use a new et.span() per with block")
         try:
             state = _local.state
         except AttributeError:
             state = _thread_state()
-        parent = state.top
+        self._parent = parent = state.top
         try:
-            path, key = _joined[parent][self.name]
+            self._key = state.top = _joined[parent][self.name]
         except KeyError:
-            path, key = _join(parent, self.name)
-        self._parent, self._path, self._key, self._state = parent, path, key, state
-        state.top = path
+            self._key = state.top = _join(parent, self.name)
+        self._state = state
         self._start = _ns()
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         end = _ns()
-        start = self._start
-        self._start = 0
         self._state.top = self._parent
         sink = _sink
         if sink is not None:  # inline _closed: this is the hot path
-            dur = end - start
-            sink.pending.append((self._key, dur))
+            start = self._start
+            sink.pending.append((self._key, end - start))
             trace = sink.trace
             if trace is not None:
-                trace.append((self._path, start, dur, sink.run._step, _get_ident()))
+                trace.append((self._key, start, end - start, sink.run._step, _get_ident()))
 
     async def __aenter__(self) -> Span:
         return self.__enter__()
@@ -217,7 +213,7 @@ class StartedSpan:
     of spans opened after it (it may end in any order, on any thread).
     """
 
-    __slots__ = ("_start", "key", "path")
+    __slots__ = ("_start", "key")
 
     def __init__(self, name: str) -> None:
         if name.__class__ is not str or name not in _names:
@@ -227,17 +223,22 @@ class StartedSpan:
         except AttributeError:
             parent = ""
         try:
-            self.path, self.key = _joined[parent][name]
+            self.key = _joined[parent][name]
         except KeyError:
-            self.path, self.key = _join(parent, name)
+            self.key = _join(parent, name)
         self._start = _ns()
+
+    @property
+    def path(self) -> str:
+        """`epoch`, `eval/batch`: the span's path."""
+        return self.key[_CUT:]
 
     def end(self) -> None:
         """Close the span: its duration goes to the open row (and the trace)."""
         start = self._start
         if start:
             self._start = 0
-            _closed(self.path, self.key, start, _ns() - start)
+            _closed(self.key, start, _ns() - start)
 
 
 def start_span(name: str) -> StartedSpan:
@@ -250,7 +251,7 @@ def open_path(ident: int | None = None) -> str:
     if ident is None:
         ident = threading.main_thread().ident or 0
     state = _threads.get(ident)
-    return state.top if state is not None else ""
+    return state.top[_CUT:] if state is not None else ""
 
 
 def open_spans(ident: int | None = None) -> list[str]:
@@ -265,42 +266,48 @@ def open_spans(ident: int | None = None) -> list[str]:
 _count_keys: dict[str, str] = {}  # time_ms/<path> -> count/<path>
 
 
+def _drain_more(sink: Sink, record: dict[str, Any], items: list[tuple[str, int]]) -> None:
+    """`drain` for span_count=True and for spans `fold` took out of `pending`."""
+    counts: dict[str, int] = {}
+    for key, _ in items:
+        counts[key] = counts.get(key, 0) + 1
+    if sink.folded:  # `fold` left its marker ("", 0) in `pending`
+        for key, (ns, n) in sink.folded.items():
+            record[key] = record.get(key, 0.0) + ns / 1e6
+            counts[key] = counts.get(key, 0) + n
+        sink.folded = {}
+    record.pop("", None)
+    counts.pop("", None)
+    if sink.count:
+        for key, n in counts.items():
+            ckey = _count_keys.get(key)
+            if ckey is None:
+                ckey = _count_keys[key] = "count/" + key[_CUT:]
+            record[ckey] = n
+
+
 def drain(sink: Sink, record: dict[str, Any]) -> None:
-    """Move the spans closed since the last row into `record` (summed per path).
+    """Move the spans closed since the last row into `record` (summed per path, in ms).
 
     Called by `Run` under its lock when it commits a row; a span closing on another
     thread meanwhile lands in the next row (the list is taken and cut in two single
-    operations, so nothing is lost or counted twice).
+    operations, so nothing is lost or counted twice). A `time_ms/...` key the row
+    already holds as a number is added to; one holding anything else is replaced.
     """
     pending = sink.pending
     items = pending[:]
     del pending[: len(items)]
-    totals: dict[str, int] = {}
-    get = totals.get
-    for key, dur in items:
-        totals[key] = get(key, 0) + dur
-    counts: dict[str, int] | None = None
-    if sink.count:
-        counts = {}
+    get = record.get
+    try:
+        for key, dur in items:
+            record[key] = get(key, 0.0) + dur / 1e6
+    except TypeError:  # the caller logged a non-number under a span's key
         for key, _ in items:
-            counts[key] = counts.get(key, 0) + 1
-    if sink.folded:  # `fold` left its marker ("", 0) in `pending`
-        for key, (ns, n) in sink.folded.items():
-            totals[key] = get(key, 0) + ns
-            if counts is not None:
-                counts[key] = counts.get(key, 0) + n
-        sink.folded = {}
-        del totals[""]
-        if counts is not None:
-            del counts[""]
-    for key, ns in totals.items():
-        record[key] = ns / 1e6
-    if counts is not None:
-        for key, n in counts.items():
-            ckey = _count_keys.get(key)
-            if ckey is None:
-                ckey = _count_keys[key] = "count/" + key[len("time_ms/"):]
-            record[ckey] = n
+            record.pop(key, None)
+        for key, dur in items:
+            record[key] = get(key, 0.0) + dur / 1e6
+    if sink.count or sink.folded:
+        _drain_more(sink, record, items)
 
 
 FOLD_AT = 4096  # pending spans the background thread folds into `Sink.folded`
