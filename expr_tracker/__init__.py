@@ -18,6 +18,7 @@ from typing import Any
 from expr_tracker import _state
 from expr_tracker.errors import RuleError, RunNotFoundError, TrackerError, UsageError
 from expr_tracker.run import Run
+from expr_tracker.spans import span, start_span
 
 __version__ = "0.1.0"
 
@@ -40,6 +41,8 @@ __all__ = [
     "log_rank_metrics",
     "read_run",
     "remove_alert_rule",
+    "span",
+    "start_span",
     "summary",
     "update_config",
 ]
@@ -70,6 +73,9 @@ def init(
     run_dir: str | os.PathLike[str] | None = None,
     step_policy: str = "drop",
     backend_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+    span_count: bool = False,
+    trace_spans: bool = False,
+    probe_after: float | None = None,
 ) -> Run:
     """Start (or resume) this process's shard of run `project/name` and make it current."""
     active = _state.current
@@ -85,6 +91,7 @@ def init(
         upload_mode=upload_mode, spool_dir=spool_dir, idle_timeout=idle_timeout,
         time_rule_interval=time_rule_interval, tags=tags, notes=notes, entity=entity,
         run_dir=run_dir, step_policy=step_policy, backend_kwargs=backend_kwargs,
+        span_count=span_count, trace_spans=trace_spans, probe_after=probe_after,
     )
     _state.set_current(run)
     return run
