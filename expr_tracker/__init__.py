@@ -63,6 +63,8 @@ def init(
     spool_dir: str | os.PathLike[str] | None = None,
     idle_timeout: float = 60.0,
     time_rule_interval: float = 10.0,
+    system_metrics: bool | None = None,
+    system_interval: float | None = None,
 ) -> Run:
     """Start (or resume) this process's shard of run `project/name` and make it current."""
     active = _state.current
@@ -76,7 +78,8 @@ def init(
         alert_rules=alert_rules, alert_on_rank=alert_on_rank, alert=alert, backends=backends,
         backend_on_rank=backend_on_rank, backend_rank_metrics=backend_rank_metrics,
         upload_mode=upload_mode, spool_dir=spool_dir, idle_timeout=idle_timeout,
-        time_rule_interval=time_rule_interval,
+        time_rule_interval=time_rule_interval, system_metrics=system_metrics,
+        system_interval=system_interval,
     )
     _state.set_current(run)
     return run

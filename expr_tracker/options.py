@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 
 from expr_tracker import ranks as _ranks
+from expr_tracker import sysmetrics
 from expr_tracker.store.layout import default_dir, default_spool, validate_name, validate_stream
 from expr_tracker.store.records import MAX_WORLD
 
@@ -74,6 +75,8 @@ class Options:
     alert_config: Any
     backend_specs: list[Any]
     backend_objs: list[Any]
+    system_metrics: bool = True
+    system_interval: float = 10.0
 
 
 def _path(value: object, field: str) -> None:
@@ -100,6 +103,8 @@ def parse_options(
     spool_dir: str | os.PathLike[str] | None,
     idle_timeout: float,
     time_rule_interval: float,
+    system_metrics: bool | None = None,
+    system_interval: float | None = None,
 ) -> Options:
     """Check every argument of `init`; raise TypeError/ValueError naming the field."""
     project = validate_name(project, "project")
@@ -126,6 +131,8 @@ def parse_options(
     for field, value in (("idle_timeout", idle_timeout), ("time_rule_interval", time_rule_interval)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"{field} must be a positive number of seconds, got {value!r}")
+    sys_on = sysmetrics.parse_enabled(system_metrics)
+    sys_every = sysmetrics.parse_interval(system_interval)
 
     info = _ranks.detect()
     if info.world_size is not None and info.world_size > MAX_WORLD:
@@ -181,6 +188,7 @@ def parse_options(
         alert_on_rank=alert_rank, backend_on_rank=backend_rank,
         backend_rank_metrics=bool(backend_rank_metrics), rules=rules, alert_config=alert_config,
         backend_specs=backend_specs, backend_objs=backend_objs,
+        system_metrics=sys_on, system_interval=sys_every,
     )
 
 

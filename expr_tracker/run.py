@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from expr_tracker import sysmetrics
 from expr_tracker.context import RunContext
 from expr_tracker.errors import UsageError
 from expr_tracker.options import merge_config, parse_options
@@ -62,6 +63,8 @@ class Run:
         spool_dir: str | os.PathLike[str] | None = None,
         idle_timeout: float = 60.0,
         time_rule_interval: float = 10.0,
+        system_metrics: bool | None = None,
+        system_interval: float | None = None,
     ) -> None:
         # -- validate everything before touching the disk -------------------
         o = parse_options(
@@ -70,7 +73,8 @@ class Run:
             backends=backends, backend_on_rank=backend_on_rank,
             backend_rank_metrics=backend_rank_metrics, upload_mode=upload_mode,
             spool_dir=spool_dir, idle_timeout=idle_timeout,
-            time_rule_interval=time_rule_interval,
+            time_rule_interval=time_rule_interval, system_metrics=system_metrics,
+            system_interval=system_interval,
         )
         self.project, self.name, self.stream, self.config = o.project, o.name, o.stream, o.config
         self.root, self.spool_root, self.mode, self.rank_aware = o.root, o.spool_root, o.mode, o.rank_aware
@@ -112,6 +116,7 @@ class Run:
         self._pid = os.getpid()
         self._exit: dict[str, Any] | None = None  # the uncaught exception that ends the process
         self._sidecar_due = False  # update_config: write the sidecar at the next tick
+        self._system = sysmetrics.make_sampler(o.system_metrics, o.system_interval, o.local_rank)
         self._sink = self._make_sink()
         self._step = self._sink.next_step
         self._rows_base = self._sink.rows
@@ -383,8 +388,29 @@ class Run:
                     last_sidecar = now
                     self._sidecar_due = False
                     self._sink.checkpoint()
+                if self._system is not None and self._system.due(now):
+                    self._log_system()
             except Exception as exc:  # the tracker must never take the process down
                 self.warn_once(f"background:{type(exc).__name__}", f"expr_tracker: background error: {exc!r}")
+
+    def _log_system(self) -> None:
+        """Log one system-metrics sample (DESIGN 19) as a rank record of this rank at its
+        last committed step: it never advances the step. Never raises."""
+        assert self._system is not None
+        try:
+            metrics = self._system.sample()
+            if not metrics:
+                return
+            with self._lock:
+                if self._detached:
+                    return
+                step = self._last_step if self._last_step is not None else self._step
+                record, nonfinite = records.rank_record(
+                    metrics, step, self.rank, self.world_size, self.local_rank, 1.0)
+                self._rows_committed += 1
+                self._sink.apply(record, nonfinite)
+        except Exception as exc:  # the tracker must never take the process down
+            self.warn_once(f"system:{type(exc).__name__}", f"expr_tracker: system metrics: {exc!r}")
 
     def finish(self, status: str = "finished") -> None:
         """Commit the open row, flush, write the sidecar, drain alerts and backends. Idempotent."""
@@ -400,6 +426,8 @@ class Run:
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=5.0)
+        if self._system is not None:
+            self._log_system()  # the last sample, covering the run's end
         self._sink.close(status, self._exit if status == "crashed" else None)
         # in spool mode exprd evaluates the rules: this process never fed them a row
         if self.mode == "direct" and self._ruleset is not None and self._ruleset.rules:
@@ -517,6 +545,9 @@ class Run:
                 "last_step": self._last_step,
                 "finished": self._finished,
                 "rules": self._ruleset.info() if self._ruleset is not None else [],
+                "system_metrics": None if self._system is None else {
+                    "interval": self._system.interval, "samples": self._system.samples,
+                    "gpu": self._system.gpu},
             }
         out.update(self._sink.info())
         out["dropped"] = {**self.dropped, **out.get("dropped", {})}
