@@ -96,6 +96,20 @@ def _stats(
     return reduce.reduce_step(table, key, step), table.values(key, step)
 
 
+def _variability(table: Table, key: str, window: tuple[int, int], min_rel: float,
+                 nodes: layout.Nodes) -> dict[str, Any]:
+    """Each rank's std and CV of `key` across the window's steps, and the noisier ranks."""
+    from expr_tracker.stats import reduce, variability
+    from expr_tracker.stats.scan import ColumnTable
+
+    rt = table.rank_table([key]) if isinstance(table, ColumnTable) else table
+    var = variability.variability(reduce.window_values(rt, key, *window), THRESHOLD, min_rel)
+    out = var.as_dict()
+    for o in out["noisier"]:
+        o["node"] = nodes.label(o["rank"])
+    return out
+
+
 def _coverage(table: Table, steps: list[int]) -> list[tuple[int, int, int, list[int]]]:
     from expr_tracker.stats import reduce
     from expr_tracker.stats.scan import ColumnTable
@@ -177,7 +191,7 @@ def build_view(
     logged with `et.log`); `keys` (default: every key of `tables`) get a statistics block;
     `primary` decides the steps and the coverage block.
     """
-    from expr_tracker.stats import reduce
+    from expr_tracker.stats import reduce, variability
 
     world = max([primary.world_size, *(t.world_size for t in tables.values()),
                  (state.world_size or 0) if state is not None else 0])
@@ -231,7 +245,10 @@ def build_view(
             "missing": missing,
             "outliers": [{**o.as_dict(), "node": nodes.label(o.rank)} for o in shown],
             "n_flagged": len(flagged),
+            "weighted": variability.weighted_gap(stats.n, stats.mean, stats.wmean, stats.std),
         }
+        if span is not None:
+            item["variability"] = _variability(table, key, span, min_rel, nodes)
         if not values:
             seen = table.key_steps(key)
             last = [s for s in seen if s <= chosen[-1]][-1:] or seen[:1]

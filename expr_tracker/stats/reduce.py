@@ -314,6 +314,17 @@ def window_means(table: RankTable, key: str, lo: int, hi: int) -> dict[int, floa
     return dict(zip(got, means, strict=True))
 
 
+def window_values(table: RankTable, key: str, lo: int, hi: int) -> dict[int, list[float]]:
+    """rank -> its finite values of `key` at steps lo <= s < hi, in step order (ranks with
+    none left out): the per-rank series `stats.variability` measures."""
+    out: dict[int, list[float]] = {}
+    for r, by_step in table._cols.get(key, {}).items():
+        xs = [v for s, v in sorted(by_step.items()) if lo <= s < hi and _isfinite(v)]
+        if xs:
+            out[r] = xs
+    return out
+
+
 def outliers(
     values: Mapping[int, float], threshold: float = 3.5, min_rel: float = 0.05
 ) -> list[Outlier]:
