@@ -66,15 +66,14 @@ def variability(values: Mapping[int, Sequence[float]], threshold: float = 3.5,
     basis = {s.rank: (s.cv if use_cv else s.std) for s in ranks}
     score = {r: v for r, v in basis.items() if v is not None}
     med = _pct(sorted(score.values()), 0.5) if score else None
-    noisier = []
+    found: list[tuple[float, dict[str, Any]]] = []
     for o in outliers(score, threshold, min_rel):
         if o.flagged and med is not None and o.value > med:
             s = next(x for x in ranks if x.rank == o.rank)
-            noisier.append({"rank": o.rank, "std": s.std, "cv": s.cv, "robust": o.robust,
-                            "ratio": o.ratio, "value": o.value})
-    noisier.sort(key=lambda d: -d["value"])
-    for d in noisier:
-        del d["value"]
+            found.append((o.value, {"rank": o.rank, "std": s.std, "cv": s.cv,
+                                    "robust": o.robust, "ratio": o.ratio}))
+    found.sort(key=lambda p: -p[0])  # the noisiest first
+    noisier = [d for _, d in found]
     return Variability(by, med, ranks, noisier)
 
 
