@@ -76,6 +76,7 @@ def summary(view: Mapping[str, Any]) -> None:
         _key_stats(out, item, view, narrow)
     out.print()
     _coverage(out, view["coverage"], view["coverage_checked"])
+    _system_hint(out, view.get("system_keys") or [])
     if view.get("heatmap"):
         out.print()
         heatmap(out, view["heatmap"])
@@ -263,6 +264,16 @@ def _coverage(out: Console, rows: Sequence[Mapping[str, Any]], checked: Mapping[
         out.print(Text(f"  ... and {len(runs) - 10} earlier", style="dim"))
 
 
+def _system_hint(out: Console, keys: Sequence[str]) -> None:
+    """One dim line naming the system metrics the summary left out (DESIGN 19)."""
+    from rich.text import Text
+
+    if keys:
+        shown = ", ".join(keys[:4]) + (", ..." if len(keys) > 4 else "")
+        out.print(Text(f"system metrics: {len(keys)} keys ({shown}); -m KEY to show them",
+                       style="dim"), soft_wrap=True)
+
+
 def heatmap_buckets(width: int, world: int) -> int:
     """How many step buckets fit the terminal beside the row labels."""
     label = len(f"r{max(world - 1, 0)}") if world <= 32 else 18
@@ -328,12 +339,14 @@ def _cell(v: float | None, lo: float, hi: float, plain: bool, width: int = 1) ->
     return Text(" " * width, style=Style(bgcolor=SCALE[idx]))
 
 
-def last_values(rows: Sequence[Mapping[str, Any]], label: str) -> None:
+def last_values(rows: Sequence[Mapping[str, Any]], label: str,
+                system_keys: Sequence[str] = ()) -> None:
     """A run without rank records: each shard's last scalar values."""
     from rich.text import Text
 
     out = console()
     out.print(Text(f"{label} has no rank records (log_rank_metrics); last values per shard:", style="yellow"))
+    _system_hint(out, system_keys)
     for r in rows:
         table = _table(["metric", "value"], right=["value"], keep=["metric"])
         for k, v in r["values"].items():

@@ -325,6 +325,17 @@ def window_values(table: RankTable, key: str, lo: int, hi: int) -> dict[int, lis
     return out
 
 
+def latest_values(table: RankTable, key: str, step: int) -> dict[int, float]:
+    """rank -> its value of `key` at its latest step at or before `step` (finite values
+    only): a snapshot of samples taken in time, not at steps (system metrics, DESIGN 19)."""
+    out: dict[int, float] = {}
+    for r, by_step in table._cols.get(key, {}).items():
+        at = max((s for s, v in by_step.items() if s <= step and _isfinite(v)), default=None)
+        if at is not None:
+            out[r] = by_step[at]
+    return out
+
+
 def outliers(
     values: Mapping[int, float], threshold: float = 3.5, min_rel: float = 0.05
 ) -> list[Outlier]:
