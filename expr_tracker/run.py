@@ -383,13 +383,13 @@ class Run:
                     if now - last_rules >= self.time_rule_interval:
                         last_rules = now
                         self._sink.tick()
+                if self._system is not None and self._system.due(now):
+                    self._log_system()  # before the flush: on disk within this tick
                 self._sink.flush()
                 if now - last_sidecar >= SIDECAR_EVERY or self._sidecar_due:
                     last_sidecar = now
                     self._sidecar_due = False
                     self._sink.checkpoint()
-                if self._system is not None and self._system.due(now):
-                    self._log_system()
             except Exception as exc:  # the tracker must never take the process down
                 self.warn_once(f"background:{type(exc).__name__}", f"expr_tracker: background error: {exc!r}")
 
