@@ -44,7 +44,8 @@ def _summary(root: Path, *args: str):  # type: ignore[no-untyped-def]
 
 def test_a_rank_that_swings_wider_is_noisier_not_an_outlier(tmp_path: Path) -> None:
     _job(tmp_path)
-    view = json.loads(_summary(tmp_path, "--steps", "0:40", "-m", "step_time", "--json").stdout)
+    view = json.loads(_summary(tmp_path, "--steps", "0:40", "-m", "step_time", "--json",
+                               "--outliers").stdout)
     (item,) = view["keys"]
     assert item["n_flagged"] == 0  # the means agree: no outlier of the value
     var = item["variability"]
@@ -53,6 +54,10 @@ def test_a_rank_that_swings_wider_is_noisier_not_an_outlier(tmp_path: Path) -> N
     by_rank = {r["rank"]: r for r in var["ranks"]}
     assert set(by_rank) == {0, 1, 2, 3} and all(r["n"] == 40 for r in by_rank.values())
     assert 8 < by_rank[1]["cv"] / by_rank[0]["cv"] < 12
+    # without --outliers the JSON names the noisier ranks, not every rank's numbers
+    brief = json.loads(_summary(tmp_path, "--steps", "0:40", "-m", "step_time", "--json").stdout)
+    var = brief["keys"][0]["variability"]
+    assert "ranks" not in var and var["n_ranks"] == 4 and [o["rank"] for o in var["noisier"]] == [1]
     text = _summary(tmp_path, "--steps", "0:40", "-m", "step_time").stdout
     assert re.search(r"rank 1 \(\S+\) noisier: CV 0\.28 vs 0\.028 median", text), text
     assert "no outliers" in text

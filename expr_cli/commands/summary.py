@@ -121,14 +121,18 @@ def _stats(
 
 
 def _variability(table: Table, key: str, window: tuple[int, int], min_rel: float,
-                 nodes: layout.Nodes) -> dict[str, Any]:
-    """Each rank's std and CV of `key` across the window's steps, and the noisier ranks."""
+                 nodes: layout.Nodes, per_rank: bool) -> dict[str, Any]:
+    """The noisier ranks of `key` across the window's steps (and with `per_rank`, every
+    rank's std and CV: like the outliers, all of them only with --outliers)."""
     from expr_tracker.stats import reduce, variability
     from expr_tracker.stats.scan import ColumnTable
 
-    rt = table.rank_table([key]) if isinstance(table, ColumnTable) else table
-    var = variability.variability(reduce.window_values(rt, key, *window), THRESHOLD, min_rel)
-    out = var.as_dict()
+    if isinstance(table, ColumnTable):
+        values = table.window_values(key, *window)
+    else:
+        values = reduce.window_values(table, key, *window)
+    var = variability.variability(values, THRESHOLD, min_rel)
+    out = var.as_dict(per_rank)
     for o in out["noisier"]:
         o["node"] = nodes.label(o["rank"])
     return out
@@ -272,7 +276,7 @@ def build_view(
             "weighted": variability.weighted_gap(stats.n, stats.mean, stats.wmean, stats.std),
         }
         if span is not None:
-            item["variability"] = _variability(table, key, span, min_rel, nodes)
+            item["variability"] = _variability(table, key, span, min_rel, nodes, show_all)
         if not values:
             seen = table.key_steps(key)
             last = [s for s in seen if s <= chosen[-1]][-1:] or seen[:1]

@@ -185,7 +185,7 @@ def _noisier(out: Console, var: Mapping[str, Any]) -> None:
 
     by, med = var["by"], var["median"]
     what = "CV" if by == "cv" else "std"
-    if not var["ranks"]:
+    if not var["n_ranks"]:
         return
     if not var["noisier"]:
         out.print(Text(f"  no rank noisier ({what} of each rank across the steps; median "

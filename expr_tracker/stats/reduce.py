@@ -315,11 +315,11 @@ def window_means(table: RankTable, key: str, lo: int, hi: int) -> dict[int, floa
 
 
 def window_values(table: RankTable, key: str, lo: int, hi: int) -> dict[int, list[float]]:
-    """rank -> its finite values of `key` at steps lo <= s < hi, in step order (ranks with
-    none left out): the per-rank series `stats.variability` measures."""
+    """rank -> its finite values of `key` at steps lo <= s < hi, in no particular order
+    (ranks with none left out): what `stats.variability` measures."""
     out: dict[int, list[float]] = {}
     for r, by_step in table._cols.get(key, {}).items():
-        xs = [v for s, v in sorted(by_step.items()) if lo <= s < hi and _isfinite(v)]
+        xs = [v for s, v in by_step.items() if lo <= s < hi and _isfinite(v)]
         if xs:
             out[r] = xs
     return out

@@ -41,20 +41,32 @@ class Variability:
     ranks: list[RankSpread]
     noisier: list[dict[str, Any]]  # {rank, std, cv, robust, ratio}, noisiest first
 
-    def as_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
-        return {"by": self.by, "median": self.median, "noisier": self.noisier,
-                "ranks": [asdict(r) for r in self.ranks]}
+    def as_dict(self, per_rank: bool = True) -> dict[str, Any]:
+        """A JSON-ready dict; every rank's std and CV only with `per_rank`."""
+        out = {"by": self.by, "median": self.median, "n_ranks": len(self.ranks),
+               "noisier": self.noisier}
+        if per_rank:
+            out["ranks"] = [asdict(r) for r in self.ranks]
+        return out
 
 
 def spread(rank: int, xs: Sequence[float]) -> RankSpread | None:
     """One rank's std and CV over its finite values `xs` (None with fewer than two)."""
-    xs = [x for x in xs if math.isfinite(x)]
-    if len(xs) < 2:
+    try:
+        total = math.fsum(xs)
+    except (OverflowError, ValueError):
+        total = math.nan
+    if total - total != 0.0:  # a non-finite value (or a sum past a float): the slow path
+        xs = [x for x in xs if math.isfinite(x)]
+        total = math.nan
+    n = len(xs)
+    if n < 2:
         return None
-    m = _mean(xs)
-    sd = 0.0 if min(xs) == max(xs) else _std(xs, m)
-    return RankSpread(rank, len(xs), m, sd, sd / abs(m) if m != 0.0 else None)
+    m = total / n if total == total else _mean(xs)
+    sd = _std(xs, m)
+    if sd <= 1e-12 * abs(m) and list(xs).count(xs[0]) == n:
+        sd = 0.0  # equal values: exactly 0, not the rounding of their mean
+    return RankSpread(rank, n, m, sd, sd / abs(m) if m != 0.0 else None)
 
 
 def variability(values: Mapping[int, Sequence[float]], threshold: float = 3.5,
