@@ -61,7 +61,7 @@ RULES = (
     Rule("system/gpu_temp_c", "GPU temperature", _unit("{:.0f} °C"), +1, 0.0, 10.0),
     Rule("system/gpu_power_w", "GPU power", _unit("{:,.0f} W"), 0, 0.25, 30.0),
     Rule("system/gpu_util", "GPU utilisation", _unit("{:.0f}%"), 0, 0.0, 20.0),
-    Rule("system/cpu_percent", "CPU", _unit("{:.0f}%"), 0, 0.5, 20.0),
+    Rule("system/cpu_percent", "CPU", _unit("{:.0f}%"), 0, 1.0, 10.0),
     Rule("system/rss_mb", "RSS", _mb, +1, 0.5, 512.0),
     Rule("system/gpu_mem_mb", "GPU memory", _mb, 0, 0.25, 1024.0),
     Rule("system/read_mb_s", "disk reads", _unit("{:,.1f} MB/s"), +1, 1.0, 20.0),
