@@ -76,6 +76,8 @@ def init(
     span_count: bool = False,
     trace_spans: bool = False,
     probe_after: float | None = None,
+    system_metrics: bool | None = None,
+    system_interval: float | None = None,
 ) -> Run:
     """Start (or resume) this process's shard of run `project/name` and make it current."""
     active = _state.current
@@ -92,6 +94,7 @@ def init(
         time_rule_interval=time_rule_interval, tags=tags, notes=notes, entity=entity,
         run_dir=run_dir, step_policy=step_policy, backend_kwargs=backend_kwargs,
         span_count=span_count, trace_spans=trace_spans, probe_after=probe_after,
+        system_metrics=system_metrics, system_interval=system_interval,
     )
     _state.set_current(run)
     return run

@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 
 from expr_tracker import ranks as _ranks
+from expr_tracker import sysmetrics
 from expr_tracker.store.layout import default_dir, default_spool, validate_name, validate_stream
 from expr_tracker.store.records import MAX_WORLD
 
@@ -100,6 +101,8 @@ class Options:
     span_count: bool = False
     trace_spans: bool = False
     probe_after: float | None = None  # None: max(10 s, 5x the median step period)
+    system_metrics: bool = True
+    system_interval: float = 10.0
 
 
 def config_dict(config: object) -> Mapping[str, Any] | None:
@@ -196,6 +199,8 @@ def parse_options(
     span_count: bool = False,
     trace_spans: bool = False,
     probe_after: float | None = None,
+    system_metrics: bool | None = None,
+    system_interval: float | None = None,
 ) -> Options:
     """Check every argument of `init`; raise TypeError/ValueError naming the field."""
     project = validate_name(project, "project")
@@ -233,6 +238,8 @@ def parse_options(
         if not isinstance(flag, bool):
             raise TypeError(f"{field} must be True or False, got {type(flag).__name__}")
     probe = check_probe_after(probe_after)
+    sys_on = sysmetrics.parse_enabled(system_metrics)
+    sys_every = sysmetrics.parse_interval(system_interval)
 
     info = _ranks.detect()
     if info.world_size is not None and info.world_size > MAX_WORLD:
@@ -296,6 +303,7 @@ def parse_options(
         backend_rank_metrics=bool(backend_rank_metrics), rules=rules, alert_config=alert_config,
         backend_specs=backend_specs, backend_objs=backend_objs, meta=meta, step_policy=step_policy,
         span_count=span_count, trace_spans=trace_spans, probe_after=probe,
+        system_metrics=sys_on, system_interval=sys_every,
     )
 
 

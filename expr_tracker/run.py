@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 
 from expr_tracker import spans as _spans
+from expr_tracker import sysmetrics
 from expr_tracker.context import RunContext
 from expr_tracker.errors import UsageError
 from expr_tracker.options import merge_config, parse_options
@@ -73,6 +74,8 @@ class Run:
         span_count: bool = False,
         trace_spans: bool = False,
         probe_after: float | None = None,
+        system_metrics: bool | None = None,
+        system_interval: float | None = None,
     ) -> None:
         # -- validate everything before touching the disk -------------------
         o = parse_options(
@@ -84,6 +87,7 @@ class Run:
             time_rule_interval=time_rule_interval, tags=tags, notes=notes, entity=entity,
             run_dir=run_dir, step_policy=step_policy, backend_kwargs=backend_kwargs,
             span_count=span_count, trace_spans=trace_spans, probe_after=probe_after,
+            system_metrics=system_metrics, system_interval=system_interval,
         )
         self.meta, self.step_policy = o.meta, o.step_policy
         # final values (0.4's run.summary): yours, over the last logged value of each key,
@@ -129,6 +133,7 @@ class Run:
         self._pid = os.getpid()
         self._exit: dict[str, Any] | None = None  # the uncaught exception that ends the process
         self._sidecar_due = False  # update_config: write the sidecar at the next tick
+        self._system = sysmetrics.make_sampler(o.system_metrics, o.system_interval, o.local_rank)
         self._sink = self._make_sink()
         self._step = self._sink.next_step
         self._rows_base = self._sink.rows
@@ -414,6 +419,8 @@ class Run:
                     if now - last_rules >= self.time_rule_interval:
                         last_rules = now
                         self._sink.tick()
+                if self._system is not None and self._system.due(now):
+                    self._log_system()  # before the flush: on disk within this tick
                 self._prober.tick(now)
                 self._sink.flush()
                 if now - last_sidecar >= SIDECAR_EVERY or self._sidecar_due:
@@ -422,6 +429,25 @@ class Run:
                     self._sink.checkpoint()
             except Exception as exc:  # the tracker must never take the process down
                 self.warn_once(f"background:{type(exc).__name__}", f"expr_tracker: background error: {exc!r}")
+
+    def _log_system(self) -> None:
+        """Log one system-metrics sample (DESIGN 19) as a rank record of this rank at its
+        last committed step: it never advances the step. Never raises."""
+        assert self._system is not None
+        try:
+            metrics = self._system.sample()
+            if not metrics:
+                return
+            with self._lock:
+                if self._detached:
+                    return
+                step = self._last_step if self._last_step is not None else self._step
+                record, nonfinite = records.rank_record(
+                    metrics, step, self.rank, self.world_size, self.local_rank, 1.0)
+                self._rows_committed += 1
+                self._sink.apply(record, nonfinite)
+        except Exception as exc:  # the tracker must never take the process down
+            self.warn_once(f"system:{type(exc).__name__}", f"expr_tracker: system metrics: {exc!r}")
 
     def final_summary(self) -> dict[str, Any]:
         """The last committed value of each key (read back from the tail of this process's
@@ -462,6 +488,8 @@ class Run:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=5.0)
         self._prober.close()
+        if self._system is not None:
+            self._log_system()  # the last sample, covering the run's end
         try:
             self._sink.flush()
             self._sink.set_summary(self.final_summary())
@@ -587,6 +615,9 @@ class Run:
                 "last_step": self._last_step,
                 "finished": self._finished,
                 "rules": self._ruleset.info() if self._ruleset is not None else [],
+                "system_metrics": None if self._system is None else {
+                    "interval": self._system.interval, "samples": self._system.samples,
+                    "gpu": self._system.gpu},
             }
         out.update(self._sink.info())
         out["dropped"] = {**self.dropped, **out.get("dropped", {})}

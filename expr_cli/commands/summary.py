@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
     Table = RankTable | ColumnTable
 
+SYSTEM = "system/"  # system metrics (DESIGN 19): samples in time, logged at whatever step
 THRESHOLD = 3.5  # DESIGN 10: robust score above which a rank may be flagged
 MIN_REL = 0.05  # DESIGN 10: ... if it is also this far from the median, relatively
 AGGS = ("max", "min", "mean")
@@ -53,6 +54,21 @@ AGGS = ("max", "min", "mean")
 
 def _key_steps(table: Table, key: str) -> list[int]:
     return table.key_steps(key)
+
+
+def is_system(key: str) -> bool:
+    """A system metric (`system/cpu_percent`, ...), sampled by the SDK every few seconds."""
+    return key.startswith(SYSTEM)
+
+
+def _record_steps(primary: Table, keys: list[str]) -> list[int]:
+    """The steps the view is about: those of the rank records other than system metrics,
+    whose samples land on any step (their steps would read as steps most ranks miss);
+    every step when only system metrics are shown."""
+    user = [k for k in primary.keys if not is_system(k)]
+    if len(user) == len(primary.keys) or all(is_system(k) for k in keys):
+        return primary.steps
+    return sorted(set().union(*(_key_steps(primary, k) for k in user)))
 
 
 def _pick_step(
@@ -68,6 +84,8 @@ def _pick_step(
             )
         return step, "as asked"
     last: list[int] = []
+    if not all(is_system(k) for k in tables):
+        tables = {k: t for k, t in tables.items() if not is_system(k)}
     for key, table in tables.items():
         ks = _key_steps(table, key)
         if frontier is not None:
@@ -91,9 +109,33 @@ def _stats(
             return table.reduce_window(key, lo, hi), table.window_means(key, lo, hi)
         return reduce.reduce_window(table, key, lo, hi), reduce.window_means(table, key, lo, hi)
     assert step is not None
+    if is_system(key):
+        # each rank's latest sample at or before the step: the samples of the ranks land on
+        # different steps, a few seconds apart
+        rt = table.rank_table([key]) if isinstance(table, ColumnTable) else table
+        values = reduce.latest_values(rt, key, step)
+        return reduce.reduce_values(values, table.world_size), values
     if isinstance(table, ColumnTable):
         return table.reduce_step(key, step), table.values(key, step)
     return reduce.reduce_step(table, key, step), table.values(key, step)
+
+
+def _variability(table: Table, key: str, window: tuple[int, int], min_rel: float,
+                 nodes: layout.Nodes, per_rank: bool) -> dict[str, Any]:
+    """The noisier ranks of `key` across the window's steps (and with `per_rank`, every
+    rank's std and CV: like the outliers, all of them only with --outliers)."""
+    from expr_tracker.stats import reduce, variability
+    from expr_tracker.stats.scan import ColumnTable
+
+    if isinstance(table, ColumnTable):
+        values = table.window_values(key, *window)
+    else:
+        values = reduce.window_values(table, key, *window)
+    var = variability.variability(values, THRESHOLD, min_rel)
+    out = var.as_dict(per_rank)
+    for o in out["noisier"]:
+        o["node"] = nodes.label(o["rank"])
+    return out
 
 
 def _coverage(table: Table, steps: list[int]) -> list[tuple[int, int, int, list[int]]]:
@@ -177,11 +219,11 @@ def build_view(
     logged with `et.log`); `keys` (default: every key of `tables`) get a statistics block;
     `primary` decides the steps and the coverage block.
     """
-    from expr_tracker.stats import reduce
+    from expr_tracker.stats import reduce, variability
 
     world = max([primary.world_size, *(t.world_size for t in tables.values()),
                  (state.world_size or 0) if state is not None else 0])
-    all_steps = primary.steps
+    all_steps = _record_steps(primary, keys if keys is not None else list(tables))
     view: dict[str, Any] = {"run": ref.label, "path": str(ref.path), "stream": stream,
                             "stream_text": stream_label(stream), "world_size": world,
                             "step": None, "steps": None, "n_steps": None, "why": None,
@@ -231,7 +273,10 @@ def build_view(
             "missing": missing,
             "outliers": [{**o.as_dict(), "node": nodes.label(o.rank)} for o in shown],
             "n_flagged": len(flagged),
+            "weighted": variability.weighted_gap(stats.n, stats.mean, stats.wmean, stats.std),
         }
+        if span is not None:
+            item["variability"] = _variability(table, key, span, min_rel, nodes, show_all)
         if not values:
             seen = table.key_steps(key)
             last = [s for s in seen if s <= chosen[-1]][-1:] or seen[:1]
@@ -317,17 +362,24 @@ def summary_command(
         where = ", ".join(f"{f}: {n}" for f, n in sorted(garbage.items()))
         n = sum(garbage.values())
         render.warning(f"skipped {n} line{'s' if n != 1 else ''} that did not parse ({where})")
-    primary: Table = table if table.steps or rows is None else rows
-    if not primary.steps:
+    system_keys = [k for k in table.keys if is_system(k)]
+    user_keys = [k for k in table.keys if not is_system(k)]
+    # system metrics alone do not make rank records of a run that logs none
+    records_asked = bool(user_keys) or any(is_system(k) for k in asked)
+    primary: Table = table if (table.steps and records_asked) or rows is None else rows
+    if not primary.steps or not (user_keys or asked):
         last = last_rows(shards, {})
         if not last:
             raise CLIError(f"run {ref.label} has no rows in stream {stream_label(stream)}: its shards are empty")
         if as_json:
-            render.print_json({"run": ref.label, "stream": stream, "rank_records": 0, "last": last})
+            render.print_json({"run": ref.label, "stream": stream, "rank_records": 0, "last": last,
+                               "system_keys": system_keys})
         else:
-            render_summary.last_values(last, ref.label)
+            render_summary.last_values(last, ref.label, system_keys)
         return
-    keys = wanted or table.keys
+    # system metrics are shown when asked for (-m system/cpu_percent): they would double
+    # the summary of every run
+    keys = wanted or user_keys
     tables: dict[str, Table] = {
         k: rows if rows is not None and k in row_keys else table for k in [*keys, *asked]
     }
@@ -337,6 +389,7 @@ def summary_command(
     view = build_view(ref, stream, tables, primary, step, window, heatmap_key, buckets, show_all,
                       keys=keys, row_keys=row_keys, state=state, min_rel=min_rel, agg=agg,
                       world_sizes=worlds)
+    view["system_keys"] = [] if wanted else system_keys
     if view["world_sizes"]:
         render.warning(layout.world_size_warning(view["world_sizes"], view["world_size"]))
     if as_json:

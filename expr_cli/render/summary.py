@@ -76,6 +76,7 @@ def summary(view: Mapping[str, Any]) -> None:
         _key_stats(out, item, view, narrow)
     out.print()
     _coverage(out, view["coverage"], view["coverage_checked"])
+    _system_hint(out, view.get("system_keys") or [])
     if view.get("heatmap"):
         out.print()
         heatmap(out, view["heatmap"])
@@ -153,7 +154,53 @@ def _key_stats(
         notes.insert(0, item["note"])
     for note in notes:
         out.print(Text("  " + note, style="yellow"), soft_wrap=True)
+    _weighted(out, item)
     _outliers(out, item, view)
+    if item.get("variability") is not None:
+        _noisier(out, item["variability"])
+
+
+def _weighted(out: Console, item: Mapping[str, Any]) -> None:
+    """A line when the weighted mean differs from the mean by more than the spread explains."""
+    from rich.text import Text
+
+    w = item.get("weighted")
+    if not w or not w["differs"]:
+        return
+    st = item["stats"]
+    out.print(Text(f"  weighted: wmean {fmt_num(st['wmean'])} differs from mean "
+                   f"{fmt_num(st['mean'])} by {fmt_signed(w['gap'])}, more than the spread "
+                   f"explains (> {fmt_num(w['z'])} x std/sqrt(n) = {fmt_num(w['z'] * w['se'])}):"
+                   " the weights go with the values", style="yellow"), soft_wrap=True)
+
+
+def fmt_variability(by: str, value: float | None) -> str:
+    """`CV 0.31` or `std 0.012`."""
+    return f"{'CV' if by == 'cv' else 'std'} {fmt_num(value, 2 if by == 'cv' else 3)}"
+
+
+def _noisier(out: Console, var: Mapping[str, Any]) -> None:
+    """`rank 1 noisier: CV 0.31 vs 0.04 median` per flagged rank, or one dim line."""
+    from rich.text import Text
+
+    by, med = var["by"], var["median"]
+    what = "CV" if by == "cv" else "std"
+    if not var["n_ranks"]:
+        return
+    if not var["noisier"]:
+        out.print(Text(f"  no rank noisier ({what} of each rank across the steps; median "
+                       f"{fmt_num(med, 2 if by == 'cv' else 3)})", style="dim"), soft_wrap=True)
+        return
+    for o in var["noisier"][:OUTLIER_ROWS]:
+        node = f" ({o['node']})" if o.get("node") else ""
+        out.print(Text(f"  rank {o['rank']}{node} noisier: {fmt_variability(by, o[by])} vs "
+                       f"{fmt_num(med, 2 if by == 'cv' else 3)} median", style="bold red"),
+                  soft_wrap=True)
+    rest = var["noisier"][OUTLIER_ROWS:]
+    if rest:
+        out.print(Text(f"  ... and {len(rest):,} more noisier: ranks "
+                       f"{compact_ranks(sorted(o['rank'] for o in rest))}", style="red"),
+                  soft_wrap=True)
 
 
 def _outliers(out: Console, item: Mapping[str, Any], view: Mapping[str, Any]) -> None:
@@ -215,6 +262,16 @@ def _coverage(out: Console, rows: Sequence[Mapping[str, Any]], checked: Mapping[
     out.print(table)
     if len(runs) > 10:
         out.print(Text(f"  ... and {len(runs) - 10} earlier", style="dim"))
+
+
+def _system_hint(out: Console, keys: Sequence[str]) -> None:
+    """One dim line naming the system metrics the summary left out (DESIGN 19)."""
+    from rich.text import Text
+
+    if keys:
+        shown = ", ".join(keys[:4]) + (", ..." if len(keys) > 4 else "")
+        out.print(Text(f"system metrics: {len(keys)} keys ({shown}); -m KEY to show them",
+                       style="dim"), soft_wrap=True)
 
 
 def heatmap_buckets(width: int, world: int) -> int:
@@ -282,12 +339,14 @@ def _cell(v: float | None, lo: float, hi: float, plain: bool, width: int = 1) ->
     return Text(" " * width, style=Style(bgcolor=SCALE[idx]))
 
 
-def last_values(rows: Sequence[Mapping[str, Any]], label: str) -> None:
+def last_values(rows: Sequence[Mapping[str, Any]], label: str,
+                system_keys: Sequence[str] = ()) -> None:
     """A run without rank records: each shard's last scalar values."""
     from rich.text import Text
 
     out = console()
     out.print(Text(f"{label} has no rank records (log_rank_metrics); last values per shard:", style="yellow"))
+    _system_hint(out, system_keys)
     for r in rows:
         table = _table(["metric", "value"], right=["value"], keep=["metric"])
         for k, v in r["values"].items():

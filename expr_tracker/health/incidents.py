@@ -18,7 +18,9 @@ from typing import Any
 
 from expr_tracker.health.detect import Finding
 from expr_tracker.health.state import RunState
+from expr_tracker.health.why import explain
 
+WHY_KINDS = ("straggler", "slowdown")
 LINE_KEYS = ("kind", "ranks", "hosts", "step", "first_seen", "last_seen", "detail", "state",
              "delivered")
 
@@ -38,6 +40,7 @@ class Incident:
     delivered: bool = False
     level: str = "warning"
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    why: str | None = None  # a straggler's or slowdown's system metrics that stand out
 
     @property
     def key(self) -> tuple[str, tuple[int, ...]]:
@@ -46,12 +49,15 @@ class Incident:
 
     def as_line(self) -> dict[str, Any]:
         """The `incidents.jsonl` line (DESIGN 13), plus the level."""
-        return {
+        line = {
             "kind": self.kind, "ranks": list(self.ranks), "hosts": list(self.hosts),
             "step": self.step, "first_seen": self.first_seen, "last_seen": self.last_seen,
             "detail": self.detail, "state": self.state, "delivered": self.delivered,
             "level": self.level,
         }
+        if self.why is not None:
+            line["why"] = self.why
+        return line
 
     @classmethod
     def from_line(cls, line: Mapping[str, Any]) -> Incident | None:
@@ -70,6 +76,7 @@ class Incident:
             first_seen=_time(line.get("first_seen")), last_seen=_time(line.get("last_seen")),
             detail=str(line.get("detail") or ""), state=state,
             delivered=bool(line.get("delivered")), level=str(line.get("level") or "warning"),
+            why=line["why"] if isinstance(line.get("why"), str) else None,
         )
 
 
@@ -101,6 +108,14 @@ def _merge(kind: str, group: list[Finding], now: float) -> Incident:
     level = max((f.level for f in group), key=lambda lv: levels.index(lv) if lv in levels else 2)
     return Incident(kind=kind, ranks=ranks, hosts=hosts, step=max(steps) if steps else None,
                     first_seen=now, last_seen=now, detail=detail, level=level)
+
+
+def _with_why(inc: Incident, state: RunState | None) -> Incident:
+    """A straggler or slowdown says what stands out in its ranks' system metrics."""
+    if inc.kind not in WHY_KINDS or state is None or not state.system:
+        return inc
+    why = explain(state.system, inc.ranks)
+    return inc if why is None else replace(inc, why=why, detail=f"{inc.detail}; {why}")
 
 
 def _still_silent(inc: Incident, state: RunState | None) -> bool:
@@ -147,5 +162,5 @@ def plan(open_incidents: Iterable[Incident], findings: Iterable[Finding], now: f
             gkey: Any = ("host", f.host) if f.group and f.host else ("one", id(f))
             fresh.setdefault(gkey, []).append(f)
         for members in fresh.values():
-            opened.append(_merge(kind, members, now))
+            opened.append(_with_why(_merge(kind, members, now), state))
     return Plan(opened, resolved, still)

@@ -108,6 +108,8 @@ class RunState:
     # the ranks whose shard or sidecar changed since the reader's previous pass (every
     # rank on a first pass); the RankStates of the others are the previous pass's objects
     changed: frozenset[int] = frozenset()
+    # by `_rank`: its latest system-metrics sample (DESIGN 19), `system/*` keys and `_step`
+    system: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     # computed once per pass: the detectors ask for them per rank
     @cached_property
@@ -264,6 +266,7 @@ class RunReader:
         # `RunState.world_size` without a look at every rank
         self._sizes: Counter[int] = Counter()
         self._series: dict[int, Sequence[float]] = {}
+        self._system: dict[int, dict[str, Any]] = {}
         # the last pass: shard files and sidecars read (not just `stat`ed)
         self.shards_read = 0
         self.sidecars_read = 0
@@ -358,6 +361,7 @@ class RunReader:
             series_key=self.series,
             series=self._series.copy() if self.series is not None else {},
             changed=frozenset(changed),
+            system=self._system.copy(),
         )
         sizes = [ws for ws, n in self._sizes.items() if n > 0]
         state.__dict__["world_size"] = max(sizes) if sizes else None  # (the cached property)
@@ -425,6 +429,11 @@ class RunReader:
         for k in dirty:
             parts = [t for _, t in sorted(owners.get(k, {}).items())]
             self._count_size(_logged_size(records.get(k)), -1)
+            samples = [t.system[k] for t in parts if k in t.system]
+            if samples:  # the latest by step when several shards hold samples of `k`
+                self._system[k] = max(samples, key=_step_of)
+            else:
+                self._system.pop(k, None)
             if not parts:
                 owners.pop(k, None)
                 records.pop(k, None)

@@ -27,6 +27,19 @@ MAX_CATCHUP = 4 << 20  # bytes read forward per shard and pass; beyond it, re-re
 MAX_TAIL_LINES = 100_000  # records parsed by one tail read
 TAIL_BLOCK = 16 << 10  # reverse-read block: a few dozen lines, not the 256 KiB of a full read
 _MIN_STEP, _MAX_STEP = -(1 << 63), (1 << 63) - 1  # steps an array("q") holds
+SYSTEM = "system/"
+# a rank record is a system-metrics sample (DESIGN 19) when it holds one of these: two
+# dict lookups per rank record, not a scan of every key of every record
+_SYSTEM_MARKS = ("system/rss_mb", "system/gpu_util", "system/cpu_percent")
+
+
+def system_values(rec: dict[str, Any]) -> dict[str, Any] | None:
+    """The `system/*` values of a sample and its `_step`; None for any other record."""
+    if not any(m in rec for m in _SYSTEM_MARKS):
+        return None
+    out = {k: v for k, v in rec.items() if k.startswith(SYSTEM)}
+    out["_step"] = rec.get("_step")
+    return out
 
 
 class Series:
@@ -120,6 +133,8 @@ class ShardTail:
         self.last_row: dict[str, Any] | None = None
         self.rank_recs: dict[int, deque[dict[str, Any]]] = {}  # by `_rank` (no series key)
         self.series: dict[int, Series] = {}  # by `_rank` (with a series key)
+        # by `_rank`: its latest system-metrics sample read (whatever the window keeps)
+        self.system: dict[int, dict[str, Any]] = {}
         self.sidecar: dict[str, Any] | None = None
         self.sidecar_stat: tuple[int, int, int] | None = None  # (mtime_ns, size, inode)
         # plain strings: a pass stats every shard and sidecar, and a Path costs a conversion
@@ -178,6 +193,11 @@ class ShardTail:
             self.steps = _pushed(self.steps, array("q", row_steps[-window:]), window)
             self.times = _pushed(self.times, times, window)
         for r, group in by_rank.items():
+            for rec in reversed(group):
+                got = system_values(rec)
+                if got is not None:
+                    self.system[r] = got
+                    break
             group = group[-window:]
             if self.series_key is None:
                 q = self.rank_recs.get(r)
@@ -202,6 +222,7 @@ class ShardTail:
         self.times = array("d")
         self.rank_recs.clear()
         self.series.clear()
+        self.system.clear()
         self.last_step = None
         self.last_row = None
 

@@ -314,6 +314,28 @@ def window_means(table: RankTable, key: str, lo: int, hi: int) -> dict[int, floa
     return dict(zip(got, means, strict=True))
 
 
+def window_values(table: RankTable, key: str, lo: int, hi: int) -> dict[int, list[float]]:
+    """rank -> its finite values of `key` at steps lo <= s < hi, in no particular order
+    (ranks with none left out): what `stats.variability` measures."""
+    out: dict[int, list[float]] = {}
+    for r, by_step in table._cols.get(key, {}).items():
+        xs = [v for s, v in by_step.items() if lo <= s < hi and _isfinite(v)]
+        if xs:
+            out[r] = xs
+    return out
+
+
+def latest_values(table: RankTable, key: str, step: int) -> dict[int, float]:
+    """rank -> its value of `key` at its latest step at or before `step` (finite values
+    only): a snapshot of samples taken in time, not at steps (system metrics, DESIGN 19)."""
+    out: dict[int, float] = {}
+    for r, by_step in table._cols.get(key, {}).items():
+        at = max((s for s, v in by_step.items() if s <= step and _isfinite(v)), default=None)
+        if at is not None:
+            out[r] = by_step[at]
+    return out
+
+
 def outliers(
     values: Mapping[int, float], threshold: float = 3.5, min_rel: float = 0.05
 ) -> list[Outlier]:

@@ -412,6 +412,19 @@ class ColumnTable(TableShape):
         missing = [r for r in range(self._world) if r not in present]
         return replace(stats, missing=missing, nonfinite=nonfinite, nonfinite_ranks=bad)
 
+    def window_values(self, key: str, lo: int, hi: int) -> dict[int, Sequence[float]]:
+        """`reduce.window_values`: rank -> its values of `key` over lo <= s < hi (non-finite
+        ones too: `stats.variability` drops them), slices of the columns, not copies per value."""
+        out: dict[int, Sequence[float]] = {}
+        for b in self._blocks:
+            values = b.columns.get(key)
+            if values is None:
+                continue
+            i, j = bisect_left(b.steps, lo), bisect_left(b.steps, hi)
+            if j > i:
+                out[b.rank] = values[i:j]
+        return out
+
     def rank_table(self, keys: Collection[str]) -> RankTable:
         """The `RankTable` of `keys` (for `reduce.heatmap`)."""
         return rank_table(self._blocks, keys)
