@@ -488,3 +488,98 @@ def test_a_long_outage_never_holds_the_shards_and_everything_lands_after(
         assert q(f"SELECT uniqExact(event_id) FROM {db}.metrics WHERE name = 'long2'") == n
     finally:
         ch.stop()
+
+
+# -- direct mode at exit, refused credentials, bursts (issue 20, item 8) ---------------------
+
+
+def _run_and_finish(tmp_path: Path, name: str, spec: dict[str, Any], n: int = 50
+                    ) -> tuple[float, dict[str, Any]]:
+    """A direct-mode run of n rows: (seconds finish() took, backend stats before it)."""
+    et.init("proj", name, dir=tmp_path, backends=[spec])
+    for k in range(n):
+        et.log({"loss": 1.0 / (k + 1)})
+    et.flush()
+    stats = et.info()["backends"]["clickhouse"]
+    t0 = time.monotonic()
+    et.finish()
+    took = time.monotonic() - t0
+    assert (tmp_path / "proj" / name / "metrics.jsonl").read_bytes().count(b"\n") == n
+    return took, stats
+
+
+def test_finish_gives_up_after_exit_timeout_when_the_store_is_down_hangs_or_fails(
+        tmp_path: Path, httpserver: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Before: finish() waited 30-32 s in each case (the shared backend bound + grace)."""
+    import socket
+
+    httpserver.expect_request("/").respond_with_data(
+        "Code: 241, e.displayText() = DB::Exception: Memory limit", status=500)
+    hanging = socket.socket()  # accepts connections (the kernel does), never answers
+    hanging.bind(("127.0.0.1", 0))
+    hanging.listen(64)
+    urls = {"down": "http://127.0.0.1:9", "500": httpserver.url_for("/"),
+            "hanging": f"http://127.0.0.1:{hanging.getsockname()[1]}"}
+    try:
+        with caplog.at_level(logging.WARNING, logger="expr_tracker.backends"):
+            for case, url in urls.items():
+                took, _ = _run_and_finish(tmp_path, f"exit-{case}",
+                                          {"type": "clickhouse", "url": url, "exit_timeout": 1})
+                assert took < 6.0, (case, took)  # 1 s bound (+0.25 s) on a loaded machine
+    finally:
+        hanging.close()
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "no acknowledgement for exit_timeout = 1 s" in said
+    assert "left behind at exit" in said or "last: ReadTimeout" in said
+
+
+def test_a_wrong_password_is_not_retried_and_says_so(
+        tmp_path: Path, server: ClickHouse, db: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TEAM_CH_USER", "writer")
+    monkeypatch.setenv("TEAM_CH_PASSWORD", "wrong-password")
+    spec = _spec(server, db, user_env="TEAM_CH_USER", password_env="TEAM_CH_PASSWORD")
+    et.init("proj", "badpw", dir=tmp_path, backends=[spec])
+    for k in range(20):
+        et.log({"loss": 1.0 / (k + 1)})
+    et.flush()
+    stats = et.info()["backends"]["clickhouse"]
+    deadline = time.monotonic() + 20
+    while stats["failed"] < 20 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        stats = et.info()["backends"]["clickhouse"]
+    t0 = time.monotonic()
+    et.finish()
+    assert time.monotonic() - t0 < 5.0
+    assert stats["failed"] == 20 and stats["sent"] == 0, stats
+    refused = {c: n for c, n in stats["errors"].items() if "authentication refused" in c}
+    assert refused and all("code 193" in c or "code 516" in c for c in refused), stats["errors"]
+    assert not any("retrying" in c or "interrupted" in c for c in stats["errors"])
+    assert not _exists(server, db)
+
+
+def test_a_burst_of_200k_rows_fits_the_default_queue_and_lands(
+        tmp_path: Path, server: ClickHouse, db: str) -> None:
+    """Before: a 10,000-record queue dropped 92% of such a burst; now 64 MB holds it."""
+    n = 200_000
+    et.init("proj", "burst", dir=tmp_path, backends=[_spec(server, db)])
+    for k in range(n):
+        et.log({"loss": 1.0 / (k + 1)})
+    et.flush()
+    during = et.info()["backends"]["clickhouse"]
+    et.finish()
+    assert during["dropped"] == 0, during
+    assert server.count(f"SELECT count() FROM {db}.metrics") == n
+
+
+def test_past_queue_mb_a_burst_is_dropped_and_counted(tmp_path: Path) -> None:
+    """A store that is down and a 1 MB queue: what does not fit is counted under its cause."""
+    n = 20_000
+    et.init("proj", "small-queue", dir=tmp_path, backends=[{
+        "type": "clickhouse", "url": "http://127.0.0.1:9", "queue_mb": 1, "exit_timeout": 0.5}])
+    for k in range(n):
+        et.log({"loss": 1.0 / (k + 1), "k": k})
+    stats = et.info()["backends"]["clickhouse"]
+    et.finish()
+    # about 2,600 records of 4 keys fit in 1 MB, plus the one batch the thread holds
+    assert 2_000 < n - stats["dropped"] <= 2 * 2_700, stats
+    assert stats["errors"]["clickhouse: queue full (1 MB)"] == stats["dropped"]

@@ -19,7 +19,7 @@ _SPEC_KEYS: dict[str, frozenset[str]] = {
     "trackio": frozenset({"project"}),
     "http": frozenset({"url", "token_env", "batch", "timeout", "retries", "backoff"}),
     "clickhouse": frozenset({"url", "database", "user_env", "password_env", "create", "batch",
-                             "timeout", "retries", "backoff"}),
+                             "timeout", "retries", "backoff", "exit_timeout", "queue_mb"}),
 }
 
 
@@ -74,7 +74,7 @@ def _check_remote(kind: str, kwargs: dict[str, Any]) -> None:
         value = kwargs.get(key, lo)
         if isinstance(value, bool) or not isinstance(value, int) or value < lo:
             raise ValueError(f"backend {kind!r}: {key} must be an integer >= {lo}")
-    for key in ("timeout", "backoff"):
+    for key in ("timeout", "backoff", "exit_timeout", "queue_mb"):
         value = kwargs.get(key, 1.0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"backend {kind!r}: {key} must be a positive number")
