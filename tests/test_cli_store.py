@@ -86,12 +86,43 @@ def test_writes_are_refused_by_the_server_in_one_line(store: ClickHouse) -> None
 
 def test_usage_and_unreachable_errors(tmp_path: Path) -> None:
     res = _invoke("--store", "ch:8123", "SELECT 1")
-    assert res.exit_code == 2 and "--store must be an http" in res.stderr
+    assert res.exit_code == 2 and "--store must start with http" in res.stderr
     res = _invoke("--store", "http://127.0.0.1:9", "SELECT 1")
     assert res.exit_code == 1
     assert res.stderr == "error: cannot reach the team store at http://127.0.0.1:9: ConnectError\n"
     res = _invoke("--store", "http://127.0.0.1:9", "--json", "--csv", "SELECT 1")
     assert res.exit_code == 2
+
+
+@pytest.mark.parametrize(("url", "message"), [
+    ("http://[::1", "--store 'http://[::1' is not a valid URL"),
+    ("http://ch:8123/?user=reader&password=x", "must not hold credentials (?password=, ?user=)"),
+    ("http://reader:x@ch:8123", "must not hold credentials (user:password@)"),
+])
+def test_a_bad_store_url_is_one_usage_line(url: str, message: str) -> None:
+    res = _invoke("--store", url, "SELECT 1")
+    assert res.exit_code == 2, res.output
+    assert message in res.stderr and res.stderr.count("\n") == 1, res.stderr
+    assert "--user-env/--password-env" in res.stderr or "valid URL" in res.stderr
+
+
+# the user this very query runs as (the server predates currentUser())
+WHOAMI = "SELECT user AS u FROM system.processes WHERE query LIKE '%whoami-marker%'"
+
+
+def test_a_named_user_variable_must_be_set(store: ClickHouse) -> None:
+    """Before: --user-env naming an unset variable answered as the `default` user."""
+    res = CliRunner().invoke(build_app(), ["query", "--store", store.url, "--user-env",
+                                           "TEAM_UNSET_USER", WHOAMI])
+    assert res.exit_code == 2
+    assert res.stderr == ("error: --user-env names TEAM_UNSET_USER, which is not set in the "
+                          "environment\n")
+    res = CliRunner().invoke(build_app(), ["query", "--store", store.url, "--user-env", "U",
+                                           "--password-env", "P", "--json",
+                                           WHOAMI],
+                             env={"U": "reader", "P": PASSWORD})
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout) == [{"u": "reader"}]
 
 
 def _readme_queries() -> list[str]:

@@ -27,7 +27,15 @@ from expr_tracker.backends.clickhouse import ClickHouseBackend, schema
 from expr_tracker.backends.registry import make_backend
 from tests.chserver import PASSWORD, ClickHouse
 from tests.procs import env_for, run_all, spawn
-from tests.test_daemon import exprd_once, start_exprd, stop, wait_for, wait_ready, write_config
+from tests.test_daemon import (
+    EXPRD,
+    exprd_once,
+    start_exprd,
+    stop,
+    wait_for,
+    wait_ready,
+    write_config,
+)
 
 _SEQ = iter(range(1_000_000))
 
@@ -86,6 +94,13 @@ def _writer(spool: Path, root: Path, name: str, n: int, *, stream: str | None = 
         ({"type": "clickhouse"}, "url is required"),
         ({"type": "clickhouse", "url": "ch:8123"}, "url must start with http"),
         ({"type": "clickhouse", "url": "http://u:p@ch:8123"}, "must not hold credentials"),
+        ({"type": "clickhouse", "url": "http://ch:8123/?user=u&password=p"},
+         r"must not hold credentials \(\?password=, \?user=\)"),
+        ({"type": "clickhouse", "url": "http://ch:8123?database=x&PASSWORD=p"},
+         "must not hold credentials"),
+        ({"type": "clickhouse", "url": "http://[::1"}, "is not a valid URL"),
+        ({"type": "clickhouse", "url": "http://ch:99999"}, "is not a valid URL"),
+        ({"type": "clickhouse", "url": "http:///x"}, "has no host"),
         ({"type": "clickhouse", "url": "http://ch", "database": "a-b"}, "database 'a-b'"),
         ({"type": "clickhouse", "url": "http://ch", "database": "x;DROP"}, "database"),
         ({"type": "clickhouse", "url": "http://ch", "password": "x"}, "unknown key 'password'"),
@@ -97,6 +112,29 @@ def _writer(spool: Path, root: Path, name: str, n: int, *, stream: str | None = 
 def test_bad_specs_name_the_field(spec: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make_backend(spec)
+
+
+def test_a_named_credentials_variable_must_be_set_where_the_process_connects(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: an unset user_env connected silently as the server's `default` user."""
+    monkeypatch.delenv("TEAM_CH_USER", raising=False)
+    spec = {"type": "clickhouse", "url": "http://127.0.0.1:9", "user_env": "TEAM_CH_USER"}
+    with pytest.raises(ValueError, match="user_env names TEAM_CH_USER, which is not set"):
+        et.init("proj", "noenv", dir=tmp_path, backends=[spec])
+    assert not (tmp_path / "proj" / "noenv").exists()
+    # not named: the default variables are optional, as before
+    et.init("proj", "default-user", dir=tmp_path, backends=[{"type": "clickhouse",
+            "url": "http://127.0.0.1:9", "retries": 0, "exit_timeout": 0.2}])
+    et.finish()
+    # exprd checks its own environment at start, naming the table and the variable
+    spool, state = tmp_path / "spool", tmp_path / "state"
+    cfg = write_config(tmp_path / "exprd.toml", spool, state, [tmp_path / "runs"],
+                       extra='[backends.team]\ntype = "clickhouse"\nurl = "http://127.0.0.1:9"\n'
+                             'password_env = "TEAM_CH_PASSWORD_UNSET"\n')
+    proc = subprocess.run([*EXPRD, "--config", str(cfg), "--once"],
+                          env=env_for(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "backends.team" in proc.stderr and "TEAM_CH_PASSWORD_UNSET" in proc.stderr, proc.stderr
 
 
 def test_spec_builds_the_backend_without_touching_the_network() -> None:

@@ -125,10 +125,13 @@ def register(app: typer.Typer) -> None:
     csv_opt = typer.Option(False, "--csv", help="Print CSV instead of a table.")
     store_opt = typer.Option(None, "--store", metavar="URL",
                              help="Query the team store (ClickHouse HTTP URL) instead of a run.")
-    user_opt = typer.Option("CLICKHOUSE_USER", "--user-env", metavar="VAR",
-                            help="With --store: the variable holding the user name.")
-    password_opt = typer.Option("CLICKHOUSE_PASSWORD", "--password-env", metavar="VAR",
-                                help="With --store: the variable holding the password.")
+    user_opt = typer.Option(None, "--user-env", metavar="VAR", show_default=False,
+                            help="With --store: the variable holding the user name (must be "
+                                 "set; default CLICKHOUSE_USER if set, else the server's "
+                                 "default user).")
+    password_opt = typer.Option(None, "--password-env", metavar="VAR", show_default=False,
+                                help="With --store: the variable holding the password (must "
+                                     "be set; default CLICKHOUSE_PASSWORD).")
     timeout_opt = typer.Option(30.0, "--timeout", help="With --store: seconds to wait.")
 
     @app.command(
@@ -143,8 +146,8 @@ def register(app: typer.Typer) -> None:
         as_csv: bool = csv_opt,
         dir: str | None = DIR_OPT,
         store: str | None = store_opt,
-        user_env: str = user_opt,
-        password_env: str = password_opt,
+        user_env: str | None = user_opt,
+        password_env: str | None = password_opt,
         timeout: float = timeout_opt,
     ) -> None:
         """SQL over RUN with DuckDB, read-only: views metrics (step rows of every rank, with

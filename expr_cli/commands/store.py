@@ -26,6 +26,7 @@ from expr_cli.errors import CLIError
 _FLOAT_WORDS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"),
                 "+inf": float("inf")}
 MAX_ERROR = 300  # characters of a server error shown
+DEFAULT_USER_ENV, DEFAULT_PASSWORD_ENV = "CLICKHOUSE_USER", "CLICKHOUSE_PASSWORD"
 _READONLY_PROBE = "SELECT value FROM system.settings WHERE name = 'readonly' FORMAT TSV"
 _WRAPPERS = re.compile(r"^(?:Nullable|LowCardinality)\((.*)\)\Z")
 _ARRAY = re.compile(r"^Array\((.*)\)\Z")
@@ -80,22 +81,38 @@ def convert(value: Any, ctype: str) -> Any:
     return value
 
 
-def run_store_query(url: str, sql: str, *, user_env: str, password_env: str,
+def _credentials(user_env: str | None, password_env: str | None) -> tuple[str, str] | None:
+    """(user, password) from the environment; a variable named by an option must be set
+    (else the server would silently answer as its `default` user)."""
+    for option, var in (("--user-env", user_env), ("--password-env", password_env)):
+        if var is not None and var not in os.environ:
+            raise CLIError(f"{option} names {var}, which is not set in the environment", 2)
+    user = os.environ.get(user_env or DEFAULT_USER_ENV)
+    if not user:
+        return None
+    return user, os.environ.get(password_env or DEFAULT_PASSWORD_ENV, "")
+
+
+def run_store_query(url: str, sql: str, *, user_env: str | None, password_env: str | None,
                     timeout: float) -> tuple[list[str], list[list[Any]]]:
     """(column names, rows) of `sql` run read-only on the ClickHouse server at `url`."""
     import httpx
     import orjson
 
     from expr_cli.storesql import StoreSQLError, check_read_only
+    from expr_tracker.backends.registry import check_url
 
-    if not url.startswith(("http://", "https://")):
-        raise CLIError(f"--store must be an http:// or https:// URL, not {url!r}", 2)
+    try:
+        check_url(url, "--store")
+    except ValueError as exc:
+        raise CLIError(str(exc).replace("user_env/password_env or token_env",
+                                        "--user-env/--password-env"), 2) from None
     try:
         check_read_only(sql)
     except StoreSQLError as exc:
         raise CLIError(str(exc), 2) from None
-    user = os.environ.get(user_env)
-    auth = httpx.BasicAuth(user, os.environ.get(password_env, "")) if user else None
+    creds = _credentials(user_env, password_env)
+    auth = httpx.BasicAuth(*creds) if creds else None
     with httpx.Client(auth=auth, timeout=timeout) as client:
         params = _settings(client, url)
         resp = _post(client, url, sql, params)

@@ -128,8 +128,8 @@ class ClickHouseBackend:
         *,
         url: str,
         database: str = "expr",
-        user_env: str = "CLICKHOUSE_USER",
-        password_env: str = "CLICKHOUSE_PASSWORD",
+        user_env: str | None = None,
+        password_env: str | None = None,
         create: bool = True,
         batch: int = 5000,
         timeout: float = 10.0,
@@ -140,8 +140,12 @@ class ClickHouseBackend:
     ) -> None:
         self.url = url.rstrip("/") + "/"
         self.database = database
-        self.user_env = user_env
-        self.password_env = password_env
+        # named in the spec: must be set (checked by check_environment); not named: the
+        # default variables, each used only if set (else the server's `default` user)
+        self._named = [(k, v) for k, v in (("user_env", user_env),
+                                           ("password_env", password_env)) if v is not None]
+        self.user_env = user_env or "CLICKHOUSE_USER"
+        self.password_env = password_env or "CLICKHOUSE_PASSWORD"
         self.create = create
         self.batch = batch
         self.timeout = float(timeout)
@@ -165,6 +169,10 @@ class ClickHouseBackend:
         self._token = False  # the server knows insert_deduplication_token
         self._run_row = False  # this session's `runs` row says running
         self._last_time = 0.0
+
+    def missing_environment(self) -> list[tuple[str, str]]:
+        """(key, variable) of the credentials variables the spec names that are not set."""
+        return [(k, v) for k, v in self._named if v not in os.environ]
 
     # -- the Backend protocol ------------------------------------------------------------
     def open(self, identity: Identity) -> None:

@@ -48,17 +48,40 @@ def _check_spec(kind: str, spec: Mapping[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
+# query parameters that carry credentials (ClickHouse reads `?user=&password=` as such)
+_SECRET_PARAMS = frozenset({"user", "password", "token", "access_token", "quota_key"})
+
+
+def check_url(url: Any, what: str) -> str:
+    """`url` if it is a well-formed http(s) URL without credentials, else ValueError
+    starting with `what` (a URL is logged and shown; credentials belong in the
+    environment, whether as `user:password@` or as `?user=&password=`)."""
+    import urllib.parse
+
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ValueError(f"{what} must start with http:// or https://, not {url!r}")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port out of range or not a number
+    except ValueError as exc:
+        raise ValueError(f"{what} {url!r} is not a valid URL: {exc}") from None
+    if not parts.hostname:
+        raise ValueError(f"{what} {url!r} has no host")
+    secret = sorted({k.lower() for k, _ in urllib.parse.parse_qsl(parts.query, True)}
+                    & _SECRET_PARAMS)
+    if "@" in parts.netloc or secret:
+        where = "user:password@" if "@" in parts.netloc else "?" + "=, ?".join(secret) + "="
+        raise ValueError(f"{what} must not hold credentials ({where}); name environment "
+                         "variables with user_env/password_env or token_env")
+    return url
+
+
 def _check_remote(kind: str, kwargs: dict[str, Any]) -> None:
     """The keys of the backends that send to a URL (http, clickhouse)."""
     url = kwargs.get("url")
     if not url:
         raise ValueError(f"backend {kind!r}: url is required")
-    if not url.startswith(("http://", "https://")):
-        raise ValueError(f"backend {kind!r}: url must start with http:// or https://, not {url!r}")
-    if "@" in url.split("://", 1)[1].split("/", 1)[0]:
-        # a URL is logged and shown; credentials belong in the environment
-        raise ValueError(f"backend {kind!r}: url must not hold credentials; "
-                         "name environment variables with user_env/password_env or token_env")
+    check_url(url, f"backend {kind!r}: url")
     for key in ("token_env", "user_env", "password_env"):
         if key in kwargs and not _ENV_NAME.match(kwargs[key]):
             raise ValueError(f"backend {kind!r}: {key} {kwargs[key]!r} is not a variable name")
@@ -78,6 +101,17 @@ def _check_remote(kind: str, kwargs: dict[str, Any]) -> None:
         value = kwargs.get(key, 1.0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"backend {kind!r}: {key} must be a positive number")
+
+
+def check_environment(backend: Any) -> None:
+    """ValueError naming the variable if `backend` names a credentials variable
+    (`user_env`, `password_env`, `token_env`) that is not set in this process: the process
+    that connects (a direct-mode run, exprd) checks it at start, not the first send."""
+    missing = getattr(backend, "missing_environment", None)
+    if callable(missing):
+        for key, var in missing():
+            raise ValueError(f"backend {getattr(backend, 'name', '?')!r}: {key} names "
+                             f"{var}, which is not set in the environment")
 
 
 def make_backend(spec: str | Mapping[str, Any] | Backend) -> Backend:
