@@ -118,3 +118,21 @@ def test_missing_duckdb_names_the_extra(cli_root):
     proc = _blocked("duckdb", "query", str(cli_root / "proj" / "run-1"), "SELECT 1")
     assert proc.returncode == 1
     assert proc.stderr == "error: expr query needs DuckDB: pip install 'expr-tracker[query]'\n"
+
+
+def test_a_metric_that_is_only_infinity_is_a_double(cli, tmp_path):
+    """Before: DuckDB read a key whose every value is "Infinity" as DATE (9999-12-31)."""
+    import expr_tracker as et
+
+    et.init("p", "inf", dir=tmp_path)
+    for s in range(3):
+        et.log({"up": float("inf"), "down": float("-inf") if s else float("inf"),
+                "gone": float("nan")})
+    et.finish()
+    run = tmp_path / "p" / "inf"
+    assert b'"up":"Infinity"' in (run / "metrics.jsonl").read_bytes()
+    rows = _json(cli, str(run), "SELECT typeof(up) AS t, typeof(down) AS d, up, down, gone, "
+                 "up > 1e308 AS big FROM metrics ORDER BY _step")
+    assert rows[0] == {"t": "DOUBLE", "d": "DOUBLE", "up": "Infinity", "down": "Infinity",
+                       "gone": "NaN", "big": True}
+    assert [r["down"] for r in rows] == ["Infinity", "-Infinity", "-Infinity"]

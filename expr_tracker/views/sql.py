@@ -61,6 +61,9 @@ INCIDENT_COLUMNS = {
     "first_seen": "DOUBLE", "last_seen": "DOUBLE", "detail": "JSON", "state": "VARCHAR",
     "delivered": "BOOLEAN",
 }
+# what DuckDB may infer for a key whose sampled values are all numbers: kept as it is
+_NUMERIC_TYPES = frozenset({"DOUBLE", "FLOAT", "BIGINT", "INTEGER", "SMALLINT", "TINYINT",
+                            "HUGEINT", "UBIGINT", "UINTEGER", "USMALLINT", "UTINYINT"})
 # not EXPLAIN: `EXPLAIN ANALYZE COPY ... TO` runs the COPY
 READ_ONLY_TYPES = ("SELECT",)
 # the rank and the stream of a row, from the path of its shard (DuckDB's `_file` column)
@@ -132,8 +135,12 @@ def _column_expr(name: str, dtype: str, sample: dict[str, Any] | None) -> str:
     numeric = sample is not None and sample["seen"] and sample["numeric"]
     if numeric and dtype == "JSON":
         return f"TRY_CAST({col} ->> '$' AS DOUBLE) AS {col}"
-    if numeric and dtype == "VARCHAR":
-        return f"TRY_CAST({col} AS DOUBLE) AS {col}"
+    if numeric and dtype not in _NUMERIC_TYPES:
+        # VARCHAR, or a type DuckDB guessed from the strings alone: a key that is only
+        # ever "Infinity" reads as DATE 'infinity' (9999-12-31 in Python); its text is
+        # "infinity", which casts to the float
+        cast = col if dtype == "VARCHAR" else f"CAST({col} AS VARCHAR)"
+        return f"TRY_CAST({cast} AS DOUBLE) AS {col}"
     return col
 
 
