@@ -453,6 +453,26 @@ def test_server_stopped_mid_run_and_started_again_receives_everything(
         ch.stop()
 
 
+def test_a_backends_table_named_after_its_type_needs_no_type_key(
+        tmp_path: Path, server: ClickHouse, db: str) -> None:
+    """Issue 22: `[backends.clickhouse]` without `type = ...` was "type is required"."""
+    spool, state, root = tmp_path / "spool", tmp_path / "state", tmp_path / "runs"
+    run_all([spawn(_writer(spool, root, "typeless", 20, chunk=10),
+                   {"RANK": "0", "WORLD_SIZE": "1"})])
+    table = _daemon_backend(server, db).replace('type = "clickhouse"\n', "")
+    assert table.startswith("[backends.clickhouse]\nurl") and "type" not in table
+    cfg = write_config(tmp_path / "exprd.toml", spool, state, [root], extra=table)
+    exprd_once(cfg)
+    assert server.count(f"SELECT count() FROM {db}.metrics FINAL") == 40
+    # a table of another name still needs its type, and the error says how to leave it out
+    bad = write_config(tmp_path / "bad.toml", spool, state, [root],
+                       extra=table.replace("[backends.clickhouse]", "[backends.team]"))
+    proc = subprocess.run([*EXPRD, "--config", str(bad), "--once"], env=env_for(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "backends.team" in proc.stderr and "named after its type" in proc.stderr, proc.stderr
+
+
 def test_exprd_without_clickhouse_config_warns_and_forwards_nothing(
         tmp_path: Path, server: ClickHouse, db: str) -> None:
     spool, state, root = tmp_path / "spool", tmp_path / "state", tmp_path / "runs"

@@ -114,6 +114,17 @@ def check_environment(backend: Any) -> None:
                              f"{var}, which is not set in the environment")
 
 
+BACKEND_TYPES = tuple(sorted(_SPEC_KEYS))
+
+
+def named_spec(name: str, spec: Any) -> Any:
+    """A configuration table `[backends.NAME]` as a spec: without `type`, a NAME that is a
+    backend type (`[backends.clickhouse]`) is the type; anything else is returned as is."""
+    if isinstance(spec, Mapping) and "type" not in spec and name in _SPEC_KEYS:
+        return {"type": name, **spec}
+    return spec
+
+
 def make_backend(spec: str | Mapping[str, Any] | Backend) -> Backend:
     """Build a backend from `"wandb"`, `"trackio"` or a mapping with a `type` key.
 
@@ -129,7 +140,9 @@ def make_backend(spec: str | Mapping[str, Any] | Backend) -> Backend:
     elif isinstance(spec, Mapping):
         spec_type = spec.get("type")
         if not isinstance(spec_type, str):
-            raise ValueError("backend spec: type is required (wandb, trackio, http or clickhouse)")
+            raise ValueError("backend spec: type is required (wandb, trackio, http or "
+                             "clickhouse; a [backends.NAME] table named after its type may "
+                             "leave it out)")
         kind, options = spec_type, spec
     elif all(callable(getattr(spec, m, None)) for m in ("open", "log", "alert", "finish")):
         return spec  # a user's own backend object (direct mode only)
