@@ -100,10 +100,10 @@ def run_store_query(url: str, sql: str, *, user_env: str | None, password_env: s
     import orjson
 
     from expr_cli.storesql import StoreSQLError, check_read_only
-    from expr_tracker.backends.registry import check_url
+    from expr_tracker.backends.registry import CLICKHOUSE_SECRET_PARAMS, check_url
 
     try:
-        check_url(url, "--store")
+        check_url(url, "--store", CLICKHOUSE_SECRET_PARAMS)
     except ValueError as exc:
         raise CLIError(str(exc).replace("user_env/password_env or token_env",
                                         "--user-env/--password-env"), 2) from None

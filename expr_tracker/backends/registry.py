@@ -48,14 +48,15 @@ def _check_spec(kind: str, spec: Mapping[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-# query parameters that carry credentials (ClickHouse reads `?user=&password=` as such)
-_SECRET_PARAMS = frozenset({"user", "password", "token", "access_token", "quota_key"})
+# query parameters ClickHouse's HTTP interface reads as credentials
+CLICKHOUSE_SECRET_PARAMS = frozenset({"user", "password"})
 
 
-def check_url(url: Any, what: str) -> str:
+def check_url(url: Any, what: str, secret_params: frozenset[str] = frozenset()) -> str:
     """`url` if it is a well-formed http(s) URL without credentials, else ValueError
     starting with `what` (a URL is logged and shown; credentials belong in the
-    environment, whether as `user:password@` or as `?user=&password=`)."""
+    environment, whether as `user:password@` or as query parameters the server reads as
+    credentials, `secret_params`: ClickHouse's `?user=&password=`)."""
     import urllib.parse
 
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
@@ -68,7 +69,7 @@ def check_url(url: Any, what: str) -> str:
     if not parts.hostname:
         raise ValueError(f"{what} {url!r} has no host")
     secret = sorted({k.lower() for k, _ in urllib.parse.parse_qsl(parts.query, True)}
-                    & _SECRET_PARAMS)
+                    & secret_params)
     if "@" in parts.netloc or secret:
         where = "user:password@" if "@" in parts.netloc else "?" + "=, ?".join(secret) + "="
         raise ValueError(f"{what} must not hold credentials ({where}); name environment "
@@ -81,7 +82,8 @@ def _check_remote(kind: str, kwargs: dict[str, Any]) -> None:
     url = kwargs.get("url")
     if not url:
         raise ValueError(f"backend {kind!r}: url is required")
-    check_url(url, f"backend {kind!r}: url")
+    check_url(url, f"backend {kind!r}: url",
+              CLICKHOUSE_SECRET_PARAMS if kind == "clickhouse" else frozenset())
     for key in ("token_env", "user_env", "password_env"):
         if key in kwargs and not _ENV_NAME.match(kwargs[key]):
             raise ValueError(f"backend {kind!r}: {key} {kwargs[key]!r} is not a variable name")
