@@ -156,14 +156,16 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
         backends = raw["backends"]
         if not isinstance(backends, Mapping):
             raise ConfigError("backends must be a table of name -> backend spec")
-        from expr_tracker.backends.registry import make_backend
+        from expr_tracker.backends.registry import check_environment, make_backend, named_spec
 
+        # [backends.clickhouse] without `type`: the name is the type
+        backends = {str(k): named_spec(str(k), v) for k, v in backends.items()}
         for name, spec in backends.items():
             try:
-                make_backend(spec)
+                check_environment(make_backend(spec))  # exprd connects: its variables
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"backends.{name}: {exc}") from None
-        cfg.backends = {str(k): v for k, v in backends.items()}
+        cfg.backends = backends
     if "health" in raw:
         from expr_tracker.health.config import parse_health
 

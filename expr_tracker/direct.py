@@ -18,6 +18,22 @@ FINISH_TIMEOUT = 30.0
 MAX_SPAN_BUFFER = 16 * 1024 * 1024  # trace lines kept while their file cannot be written
 
 
+def _queue(backend: Any) -> dict[str, Any]:
+    """A backend's own bounds for its direct-mode worker (the team store: a queue bounded
+    in MB, records sent in its own batch size, told its close deadline), else the defaults."""
+    out: dict[str, Any] = {}
+    mb = getattr(backend, "queue_mb", None)
+    if isinstance(mb, (int, float)) and mb > 0:
+        out["max_bytes"] = max(int(mb * 2**20), 1)
+        out["max_queue"] = 2**62  # the bytes bound it, not a record count
+    batch = getattr(backend, "batch", None)
+    if type(batch) is int and batch >= 1:
+        out["batch"] = batch
+    if callable(getattr(backend, "close_by", None)):
+        out["bounded_exit"] = True
+    return out
+
+
 class DirectSink:
     """Writes the process's shard, evaluates its rules, delivers alerts and feeds backends."""
 
@@ -94,7 +110,8 @@ class DirectSink:
             world_size=run.world_size, config=run.config, dir="",  # backends use their own dirs (WANDB_DIR)
             session=run.session, start=time.time(),
         )
-        return [BackendWorker(b, ident, rank_metrics=run.backend_rank_metrics) for b in mine]
+        return [BackendWorker(b, ident, rank_metrics=run.backend_rank_metrics, **_queue(b))
+                for b in mine]
 
     # -- the sink interface used by Run ---------------------------------------
     def apply(self, record: dict[str, Any], nonfinite: bool | None) -> None:

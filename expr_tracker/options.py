@@ -291,9 +291,11 @@ def parse_options(
                 raise ValueError("backends: a backend object cannot travel through the "
                                  "spool; use a name from exprd's config or a mapping")
     elif backend_specs:
-        from expr_tracker.backends.registry import make_backend
+        from expr_tracker.backends.registry import check_environment, make_backend
 
         backend_objs = [make_backend(spec) for spec in backend_specs]
+        for backend in backend_objs:
+            check_environment(backend)  # this process connects: its variables must be set
     return Options(
         project=project, name=name, stream=stream, root=root, spool_root=spool_root,
         config=config_copy, rank_aware=rank_aware, resume=resume, mode=mode,

@@ -47,7 +47,10 @@ CONFIG = """<?xml version="1.0"?>
 
 USERS = """<?xml version="1.0"?>
 <yandex>
-    <profiles><default></default></profiles>
+    <profiles>
+        <default></default>
+        <readonly><readonly>1</readonly></readonly>
+    </profiles>
     <users>
         <default>
             <password></password>
@@ -61,12 +64,19 @@ USERS = """<?xml version="1.0"?>
             <profile>default</profile>
             <quota>default</quota>
         </writer>
+        <reader>
+            <password>{password}</password>
+            <networks><ip>127.0.0.1</ip></networks>
+            <profile>readonly</profile>
+            <quota>default</quota>
+        </reader>
     </users>
     <quotas><default></default></quotas>
 </yandex>
 """
 
-PASSWORD = "s3cret-test-only"  # the `writer` user's, for the credentials test
+PASSWORD = "s3cret-test-only"  # the `writer` and `reader` users', for the credentials tests
+# `reader` has the profile `readonly` (readonly=1), as the README recommends for dashboards
 
 
 def binary() -> str:

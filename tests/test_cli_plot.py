@@ -85,6 +85,7 @@ def test_many_ranks_draw_median_band_and_outliers(cli, tmp_path):
     ([], 2, "name at least one metric"),
     (["-m", "loss", "--rank", "x"], 2, "--rank must be"),
     (["-m", "loss", "--rank", "9"], 1, "no finite values of loss in ranks 9"),
+    (["-m", "loss", "--rank", "100000000000"], 2, "--rank 100000000000 is past the largest world"),
     (["-m", "loss", "-o", "x.pdf"], 2, "--out must end in .png or .svg"),
     (["-m", "loss", "--smooth", "0"], 2, "--smooth must be >= 1"),
 ])
@@ -92,6 +93,14 @@ def test_bad_plot_is_one_line(cli, run4, args, code, message):
     result = cli("plot", str(run4), *args)
     assert result.exit_code == code, result.output
     assert message in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_a_huge_rank_range_is_clamped_to_the_largest_world(cli, run4):
+    """Before: `--rank 1-100000000000` built a list of 1e11 ints ("internal error: MemoryError")."""
+    res = cli("plot", str(run4), "-m", "loss", "--rank", "1-100000000000", "--json")
+    assert res.exit_code == 0, res.output
+    labels = [line["label"] for line in json.loads(res.stdout)["panels"][0]["lines"]]
+    assert labels == ["rank 1", "rank 2", "rank 3"], labels
 
 
 def test_parse_ranks_and_smooth():

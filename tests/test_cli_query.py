@@ -118,3 +118,43 @@ def test_missing_duckdb_names_the_extra(cli_root):
     proc = _blocked("duckdb", "query", str(cli_root / "proj" / "run-1"), "SELECT 1")
     assert proc.returncode == 1
     assert proc.stderr == "error: expr query needs DuckDB: pip install 'expr-tracker[query]'\n"
+
+
+def test_a_metric_that_is_only_infinity_is_a_double(cli, tmp_path):
+    """Before: DuckDB read a key whose every value is "Infinity" as DATE (9999-12-31)."""
+    import expr_tracker as et
+
+    et.init("p", "inf", dir=tmp_path)
+    for s in range(3):
+        et.log({"up": float("inf"), "down": float("-inf") if s else float("inf"),
+                "gone": float("nan")})
+    et.finish()
+    run = tmp_path / "p" / "inf"
+    assert b'"up":"Infinity"' in (run / "metrics.jsonl").read_bytes()
+    rows = _json(cli, str(run), "SELECT typeof(up) AS t, typeof(down) AS d, up, down, gone, "
+                 "up > 1e308 AS big FROM metrics ORDER BY _step")
+    assert rows[0] == {"t": "DOUBLE", "d": "DOUBLE", "up": "Infinity", "down": "Infinity",
+                       "gone": "NaN", "big": True}
+    assert [r["down"] for r in rows] == ["Infinity", "-Infinity", "-Infinity"]
+
+
+def test_a_query_is_stopped_at_timeout_and_at_its_memory_limit(cli):
+    """Before: no bound; a runaway query ran (and grew) until killed."""
+    long = "SELECT count(*) AS n FROM range(100000000000) AS a"
+    res = cli("query", "run-1", long, "--timeout", "0.5")
+    assert res.exit_code == 1
+    assert res.stderr == "error: the query ran longer than --timeout 0.5 s and was stopped\n"
+    big = "SELECT list(range) AS l FROM range(200000000)"
+    res = cli("query", "run-1", big, "--memory", "64MB")
+    assert res.exit_code == 1
+    assert res.stderr.startswith("error: the query needs more memory than --memory 64MB "
+                                 "(Out of Memory Error"), res.stderr
+    assert res.stderr.count("\n") == 1
+    for bad in ("lots", "0GB", "150%"):
+        res = cli("query", "run-1", "SELECT 1", "--memory", bad)
+        assert res.exit_code == 2 and "--memory: memory limit" in res.stderr, res.stderr
+    res = cli("query", "run-1", "SELECT 1", "--timeout", "0")
+    assert res.exit_code == 2 and "--timeout must be a positive" in res.stderr
+    # a query within both limits answers as before
+    assert _json(cli, "run-1", "SELECT current_setting('memory_limit') IS NOT NULL AS ok",
+                 "--memory", "1GB", "--timeout", "30") == [{"ok": True}]

@@ -27,7 +27,15 @@ from expr_tracker.backends.clickhouse import ClickHouseBackend, schema
 from expr_tracker.backends.registry import make_backend
 from tests.chserver import PASSWORD, ClickHouse
 from tests.procs import env_for, run_all, spawn
-from tests.test_daemon import exprd_once, start_exprd, stop, wait_for, wait_ready, write_config
+from tests.test_daemon import (
+    EXPRD,
+    exprd_once,
+    start_exprd,
+    stop,
+    wait_for,
+    wait_ready,
+    write_config,
+)
 
 _SEQ = iter(range(1_000_000))
 
@@ -86,6 +94,13 @@ def _writer(spool: Path, root: Path, name: str, n: int, *, stream: str | None = 
         ({"type": "clickhouse"}, "url is required"),
         ({"type": "clickhouse", "url": "ch:8123"}, "url must start with http"),
         ({"type": "clickhouse", "url": "http://u:p@ch:8123"}, "must not hold credentials"),
+        ({"type": "clickhouse", "url": "http://ch:8123/?user=u&password=p"},
+         r"must not hold credentials \(\?password=, \?user=\)"),
+        ({"type": "clickhouse", "url": "http://ch:8123?database=x&PASSWORD=p"},
+         "must not hold credentials"),
+        ({"type": "clickhouse", "url": "http://[::1"}, "is not a valid URL"),
+        ({"type": "clickhouse", "url": "http://ch:99999"}, "is not a valid URL"),
+        ({"type": "clickhouse", "url": "http:///x"}, "has no host"),
         ({"type": "clickhouse", "url": "http://ch", "database": "a-b"}, "database 'a-b'"),
         ({"type": "clickhouse", "url": "http://ch", "database": "x;DROP"}, "database"),
         ({"type": "clickhouse", "url": "http://ch", "password": "x"}, "unknown key 'password'"),
@@ -97,6 +112,29 @@ def _writer(spool: Path, root: Path, name: str, n: int, *, stream: str | None = 
 def test_bad_specs_name_the_field(spec: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make_backend(spec)
+
+
+def test_a_named_credentials_variable_must_be_set_where_the_process_connects(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: an unset user_env connected silently as the server's `default` user."""
+    monkeypatch.delenv("TEAM_CH_USER", raising=False)
+    spec = {"type": "clickhouse", "url": "http://127.0.0.1:9", "user_env": "TEAM_CH_USER"}
+    with pytest.raises(ValueError, match="user_env names TEAM_CH_USER, which is not set"):
+        et.init("proj", "noenv", dir=tmp_path, backends=[spec])
+    assert not (tmp_path / "proj" / "noenv").exists()
+    # not named: the default variables are optional, as before
+    et.init("proj", "default-user", dir=tmp_path, backends=[{"type": "clickhouse",
+            "url": "http://127.0.0.1:9", "retries": 0, "exit_timeout": 0.2}])
+    et.finish()
+    # exprd checks its own environment at start, naming the table and the variable
+    spool, state = tmp_path / "spool", tmp_path / "state"
+    cfg = write_config(tmp_path / "exprd.toml", spool, state, [tmp_path / "runs"],
+                       extra='[backends.team]\ntype = "clickhouse"\nurl = "http://127.0.0.1:9"\n'
+                             'password_env = "TEAM_CH_PASSWORD_UNSET"\n')
+    proc = subprocess.run([*EXPRD, "--config", str(cfg), "--once"],
+                          env=env_for(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "backends.team" in proc.stderr and "TEAM_CH_PASSWORD_UNSET" in proc.stderr, proc.stderr
 
 
 def test_spec_builds_the_backend_without_touching_the_network() -> None:
@@ -415,6 +453,26 @@ def test_server_stopped_mid_run_and_started_again_receives_everything(
         ch.stop()
 
 
+def test_a_backends_table_named_after_its_type_needs_no_type_key(
+        tmp_path: Path, server: ClickHouse, db: str) -> None:
+    """Issue 22: `[backends.clickhouse]` without `type = ...` was "type is required"."""
+    spool, state, root = tmp_path / "spool", tmp_path / "state", tmp_path / "runs"
+    run_all([spawn(_writer(spool, root, "typeless", 20, chunk=10),
+                   {"RANK": "0", "WORLD_SIZE": "1"})])
+    table = _daemon_backend(server, db).replace('type = "clickhouse"\n', "")
+    assert table.startswith("[backends.clickhouse]\nurl") and "type" not in table
+    cfg = write_config(tmp_path / "exprd.toml", spool, state, [root], extra=table)
+    exprd_once(cfg)
+    assert server.count(f"SELECT count() FROM {db}.metrics FINAL") == 40
+    # a table of another name still needs its type, and the error says how to leave it out
+    bad = write_config(tmp_path / "bad.toml", spool, state, [root],
+                       extra=table.replace("[backends.clickhouse]", "[backends.team]"))
+    proc = subprocess.run([*EXPRD, "--config", str(bad), "--once"], env=env_for(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "backends.team" in proc.stderr and "named after its type" in proc.stderr, proc.stderr
+
+
 def test_exprd_without_clickhouse_config_warns_and_forwards_nothing(
         tmp_path: Path, server: ClickHouse, db: str) -> None:
     spool, state, root = tmp_path / "spool", tmp_path / "state", tmp_path / "runs"
@@ -488,3 +546,98 @@ def test_a_long_outage_never_holds_the_shards_and_everything_lands_after(
         assert q(f"SELECT uniqExact(event_id) FROM {db}.metrics WHERE name = 'long2'") == n
     finally:
         ch.stop()
+
+
+# -- direct mode at exit, refused credentials, bursts (issue 20, item 8) ---------------------
+
+
+def _run_and_finish(tmp_path: Path, name: str, spec: dict[str, Any], n: int = 50
+                    ) -> tuple[float, dict[str, Any]]:
+    """A direct-mode run of n rows: (seconds finish() took, backend stats before it)."""
+    et.init("proj", name, dir=tmp_path, backends=[spec])
+    for k in range(n):
+        et.log({"loss": 1.0 / (k + 1)})
+    et.flush()
+    stats = et.info()["backends"]["clickhouse"]
+    t0 = time.monotonic()
+    et.finish()
+    took = time.monotonic() - t0
+    assert (tmp_path / "proj" / name / "metrics.jsonl").read_bytes().count(b"\n") == n
+    return took, stats
+
+
+def test_finish_gives_up_after_exit_timeout_when_the_store_is_down_hangs_or_fails(
+        tmp_path: Path, httpserver: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Before: finish() waited 30-32 s in each case (the shared backend bound + grace)."""
+    import socket
+
+    httpserver.expect_request("/").respond_with_data(
+        "Code: 241, e.displayText() = DB::Exception: Memory limit", status=500)
+    hanging = socket.socket()  # accepts connections (the kernel does), never answers
+    hanging.bind(("127.0.0.1", 0))
+    hanging.listen(64)
+    urls = {"down": "http://127.0.0.1:9", "500": httpserver.url_for("/"),
+            "hanging": f"http://127.0.0.1:{hanging.getsockname()[1]}"}
+    try:
+        with caplog.at_level(logging.WARNING, logger="expr_tracker.backends"):
+            for case, url in urls.items():
+                took, _ = _run_and_finish(tmp_path, f"exit-{case}",
+                                          {"type": "clickhouse", "url": url, "exit_timeout": 1})
+                assert took < 6.0, (case, took)  # 1 s bound (+0.25 s) on a loaded machine
+    finally:
+        hanging.close()
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "no acknowledgement for exit_timeout = 1 s" in said
+    assert "left behind at exit" in said or "last: ReadTimeout" in said
+
+
+def test_a_wrong_password_is_not_retried_and_says_so(
+        tmp_path: Path, server: ClickHouse, db: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TEAM_CH_USER", "writer")
+    monkeypatch.setenv("TEAM_CH_PASSWORD", "wrong-password")
+    spec = _spec(server, db, user_env="TEAM_CH_USER", password_env="TEAM_CH_PASSWORD")
+    et.init("proj", "badpw", dir=tmp_path, backends=[spec])
+    for k in range(20):
+        et.log({"loss": 1.0 / (k + 1)})
+    et.flush()
+    stats = et.info()["backends"]["clickhouse"]
+    deadline = time.monotonic() + 20
+    while stats["failed"] < 20 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        stats = et.info()["backends"]["clickhouse"]
+    t0 = time.monotonic()
+    et.finish()
+    assert time.monotonic() - t0 < 5.0
+    assert stats["failed"] == 20 and stats["sent"] == 0, stats
+    refused = {c: n for c, n in stats["errors"].items() if "authentication refused" in c}
+    assert refused and all("code 193" in c or "code 516" in c for c in refused), stats["errors"]
+    assert not any("retrying" in c or "interrupted" in c for c in stats["errors"])
+    assert not _exists(server, db)
+
+
+def test_a_burst_of_200k_rows_fits_the_default_queue_and_lands(
+        tmp_path: Path, server: ClickHouse, db: str) -> None:
+    """Before: a 10,000-record queue dropped 92% of such a burst; now 64 MB holds it."""
+    n = 200_000
+    et.init("proj", "burst", dir=tmp_path, backends=[_spec(server, db)])
+    for k in range(n):
+        et.log({"loss": 1.0 / (k + 1)})
+    et.flush()
+    during = et.info()["backends"]["clickhouse"]
+    et.finish()
+    assert during["dropped"] == 0, during
+    assert server.count(f"SELECT count() FROM {db}.metrics") == n
+
+
+def test_past_queue_mb_a_burst_is_dropped_and_counted(tmp_path: Path) -> None:
+    """A store that is down and a 1 MB queue: what does not fit is counted under its cause."""
+    n = 20_000
+    et.init("proj", "small-queue", dir=tmp_path, backends=[{
+        "type": "clickhouse", "url": "http://127.0.0.1:9", "queue_mb": 1, "exit_timeout": 0.5}])
+    for k in range(n):
+        et.log({"loss": 1.0 / (k + 1), "k": k})
+    stats = et.info()["backends"]["clickhouse"]
+    et.finish()
+    # about 2,600 records of 4 keys fit in 1 MB, plus the one batch the thread holds
+    assert 2_000 < n - stats["dropped"] <= 2 * 2_700, stats
+    assert stats["errors"]["clickhouse: queue full (1 MB)"] == stats["dropped"]

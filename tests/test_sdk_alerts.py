@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
+from pathlib import Path
 
 import orjson
 import pytest
@@ -140,3 +142,46 @@ def test_time_rule_fires_from_the_background_timer(tmp_path):
     (entry,) = [orjson.loads(x) for x in alerts.read_bytes().splitlines()]
     assert entry["title"] == "stalled run" and entry["level"] == "error"
     assert entry["time"] - orjson.loads(run.shard_path.read_bytes().splitlines()[0])["_time"] >= 1.0
+
+
+def test_a_hanging_command_channel_ends_with_the_run_children_included(tmp_path: Path) -> None:
+    """Before: each run left its hanging command (and the command's children) alive."""
+    pids = tmp_path / "pids"
+    script = tmp_path / "hang-pager"
+    script.write_text('#!/bin/sh\nsleep 300 &\necho $$ $! > "$1"\nwait\n')
+    script.chmod(0o755)
+    code = f"""
+        import expr_tracker as et
+        et.init("proj", "hang", dir={str(tmp_path)!r}, alert={{
+            "channels": {{"pager": {{"type": "command", "argv": [{str(script)!r}, {str(pids)!r}],
+                                     "timeout": 120}}}},
+            "policy": {{"exit_timeout": 0.5}}}})
+        et.alert("disk", "full", level="error")
+        import time
+        for _ in range(200):
+            try:
+                if len(open({str(pids)!r}).read().split()) == 2:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.02)
+        et.finish()
+    """
+    run_all([spawn(code, {})])
+    started = [int(p) for p in pids.read_text().split()]
+    assert len(started) == 2  # the command and its child
+
+    def alive(pid: int) -> bool:
+        stat = Path(f"/proc/{pid}/stat")
+        try:
+            return stat.read_text().split(")")[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in started) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    survivors = [p for p in started if alive(p)]
+    for pid in survivors:  # do not leave them behind if the check fails
+        os.kill(pid, 9)
+    assert not survivors, "the command channel outlived the run"

@@ -39,10 +39,17 @@ IMAGE_SUFFIXES = (".png", ".svg")
 
 
 def parse_ranks(text: str | None) -> list[int] | None:
-    """`all` (or nothing) -> None; `3` or `0,3,5-7` -> the ranks."""
+    """`all` (or nothing) -> None; `3` or `0,3,5-7` -> the ranks.
+
+    A range is clamped to the largest world a run can have (MAX_WORLD ranks, the sanity
+    cap `init()` applies), so `1-100000000000` means ranks 1 and up, not a list that
+    fills memory; a single rank past it is a usage error.
+    """
+    from expr_tracker.store.records import MAX_WORLD
+
     if text is None or text.strip() == "all":
         return None
-    out: list[int] = []
+    out: set[int] = set()
     try:
         for part in text.split(","):
             lo, sep, hi = part.strip().partition("-")
@@ -50,10 +57,13 @@ def parse_ranks(text: str | None) -> list[int] | None:
             b = int(hi) if sep else a
             if a < 0 or b < a:
                 raise ValueError
-            out.extend(range(a, b + 1))
+            if a >= MAX_WORLD:
+                raise CLIError(f"--rank {a} is past the largest world ({MAX_WORLD:,} ranks, "
+                               f"0-{MAX_WORLD - 1})", 2)
+            out.update(range(a, min(b, MAX_WORLD - 1) + 1))
     except ValueError:
         raise CLIError(f"--rank must be 'all', a rank or a list like 0,3,5-7; got {text!r}", 2) from None
-    return sorted(set(out))
+    return sorted(out)
 
 
 def smooth(values: list[float], window: int) -> list[float]:

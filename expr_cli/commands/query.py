@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import typer
 
 TABLE_ROWS = 500  # rows a table shows; --csv and --json print every row
+DEFAULT_TIMEOUT = 60.0  # seconds a query may take, locally or on the team store
 _FETCH = 10_000
 
 
@@ -41,26 +42,58 @@ def plain(v: Any) -> Any:
 
 
 def _chunks(result: Any) -> Any:
+    from expr_tracker.views.sql import query_error
+
     while True:
-        rows = result.fetchmany(_FETCH)
+        try:
+            rows = result.fetchmany(_FETCH)
+        except Exception as exc:  # DuckDB's: the time or memory limit, while fetching
+            raise query_error(exc) from None
         if not rows:
             return
         yield rows
 
 
-def query_command(run: str, sql: str, dir: str | None, as_json: bool, as_csv: bool) -> None:
-    """Run `sql` over the views of RUN and print the result."""
+def query_command(run: str, sql: str, dir: str | None, as_json: bool, as_csv: bool, *,
+                  timeout: float = DEFAULT_TIMEOUT, memory: str | None = None) -> None:
+    """Run `sql` over the views of RUN and print the result, within `timeout` seconds
+    and `memory` (DuckDB's memory_limit, default 25% of RAM)."""
     if as_json and as_csv:
         raise CLIError("--json and --csv exclude each other", 2)
     from expr_cli.extras import require
 
     require("duckdb", "query")
-    from expr_tracker.views.sql import connect, run_query
+    from expr_tracker.views.sql import (
+        DEFAULT_MEMORY,
+        QueryMemory,
+        QueryTimeout,
+        check_memory,
+        connect,
+        run_query,
+        time_limit,
+    )
 
+    _check_timeout(timeout)
+    try:
+        limit = check_memory(memory or DEFAULT_MEMORY)
+    except ValueError as exc:
+        raise CLIError(f"--memory: {exc}", 2) from None
     ref = resolve_run(run, root_dir(dir))
-    with connect(ref.path) as con:
-        result = run_query(con, sql)
-        print_result([d[0] for d in result.description], _chunks(result), as_json, as_csv)
+    try:
+        with connect(ref.path, memory_limit=limit) as con, time_limit(con, timeout):
+            result = run_query(con, sql)
+            print_result([d[0] for d in result.description], _chunks(result), as_json, as_csv)
+    except QueryTimeout:
+        raise CLIError(f"the query ran longer than --timeout {timeout:g} s and was stopped"
+                       ) from None
+    except QueryMemory as exc:
+        raise CLIError(f"the query needs more memory than --memory {limit} ({exc}); "
+                       "raise --memory or narrow the query") from None
+
+
+def _check_timeout(timeout: float) -> None:
+    if not (timeout > 0 and math.isfinite(timeout)):
+        raise CLIError(f"--timeout must be a positive number of seconds, not {timeout:g}", 2)
 
 
 def print_result(columns: list[str], chunks: Iterator[Sequence[Sequence[Any]]], as_json: bool,
@@ -125,11 +158,19 @@ def register(app: typer.Typer) -> None:
     csv_opt = typer.Option(False, "--csv", help="Print CSV instead of a table.")
     store_opt = typer.Option(None, "--store", metavar="URL",
                              help="Query the team store (ClickHouse HTTP URL) instead of a run.")
-    user_opt = typer.Option("CLICKHOUSE_USER", "--user-env", metavar="VAR",
-                            help="With --store: the variable holding the user name.")
-    password_opt = typer.Option("CLICKHOUSE_PASSWORD", "--password-env", metavar="VAR",
-                                help="With --store: the variable holding the password.")
-    timeout_opt = typer.Option(30.0, "--timeout", help="With --store: seconds to wait.")
+    user_opt = typer.Option(None, "--user-env", metavar="VAR", show_default=False,
+                            help="With --store: the variable holding the user name (must be "
+                                 "set; default CLICKHOUSE_USER if set, else the server's "
+                                 "default user).")
+    password_opt = typer.Option(None, "--password-env", metavar="VAR", show_default=False,
+                                help="With --store: the variable holding the password (must "
+                                     "be set; default CLICKHOUSE_PASSWORD).")
+    timeout_opt = typer.Option(DEFAULT_TIMEOUT, "--timeout", metavar="SECONDS",
+                               help="Stop the query after this long (with --store: the wait "
+                                    "for the server).")
+    memory_opt = typer.Option(None, "--memory", metavar="SIZE", show_default=False,
+                              help="DuckDB's memory limit, e.g. 4GB or 25% (default 25% of "
+                                   "RAM); sorts and joins spill to disk beyond it.")
 
     @app.command(
         "query",
@@ -143,9 +184,10 @@ def register(app: typer.Typer) -> None:
         as_csv: bool = csv_opt,
         dir: str | None = DIR_OPT,
         store: str | None = store_opt,
-        user_env: str = user_opt,
-        password_env: str = password_opt,
+        user_env: str | None = user_opt,
+        password_env: str | None = password_opt,
         timeout: float = timeout_opt,
+        memory: str | None = memory_opt,
     ) -> None:
         """SQL over RUN with DuckDB, read-only: views metrics (step rows of every rank, with
         _rank and _stream), ranks (rank records), alerts and incidents; or, with --store, over
@@ -160,10 +202,13 @@ def register(app: typer.Typer) -> None:
 
             if json and as_csv:
                 raise CLIError("--json and --csv exclude each other", 2)
+            if memory is not None:
+                raise CLIError("--memory is for a run's views (DuckDB), not --store", 2)
+            _check_timeout(timeout)
             names, rows = run_store_query(store, args[0], user_env=user_env,
                                           password_env=password_env, timeout=timeout)
             print_result(names, iter([rows]), json, as_csv)
             return
         if len(args) != 2:
             raise CLIError("expr query takes RUN and SQL (or --store URL and SQL)", 2)
-        query_command(args[0], args[1], dir, json, as_csv)
+        query_command(args[0], args[1], dir, json, as_csv, timeout=timeout, memory=memory)

@@ -13,6 +13,7 @@ import math
 import os
 import shutil
 import sys
+import threading
 import time as _clock
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -70,6 +71,10 @@ class Channel:
 
     def close(self) -> None:
         """Release connections; called from the delivery thread when it stops."""
+
+    def abort(self) -> None:
+        """Stop an attempt in flight now (thread-safe): the dispatcher closes at its
+        deadline and leaves the attempt behind; what it started must not outlive it."""
 
     def forget(self) -> None:
         """Drop (without closing) resources inherited over fork: they belong to the parent."""
@@ -271,13 +276,25 @@ class CommandChannel(Channel):
     ) -> None:
         super().__init__(name, min_level=min_level, policy=policy)
         self.argv = tuple(argv)
+        # the process groups of attempts in flight, ended by abort() (the exit deadline)
+        self._groups: set[int] = set()
+        self._lock = threading.Lock()
 
     def describe(self) -> str:
         # arguments may carry tokens; the program name is enough to find the channel
         return f"{self.type} {os.path.basename(self.argv[0])}"
 
+    def abort(self) -> None:
+        """SIGKILL the process group of every attempt in flight (its children included).
+
+        Under the lock, so a group that send() has just finished with is either still
+        in the set (its leader just waited for; the id stays taken while any member of
+        the group lives) or gone from it: never an id long free for reuse."""
+        with self._lock:
+            for pgid in self._groups:
+                _kill_group(pgid)
+
     def send(self, alert: Alert, timeout: float) -> None:
-        import signal
         import subprocess
 
         body = orjson.dumps(alert.as_dict(), option=orjson.OPT_APPEND_NEWLINE)
@@ -288,23 +305,35 @@ class CommandChannel(Channel):
             )
         except OSError as exc:
             raise DeliveryError(f"cannot run: {exc.strerror}", retryable=False) from None
+        with self._lock:
+            self._groups.add(proc.pid)
         try:
             _, err = proc.communicate(body, timeout=timeout)
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except OSError:
-                proc.kill()
+            _kill_group(proc.pid)
             for pipe in (proc.stdin, proc.stderr):
                 if pipe is not None:
                     pipe.close()
             proc.wait()
             raise DeliveryError(f"timed out after {timeout:g} s", retryable=True) from None
+        finally:
+            with self._lock:
+                self._groups.discard(proc.pid)
         if proc.returncode != 0:
             lines = err.decode("utf-8", "replace").strip().splitlines()
             code = proc.returncode
             cause = f"exit status {code}" if code > 0 else f"killed by signal {-code}"
             raise DeliveryError(cause, retryable=True, detail=lines[-1][:200] if lines else "")
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL process group `pgid` (a command's session); gone already is fine."""
+    import signal
+
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 def _from_env(cfg: ChannelConfig, key: str, env: str) -> str:

@@ -296,6 +296,7 @@ class Dispatcher:
         timeout = self.exit_timeout if timeout is None else timeout
         drained = self.flush(timeout)
         left = 0
+        hung: list[_Lane] = []
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -308,9 +309,18 @@ class Dispatcher:
                 lane.queue.clear()
                 if lane.busy:
                     lane.abandoned = True
+                    hung.append(lane)
             for lane in self._lanes.values():
                 if lane.thread is None:
                     lane.channel.close()
+        for lane in hung:
+            # the attempt left behind must not outlive the run: a command's process group
+            # is killed now (a hanging webhook request ends with the daemon thread)
+            try:
+                lane.channel.abort()
+            except Exception as exc:  # a channel bug must not reach finish()
+                self._warn_once(lane.channel.name, "abort", f"alert channel "
+                                f"{lane.channel.name!r}: abort failed: {type(exc).__name__}")
         if left:
             self._warn_once("*", "close", f"{left} alert(s) not delivered within {timeout:g} s "
                                           "of closing; counted as undelivered")

@@ -16,6 +16,7 @@ retries, not the run's data. Credentials come from the environment variables nam
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import threading
@@ -32,10 +33,18 @@ DATABASE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
 TABLES = ("metrics", "rank_metrics", "runs", "alerts", "incidents")
 _CODE = re.compile(rb"Code: (\d+)")
 # ClickHouse error codes of data the server cannot parse or convert: the same body sent
-# again cannot succeed. Everything else (down, overloaded, a wrong password or a missing
-# grant an operator fixes) is retried: within `retries` in direct mode, until it works in
-# exprd, whose spool holds the data meanwhile.
+# again cannot succeed. Everything else (down, overloaded, a missing grant an operator
+# fixes) is retried: within `retries` in direct mode, until it works in exprd, whose spool
+# holds the data meanwhile.
 _DATA_ERRORS = frozenset({6, 26, 27, 38, 41, 53, 62, 69, 70, 72, 117})
+# The server refused the credentials (UNKNOWN_USER, WRONG_PASSWORD, REQUIRED_PASSWORD,
+# IP_ADDRESS_NOT_ALLOWED, AUTHENTICATION_FAILED; newer servers also answer 401/403).
+# Credentials are read once, at open(): in direct mode the same request cannot succeed
+# later in this process, so it is not retried and every later send fails at once under
+# the same cause; exprd retries (its spool keeps the data until it restarts with working
+# credentials).
+_AUTH_ERRORS = frozenset({192, 193, 194, 195, 516})
+_AUTH_STATUS = frozenset({401, 403})
 _NONFINITE = {"nan": "nan", "inf": "inf", "-inf": "-inf"}
 
 _VALUE_COLUMNS = "step Int64, time Float64, key String, value Float64, text String, event_id String"
@@ -72,9 +81,11 @@ def schema(db: str) -> list[str]:
 class _Failure(Exception):
     """One failed request: `retry` says whether the same request may succeed later."""
 
-    def __init__(self, cause: str, detail: str = "", *, retry: bool, wait: float | None = None):
+    def __init__(self, cause: str, detail: str = "", *, retry: bool, wait: float | None = None,
+                 auth: bool = False):
         super().__init__(cause)
         self.cause, self.detail, self.retry, self.wait = cause, detail, retry, wait
+        self.auth = auth  # the credentials were refused
 
 
 def _value(value: Any) -> tuple[Any, str] | None:
@@ -117,31 +128,51 @@ class ClickHouseBackend:
         *,
         url: str,
         database: str = "expr",
-        user_env: str = "CLICKHOUSE_USER",
-        password_env: str = "CLICKHOUSE_PASSWORD",
+        user_env: str | None = None,
+        password_env: str | None = None,
         create: bool = True,
         batch: int = 5000,
         timeout: float = 10.0,
         retries: int = 8,
         backoff: float = 0.5,
+        exit_timeout: float = 5.0,
+        queue_mb: float = 64.0,
     ) -> None:
         self.url = url.rstrip("/") + "/"
         self.database = database
-        self.user_env = user_env
-        self.password_env = password_env
+        # named in the spec: must be set (checked by check_environment); not named: the
+        # default variables, each used only if set (else the server's `default` user)
+        self._named = [(k, v) for k, v in (("user_env", user_env),
+                                           ("password_env", password_env)) if v is not None]
+        self.user_env = user_env or "CLICKHOUSE_USER"
+        self.password_env = password_env or "CLICKHOUSE_PASSWORD"
         self.create = create
         self.batch = batch
         self.timeout = float(timeout)
         self.retries = retries
         self.backoff = float(backoff)
+        # direct mode (BackendWorker): finish() waits for this backend while it acknowledges
+        # batches, giving up after exit_timeout s without one; at most queue_mb of records
+        # wait for it (a burst past that is dropped, counted)
+        self.exit_timeout = float(exit_timeout)
+        self.queue_mb = float(queue_mb)
         self.counters = Counters()
         self.identity: Identity | None = None
         self._client: Any = None
         self._stop = threading.Event()
+        self._wake = threading.Event()  # interrupt() or close_by(): look at the clock again
+        self._deadline = math.inf  # time.monotonic() by which every send gives up
+        self._last_ok = 0.0  # when the server last acknowledged a request (monotonic)
+        self._closing = False  # close_by() was called
+        self._refused: _Failure | None = None  # the server refused the credentials
         self._ready = False  # schema made (or create = false) and the server's settings known
         self._token = False  # the server knows insert_deduplication_token
         self._run_row = False  # this session's `runs` row says running
         self._last_time = 0.0
+
+    def missing_environment(self) -> list[tuple[str, str]]:
+        """(key, variable) of the credentials variables the spec names that are not set."""
+        return [(k, v) for k, v in self._named if v not in os.environ]
 
     # -- the Backend protocol ------------------------------------------------------------
     def open(self, identity: Identity) -> None:
@@ -158,6 +189,23 @@ class ClickHouseBackend:
     def interrupt(self) -> None:
         """Cut retry waits short: pending retries give up (thread-safe)."""
         self._stop.set()
+        self._wake.set()
+
+    def close_by(self, deadline: float) -> None:
+        """The run is finishing: give up, from `deadline` (time.monotonic()) on, or once
+        `exit_timeout` s pass without an acknowledgement, whatever is not delivered; no
+        request and no retry wait lasts past that (thread-safe; the exit bound)."""
+        self._last_ok = time.monotonic()
+        self._deadline = deadline
+        self._closing = True
+        self._wake.set()
+
+    def give_up_at(self) -> float:
+        """The monotonic time sends give up at (inf while the run goes on): the worker
+        waits for this backend's thread until then, not for a request already in flight."""
+        if not self._closing:
+            return math.inf
+        return min(self._deadline, self._last_ok + self.exit_timeout)
 
     def log(self, events: Sequence[Mapping[str, Any]]) -> None:
         """Insert `events` in batches of `batch`, each retried at most `retries` times."""
@@ -351,35 +399,59 @@ class ClickHouseBackend:
 
         if self._client is None:
             raise _Failure("closed", retry=False)
+        left = self.give_up_at() - time.monotonic()
         try:
-            resp = self._client.post(self.url, params=params, content=body)
+            # never past the exit deadline: a hanging server costs the bound, not `timeout`
+            resp = self._client.post(self.url, params=params, content=body,
+                                     timeout=min(self.timeout, max(left, 0.05)))
         except httpx.TransportError as exc:
             raise _Failure(type(exc).__name__, str(exc), retry=True) from None
         if resp.status_code == 200:
+            self._last_ok = time.monotonic()
             return bytes(resp.content)
         text = bytes(resp.content[:300])
         m = _CODE.search(text)
         code = int(m.group(1)) if m else None
         detail = text.decode("utf-8", "replace").strip().splitlines()[0] if text else ""
         cause = f"status {resp.status_code}" + (f", code {code}" if code is not None else "")
+        if code in _AUTH_ERRORS or resp.status_code in _AUTH_STATUS:
+            raise _Failure(f"authentication refused ({cause})", detail, retry=False, auth=True)
         raise _Failure(cause, detail, retry=code not in _DATA_ERRORS,
                        wait=retry_after(resp.headers.get("Retry-After")))
 
     def _retry(self, what: str, attempt: Callable[[], None], *, keep: bool) -> bool:
-        """Run `attempt` until it succeeds, is refused, is interrupted or (unless `keep`)
-        runs out of retries; every failure is counted under its cause, the first logged."""
+        """Run `attempt` until it succeeds, is refused, is interrupted, reaches the exit
+        deadline or (unless `keep`) runs out of retries; every failure is counted under its
+        cause, the first logged."""
         delay = self.backoff
         tries = 0
+        last = ""
         while True:
             if self._stop.is_set():
                 self.counters.error(f"{what}: interrupted")
+                return False
+            now = time.monotonic()
+            if now >= self.give_up_at():
+                why = ("the close deadline passed" if now >= self._deadline else
+                       f"no acknowledgement for exit_timeout = {self.exit_timeout:g} s")
+                self.counters.error(f"{what}: not delivered at exit",
+                                    f"{why}; last: {last or 'no attempt'}")
+                return False
+            refused = self._refused
+            if refused is not None and not keep:
+                self.counters.error(f"{what}: {refused.cause}",
+                                    f"{refused.detail}; not retried (check user_env/password_env)")
                 return False
             try:
                 attempt()
                 return True
             except _Failure as exc:
                 tries += 1
-                if not exc.retry:
+                last = exc.cause
+                if exc.auth and not keep:
+                    self._refused = exc
+                    continue  # counted once above, as every later send of this process
+                if not exc.retry and not exc.auth:
                     self.counters.error(f"{what}: {exc.cause}", f"{exc.detail}; not retried")
                     return False
                 if not keep and tries > self.retries:
@@ -389,6 +461,15 @@ class ClickHouseBackend:
                 self.counters.error(f"{what}: {exc.cause}", f"{exc.detail}; retrying")
                 pause = exc.wait if exc.wait is not None else min(delay, MAX_BACKOFF)
                 delay *= 2
-            if self._stop.wait(pause):
-                self.counters.error(f"{what}: interrupted")
-                return False
+            self._pause(pause)
+
+    def _pause(self, seconds: float) -> None:
+        """Wait `seconds` between retries, less if the exit deadline comes first; woken by
+        interrupt() and close_by() (which may have moved the deadline)."""
+        end = time.monotonic() + seconds
+        while True:
+            left = min(end, self.give_up_at()) - time.monotonic()
+            if left <= 0 or self._stop.is_set():
+                return
+            if self._wake.wait(left):
+                self._wake.clear()

@@ -20,7 +20,7 @@ _SPEC_KEYS: dict[str, frozenset[str]] = {
     "trackio": frozenset({"project"}),
     "http": frozenset({"url", "token_env", "batch", "timeout", "retries", "backoff"}),
     "clickhouse": frozenset({"url", "database", "user_env", "password_env", "create", "batch",
-                             "timeout", "retries", "backoff"}),
+                             "timeout", "retries", "backoff", "exit_timeout", "queue_mb"}),
 }
 
 
@@ -49,17 +49,42 @@ def _check_spec(kind: str, spec: Mapping[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
+# query parameters ClickHouse's HTTP interface reads as credentials
+CLICKHOUSE_SECRET_PARAMS = frozenset({"user", "password"})
+
+
+def check_url(url: Any, what: str, secret_params: frozenset[str] = frozenset()) -> str:
+    """`url` if it is a well-formed http(s) URL without credentials, else ValueError
+    starting with `what` (a URL is logged and shown; credentials belong in the
+    environment, whether as `user:password@` or as query parameters the server reads as
+    credentials, `secret_params`: ClickHouse's `?user=&password=`)."""
+    import urllib.parse
+
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ValueError(f"{what} must start with http:// or https://, not {url!r}")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port out of range or not a number
+    except ValueError as exc:
+        raise ValueError(f"{what} {url!r} is not a valid URL: {exc}") from None
+    if not parts.hostname:
+        raise ValueError(f"{what} {url!r} has no host")
+    secret = sorted({k.lower() for k, _ in urllib.parse.parse_qsl(parts.query, True)}
+                    & secret_params)
+    if "@" in parts.netloc or secret:
+        where = "user:password@" if "@" in parts.netloc else "?" + "=, ?".join(secret) + "="
+        raise ValueError(f"{what} must not hold credentials ({where}); name environment "
+                         "variables with user_env/password_env or token_env")
+    return url
+
+
 def _check_remote(kind: str, kwargs: dict[str, Any]) -> None:
     """The keys of the backends that send to a URL (http, clickhouse)."""
     url = kwargs.get("url")
     if not url:
         raise ValueError(f"backend {kind!r}: url is required")
-    if not url.startswith(("http://", "https://")):
-        raise ValueError(f"backend {kind!r}: url must start with http:// or https://, not {url!r}")
-    if "@" in url.split("://", 1)[1].split("/", 1)[0]:
-        # a URL is logged and shown; credentials belong in the environment
-        raise ValueError(f"backend {kind!r}: url must not hold credentials; "
-                         "name environment variables with user_env/password_env or token_env")
+    check_url(url, f"backend {kind!r}: url",
+              CLICKHOUSE_SECRET_PARAMS if kind == "clickhouse" else frozenset())
     for key in ("token_env", "user_env", "password_env"):
         if key in kwargs and not _ENV_NAME.match(kwargs[key]):
             raise ValueError(f"backend {kind!r}: {key} {kwargs[key]!r} is not a variable name")
@@ -75,10 +100,32 @@ def _check_remote(kind: str, kwargs: dict[str, Any]) -> None:
         value = kwargs.get(key, lo)
         if isinstance(value, bool) or not isinstance(value, int) or value < lo:
             raise ValueError(f"backend {kind!r}: {key} must be an integer >= {lo}")
-    for key in ("timeout", "backoff"):
+    for key in ("timeout", "backoff", "exit_timeout", "queue_mb"):
         value = kwargs.get(key, 1.0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"backend {kind!r}: {key} must be a positive number")
+
+
+def check_environment(backend: Any) -> None:
+    """ValueError naming the variable if `backend` names a credentials variable
+    (`user_env`, `password_env`, `token_env`) that is not set in this process: the process
+    that connects (a direct-mode run, exprd) checks it at start, not the first send."""
+    missing = getattr(backend, "missing_environment", None)
+    if callable(missing):
+        for key, var in missing():
+            raise ValueError(f"backend {getattr(backend, 'name', '?')!r}: {key} names "
+                             f"{var}, which is not set in the environment")
+
+
+BACKEND_TYPES = tuple(sorted(_SPEC_KEYS))
+
+
+def named_spec(name: str, spec: Any) -> Any:
+    """A configuration table `[backends.NAME]` as a spec: without `type`, a NAME that is a
+    backend type (`[backends.clickhouse]`) is the type; anything else is returned as is."""
+    if isinstance(spec, Mapping) and "type" not in spec and name in _SPEC_KEYS:
+        return {"type": name, **spec}
+    return spec
 
 
 def make_backend(spec: str | Mapping[str, Any] | Backend) -> Backend:
@@ -96,7 +143,9 @@ def make_backend(spec: str | Mapping[str, Any] | Backend) -> Backend:
     elif isinstance(spec, Mapping):
         spec_type = spec.get("type")
         if not isinstance(spec_type, str):
-            raise ValueError("backend spec: type is required (wandb, trackio, http or clickhouse)")
+            raise ValueError("backend spec: type is required (wandb, trackio, http or "
+                             "clickhouse; a [backends.NAME] table named after its type may "
+                             "leave it out)")
         kind, options = spec_type, spec
     elif all(callable(getattr(spec, m, None)) for m in ("open", "log", "alert", "finish")):
         return spec  # a user's own backend object (direct mode only)

@@ -24,9 +24,22 @@ from expr_tracker.backends.base import Backend, Counters, Identity, reportable
 from expr_tracker.backends.journal import Batch, BatchJournal, position
 
 FINISH_GRACE = 5.0  # seconds close() waits for finish() after the drain deadline
+# a backend told its close deadline (`close_by`, the team store in direct mode) keeps this
+# much of the close time for finish() (its final status row), and is left behind this long
+# past the deadline at most
+FINISH_SHARE, FINISH_MAX, LEAVE_AFTER = 0.2, 1.0, 0.25
 MAX_ALERTS = 1000  # alerts queue beside records (they are rare and matter more)
 _LOG, _ALERT = 0, 1
 _AGAIN = object()  # _take_journaled skipped records: look at the queue again
+# what a queued record costs in memory, roughly (measured with tracemalloc on CPython 3.11,
+# float values: ~330 B for 3 keys with _step and _time, ~820 B for 12, ~2,900 B for 52):
+# the byte bound counts this estimate, not an encoding (nothing is encoded on log()'s path)
+_RECORD_BYTES, _KEY_BYTES = 180, 56
+
+
+def record_bytes(row: Mapping[str, Any]) -> int:
+    """The estimated memory of one queued record (cheap: no encoding on log()'s path)."""
+    return _RECORD_BYTES + _KEY_BYTES * len(row)
 
 
 class BackendWorker:
@@ -42,12 +55,18 @@ class BackendWorker:
         rank_metrics: bool = False,
         journal: BatchJournal | None = None,
         pulled: bool = False,
+        max_bytes: int | None = None,
+        bounded_exit: bool = False,
     ) -> None:
-        if max_queue < 1 or batch < 1:
-            raise ValueError("max_queue and batch must be >= 1")
+        if max_queue < 1 or batch < 1 or (max_bytes is not None and max_bytes < 1):
+            raise ValueError("max_queue, max_bytes and batch must be >= 1")
         self.backend = backend
         self.identity = identity
         self.max_queue = max_queue
+        # direct mode's team store: the queue is bounded by memory (a burst of small rows
+        # fits), not by a record count, and close() tells the backend its deadline
+        self.max_bytes = max_bytes
+        self.bounded_exit = bounded_exit
         self.batch = batch
         self.rank_metrics = rank_metrics
         self.journal = journal
@@ -60,6 +79,7 @@ class BackendWorker:
         self._cond = threading.Condition()
         self._items: deque[tuple[int, dict[str, Any]]] = deque()
         self._queued_logs = 0
+        self._queued_bytes = 0  # estimated (record_bytes), kept only with max_bytes
         self._queued_alerts = 0
         self._inflight = 0
         self._accepted = 0  # records ever queued
@@ -122,9 +142,13 @@ class BackendWorker:
                 cause = f"{self._name}: record submitted after close"
             elif self._queued_logs >= self.max_queue:
                 cause = f"{self._name}: queue full ({self.max_queue} records)"
+            elif self.max_bytes is not None and self._queued_bytes >= self.max_bytes:
+                cause = f"{self._name}: queue full ({self.max_bytes / 2**20:g} MB)"
             else:
                 self._items.append((_LOG, row))
                 self._queued_logs += 1
+                if self.max_bytes is not None:
+                    self._queued_bytes += record_bytes(row)
                 self._accepted += 1
                 if len(self._items) == 1 or self._waiting:
                     # the thread waits on an empty queue, or for a journaled batch's end
@@ -160,6 +184,8 @@ class BackendWorker:
                 cause = f"{self._name}: record submitted after close"
             else:
                 room = self.max_queue - self._queued_logs
+                if self.max_bytes is not None:
+                    room = min(room, self._room_in_bytes(records))
                 if room < len(records):
                     cause = f"{self._name}: queue full ({self.max_queue} records)"
                     lost = len(records) - max(room, 0)
@@ -167,6 +193,8 @@ class BackendWorker:
                 wake = not self._items or self._waiting
                 self._items.extend((_LOG, row) for row in records)
                 self._queued_logs += len(records)
+                if self.max_bytes is not None:
+                    self._queued_bytes += sum(record_bytes(r) for r in records)
                 self._accepted += len(records)
                 if wake and records:
                     self._cond.notify()
@@ -197,16 +225,36 @@ class BackendWorker:
         Records still queued at the deadline are counted `dropped`. A backend
         stuck in a call is interrupted if it can be (`interrupt()`), and left
         behind on its daemon thread if not.
+
+        With `bounded_exit` and a backend that can be told its deadline (`close_by`, the
+        team store, which also gives up sooner on its own: `exit_timeout`), the whole close
+        takes at most `timeout` + LEAVE_AFTER: the drain stops early enough to leave
+        finish() its share, the backend gives up its requests and retries by the deadline,
+        and a thread still busy then is left behind.
         """
+        close_by = getattr(self.backend, "close_by", None)
+        bounded = self.bounded_exit and callable(close_by)
+        timeout = max(timeout, 0.0)
+        end = time.monotonic() + timeout
         with self._cond:
             if not self._closing:
                 self._closing = True
                 self._status = status
-                self._deadline = time.monotonic() + max(timeout, 0.0)
+                reserve = min(FINISH_MAX, timeout * FINISH_SHARE) if bounded else 0.0
+                self._deadline = end - reserve
                 self._cond.notify_all()
+        if bounded:
+            assert callable(close_by)
+            try:
+                close_by(end)
+            except Exception as exc:
+                self._counters.error(f"{self._name}: close_by: {type(exc).__name__}", str(exc))
         thread = self._thread
         if thread is not None:
-            thread.join(max(timeout, 0.0))
+            if bounded:
+                self._join_bounded(thread, end)
+            else:
+                thread.join(timeout)
             if thread.is_alive():
                 self._interrupted = True
                 interrupt = getattr(self.backend, "interrupt", None)
@@ -217,8 +265,31 @@ class BackendWorker:
                         self._counters.error(
                             f"{self._name}: interrupt: {type(exc).__name__}", str(exc)
                         )
-                thread.join(FINISH_GRACE)
+                if not bounded:
+                    thread.join(FINISH_GRACE)
+                elif thread.is_alive():
+                    with self._cond:
+                        n = self._inflight
+                    self._counters.error(f"{self._name}: left behind at exit",
+                                         f"a request was still in flight; {n} records "
+                                         "pending, not known to be delivered")
         return self.stats()
+
+    def _join_bounded(self, thread: threading.Thread, end: float) -> None:
+        """Wait for the thread until `end`, or until the backend gives up (`give_up_at`,
+        which may come sooner), + LEAVE_AFTER: a request in flight is not waited for."""
+        give_up_at = getattr(self.backend, "give_up_at", None)
+        while thread.is_alive():
+            limit = end
+            if callable(give_up_at):
+                try:
+                    limit = min(limit, float(give_up_at()))
+                except Exception:
+                    pass  # a broken hint: the close deadline alone bounds the wait
+            left = limit + LEAVE_AFTER - time.monotonic()
+            if left <= 0:
+                return
+            thread.join(min(left, 0.05))
 
     def progress(self) -> tuple[int, int]:
         """(records queued so far, of those the ones done with), both only ever growing.
@@ -303,7 +374,7 @@ class BackendWorker:
                 self._waiting = False
             left, alerts = self._queued_logs, self._queued_alerts
             self._items.clear()
-            self._queued_logs = self._queued_alerts = 0
+            self._queued_logs = self._queued_alerts = self._queued_bytes = 0
         # past the close deadline: what is still queued is dropped, and counted
         if left:
             self._counters.error(
@@ -326,7 +397,7 @@ class BackendWorker:
                 if pos is None or pos[0] != session or (stop is not None and pos[1] >= stop):
                     break
             taken.append(self._items.popleft()[1])
-        self._queued_logs -= len(taken)
+        self._dequeued(taken)
         self._inflight = len(taken)
         return taken
 
@@ -360,20 +431,37 @@ class BackendWorker:
         if seq != first:
             # the batch's head lies before the backend's checkpoint, so the whole batch
             # was sent before that checkpoint was written: these records are delivered
-            skipped = len(self._remove(picked))
-            self._queued_logs -= skipped
+            skipped = self._dequeued(self._remove(picked))
             self._completed += skipped
             self._counters.add("skipped", skipped)
             return _AGAIN
         if not done and not (self._closing and self._status != "running"):
             return None  # the rest of the batch is still to come
         rows = self._remove(picked)
-        self._queued_logs -= len(rows)
+        self._dequeued(rows)
         self._inflight = len(rows)
         if len(rows) != n or position(rows[-1]) != (session, last):
             self._counters.error(f"{self._name}: batch journal: a batch came back incomplete",
                                  f"{session}:{first}..{session}:{last} has {len(rows)} of {n}")
         return _LOG, rows, None
+
+    def _room_in_bytes(self, records: list[dict[str, Any]]) -> int:
+        """How many of `records`, in order, fit under `max_bytes`."""
+        assert self.max_bytes is not None
+        left, n = self.max_bytes - self._queued_bytes, 0
+        for row in records:
+            if left <= 0:
+                break
+            left -= record_bytes(row)
+            n += 1
+        return n
+
+    def _dequeued(self, rows: list[dict[str, Any]]) -> int:
+        """Count `rows` out of the queue (under the lock); their number."""
+        self._queued_logs -= len(rows)
+        if self.max_bytes is not None:
+            self._queued_bytes -= sum(record_bytes(r) for r in rows)
+        return len(rows)
 
     def _remove(self, picked: list[int]) -> list[dict[str, Any]]:
         """Take the records at queue positions `picked` (ascending) out of the queue."""

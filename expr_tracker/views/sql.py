@@ -61,6 +61,9 @@ INCIDENT_COLUMNS = {
     "first_seen": "DOUBLE", "last_seen": "DOUBLE", "detail": "JSON", "state": "VARCHAR",
     "delivered": "BOOLEAN",
 }
+# what DuckDB may infer for a key whose sampled values are all numbers: kept as it is
+_NUMERIC_TYPES = frozenset({"DOUBLE", "FLOAT", "BIGINT", "INTEGER", "SMALLINT", "TINYINT",
+                            "HUGEINT", "UBIGINT", "UINTEGER", "USMALLINT", "UTINYINT"})
 # not EXPLAIN: `EXPLAIN ANALYZE COPY ... TO` runs the COPY
 READ_ONLY_TYPES = ("SELECT",)
 # the rank and the stream of a row, from the path of its shard (DuckDB's `_file` column)
@@ -71,6 +74,53 @@ _FILE_STREAM = (r"NULLIF(regexp_extract(regexp_replace(_file, '(\.rank[0-9]+)?\.
 
 class QueryError(TrackerError):
     """A query that DuckDB, or the read-only check, refused."""
+
+
+class QueryTimeout(QueryError):
+    """A query stopped at its time limit (`time_limit`)."""
+
+
+class QueryMemory(QueryError):
+    """A query that needed more memory than its `memory_limit`."""
+
+
+DEFAULT_MEMORY = "25%"  # of the machine's RAM (DuckDB's own default is 80%)
+_MEMORY_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(%|B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\Z", re.IGNORECASE)
+
+
+def check_memory(value: str) -> str:
+    """`value` if DuckDB reads it as a memory limit ("4GB", "512MiB", "25%"), else
+    ValueError naming it."""
+    m = _MEMORY_RE.match(value.strip())
+    if m is None or not float(m.group(1)) > 0 or (m.group(2) == "%" and float(m.group(1)) > 100):
+        raise ValueError(f"memory limit {value!r}: expected a size such as 4GB or 512MiB, "
+                         "or a share of RAM such as 25%")
+    return value.strip()
+
+
+def query_error(exc: Exception) -> QueryError:
+    """A DuckDB error as the QueryError to raise (the time and memory limits by name)."""
+    duckdb = need_duckdb()
+    if isinstance(exc, duckdb.InterruptException):
+        return QueryTimeout("stopped at the time limit")
+    if isinstance(exc, duckdb.OutOfMemoryException):
+        return QueryMemory(first_line(exc))
+    return QueryError(first_line(exc))
+
+
+@contextlib.contextmanager
+def time_limit(con: Any, seconds: float) -> Iterator[None]:
+    """Interrupt whatever `con` runs (executing or fetching) after `seconds`; the DuckDB
+    error that follows becomes QueryTimeout through `query_error`."""
+    import threading
+
+    timer = threading.Timer(seconds, con.interrupt)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def need_duckdb() -> Any:
@@ -132,8 +182,12 @@ def _column_expr(name: str, dtype: str, sample: dict[str, Any] | None) -> str:
     numeric = sample is not None and sample["seen"] and sample["numeric"]
     if numeric and dtype == "JSON":
         return f"TRY_CAST({col} ->> '$' AS DOUBLE) AS {col}"
-    if numeric and dtype == "VARCHAR":
-        return f"TRY_CAST({col} AS DOUBLE) AS {col}"
+    if numeric and dtype not in _NUMERIC_TYPES:
+        # VARCHAR, or a type DuckDB guessed from the strings alone: a key that is only
+        # ever "Infinity" reads as DATE 'infinity' (9999-12-31 in Python); its text is
+        # "infinity", which casts to the float
+        cast = col if dtype == "VARCHAR" else f"CAST({col} AS VARCHAR)"
+        return f"TRY_CAST({cast} AS DOUBLE) AS {col}"
     return col
 
 
@@ -190,8 +244,10 @@ def _fixed_view(name: str, files: list[str], columns: dict[str, str], first: str
 
 
 @contextlib.contextmanager
-def connect(run_dir: str | os.PathLike[str]) -> Iterator[Any]:
-    """An in-memory, locked-down DuckDB connection with the run's views."""
+def connect(run_dir: str | os.PathLike[str], memory_limit: str = DEFAULT_MEMORY) -> Iterator[Any]:
+    """An in-memory, locked-down DuckDB connection with the run's views, using at most
+    `memory_limit` of memory (beyond it, sorts and joins spill to a temporary directory
+    and what cannot spill fails with QueryMemory)."""
     duckdb = need_duckdb()
     run = Path(run_dir).resolve()
     shard_files = [str(s.path.resolve()) for s in run_shards(run, ALL_STREAMS)]
@@ -203,17 +259,21 @@ def connect(run_dir: str | os.PathLike[str]) -> Iterator[Any]:
     con = duckdb.connect(":memory:")
     try:
         con.execute(f"SET temp_directory = {literal(spill)}")
+        con.execute(f"SET memory_limit = {literal(check_memory(memory_limit))}")
         con.execute("SET autoinstall_known_extensions = false")
         con.execute("SET autoload_known_extensions = false")
         allowed = [*shard_files, *alert_files, *incident_files]
         con.execute(f"SET allowed_paths = {_file_list(allowed)}")
         con.execute("SET enable_external_access = false")
         con.execute("SET lock_configuration = true")
-        statements = _shard_views(con, shard_files)
-        statements.append(_fixed_view("alerts", alert_files, ALERT_COLUMNS, "time"))
-        statements.append(_fixed_view("incidents", incident_files, INCIDENT_COLUMNS, "kind"))
-        for sql in statements:
-            con.execute(sql)
+        try:
+            statements = _shard_views(con, shard_files)
+            statements.append(_fixed_view("alerts", alert_files, ALERT_COLUMNS, "time"))
+            statements.append(_fixed_view("incidents", incident_files, INCIDENT_COLUMNS, "kind"))
+            for sql in statements:
+                con.execute(sql)
+        except duckdb.Error as exc:  # reading the files' schema can hit the memory limit too
+            raise query_error(exc) from None
         yield con
     finally:
         con.close()
@@ -232,7 +292,7 @@ def run_query(con: Any, sql: str) -> Any:
     try:
         statements = con.extract_statements(sql)
     except duckdb.Error as exc:
-        raise QueryError(first_line(exc)) from None
+        raise query_error(exc) from None
     if len(statements) != 1:
         raise QueryError(f"expected one SQL statement, got {len(statements)}")
     kind = getattr(statements[0].type, "name", str(statements[0].type))
@@ -241,4 +301,4 @@ def run_query(con: Any, sql: str) -> Any:
     try:
         return con.execute(sql)
     except duckdb.Error as exc:
-        raise QueryError(first_line(exc)) from None
+        raise query_error(exc) from None
