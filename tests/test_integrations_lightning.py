@@ -101,7 +101,10 @@ def test_failed_fit_marks_the_shard_crashed(tmp_path: Path) -> None:
     assert proc.returncode == 3, proc.stderr[-4000:]
     run_dir = tmp_path / "runs" / "pl" / "tiny"
     assert [r["_step"] for r in _rows(run_dir / "metrics.jsonl")] == [1, 3]
-    assert _sidecar(run_dir / "metrics.meta.json")["status"] == "crashed"
+    side = _sidecar(run_dir / "metrics.meta.json")
+    assert side["status"] == "crashed"
+    # the exception Lightning was handling when it called finalize("failed")
+    assert (side["exit"]["type"], side["exit"]["message"]) == ("RuntimeError", "diverged")
 
 
 def test_ddp_under_torchrun_every_rank_writes(tmp_path: Path) -> None:

@@ -42,6 +42,57 @@ assert et.get_run() is None, "the callback finishes the run it started"
 """
 
 
+# a trainer that raises at step 3 and the code goes on: the next trainers (another name,
+# then one callback trained twice, then a rerun under that name) must each get their rows
+FAULTS = """
+import sys, torch
+from transformers import (GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,
+                          TrainingArguments)
+from expr_tracker.integrations.transformers import ExprTrackerCallback
+
+root = sys.argv[1]
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64,
+                                   n_positions=16, bos_token_id=0, eos_token_id=0))
+data = [{"input_ids": torch.randint(0, 64, (8,)), "labels": torch.randint(0, 64, (8,))}
+        for _ in range(48)]
+args = TrainingArguments(output_dir=root + "/out", max_steps=6, logging_steps=2,
+                         per_device_train_batch_size=4, report_to=[], save_strategy="no",
+                         use_cpu=True, disable_tqdm=True)
+
+class Boom(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 3:
+            raise RuntimeError("boom at step 3")
+
+def train(callback, *more):
+    Trainer(model=model, args=args, train_dataset=data, callbacks=[callback, *more]).train()
+
+try:
+    train(ExprTrackerCallback("hf", "exc", dir=root + "/runs"), Boom())
+except RuntimeError:
+    pass
+train(ExprTrackerCallback("hf", "exc-after", dir=root + "/runs"))
+"""
+
+
+def test_a_failed_train_is_crashed_and_the_next_trainer_gets_its_own_run(tmp_path: Path) -> None:
+    need("transformers", "transformers")
+    script = tmp_path / "faults.py"
+    script.write_text(FAULTS)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env_for(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    runs = tmp_path / "runs" / "hf"
+    side = json.loads((runs / "exc" / "metrics.meta.json").read_text())
+    assert side["status"] == "crashed", side
+    assert (side["exit"]["type"], side["exit"]["message"]) == ("RuntimeError", "boom at step 3")
+    assert [r["_step"] for r in _rows(runs / "exc" / "metrics.jsonl")] == [2]
+    after = runs / "exc-after"
+    assert [r["_step"] for r in _rows(after / "metrics.jsonl")] == [2, 4, 6]
+    assert json.loads((after / "metrics.meta.json").read_text())["status"] == "finished"
+
+
 def _rows(path: Path) -> list[dict]:
     return [orjson.loads(line) for line in path.read_bytes().splitlines()]
 

@@ -4,11 +4,20 @@ Trainers hand over their configuration at different moments: Transformers at tra
 Lightning after it has already touched the logger, Accelerate after `start()`. `Session`
 starts the run on first use and merges a configuration that arrives after the start into
 the open run's config (`Run.update_config`: the same shard, the same session).
+
+Two things a trainer does that the SDK alone would get wrong:
+- it raises and the code catches it: the run is finished `crashed` with the exception as
+  its exit (`fail`), and a run another adapter left open is never taken over by the next
+  trainer (`ensure` closes it as crashed and starts its own);
+- it counts its steps from 0 again (a second fit, a rerun under the same name) while the
+  run continues after its largest step: the segment's steps are shifted past the run's
+  (see `Session.log`), never dropped.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -58,16 +67,28 @@ def metrics(values: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+class TrainingAbandoned(RuntimeError):
+    """The exit recorded for a run whose trainer stopped without ending it (an exception
+    the code caught, out of the adapter's sight) once another trainer starts."""
+
+
+# the adapter session whose own run is open in this process (one run per process)
+_active: Session | None = None
+
+
 class Session:
     """One process's run for an adapter: `init` on first use, `finish` when the trainer ends.
 
     If the training code already called `et.init`, that run is used and left open at the
-    end: the code that started it finishes it.
+    end: the code that started it finishes it. `step_key` names the column that keeps the
+    trainer's own step in rows whose step was shifted.
     """
 
-    def __init__(self, project: str, name: str | None, init_kwargs: dict[str, Any]) -> None:
+    def __init__(self, project: str, name: str | None, init_kwargs: dict[str, Any],
+                 step_key: str = "trainer/step") -> None:
         self.project = project
         self.name = name
+        self.step_key = step_key
         config = init_kwargs.pop("config", None)
         if config is not None and not isinstance(config, Mapping):
             raise TypeError(f"config must be a dict, got {type(config).__name__}")
@@ -75,6 +96,8 @@ class Session:
         self.init_kwargs = init_kwargs
         self.run: et.Run | None = None
         self.owned = False
+        self._shift: int | None = None  # this segment's step shift, fixed at its first step
+        self._logged = False  # this segment logged a row
 
     @property
     def started(self) -> bool:
@@ -82,18 +105,56 @@ class Session:
         return self.run is not None and et.get_run() is self.run
 
     def ensure(self) -> et.Run:
-        """The open run, started now if need be (a finished one is resumed: same shard)."""
+        """The open run, started now if need be (a finished one is resumed: same shard).
+
+        A run the training code started is used as it is; a run another adapter started
+        and never ended (its trainer raised and the code went on) is finished as crashed
+        first: this trainer gets its own run, under its own name.
+        """
+        global _active
         if self.started:
             assert self.run is not None
             return self.run
         current = et.get_run()
         if current is not None:
-            self.run, self.owned = current, False
-            return current
+            owner = _active
+            if owner is None or owner is self or owner.run is not current or not owner.owned:
+                self.run, self.owned = current, False
+                return current
+            owner._abandoned(self)
         self.run = et.init(self.project, self.name, config=self.config, **self.init_kwargs)
         self.owned = True
+        _active = self
         self.name = self.run.name  # a resumed session keeps the name every rank agreed on
         return self.run
+
+    def _abandoned(self, successor: Session) -> None:
+        """Finish our run as crashed: its trainer stopped without ending it and `successor`
+        starts now. The exception being handled is its exit if there is one."""
+        exc = sys.exc_info()[1]
+        if exc is None:
+            exc = TrainingAbandoned(
+                f"the trainer of {self.project}/{self.name} stopped without ending its run "
+                f"(an exception the code caught?); {successor.project}/"
+                f"{successor.name or '(default name)'} started after it"
+            )
+        print(f"expr_tracker: {self.project}/{self.name} was left open by a trainer that "
+              f"stopped early ({type(exc).__name__}): finished as crashed", file=sys.stderr,
+              flush=True)
+        self.fail(exc)
+
+    def fail(self, exc: BaseException) -> None:
+        """The trainer raised `exc`: finish our run as crashed with it as the exit (Ctrl-C:
+        finished, as the SDK treats it). Never raises: the trainer's exception goes on."""
+        run = self.run
+        self._end_segment()
+        if run is not None and self.owned and et.get_run() is run:
+            try:
+                # the context-manager exit records {type, message, time} as the SDK's
+                # exception hook does, and finishes the shard crashed
+                run.__exit__(type(exc), exc, exc.__traceback__)
+            except Exception:  # never hide the trainer's own exception
+                pass
 
     def update_config(self, values: Mapping[str, Any]) -> None:
         """Merge into the run's config; an open run of ours gets it through
@@ -115,6 +176,14 @@ class Session:
 
     def finish(self, status: str = "finished") -> None:
         """Finish the run if this session started it."""
-        if self.run is not None and self.owned and self.started:
-            self.run.finish(status)
+        run = self.run
+        self._end_segment()
+        if run is not None and self.owned and et.get_run() is run:
+            run.finish(status)
+
+    def _end_segment(self) -> None:
+        global _active
+        if _active is self:
+            _active = None
         self.run = None
+        self._shift, self._logged = None, False

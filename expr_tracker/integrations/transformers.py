@@ -6,13 +6,18 @@
 Unlike the built-in reporters it runs on every process: under torchrun each rank writes its
 own shard. The run config is the model config with the `TrainingArguments` over it (the
 shape wandb's callback uses); `to_dict()` has already masked the hub token.
+
+A `Trainer` has no callback for an exception, so importing this module wraps
+`Trainer.train` once: when training raises, each `ExprTrackerCallback` of that trainer
+finishes its run as crashed with the exception as the exit, then the exception goes on.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
 
 from expr_tracker.integrations._session import Session, jsonable
 
@@ -25,7 +30,7 @@ class ExprTrackerCallback(TrainerCallback):
     """
 
     def __init__(self, project: str, name: str | None = None, **init_kwargs: Any) -> None:
-        self.session = Session(project, name, init_kwargs)
+        self.session = Session(project, name, init_kwargs, step_key="train/global_step")
 
     @property
     def run(self) -> Any:
@@ -52,3 +57,26 @@ class ExprTrackerCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Finish the run (a run the training code started itself is left to it)."""
         self.session.finish()
+
+
+def _guard_train(train: Any) -> Any:
+    """`Trainer.train` that finishes the trainer's expr-tracker runs as crashed when it raises."""
+    if getattr(train, "_expr_tracker_guard", False):
+        return train
+
+    @functools.wraps(train)
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return train(self, *args, **kwargs)
+        except BaseException as exc:
+            handler = getattr(self, "callback_handler", None)
+            for callback in getattr(handler, "callbacks", ()):
+                if isinstance(callback, ExprTrackerCallback):
+                    callback.session.fail(exc)
+            raise
+
+    guarded._expr_tracker_guard = True  # type: ignore[attr-defined]
+    return guarded
+
+
+Trainer.train = _guard_train(Trainer.train)  # type: ignore[method-assign]
