@@ -61,6 +61,7 @@ try:
 except RuntimeError:
     pass
 loop(ExprTrackerTracker("acc", "exc-after", dir=root))
+loop(ExprTrackerTracker("acc", "exc-after", dir=root), steps=2)  # a rerun: steps from 0 again
 tracker = ExprTrackerTracker("acc", "ctx", dir=root)
 try:
     with tracker:
@@ -90,7 +91,9 @@ def test_a_loop_that_raises_never_leaks_its_run_into_the_next(tmp_path: Path) ->
     assert "acc/exc-after started after it" in side("exc")["exit"]["message"]
     assert "acc/exc was left open by a trainer that stopped early" in proc.stderr
     assert steps("exc") == [0, 1]
-    assert (side("exc-after")["status"], steps("exc-after")) == ("finished", [0, 1, 2, 3])
+    assert (side("exc-after")["status"], steps("exc-after")) == ("finished", [0, 1, 2, 3, 4, 5])
+    rerun = _rows(runs / "exc-after" / "metrics.jsonl")[4:]  # shifted, its own step kept
+    assert [r["accelerate/step"] for r in rerun] == [0, 1]
     ctx = side("ctx")  # `with tracker:` saw it: the exception's own type and message
     assert ctx["status"] == "crashed"
     assert (ctx["exit"]["type"], ctx["exit"]["message"]) == ("RuntimeError", "loss is NaN at step 1")

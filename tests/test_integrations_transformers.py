@@ -73,6 +73,10 @@ try:
 except RuntimeError:
     pass
 train(ExprTrackerCallback("hf", "exc-after", dir=root + "/runs"))
+twice = ExprTrackerCallback("hf", "twice", dir=root + "/runs")
+train(twice)
+train(twice)  # the trainer counts from 0 again: the rows continue the run's steps
+train(ExprTrackerCallback("hf", "twice", dir=root + "/runs"))  # a rerun under the same name
 """
 
 
@@ -91,6 +95,14 @@ def test_a_failed_train_is_crashed_and_the_next_trainer_gets_its_own_run(tmp_pat
     after = runs / "exc-after"
     assert [r["_step"] for r in _rows(after / "metrics.jsonl")] == [2, 4, 6]
     assert json.loads((after / "metrics.meta.json").read_text())["status"] == "finished"
+    # three trainings into one run, every row kept: the second and third shifted past the
+    # run's last step, each shifted row with the trainer's own step
+    rows = _rows(runs / "twice" / "metrics.jsonl")
+    assert [r["_step"] for r in rows] == [2, 4, 6, 7, 9, 11, 12, 14, 16]
+    assert [r.get("train/global_step") for r in rows] == [None] * 3 + [2, 4, 6] * 2
+    assert all("loss" in r for r in rows)
+    assert "the trainer starts at step 2, behind the run's step 7" in proc.stderr
+    assert "behind the run's step 12" in proc.stderr
 
 
 def _rows(path: Path) -> list[dict]:

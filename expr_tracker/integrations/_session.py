@@ -169,17 +169,50 @@ class Session:
             self.run.update_config(fresh)
 
     def log(self, values: Mapping[str, Any], step: int | None = None) -> None:
-        """Log the loggable part of `values` at the trainer's `step`."""
+        """Log the loggable part of `values` at the trainer's `step`.
+
+        A trainer counts from its own start while the run continues after its largest
+        step (a second fit with one logger, a rerun under the same name, a resume from an
+        older checkpoint). The SDK would drop every row behind its step, so a segment
+        (one train/fit, up to its end) whose first step is behind the run's is shifted as
+        a whole: its first row lands at the run's next step, the ones after keep their
+        spacing, and each shifted row keeps the trainer's own step in `step_key`.
+        """
         row = metrics(values)
-        if row:
-            self.ensure().log(row, step=step)
+        if not row:
+            return
+        run = self.ensure()
+        if step is not None:
+            if self._shift is None:
+                self._shift = self._shift_for(run, int(step))
+            if self._shift:
+                row[self.step_key] = step
+                step = int(step) + self._shift
+        run.log(row, step=step)
+        self._logged = True
+
+    def _shift_for(self, run: et.Run, step: int) -> int:
+        """The shift of a segment that starts at the trainer's `step` (0: none needed)."""
+        behind = run.step - step
+        if behind <= 0:
+            return 0
+        print(f"expr_tracker: {self.project}/{self.name} rank {run.rank}: the trainer starts at "
+              f"step {step}, behind the run's step {run.step} (a second fit, or a rerun under "
+              f"the same name): its steps are logged {behind} later, the trainer's own step "
+              f"is in {self.step_key!r}", file=sys.stderr, flush=True)
+        return behind
 
     def finish(self, status: str = "finished") -> None:
-        """Finish the run if this session started it."""
-        run = self.run
+        """Finish the run if this session started it; else commit the segment's last row
+        (the next segment must not merge into it)."""
+        run, logged = self.run, self._logged
         self._end_segment()
-        if run is not None and self.owned and et.get_run() is run:
+        if run is None or et.get_run() is not run:
+            return
+        if self.owned:
             run.finish(status)
+        elif logged:
+            run.log({}, commit=True)
 
     def _end_segment(self) -> None:
         global _active
