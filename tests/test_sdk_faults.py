@@ -497,7 +497,7 @@ def test_a_deleted_spool_file_goes_on_in_a_new_session_that_exprd_applies(tmp_pa
         assert writer.returncode == 0, err
         got = json.loads(out.splitlines()[-1])
         assert got["file"] != first and got["step"] == 200
-        assert err.count("was deleted while in use") == 1, err
+        assert err.count("was deleted or moved while in use") == 1, err
         new = lines_of(Path(got["file"]))
         assert new[0]["_event"] == "init" and new[0]["identity"]["session"] == got["session"]
         assert [e["_seq"] for e in new] == list(range(len(new)))  # a new session from seq 0
@@ -512,6 +512,50 @@ def test_a_deleted_spool_file_goes_on_in_a_new_session_that_exprd_applies(tmp_pa
     assert [r["i"] for r in rows if "i" in r] == list(range(200))
     assert [r["_step"] for r in rows if r.get("_kind") == "rank"] == [149]
     assert {r["_sid"] for r in rows} == {first.split(".")[-2], got["session"]}
+
+
+# -- issue 20: the spool file rotated (mv, then cp back) while the SDK writes it --------
+
+ROTATED_SPOOL = """
+import json, sys, expr_tracker as et
+run = et.init("p", "rot", dir={root!r}, upload_mode="spool", spool_dir={spool!r})
+for i in range(20):
+    et.log({{"i": i}})
+et.flush()
+print(json.dumps(et.info()["spool_file"]), flush=True)
+sys.stdin.readline()  # the test rotates the spool file now
+for i in range(20, 60):
+    et.log({{"i": i}})
+et.finish()
+print(json.dumps(run.info()["spool_file"]))
+"""
+
+
+def test_a_rotated_spool_file_goes_on_in_a_new_session_and_the_run_finishes(tmp_path):
+    """logrotate without copytruncate: the file moves away and a copy takes its name. The
+    SDK would write on into the moved file, which exprd no longer reads: rows lost, and the
+    copy's missing finish marked the run crashed."""
+    import shutil
+    import subprocess
+
+    from .test_daemon import exprd_once, lines_of, write_config
+
+    spool, state, root = tmp_path / "spool", tmp_path / "state", tmp_path / "runs"
+    writer = spawn(ROTATED_SPOOL.format(root=str(root), spool=str(spool)), stdin=subprocess.PIPE)
+    first = Path(json.loads(writer.stdout.readline()))
+    first.rename(first.with_name(first.name + ".1"))
+    shutil.copyfile(first.with_name(first.name + ".1"), first)
+    out, err = writer.communicate("\n", timeout=60)
+    assert writer.returncode == 0, err
+    second = Path(json.loads(out.splitlines()[-1]))
+    assert second != first and err.count("was deleted or moved while in use") == 1, err
+    assert [e["i"] for e in lines_of(second) if "i" in e] == list(range(20, 60))
+    assert lines_of(second)[-1]["_event"] == "finish"
+    exprd_once(write_config(tmp_path / "exprd.toml", spool, state, [root]))
+    shard = root / "p" / "rot" / "metrics.jsonl"
+    assert [(r["_step"], r["i"]) for r in lines_of(shard)] == [(i, i) for i in range(60)]
+    side = json.loads(shard.with_suffix(".meta.json").read_text())
+    assert side["status"] == "finished" and "exit" not in side, side
 
 
 # -- case 7: direct mode, a full disk that frees less than the backlog ------------------
