@@ -41,10 +41,19 @@ def test_stream_with_a_rank_segment_is_refused_at_init(tmp_path):
     assert [json.loads(x)["x"] for x in shard.read_text().splitlines()] == [1]
 
 
-@pytest.mark.parametrize("stream", ["rank2.data", "a.rank10.b", "x.rank0"])
-def test_rank_segments_anywhere_are_refused(stream):
-    with pytest.raises(ValueError, match=r"^stream"):
-        et.init("p", "r", stream=stream)
+@pytest.mark.parametrize("stream", ["rank2.data", "a.rank10.b", "x.rank0",
+                                    # `metrics.Rank1.jsonl` is rank 1's shard where case folds
+                                    "Rank1", "data.RANK2", "x.rAnK0.y"])
+def test_rank_segments_anywhere_are_refused(stream, tmp_path):
+    with pytest.raises(ValueError, match=r"^stream .*'rank<N>' segment \(in any case\)"):
+        et.init("p", "r", dir=tmp_path, stream=stream)
+    assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("stream", ["Metrics", "x.META", "TORN", "JsonL"])
+def test_reserved_stream_names_are_refused_in_any_case(stream, tmp_path):
+    with pytest.raises(ValueError, match="reserved"):
+        et.init("p", "r", dir=tmp_path, stream=stream)
 
 
 @pytest.mark.parametrize("stream", ["ranks", "rank", "data.ranking2", "prerank2"])
