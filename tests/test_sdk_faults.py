@@ -358,14 +358,22 @@ def test_shared_shard_resume_cursor_is_per_rank(tmp_path):
     print(first)
     """
     root = str(tmp_path)
-    # ranks starting one after the other: each starts at 0, whatever the others wrote
-    starts = [int(run_all([spawn(code.format(root=root, n=100 * (r + 1)), {"RANK": str(r), "WORLD_SIZE": "3"})])[0])
-              for r in (2, 0, 1)]
-    assert starts == [0, 0, 0]
-    # a resumed rank continues after its own largest step, not the file's
-    again = [int(run_all([spawn(code.format(root=root, n=10), {"RANK": str(r), "WORLD_SIZE": "3"})])[0])
-             for r in (0, 1, 2)]
-    assert again == [100, 200, 300]
+
+    def start(rank: int, n: int) -> tuple[int, str]:
+        proc = spawn(code.format(root=root, n=n), {"RANK": str(rank), "WORLD_SIZE": "3"})
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        return int(out), err
+
+    # ranks starting one after the other: each starts at 0, whatever the others wrote,
+    # and says nothing about resuming (it resumes nothing of its own)
+    fresh = [start(r, 100 * (r + 1)) for r in (2, 0, 1)]
+    assert [step for step, _ in fresh] == [0, 0, 0]
+    assert not any("resuming" in err for _, err in fresh), fresh
+    # a resumed rank continues after its own largest step, not the file's, and says so
+    again = [start(r, 10) for r in (0, 1, 2)]
+    assert [step for step, _ in again] == [100, 200, 300]
+    assert [err.count(f"resuming shared rank {r} at step {s}") for r, (s, err) in enumerate(again)] == [1] * 3
     rows = [json.loads(x) for x in (tmp_path / "p" / "shared" / "metrics.jsonl").read_text().splitlines()]
     for r, n in ((0, 110), (1, 210), (2, 310)):
         assert [x["_step"] for x in rows if x["_rank"] == r] == list(range(n))
