@@ -33,10 +33,12 @@ distributed = len(sys.argv) > 2
 args = TrainingArguments(output_dir=sys.argv[1] + "/out", max_steps=6, logging_steps=2,
                          per_device_train_batch_size=4, report_to=[], save_strategy="no",
                          use_cpu=True, disable_tqdm=True, learning_rate=1e-3,
+                         eval_strategy="steps", eval_steps=3, per_device_eval_batch_size=4,
                          **({"ddp_backend": "gloo"} if distributed else {}))
 callback = ExprTrackerCallback("hf", "tiny", dir=sys.argv[1] + "/runs",
                                config={"dataset": "random-48"})
-Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
+Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:8],
+        callbacks=[callback]).train()
 import expr_tracker as et
 assert et.get_run() is None, "the callback finishes the run it started"
 """
@@ -100,7 +102,7 @@ def test_a_failed_train_is_crashed_and_the_next_trainer_gets_its_own_run(tmp_pat
     rows = _rows(runs / "twice" / "metrics.jsonl")
     assert [r["_step"] for r in rows] == [2, 4, 6, 7, 9, 11, 12, 14, 16]
     assert [r.get("train/global_step") for r in rows] == [None] * 3 + [2, 4, 6] * 2
-    assert all("loss" in r for r in rows)
+    assert all("train/loss" in r for r in rows)
     assert "the trainer starts at step 2, behind the run's step 7" in proc.stderr
     assert "behind the run's step 12" in proc.stderr
 
@@ -111,10 +113,16 @@ def _rows(path: Path) -> list[dict]:
 
 def _check_shard(run_dir: Path, shard: str, rank: int, world: int | None) -> None:
     rows = _rows(run_dir / f"{shard}.jsonl")
-    # logging_steps=2 over 6 steps: rows at 2, 4, 6; the summary joins step 6's row
-    assert [r["_step"] for r in rows] == [2, 4, 6]
-    assert all(isinstance(r["loss"], float) and "learning_rate" in r for r in rows)
+    # logging_steps=2 over 6 steps: rows at 2, 4, 6, an evaluation at 3 and 6; the
+    # summary joins step 6's row. wandb's names: train/..., eval/..., the summary's own
+    assert [r["_step"] for r in rows] == [2, 3, 4, 6]
+    train = [r for r in rows if r["_step"] != 3]
+    assert all(isinstance(r["train/loss"], float) and "train/learning_rate" in r
+               and "train/epoch" in r for r in train)
+    assert isinstance(rows[1]["eval/loss"], float) and "train/loss" not in rows[1]
+    assert "eval/loss" in rows[-1]
     assert "train_loss" in rows[-1] and "train_runtime" in rows[-1]
+    assert not any(k in r for r in rows for k in ("loss", "learning_rate", "eval_loss"))
     side = json.loads((run_dir / f"{shard}.meta.json").read_text())
     assert side["status"] == "finished"
     assert (side["rank"], side["world_size"]) == (rank, world)
@@ -163,11 +171,15 @@ def test_callback_in_process_reuses_a_run_the_code_started(tmp_path: Path) -> No
     callback.on_train_begin(args, state, control)
     assert callback.run is mine
     state.global_step = 3
-    callback.on_log(args, state, control, logs={"loss": 0.5, "per_class": [1, 2], "_x": 1})
+    callback.on_log(args, state, control, logs={"loss": 0.5, "per_class": [1, 2], "_x": 1,
+                                                "eval_acc": 0.9, "test_f1": 0.7})
     callback.on_train_end(args, state, control)
     assert et.get_run() is mine  # the code that started it finishes it
     mine.finish()
-    assert [(r["_step"], r["loss"]) for r in _rows(mine.shard_path)] == [(3, 0.5)]
+    (row,) = _rows(mine.shard_path)
+    assert {k: v for k, v in row.items() if k[0] != "_"} == {
+        "train/loss": 0.5, "eval/acc": 0.9, "test/f1": 0.7}
+    assert row["_step"] == 3
     assert not (tmp_path / "hf" / "ignored").exists()
 
 

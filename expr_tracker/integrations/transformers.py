@@ -7,6 +7,11 @@ Unlike the built-in reporters it runs on every process: under torchrun each rank
 own shard. The run config is the model config with the `TrainingArguments` over it (the
 shape wandb's callback uses); `to_dict()` has already masked the hub token.
 
+Metric names are wandb's (its callback's `rewrite_logs`, so people coming from it find
+them): `eval_*` -> `eval/*`, `test_*` -> `test/*`, anything else under `train/`
+(`train/loss`, `train/learning_rate`, `train/epoch`), except the five end-of-training
+numbers wandb keeps in its summary under their own names (`train_runtime`, `train_loss`...).
+
 A `Trainer` has no callback for an exception, so importing this module wraps
 `Trainer.train` once: when training raises, each `ExprTrackerCallback` of that trainer
 finishes its run as crashed with the exception as the exit, then the exception goes on.
@@ -20,6 +25,26 @@ from typing import Any
 from transformers import Trainer, TrainerCallback
 
 from expr_tracker.integrations._session import Session, jsonable
+
+# what wandb's callback puts in the run summary, under these names, rather than logging
+_SUMMARY_KEYS = frozenset(("train_runtime", "train_samples_per_second", "train_steps_per_second",
+                           "train_loss", "total_flos"))
+
+
+def rewrite_logs(logs: dict[str, Any]) -> dict[str, Any]:
+    """The Trainer's log keys under wandb's names (transformers' `rewrite_logs` rule);
+    reserved keys (leading `_`) stay as they are, for the SDK to leave out."""
+    out: dict[str, Any] = {}
+    for key, value in logs.items():
+        if not isinstance(key, str) or key.startswith("_") or key in _SUMMARY_KEYS:
+            out[key] = value
+        elif key.startswith("eval_"):
+            out["eval/" + key[len("eval_"):]] = value
+        elif key.startswith("test_"):
+            out["test/" + key[len("test_"):]] = value
+        else:
+            out["train/" + key] = value
+    return out
 
 
 class ExprTrackerCallback(TrainerCallback):
@@ -50,9 +75,10 @@ class ExprTrackerCallback(TrainerCallback):
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
                **kwargs: Any) -> None:
-        """Log the trainer's numbers at `state.global_step` (same-step calls share one row)."""
+        """Log the trainer's numbers, under wandb's names, at `state.global_step`
+        (same-step calls share one row)."""
         if logs:
-            self.session.log(logs, step=int(state.global_step))
+            self.session.log(rewrite_logs(logs), step=int(state.global_step))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Finish the run (a run the training code started itself is left to it)."""
