@@ -68,15 +68,18 @@ class Boom(TrainerCallback):
             raise RuntimeError("boom at step 3")
 
 def train(callback, *more):
-    Trainer(model=model, args=args, train_dataset=data, callbacks=[callback, *more]).train()
+    trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:4],
+                      callbacks=[callback, *more])
+    trainer.train()
+    return trainer
 
 try:
     train(ExprTrackerCallback("hf", "exc", dir=root + "/runs"), Boom())
 except RuntimeError:
     pass
-train(ExprTrackerCallback("hf", "exc-after", dir=root + "/runs"))
-twice = ExprTrackerCallback("hf", "twice", dir=root + "/runs")
-train(twice)
+train(ExprTrackerCallback("hf", "exc-after", dir=root + "/runs")).evaluate()  # reopens the run
+twice = ExprTrackerCallback("hf", "twice", dir=root + "/runs")  # ... which ends well here
+train(twice).evaluate()
 train(twice)  # the trainer counts from 0 again: the rows continue the run's steps
 train(ExprTrackerCallback("hf", "twice", dir=root + "/runs"))  # a rerun under the same name
 """
@@ -95,16 +98,21 @@ def test_a_failed_train_is_crashed_and_the_next_trainer_gets_its_own_run(tmp_pat
     assert (side["exit"]["type"], side["exit"]["message"]) == ("RuntimeError", "boom at step 3")
     assert [r["_step"] for r in _rows(runs / "exc" / "metrics.jsonl")] == [2]
     after = runs / "exc-after"
-    assert [r["_step"] for r in _rows(after / "metrics.jsonl")] == [2, 4, 6]
-    assert json.loads((after / "metrics.meta.json").read_text())["status"] == "finished"
-    # three trainings into one run, every row kept: the second and third shifted past the
-    # run's last step, each shifted row with the trainer's own step
+    # evaluate() after train() reopens the run: its row comes after the run's last step
+    assert [(r["_step"], r.get("train/global_step")) for r in _rows(after / "metrics.jsonl")] \
+        == [(2, None), (4, None), (6, None), (7, 6)]
+    side = json.loads((after / "metrics.meta.json").read_text())
+    assert side["status"] == "finished" and "exit" not in side  # not a failed training
+    # three trainings (and an evaluation) into one run, every row kept: each shifted past
+    # the run's last step, each shifted row with the trainer's own step
     rows = _rows(runs / "twice" / "metrics.jsonl")
-    assert [r["_step"] for r in rows] == [2, 4, 6, 7, 9, 11, 12, 14, 16]
-    assert [r.get("train/global_step") for r in rows] == [None] * 3 + [2, 4, 6] * 2
-    assert all("train/loss" in r for r in rows)
-    assert "the trainer starts at step 2, behind the run's step 7" in proc.stderr
-    assert "behind the run's step 12" in proc.stderr
+    assert [r["_step"] for r in rows] == [2, 4, 6, 7, 8, 10, 12, 13, 15, 17]
+    assert [r.get("train/global_step") for r in rows] == [None] * 3 + [6] + [2, 4, 6] * 2
+    assert all("train/loss" in r for r in rows if r["_step"] != 7) and "eval/loss" in rows[3]
+    assert "the trainer starts at step 6, behind the run's step 7" in proc.stderr  # evaluate()
+    assert "the trainer starts at step 2, behind the run's step 8" in proc.stderr
+    assert "the trainer starts at step 2, behind the run's step 13" in proc.stderr
+    assert "stopped early" not in proc.stderr  # the guard saw the exception; evaluate() is no failure
 
 
 def _rows(path: Path) -> list[dict]:

@@ -81,14 +81,19 @@ class Session:
 
     If the training code already called `et.init`, that run is used and left open at the
     end: the code that started it finishes it. `step_key` names the column that keeps the
-    trainer's own step in rows whose step was shifted.
+    trainer's own step in rows whose step was shifted. With `marks_training` the adapter
+    says when training runs (`training`, Transformers: train begin to train end), so a run
+    reopened outside it (an `evaluate()` after `train()`) is never taken for a failed one;
+    else every open run counts as training.
     """
 
     def __init__(self, project: str, name: str | None, init_kwargs: dict[str, Any],
-                 step_key: str = "trainer/step") -> None:
+                 step_key: str = "trainer/step", marks_training: bool = False) -> None:
         self.project = project
         self.name = name
         self.step_key = step_key
+        self.marks_training = marks_training
+        self.training = False
         config = init_kwargs.pop("config", None)
         if config is not None and not isinstance(config, Mapping):
             raise TypeError(f"config must be a dict, got {type(config).__name__}")
@@ -124,13 +129,26 @@ class Session:
             owner._abandoned(self)
         self.run = et.init(self.project, self.name, config=self.config, **self.init_kwargs)
         self.owned = True
+        self.training = self.training or not self.marks_training
         _active = self
         self.name = self.run.name  # a resumed session keeps the name every rank agreed on
         return self.run
 
+    def begin(self) -> et.Run:
+        """Training starts (adapters with `marks_training`): a new segment in a run of its
+        own; a run still open from logs outside training (`evaluate()`) is finished first."""
+        if self.run is not None:
+            self.finish()
+        self.training = True
+        return self.ensure()
+
     def _abandoned(self, successor: Session) -> None:
-        """Finish our run as crashed: its trainer stopped without ending it and `successor`
-        starts now. The exception being handled is its exit if there is one."""
+        """`successor` starts while our run is open: finished if it was open outside
+        training, else crashed (its trainer stopped without ending it) with the exception
+        being handled, if there is one, as the exit."""
+        if not self.training:
+            self.finish()
+            return
         exc = sys.exc_info()[1]
         if exc is None:
             exc = TrainingAbandoned(
@@ -219,4 +237,4 @@ class Session:
         if _active is self:
             _active = None
         self.run = None
-        self._shift, self._logged = None, False
+        self._shift, self._logged, self.training = None, False, False

@@ -55,7 +55,8 @@ class ExprTrackerCallback(TrainerCallback):
     """
 
     def __init__(self, project: str, name: str | None = None, **init_kwargs: Any) -> None:
-        self.session = Session(project, name, init_kwargs, step_key="train/global_step")
+        self.session = Session(project, name, init_kwargs, step_key="train/global_step",
+                               marks_training=True)
 
     @property
     def run(self) -> Any:
@@ -71,7 +72,7 @@ class ExprTrackerCallback(TrainerCallback):
             config.update(model_config if isinstance(model_config, dict) else model_config.to_dict())
         config.update(args.to_dict())
         self.session.config = {**self.session.config, **jsonable(config)}
-        self.session.ensure()
+        self.session.begin()
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
                **kwargs: Any) -> None:
