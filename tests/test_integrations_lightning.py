@@ -161,6 +161,8 @@ def test_hyperparams_after_the_start_reach_the_sidecar(tmp_path: Path) -> None:
     assert logger.session.run is run and run.config == {"seed": 1, "lr": 0.1, "batch": 8}
     logger.log_metrics({"loss": 0.5}, step=1)
     assert logger.experiment.step == 1  # the Run (its open step), through the lazy handle
+    with pytest.raises(ValueError, match="step must be >= 0"):  # refused, never shifted
+        logger.log_metrics({"loss": 0.25}, step=-1)
     logger.save()
     logger.finalize("success")
     assert [(r["_step"], r["loss"]) for r in _rows(shard)] == [(0, 1.0), (1, 0.5)]

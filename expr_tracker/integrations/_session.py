@@ -17,6 +17,7 @@ Two things a trainer does that the SDK alone would get wrong:
 from __future__ import annotations
 
 import math
+import operator
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -65,6 +66,17 @@ def metrics(values: Mapping[str, Any]) -> dict[str, Any]:
         elif getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
             out[key] = value  # unwrapped by the SDK
     return out
+
+
+def _as_step(step: Any) -> int | None:
+    """A trainer's step as an int >= 0 (numpy integers, 0-d integer tensors), else None."""
+    if step is None or isinstance(step, bool):
+        return None
+    try:
+        value = operator.index(step)
+    except TypeError:
+        return None
+    return value if value >= 0 else None
 
 
 class TrainingAbandoned(RuntimeError):
@@ -200,12 +212,13 @@ class Session:
         if not row:
             return
         run = self.ensure()
-        if step is not None:
+        own = _as_step(step)  # None for a step the SDK refuses: it is passed on as it is
+        if own is not None:
             if self._shift is None:
-                self._shift = self._shift_for(run, int(step))
+                self._shift = self._shift_for(run, own)
             if self._shift:
-                row[self.step_key] = step
-                step = int(step) + self._shift
+                row[self.step_key] = own
+                step = own + self._shift
         run.log(row, step=step)
         self._logged = True
 
