@@ -8,7 +8,7 @@ the open run's config (`Run.update_config`: the same shard, the same session).
 Two things a trainer does that the SDK alone would get wrong:
 - it raises and the code catches it: the run is finished `crashed` with the exception as
   its exit (`fail`), and a run another adapter left open is never taken over by the next
-  trainer (`ensure` closes it as crashed and starts its own);
+  trainer (`ensure` closes it, as crashed if it was left in training, and starts its own);
 - it counts its steps from 0 again (a second fit, a rerun under the same name) while the
   run continues after its largest step: the segment's steps are shifted past the run's
   (see `Session.log`), never dropped.
@@ -125,8 +125,8 @@ class Session:
         """The open run, started now if need be (a finished one is resumed: same shard).
 
         A run the training code started is used as it is; a run another adapter started
-        and never ended (its trainer raised and the code went on) is finished as crashed
-        first: this trainer gets its own run, under its own name.
+        and never ended is finished first (crashed if its trainer stopped in training: it
+        raised and the code went on): this trainer gets its own run, under its own name.
         """
         global _active
         if self.started:
