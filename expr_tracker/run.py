@@ -138,8 +138,9 @@ class Run:
         self._step = self._sink.next_step
         self._rows_base = self._sink.rows
         self._last_step = self._sink.last_step
-        if self._rows_base:
-            # once, on stderr: a job restarted from a checkpoint continues its shards
+        if self._last_step is not None:
+            # once, on stderr: a job restarted from a checkpoint continues its shards (a
+            # fresh rank joining a rank_aware=False file that others wrote resumes nothing)
             print(f"resuming {self.name} rank {self.rank} at step {self._step}", file=sys.stderr,
                   flush=True)
         # spans closed since the last row (DESIGN 17); the background thread writes probes

@@ -162,6 +162,7 @@ class SpoolSink:
             dropped=run.dropped,
         )
         self.writer.on_deleted = self._rotate
+        self.writer.is_current = self._is_current
         self.writer.open()
         check_consumer(run)
         # rank_aware=False records carry `_rank`, which Run's fast path does not add
@@ -171,10 +172,27 @@ class SpoolSink:
         self._emit(init_event(run, self.path))
         self.writer.flush()  # exprd learns about the run at once
 
-    # -- a spool file deleted under us (case 5 of issue 10) ---------------------------
+    # -- a spool file deleted or moved under us (issue 10 case 5, issue 20) -----------
+
+    def _is_current(self, fd: int) -> bool:
+        """Is `fd` still the file at our spool path? Checked before every flush (one stat).
+
+        A file moved away (`mv f f.1`, then maybe `cp f.1 f`: logrotate without
+        copytruncate) is still open here but no longer read by exprd, which follows the
+        name: rows written to it would be lost and its missing `finish` would mark the
+        run crashed. So a path that is gone or names another inode means: a new session.
+        """
+        try:
+            at = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True  # cannot tell (EACCES, EMFILE): keep writing where we are
+        mine = os.fstat(fd)
+        return (at.st_ino, at.st_dev) == (mine.st_ino, mine.st_dev)
 
     def _rotate(self) -> None:
-        """The spool file was deleted: go on in a new file of a new session.
+        """The spool file was deleted or moved: go on in a new file of a new session.
 
         Called by the writer under its lock before it opens the new file. A spool file
         without an init event is never applied, so the new file starts with one (same
@@ -190,8 +208,9 @@ class SpoolSink:
         self._rotations += 1
         self.run.warn_once(
             "spool_deleted",
-            f"expr_tracker: spool file {old} was deleted while in use; going on in a new "
-            f"session {self.path.name} (rows not yet applied from the deleted file are lost)",
+            f"expr_tracker: spool file {old} was deleted or moved while in use; going on in "
+            f"a new session {self.path.name} (if it was deleted, rows exprd had not read "
+            "from it yet are lost)",
         )
         try:
             make_private_dirs(self.path.parent)

@@ -98,6 +98,19 @@ def test_errors_from_the_real_script_have_no_traceback(tmp_path):
     assert typo.returncode == 2 and "Did you mean 'summary'?" in typo.stderr
 
 
+def test_a_bad_expr_now_is_one_line_naming_it(cli, cli_root):
+    """Not Python's "could not convert string to float": the installed script, then in process."""
+    pattern = (r"error: EXPR_NOW must be a time in seconds since the epoch \(such as \d+\), "
+               r"got {}; unset it to use the clock\n")
+    result = _run("shards", "proj/run-2", "--dir", str(cli_root), EXPR_NOW="abc")
+    assert result.returncode == 1 and result.stdout == "", result
+    assert re.fullmatch(pattern.format("'abc'"), result.stderr), result.stderr
+    for value in ("nan", "1e999"):
+        result = cli("top", "proj/run-2", "--once", EXPR_NOW=value)
+        assert result.exit_code == 1, result.output
+        assert re.fullmatch(pattern.format(repr(value)), result.stderr), result.stderr
+
+
 def test_no_color_is_honoured(tmp_path):
     coloured = _run("history", "nope", "--dir", str(tmp_path), FORCE_COLOR="1")
     assert "\x1b[31m" in coloured.stderr  # red

@@ -36,6 +36,69 @@ for step, (x, y) in enumerate(loader):
 accelerator.end_training()
 """
 
+# loops that raise and code that goes on: the next tracker gets its own run; `with tracker:`
+# records the exception itself
+FAULTS = """
+import sys, torch
+from accelerate import Accelerator
+from expr_tracker.integrations.accelerate import ExprTrackerTracker
+
+root = sys.argv[1] + "/runs"
+
+def loop(tracker, fail_at=None, steps=4):
+    accelerator = Accelerator(cpu=True, log_with=[tracker])
+    accelerator.init_trackers("acc", config={"lr": 0.1})
+    model = accelerator.prepare(torch.nn.Linear(4, 1))
+    for step in range(steps):
+        if step == fail_at:
+            raise RuntimeError(f"loss is NaN at step {step}")
+        loss = model(torch.ones(2, 4)).pow(2).mean()
+        accelerator.log({"loss": loss.item()}, step=step)
+    accelerator.end_training()
+
+try:
+    loop(ExprTrackerTracker("acc", "exc", dir=root), fail_at=2)
+except RuntimeError:
+    pass
+loop(ExprTrackerTracker("acc", "exc-after", dir=root))
+loop(ExprTrackerTracker("acc", "exc-after", dir=root), steps=2)  # a rerun: steps from 0 again
+tracker = ExprTrackerTracker("acc", "ctx", dir=root)
+try:
+    with tracker:
+        loop(tracker, fail_at=1)
+except RuntimeError:
+    pass
+"""
+
+
+def test_a_loop_that_raises_never_leaks_its_run_into_the_next(tmp_path: Path) -> None:
+    need("accelerate", "accelerate")
+    script = tmp_path / "faults.py"
+    script.write_text(FAULTS)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True,
+                          text=True, timeout=120, env=env_for({"OMP_NUM_THREADS": "1"}))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    runs = tmp_path / "runs" / "acc"
+
+    def side(name: str) -> dict:
+        return json.loads((runs / name / "metrics.meta.json").read_text())
+
+    def steps(name: str) -> list[int]:
+        return [r["_step"] for r in _rows(runs / name / "metrics.jsonl")]
+
+    # no hook saw the exception the code caught: closed as abandoned when the next started
+    assert (side("exc")["status"], side("exc")["exit"]["type"]) == ("crashed", "TrainingAbandoned")
+    assert "acc/exc-after started after it" in side("exc")["exit"]["message"]
+    assert "acc/exc was left open by a trainer that stopped early" in proc.stderr
+    assert steps("exc") == [0, 1]
+    assert (side("exc-after")["status"], steps("exc-after")) == ("finished", [0, 1, 2, 3, 4, 5])
+    rerun = _rows(runs / "exc-after" / "metrics.jsonl")[4:]  # shifted, its own step kept
+    assert [r["accelerate/step"] for r in rerun] == [0, 1]
+    ctx = side("ctx")  # `with tracker:` saw it: the exception's own type and message
+    assert ctx["status"] == "crashed"
+    assert (ctx["exit"]["type"], ctx["exit"]["message"]) == ("RuntimeError", "loss is NaN at step 1")
+    assert steps("ctx") == [0]
+
 
 def _rows(path: Path) -> list[dict]:
     return [orjson.loads(line) for line in path.read_bytes().splitlines()]

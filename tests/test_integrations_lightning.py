@@ -13,7 +13,7 @@ import pytest
 from tests.extras import need
 from tests.procs import env_for
 
-# a tiny LightningModule; argv: tmp dir, fail-at-step (-1: never), [ddp]
+# a tiny LightningModule; argv: tmp dir, fail-at-step (-1: never), [ddp | again]
 SCRIPT = """
 import sys, torch
 try:
@@ -22,7 +22,8 @@ except ImportError:
     import pytorch_lightning as pl
 from expr_tracker.integrations.lightning import ExprTrackerLogger
 
-root, fail_at, ddp = sys.argv[1], int(sys.argv[2]), len(sys.argv) > 3
+root, fail_at, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else ""
+ddp = mode == "ddp"
 
 class Tiny(pl.LightningModule):
     def __init__(self, lr=0.05, hidden=8):
@@ -59,6 +60,14 @@ try:
 except RuntimeError as exc:
     assert str(exc) == "diverged", exc
     sys.exit(3)
+if mode == "again":  # a second fit with the same logger, then a rerun under the same name
+    def fit(logger):
+        pl.Trainer(max_epochs=1, logger=logger, log_every_n_steps=2, accelerator="cpu",
+                   enable_progress_bar=False, enable_model_summary=False,
+                   enable_checkpointing=False, default_root_dir=root + "/out",
+                   ).fit(Tiny(), loader, loader)
+    fit(logger)
+    fit(ExprTrackerLogger("pl", "tiny", dir=root + "/runs"))
 """
 
 
@@ -101,7 +110,23 @@ def test_failed_fit_marks_the_shard_crashed(tmp_path: Path) -> None:
     assert proc.returncode == 3, proc.stderr[-4000:]
     run_dir = tmp_path / "runs" / "pl" / "tiny"
     assert [r["_step"] for r in _rows(run_dir / "metrics.jsonl")] == [1, 3]
-    assert _sidecar(run_dir / "metrics.meta.json")["status"] == "crashed"
+    side = _sidecar(run_dir / "metrics.meta.json")
+    assert side["status"] == "crashed"
+    # the exception Lightning was handling when it called finalize("failed")
+    assert (side["exit"]["type"], side["exit"]["message"]) == ("RuntimeError", "diverged")
+
+
+def test_a_second_fit_and_a_rerun_continue_the_steps(tmp_path: Path) -> None:
+    need("lightning.pytorch", "lightning")
+    proc = _run(tmp_path, "-1", "again")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = _rows(tmp_path / "runs" / "pl" / "tiny" / "metrics.jsonl")
+    # 8 rows of the 2-epoch fit (last step 15), then 4 rows each of two 1-epoch fits
+    # whose steps restart at 1: shifted past the run's step, none dropped
+    assert [r["_step"] for r in rows] == [1, 3, 5, 7, 9, 11, 13, 15, 16, 18, 20, 22, 23, 25, 27, 29]
+    assert [r.get("trainer/global_step") for r in rows] == [None] * 8 + [1, 3, 5, 7] * 2
+    assert sum("val/loss" in r for r in rows) == 4  # every fit's validation kept
+    assert proc.stderr.count("the trainer starts at step 1, behind the run's step") == 2
 
 
 def test_ddp_under_torchrun_every_rank_writes(tmp_path: Path) -> None:
@@ -136,6 +161,8 @@ def test_hyperparams_after_the_start_reach_the_sidecar(tmp_path: Path) -> None:
     assert logger.session.run is run and run.config == {"seed": 1, "lr": 0.1, "batch": 8}
     logger.log_metrics({"loss": 0.5}, step=1)
     assert logger.experiment.step == 1  # the Run (its open step), through the lazy handle
+    with pytest.raises(ValueError, match="step must be >= 0"):  # refused, never shifted
+        logger.log_metrics({"loss": 0.25}, step=-1)
     logger.save()
     logger.finalize("success")
     assert [(r["_step"], r["loss"]) for r in _rows(shard)] == [(0, 1.0), (1, 0.5)]

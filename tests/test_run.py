@@ -209,6 +209,34 @@ def test_log_rank_metrics_validation(tmp_path):
     assert et.history(-1, run=run.paths.run_dir) == []  # rank records are not step rows
 
 
+def test_integers_outside_int64_and_huge_steps_are_refused_at_the_call(tmp_path):
+    """orjson writes up to 2**64-1 and Python has no bound; readers hold int64: refuse the
+    rest at the call, naming the key or the step, and nothing of the row is kept."""
+    import numpy as np
+
+    run = et.init("p", "r", dir=tmp_path)
+    for bad in (2**63, 2**64 - 1, np.uint64(2**64 - 1), 2**70, -(2**63) - 1):
+        with pytest.raises(ValueError, match=r"key 'big' is an integer outside int64"):
+            et.log({"big": bad})  # the hot path's dict of ints
+        with pytest.raises(ValueError, match="'big'"):
+            et.log({"ok": 1.0, "big": bad}, step=1)
+        with pytest.raises(ValueError, match="'big'"):
+            run.log_rank_metrics({"big": bad}, step=1)
+    for call in (lambda: et.log({"a": 2}, step=2**70), lambda: et.log({"a": 2}, step=2**53 + 1),
+                 lambda: run.log_rank_metrics({"a": 2.0}, step=2**63)):
+        with pytest.raises(ValueError, match=r"step must be at most 2\*\*53"):
+            call()
+    et.log({"a": 2**63 - 1})  # int64's own ends are kept
+    et.log({"a": -(2**63)})
+    et.log({"a": 1}, step=2**53, commit=True)
+    et.log({"a": 2})  # the largest step, then the next: logging goes on
+    et.finish()
+    assert [(r["_step"], r["a"]) for r in lines(run.shard_path)] == [
+        (0, 2**63 - 1), (1, -(2**63)), (2**53, 1), (2**53 + 1, 2)]
+    frame = et.read_run(run.paths.run_dir)  # a reader that needs int64 reads them all
+    assert frame["a"].tolist() == [2**63 - 1, -(2**63), 1, 2]
+
+
 def test_streams_have_independent_cursors(tmp_path):
     a = et.init("p", "r", dir=tmp_path)
     for i in range(3):

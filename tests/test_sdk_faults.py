@@ -41,10 +41,19 @@ def test_stream_with_a_rank_segment_is_refused_at_init(tmp_path):
     assert [json.loads(x)["x"] for x in shard.read_text().splitlines()] == [1]
 
 
-@pytest.mark.parametrize("stream", ["rank2.data", "a.rank10.b", "x.rank0"])
-def test_rank_segments_anywhere_are_refused(stream):
-    with pytest.raises(ValueError, match=r"^stream"):
-        et.init("p", "r", stream=stream)
+@pytest.mark.parametrize("stream", ["rank2.data", "a.rank10.b", "x.rank0",
+                                    # `metrics.Rank1.jsonl` is rank 1's shard where case folds
+                                    "Rank1", "data.RANK2", "x.rAnK0.y"])
+def test_rank_segments_anywhere_are_refused(stream, tmp_path):
+    with pytest.raises(ValueError, match=r"^stream .*'rank<N>' segment \(in any case\)"):
+        et.init("p", "r", dir=tmp_path, stream=stream)
+    assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("stream", ["Metrics", "x.META", "TORN", "JsonL"])
+def test_reserved_stream_names_are_refused_in_any_case(stream, tmp_path):
+    with pytest.raises(ValueError, match="reserved"):
+        et.init("p", "r", dir=tmp_path, stream=stream)
 
 
 @pytest.mark.parametrize("stream", ["ranks", "rank", "data.ranking2", "prerank2"])
@@ -349,14 +358,22 @@ def test_shared_shard_resume_cursor_is_per_rank(tmp_path):
     print(first)
     """
     root = str(tmp_path)
-    # ranks starting one after the other: each starts at 0, whatever the others wrote
-    starts = [int(run_all([spawn(code.format(root=root, n=100 * (r + 1)), {"RANK": str(r), "WORLD_SIZE": "3"})])[0])
-              for r in (2, 0, 1)]
-    assert starts == [0, 0, 0]
-    # a resumed rank continues after its own largest step, not the file's
-    again = [int(run_all([spawn(code.format(root=root, n=10), {"RANK": str(r), "WORLD_SIZE": "3"})])[0])
-             for r in (0, 1, 2)]
-    assert again == [100, 200, 300]
+
+    def start(rank: int, n: int) -> tuple[int, str]:
+        proc = spawn(code.format(root=root, n=n), {"RANK": str(rank), "WORLD_SIZE": "3"})
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        return int(out), err
+
+    # ranks starting one after the other: each starts at 0, whatever the others wrote,
+    # and says nothing about resuming (it resumes nothing of its own)
+    fresh = [start(r, 100 * (r + 1)) for r in (2, 0, 1)]
+    assert [step for step, _ in fresh] == [0, 0, 0]
+    assert not any("resuming" in err for _, err in fresh), fresh
+    # a resumed rank continues after its own largest step, not the file's, and says so
+    again = [start(r, 10) for r in (0, 1, 2)]
+    assert [step for step, _ in again] == [100, 200, 300]
+    assert [err.count(f"resuming shared rank {r} at step {s}") for r, (s, err) in enumerate(again)] == [1] * 3
     rows = [json.loads(x) for x in (tmp_path / "p" / "shared" / "metrics.jsonl").read_text().splitlines()]
     for r, n in ((0, 110), (1, 210), (2, 310)):
         assert [x["_step"] for x in rows if x["_rank"] == r] == list(range(n))
@@ -497,7 +514,7 @@ def test_a_deleted_spool_file_goes_on_in_a_new_session_that_exprd_applies(tmp_pa
         assert writer.returncode == 0, err
         got = json.loads(out.splitlines()[-1])
         assert got["file"] != first and got["step"] == 200
-        assert err.count("was deleted while in use") == 1, err
+        assert err.count("was deleted or moved while in use") == 1, err
         new = lines_of(Path(got["file"]))
         assert new[0]["_event"] == "init" and new[0]["identity"]["session"] == got["session"]
         assert [e["_seq"] for e in new] == list(range(len(new)))  # a new session from seq 0
@@ -512,6 +529,52 @@ def test_a_deleted_spool_file_goes_on_in_a_new_session_that_exprd_applies(tmp_pa
     assert [r["i"] for r in rows if "i" in r] == list(range(200))
     assert [r["_step"] for r in rows if r.get("_kind") == "rank"] == [149]
     assert {r["_sid"] for r in rows} == {first.split(".")[-2], got["session"]}
+
+
+# -- issue 20: the spool file rotated (mv, then cp back) while the SDK writes it --------
+
+ROTATED_SPOOL = """
+import json, sys, expr_tracker as et
+run = et.init("p", "rot", dir={root!r}, upload_mode="spool", spool_dir={spool!r})
+for i in range(20):
+    et.log({{"i": i}})
+et.flush()
+print(json.dumps(et.info()["spool_file"]), flush=True)
+sys.stdin.readline()  # the test rotates the spool file now
+for i in range(20, 60):
+    et.log({{"i": i}})
+et.finish()
+print(json.dumps(run.info()["spool_file"]))
+"""
+
+
+def test_a_rotated_spool_file_goes_on_in_a_new_session_and_every_row_lands_once(tmp_path):
+    """logrotate without copytruncate: the file moves away and a copy takes its name. The
+    SDK would write on into the moved file, which exprd no longer reads: 40 rows lost, and
+    no finish anywhere exprd looks. (In which order exprd applies the copy and the new
+    session, and so the final status, is exprd's part: see the issue.)"""
+    import shutil
+    import subprocess
+
+    from .test_daemon import exprd_once, lines_of, write_config
+
+    spool, state, root = tmp_path / "spool", tmp_path / "state", tmp_path / "runs"
+    writer = spawn(ROTATED_SPOOL.format(root=str(root), spool=str(spool)), stdin=subprocess.PIPE)
+    first = Path(json.loads(writer.stdout.readline()))
+    first.rename(first.with_name(first.name + ".1"))
+    shutil.copyfile(first.with_name(first.name + ".1"), first)
+    out, err = writer.communicate("\n", timeout=60)
+    assert writer.returncode == 0, err
+    second = Path(json.loads(out.splitlines()[-1]))
+    assert second != first and err.count("was deleted or moved while in use") == 1, err
+    # the moved file got nothing more; the new session has the rest and the finish
+    assert [e["i"] for e in lines_of(first.with_name(first.name + ".1")) if "i" in e] == list(range(20))
+    events = lines_of(second)
+    assert events[0]["_event"] == "init" and events[-1]["_event"] == "finish"
+    assert [e["i"] for e in events if "i" in e] == list(range(20, 60))
+    exprd_once(write_config(tmp_path / "exprd.toml", spool, state, [root]))
+    rows = lines_of(root / "p" / "rot" / "metrics.jsonl")
+    assert sorted((r["_step"], r["i"]) for r in rows) == [(i, i) for i in range(60)]
 
 
 # -- case 7: direct mode, a full disk that frees less than the backlog ------------------

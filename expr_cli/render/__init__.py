@@ -15,6 +15,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from expr_cli.errors import CLIError
+
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
@@ -32,9 +34,22 @@ STATUS_STYLE = {"running": "green", "finished": "blue", "crashed": "bold red", "
 
 
 def now() -> float:
-    """The current time, or `$EXPR_NOW` (seconds since the epoch) to make ages reproducible."""
+    """The current time, or `$EXPR_NOW` (seconds since the epoch) to make ages reproducible.
+
+    A value that is not a finite number is a CLIError naming the variable, not Python's
+    "could not convert string to float".
+    """
     frozen = os.environ.get("EXPR_NOW")
-    return float(frozen) if frozen else time.time()
+    if not frozen:
+        return time.time()
+    try:
+        value = float(frozen)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise CLIError(f"EXPR_NOW must be a time in seconds since the epoch (such as "
+                       f"{int(time.time())}), got {frozen!r}; unset it to use the clock")
+    return value
 
 
 def console(stderr: bool = False, soft_wrap: bool = False) -> Console:

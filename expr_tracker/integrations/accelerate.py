@@ -9,6 +9,11 @@
 Accelerate calls `init_trackers` and `log` on the main process only; `tracker.log(...)` (or
 `tracker.tracker`, the `expr_tracker.Run`) works on every process, each writing its own
 shard. The run starts at its first use, so the config from `init_trackers` is in it.
+
+Accelerate has no hook around the training loop, so an exception the code catches is
+out of the tracker's sight: `with tracker:` around the loop records it (the run is
+finished crashed with its type and message); without it, the next tracker to start in
+the process finishes the abandoned run as crashed (`TrainingAbandoned`) before its own.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ class ExprTrackerTracker(GeneralTracker):
 
     def __init__(self, project: str, name: str | None = None, **init_kwargs: Any) -> None:
         super().__init__()
-        self.session = Session(project, name, init_kwargs)
+        self.session = Session(project, name, init_kwargs, step_key="accelerate/step")
 
     @property
     def tracker(self) -> Any:
@@ -51,3 +56,13 @@ class ExprTrackerTracker(GeneralTracker):
     def finish(self) -> None:
         """Finish the run (Accelerate calls it from `end_training` on every process)."""
         self.session.finish()
+
+    def __enter__(self) -> ExprTrackerTracker:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        """Finish the run: crashed with the exception as its exit if the block raised."""
+        if isinstance(exc, BaseException):
+            self.session.fail(exc)
+        else:
+            self.session.finish()

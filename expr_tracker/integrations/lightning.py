@@ -6,12 +6,14 @@
 Works with the `lightning` package (`lightning.pytorch`) and, where only that is
 installed, with `pytorch_lightning`. Lightning's own loggers write from rank 0 only; this
 one calls `init` on every rank, so each writes its own shard. `log_hyperparams` lands in
-the sidecar's config; a fit that fails finishes the shard as `crashed`.
+the sidecar's config; a fit that fails finishes the shard as `crashed`, with the
+exception's type and message as its exit.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from argparse import Namespace
 from collections.abc import Mapping
 from typing import Any
@@ -53,7 +55,7 @@ class ExprTrackerLogger(Logger):
 
     def __init__(self, project: str, name: str | None = None, **init_kwargs: Any) -> None:
         super().__init__()
-        self.session = Session(project, name, init_kwargs)
+        self.session = Session(project, name, init_kwargs, step_key="trainer/global_step")
         self._experiment = _LazyRun(self.session)
 
     @property
@@ -97,5 +99,13 @@ class ExprTrackerLogger(Logger):
             self.session.run.flush()
 
     def finalize(self, status: str) -> None:
-        """End of fit/validate/test: "success" finishes the shard, "failed" marks it crashed."""
-        self.session.finish(_STATUS.get(status, "finished"))
+        """End of fit/validate/test: "success" finishes the shard, "failed" marks it crashed.
+
+        Lightning calls `finalize("failed")` from inside its `except` block, so the
+        exception being handled is the one that ended the fit: it becomes the exit.
+        """
+        exc = sys.exc_info()[1] if status == "failed" else None
+        if exc is not None:
+            self.session.fail(exc)
+        else:
+            self.session.finish(_STATUS.get(status, "finished"))

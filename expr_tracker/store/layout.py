@@ -14,8 +14,9 @@ from pathlib import Path
 MAX_NAME = 128
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+\Z")
 # a `rank<N>` segment anywhere in a stream would let `metrics.<stream>.jsonl` of one rank
-# spell the shard of another (stream `data.rank2` of rank 0 is rank 2 of stream `data`)
-_RANK_SEGMENT = re.compile(r"(?:\A|\.)rank\d+(?:\.|\Z)")
+# spell the shard of another (stream `data.rank2` of rank 0 is rank 2 of stream `data`);
+# in any case, as `Rank1` is `rank1` on a case-insensitive filesystem (macOS, Windows)
+_RANK_SEGMENT = re.compile(r"(?:\A|\.)rank\d+(?:\.|\Z)", re.IGNORECASE)
 _SHARD_RE = re.compile(
     r"metrics(?:\.(?P<stream>(?!rank\d+\.)[A-Za-z0-9_\-][A-Za-z0-9_.\-]*?))?(?:\.rank(?P<rank>\d+))?\.jsonl\Z"
 )
@@ -52,10 +53,11 @@ def validate_stream(value: object) -> str | None:
     name = validate_name(value, "stream")
     if _RANK_SEGMENT.search(name):
         raise ValueError(
-            f"stream {name!r} has a 'rank<N>' segment, which could spell another rank's "
-            "shard name; choose another stream name"
+            f"stream {name!r} has a 'rank<N>' segment (in any case), which could spell "
+            "another rank's shard name; choose another stream name"
         )
-    if name == "metrics" or name.endswith(".meta") or name in {"torn", "jsonl"}:
+    folded = name.lower()  # a case-insensitive filesystem folds them together
+    if folded == "metrics" or folded.endswith(".meta") or folded in {"torn", "jsonl"}:
         raise ValueError(f"stream {name!r} is a reserved name")
     return name
 

@@ -31,8 +31,13 @@ DECODE_NONFINITE: dict[str, float] = {
     "inf": math.inf,
     "-inf": -math.inf,
 }
-INT_MIN = -(2**63)  # the integers orjson can write
-INT_MAX = 2**64 - 1
+# the integers every reader holds (int64: pandas, Arrow, DuckDB, ClickHouse, array("q")); orjson
+# would write up to 2**64 - 1, which breaks them, so the rest is refused at the call
+INT_MIN = -(2**63)
+INT_MAX = 2**63 - 1
+# the largest step accepted: exact as a double too (a browser's JSON, a pandas column with
+# gaps), and far from INT_MAX, so the steps that follow it stay int64
+MAX_STEP = 2**53
 _DUMPS = orjson.dumps
 # Text limits, the same in direct and spool mode and checked at the call: one str value
 # at most MAX_STR bytes, the keys and str values of one row at most MAX_ROW, well under
@@ -71,7 +76,10 @@ def encode_value(key: str, value: Any) -> Scalar:
     if cls is int:
         if INT_MIN <= value <= INT_MAX:
             return value
-        raise ValueError(f"value of key {key!r} is an integer too large to store: {value}")
+        raise ValueError(
+            f"value of key {key!r} is an integer outside int64 (-2**63 .. 2**63-1), which "
+            f"readers cannot hold: {value}; log it as a float or a str"
+        )
     if cls is bool or value is None:
         return value
     if cls is str:
@@ -288,7 +296,8 @@ def user_items(record: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
 
 
 def check_step(step: object, field: str = "step") -> int:
-    """A step: an int >= 0 (numpy/torch integer scalars unwrapped); TypeError/ValueError otherwise."""
+    """A step: an int from 0 to MAX_STEP (numpy/torch integer scalars unwrapped);
+    TypeError/ValueError naming `field` otherwise."""
     if step.__class__ is not int:
         if isinstance(step, bool) or not isinstance(step, int):
             item = getattr(step, "item", None)
@@ -299,6 +308,8 @@ def check_step(step: object, field: str = "step") -> int:
     assert isinstance(step, int)
     if step < 0:
         raise ValueError(f"{field} must be >= 0, got {step}")
+    if step > MAX_STEP:
+        raise ValueError(f"{field} must be at most 2**53 ({MAX_STEP}), got {step}")
     return step
 
 

@@ -101,9 +101,11 @@ class ShardWriter:
         self._io_lock = threading.Lock()
         self._fd: int | None = None
         # hooks of the spool writer (None for shards): `on_deleted()` when the file was
-        # deleted under us, before a new one is opened at `self.paths` (it may change
-        # them); `transform(data, offset)` rewrites what is written at `offset`
+        # deleted (or `is_current(fd)` says moved) under us, before a new one is opened at
+        # `self.paths` (it may change them); `transform(data, offset)` rewrites what is
+        # written at `offset`
         self.on_deleted: Callable[[], None] | None = None
+        self.is_current: Callable[[int], bool] | None = None
         self.transform: Callable[[bytes, int], bytes] | None = None
 
     # -- opening ---------------------------------------------------------
@@ -234,11 +236,12 @@ class ShardWriter:
     def _open_fd(self) -> int:
         if self._fd is not None:
             try:
-                if os.fstat(self._fd).st_nlink > 0:
+                if os.fstat(self._fd).st_nlink > 0 and (
+                        self.is_current is None or self.is_current(self._fd)):
                     return self._fd
             except OSError:
                 pass
-            # the file (or its run directory) was deleted under us: start a new one
+            # the file (or its run directory) was deleted, or moved, under us: start a new one
             self.errors["deleted"] = self.errors.get("deleted", 0) + 1
             with contextlib.suppress(OSError):
                 os.close(self._fd)
