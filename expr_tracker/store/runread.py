@@ -128,7 +128,7 @@ class RunReader:
         metrics = self.metrics
         ranks = self.ranks
         try:
-            for _, rec in reader.iter_records():
+            for rec in reader.iter_all():
                 if rec.get("_kind") != want_kind:
                     continue
                 step = rec.get("_step")
@@ -153,9 +153,7 @@ class RunReader:
                     w = rec.get("_weight")
                     row["_weight"] = float(w) if _num(w) else None
                 if metrics is None:
-                    for k, v in rec.items():
-                        if k[:1] != "_":
-                            row[k] = v
+                    row.update({k: v for k, v in rec.items() if k[:1] != "_"})
                 else:
                     picked = False
                     for k in metrics:
