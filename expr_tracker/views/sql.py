@@ -239,6 +239,7 @@ def connect(run_dir: str | os.PathLike[str]) -> Iterator[Any]:
     con = duckdb.connect(":memory:")
     try:
         con.execute(f"SET temp_directory = {literal(spill)}")
+        con.execute("SET enable_progress_bar = false")  # DuckDB draws it on stdout
         con.execute("SET autoinstall_known_extensions = false")
         con.execute("SET autoload_known_extensions = false")
         allowed = [*shard_files, *alert_files, *incident_files]
