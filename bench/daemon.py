@@ -170,14 +170,14 @@ def latency(tmp: Path, seconds: float = 5.0, rate: int = 1000) -> tuple[float, f
 # -- 3./4. idle CPU and RSS -----------------------------------------------------------------
 
 
-def many_files(tmp: Path, tag: str, count: int) -> tuple[Path, Path, Path]:
+def many_files(tmp: Path, tag: str, count: int, events: int = 100) -> tuple[Path, Path, Path]:
     """`count` live spool files (no finish; their writer, this process, is alive)."""
     import expr_tracker as et
 
     spool, root = tmp / f"spool-{tag}", tmp / f"runs-{tag}"
     for i in range(count):
         run = et.init("bench", f"{tag}-{i}", dir=root, upload_mode="spool", spool_dir=spool)
-        for k in range(100):
+        for k in range(events):
             et.log({"loss": 1.0 / (k + 1), "k": k})
         path = Path(run.info()["spool_file"])
         et.finish()
