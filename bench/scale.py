@@ -18,7 +18,10 @@ linearly with ranks.
 Issue 24: each read command's ratio to its floor, measured in the same run: FLOOR, a fresh
 Python process that reads and parses (orjson) every sidecar and the last 100 lines of every
 shard, the bytes any of these commands needs at least. Best of ROUNDS, interleaved (the
-machine may be shared). Target: every ratio at most 1.5x at 16,384 ranks.
+machine may be shared). Target: every ratio at most 1.5x at 16,384 ranks. With
+EXPR_BENCH_BEFORE=<another checkout of the project> each command also runs from that tree
+(PYTHONPATH), in the same rounds: before and after side by side. `--ratios-only` skips the
+tables above.
 """
 
 from __future__ import annotations
@@ -178,11 +181,17 @@ def ratios(rows: list[dict[str, object]], env: dict[str, str]) -> None:
         "`expr watch --once --json`": [*EXPR, "watch", "big", "--once", "--json"],
         "`expr top --once --json`": [*EXPR, "top", "big", "--once", "--json"],
     }
+    before = os.environ.get("EXPR_BENCH_BEFORE")
+    envs = dict.fromkeys(cases, env)
+    if before:
+        for label in list(cases)[1:]:
+            cases[f"{label} (before)"] = cases[label]
+            envs[f"{label} (before)"] = {**env, "PYTHONPATH": before}
     best = dict.fromkeys(cases, float("inf"))
     for _ in range(ROUNDS):
         for label, argv in cases.items():
             (run / "incidents.jsonl").unlink(missing_ok=True)  # watch: a first pass each time
-            wall, _, _ = rss_of(argv, env)
+            wall, _, _ = rss_of(argv, envs[label])
             best[label] = min(best[label], wall)
     floor = best.pop("floor: sidecars + last 100 lines of every shard, orjson")
     print(f"\nIssue 24 at {world:,} ranks, best of {ROUNDS} interleaved rounds, "
@@ -201,7 +210,10 @@ def main() -> None:
     env.pop("EXPR_DIR", None)
     have_watch = subprocess.run([*EXPR, "watch", "--help"], capture_output=True,
                                 env=env).returncode == 0
-    rows = []
+    rows: list[dict[str, object]] = []
+    if "--ratios-only" in sys.argv:
+        ratios([{"world": max(worlds)}], env)
+        return
     for world in worlds:
         root = cached_run(world, steps)
         env["EXPR_DIR"] = str(root)
