@@ -73,11 +73,12 @@ def make_run(run: Path, ranks: int, steps: int) -> int:
     return total
 
 
-def measure(args: list[str], cwd: Path, argv0: list[str] = EXPR) -> tuple[float, float, str]:
+def measure(args: list[str], cwd: Path, argv0: list[str] = EXPR,
+            env: dict[str, str] | None = None) -> tuple[float, float, str]:
     """(seconds, peak RSS MiB, stdout) of one child process."""
     t0 = time.perf_counter()
     proc = subprocess.Popen([*argv0, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            cwd=cwd)
+                            cwd=cwd, env=env)
     out = proc.stdout.read()  # type: ignore[union-attr]
     err = proc.stderr.read()  # type: ignore[union-attr]
     _, status, usage = os.wait4(proc.pid, 0)
@@ -143,10 +144,15 @@ def ratios(root: Path, run: Path, ranks: int) -> None:
         "export floor: DuckDB COPY over the views": (py, [FLOOR_COPY, str(run),
                                                           str(root / "d.parquet")]),
     }
+    envs: dict[str, dict[str, str] | None] = dict.fromkeys(cases)
+    before = os.environ.get("EXPR_BENCH_BEFORE")  # another checkout: its export, same rounds
+    if before:
+        cases["export parquet (before)"] = cases["export parquet"]
+        envs["export parquet (before)"] = {**os.environ, "PYTHONPATH": before}
     best = dict.fromkeys(cases, float("inf"))
     for _ in range(ROUNDS):
         for label, (argv0, args) in cases.items():
-            dt, _, out = measure(args, root, argv0)
+            dt, _, out = measure(args, root, argv0, envs[label])
             if argv0 is not py and args is count:
                 assert out.count("\n") == ranks + 1, out[:200]
             best[label] = min(best[label], dt)
@@ -163,6 +169,9 @@ def ratios(root: Path, run: Path, ranks: int) -> None:
           f"{old / qf:.2f}x | |")
     print(f"| `expr export --format parquet` | {e:.2f} s | {ef:.2f} s (DuckDB COPY) | "
           f"{e / ef:.2f}x | <= 2x: {'yes' if e <= 2 * ef else 'NO'} |")
+    if before:
+        eb = best["export parquet (before)"]
+        print(f"| same, from {before} (before) | {eb:.2f} s | {ef:.2f} s | {eb / ef:.2f}x | |")
 
 
 if __name__ == "__main__":
