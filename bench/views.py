@@ -139,7 +139,7 @@ def ratios(root: Path, run: Path, ranks: int) -> None:
         "query": (EXPR, count),
         "query, detection over every shard (before)": (EXPR_EXACT, count),
         "query floor: DuckDB, schema given": (py, [FLOOR_QUERY, str(run)]),
-        "export parquet": (EXPR, ["export", str(run), "--format", "parquet",
+        "export parquet": (EXPR, ["export", str(run), "--format", "parquet", "--force",
                                   "--out", str(root / "r.parquet")]),
         "export floor: DuckDB COPY over the views": (py, [FLOOR_COPY, str(run),
                                                           str(root / "d.parquet")]),
