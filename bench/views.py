@@ -12,7 +12,7 @@ side by side in this run (best of ROUNDS, interleaved; the machine may be shared
 - `expr export --format parquet` against DuckDB's own `COPY (SELECT * FROM metrics) TO
   'x.parquet'` over the same views, in a fresh process.
 
-    python bench/views.py [ranks] [steps]
+    python bench/views.py [ranks] [steps] [--ratios-only]
 """
 
 from __future__ import annotations
@@ -90,8 +90,9 @@ def measure(args: list[str], cwd: Path, argv0: list[str] = EXPR,
 
 
 def main() -> None:
-    ranks = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
-    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 200
+    args = [a for a in sys.argv[1:] if a != "--ratios-only"]  # --ratios-only: no table
+    ranks = int(args[0]) if args else 4096
+    steps = int(args[1]) if len(args) > 1 else 200
     with tempfile.TemporaryDirectory(prefix="expr-bench-views-") as tmp:
         root = Path(tmp)
         run = root / "proj" / "big"
@@ -101,6 +102,9 @@ def main() -> None:
         rows = ranks * steps
         print(f"run: {ranks} ranks x {steps} steps = {rows:,} rows, {size / 2**20:.0f} MiB in "
               f"{ranks} shards (written in {made:.1f} s)\n")
+        if "--ratios-only" in sys.argv:
+            ratios(root, run, ranks)
+            return
         cases = [
             ("`expr export --format parquet`", ["export", str(run), "--format", "parquet",
                                                 "--out", str(root / "big.parquet")]),
