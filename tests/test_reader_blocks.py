@@ -60,3 +60,38 @@ def test_run_rows_match_the_line_by_line_path(tmp_path, monkeypatch):
     assert fast_cols == RunReader(run).columns()
     assert len(fast_rows) == 6 * 40 + 5  # the torn tails are not rows
     assert sum(1 for r in fast_rows if r["loss"] != r["loss"]) == 3
+
+
+def _columns_from_rows(reader):
+    """`RunReader.columns()` as it was: the kinds of the built rows' values."""
+    from expr_tracker.store.runread import RESERVED_KINDS, merge_kinds, value_kind
+
+    kinds = {}
+    for row in reader.rows():
+        for k, v in row.items():
+            if k[:1] == "_":
+                continue
+            kind = value_kind(v)
+            if k not in kinds:
+                kinds[k] = kind
+            elif kind is not None and kinds[k] != kind:
+                kinds[k] = merge_kinds(kinds[k], kind)
+    if reader.metrics is not None:
+        kinds = {k: kinds[k] for k in reader.metrics if k in kinds}
+    out = {k: RESERVED_KINDS[k] for k in reader.reserved}
+    out.update((k, v or "str") for k, v in kinds.items())
+    return out
+
+
+def test_columns_from_records_match_columns_from_rows(tmp_path):
+    run = make_run(tmp_path / "run", 5, 30, nan_at=(2, 7))
+    _odd_shard(run / "metrics.rank5.jsonl")
+    for kw in ({}, {"rank_records": True}, {"metrics": ["loss", "nested", "missing"]},
+               {"metrics": ["tag"], "ranks": [0, 5]}, {"step_range": (3, 9)}):
+        fast = RunReader(run, **kw)
+        cols = fast.columns()
+        garbage = fast.garbage
+        ref = RunReader(run, **kw)
+        assert list(cols.items()) == list(_columns_from_rows(ref).items()), kw
+        assert garbage == ref.garbage
+    assert RunReader(run).columns()["loss"] == "float" and RunReader(run).columns()["tag"] == "str"
