@@ -78,3 +78,18 @@ def test_detect_sample_keeps_each_streams_first_shard(n, monkeypatch):
     assert "/r/metrics.jsonl" in picked and "/r/metrics.b.jsonl" in picked
     assert len(picked) <= sql.SAMPLE_SHARDS + 2
     assert picked == [f for f in files if f in picked]  # in the run's order
+
+
+def test_a_symlinked_shard_is_read_through_its_real_path(tmp_path):
+    """Shard paths are taken as they are (the run directory is resolved) except a symlink,
+    which is resolved as before: its target is the file DuckDB may open and reads."""
+    run = tmp_path / "run"
+    _write(run / "metrics.jsonl", [{"_step": 0, "_time": T0, "loss": 1.0}])
+    elsewhere = tmp_path / "kept" / "metrics.rank1.jsonl"
+    _write(elsewhere, [{"_step": 0, "_time": T0, "loss": 2.0}])
+    (run / "metrics.rank1.jsonl").symlink_to(elsewhere)
+    with sql.connect(tmp_path / "." / "run") as con:
+        rows = sql.run_query(con, "SELECT _rank, loss FROM metrics ORDER BY 1").fetchall()
+        allowed = con.execute("SELECT current_setting('allowed_paths')").fetchone()[0]
+    assert rows == [(0, 1.0), (1, 2.0)]
+    assert str(elsewhere.resolve()) in str(allowed) and str(run / "metrics.rank1.jsonl") not in str(allowed)
