@@ -14,6 +14,14 @@ Runs are generated once into $EXPR_SCALE_CACHE (default /tmp/expr-scale-cache) a
 16,384 shards of 200 steps take about 1.3 GB. Targets: the 16,384-rank summary in at most
 5 s and no slower than DuckDB, peak RSS at most 500 MB, cost growing no faster than
 linearly with ranks.
+
+Issue 24: each read command's ratio to its floor, measured in the same run: FLOOR, a fresh
+Python process that reads and parses (orjson) every sidecar and the last 100 lines of every
+shard, the bytes any of these commands needs at least. Best of ROUNDS, interleaved (the
+machine may be shared). Target: every ratio at most 1.5x at 16,384 ranks. With
+EXPR_BENCH_BEFORE=<another checkout of the project> each command also runs from that tree
+(PYTHONPATH), in the same rounds: before and after side by side. `--ratios-only` skips the
+tables above.
 """
 
 from __future__ import annotations
@@ -36,6 +44,35 @@ from tests.synthetic import write_run  # noqa: E402
 EXPR = [sys.executable, "-m", "expr_cli.main"]
 CACHE = Path(os.environ.get("EXPR_SCALE_CACHE", "/tmp/expr-scale-cache"))
 WINDOW = 50
+ROUNDS = 3
+FLOOR = """
+import os, sys, orjson
+run = sys.argv[1]
+rows = 0
+for name in os.listdir(run):
+    if not (name.startswith("metrics") and name.endswith(".jsonl")):
+        continue
+    with open(os.path.join(run, name[:-6] + ".meta.json"), "rb") as fh:
+        orjson.loads(fh.read())
+    with open(os.path.join(run, name), "rb") as fh:
+        end = fh.seek(0, 2)
+        block = 16384
+        while True:  # enough of the tail for 100 whole lines
+            start = max(0, end - block)
+            fh.seek(start)
+            data = fh.read(end - start)
+            if data.count(b"\\n") > 100 or start == 0:
+                break
+            block *= 2
+    for line in data.split(b"\\n")[-101:]:
+        if line:
+            try:
+                orjson.loads(line)
+                rows += 1
+            except orjson.JSONDecodeError:
+                pass
+print(rows)
+"""
 
 
 def cached_run(world: int, steps: int) -> Path:
@@ -102,7 +139,7 @@ def exprd_many(count: int = 2048, events: int = 100) -> dict[str, float]:
 
     with tempfile.TemporaryDirectory(prefix="exprd-scale-") as t:
         tmp = Path(t)
-        spool, root, state = many_files(tmp, "many", count)
+        spool, root, state = many_files(tmp, f"many{count}", count, events)
         total = count * (events + 1)  # each file: init + events (the finish was dropped)
         d = subprocess.Popen([*EXPRD, "--config", str(config(tmp, spool, state, root))],
                              stderr=subprocess.DEVNULL)
@@ -130,6 +167,42 @@ def exprd_many(count: int = 2048, events: int = 100) -> dict[str, float]:
             "rate": applied / wall if wall else 0.0, "rss": rss, "fds": fds}
 
 
+def ratios(rows: list[dict[str, object]], env: dict[str, str]) -> None:
+    """Issue 24: each read command against FLOOR at the largest world, best of ROUNDS."""
+    world = max(int(r["world"]) for r in rows)  # type: ignore[call-overload]
+    root = cached_run(world, int(sys.argv[2]) if len(sys.argv) > 2 else 200)
+    run = root / "bench" / "big"
+    env = {**env, "EXPR_DIR": str(root)}
+    cases = {
+        "floor: sidecars + last 100 lines of every shard, orjson": [sys.executable, "-c", FLOOR,
+                                                                     str(run)],
+        "`expr summary --json`": [*EXPR, "summary", "big", "--json"],
+        "`expr shards`": [*EXPR, "shards", "big"],
+        "`expr watch --once --json`": [*EXPR, "watch", "big", "--once", "--json"],
+        "`expr top --once --json`": [*EXPR, "top", "big", "--once", "--json"],
+    }
+    before = os.environ.get("EXPR_BENCH_BEFORE")
+    envs = dict.fromkeys(cases, env)
+    if before:
+        for label in list(cases)[1:]:
+            cases[f"{label} (before)"] = cases[label]
+            envs[f"{label} (before)"] = {**env, "PYTHONPATH": before}
+    best = dict.fromkeys(cases, float("inf"))
+    for _ in range(ROUNDS):
+        for label, argv in cases.items():
+            (run / "incidents.jsonl").unlink(missing_ok=True)  # watch: a first pass each time
+            wall, _, _ = rss_of(argv, envs[label])
+            best[label] = min(best[label], wall)
+    floor = best.pop("floor: sidecars + last 100 lines of every shard, orjson")
+    print(f"\nIssue 24 at {world:,} ranks, best of {ROUNDS} interleaved rounds, "
+          f"{os.cpu_count()} cores (load {os.getloadavg()[0]:.1f} at the end):\n")
+    print("| command | wall | floor | ratio | <= 1.5x |")
+    print("| --- | --- | --- | --- | --- |")
+    for label, wall in best.items():
+        print(f"| {label} | {wall:.2f} s | {floor:.2f} s | {wall / floor:.2f}x | "
+              f"{'yes' if wall <= 1.5 * floor else 'NO'} |")
+
+
 def main() -> None:
     worlds = [int(w) for w in (sys.argv[1] if len(sys.argv) > 1 else "1024,4096,16384").split(",")]
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 200
@@ -137,7 +210,10 @@ def main() -> None:
     env.pop("EXPR_DIR", None)
     have_watch = subprocess.run([*EXPR, "watch", "--help"], capture_output=True,
                                 env=env).returncode == 0
-    rows = []
+    rows: list[dict[str, object]] = []
+    if "--ratios-only" in sys.argv:
+        ratios([{"world": max(worlds)}], env)
+        return
     for world in worlds:
         root = cached_run(world, steps)
         env["EXPR_DIR"] = str(root)
@@ -192,11 +268,15 @@ def main() -> None:
     if big["watch_s"] is not None:
         print(f"watch --once <= 5 s: {'yes' if big['watch_s'] <= 5 else 'NO'}; peak RSS <= 500 MB: "
               f"{'yes' if big['watch_mb'] <= 500 else 'NO'}")
+    ratios(rows, env)
     if "--no-exprd" not in sys.argv:
+        few = exprd_many(8, 2048 * 100 // 8)  # the same events in 8 files: the rate to match
         d = exprd_many()
         print(f"\nexprd with {d['files']:,} live spool files: {d['applied']:,} events applied in "
               f"{d['wall']:.1f} s ({d['rate']:,.0f} events/s), RSS {d['rss']:.0f} MB, "
-              f"{d['fds']} open descriptors")
+              f"{d['fds']} open descriptors; with 8 files: {few['rate']:,.0f} events/s; "
+              f"8 files / 2,048 files: {few['rate'] / d['rate']:.2f}x (target <= 2x: "
+              f"{'yes' if few['rate'] <= 2 * d['rate'] else 'NO'})")
 
 
 if __name__ == "__main__":

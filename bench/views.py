@@ -3,9 +3,16 @@
 The run: RANKS shards of STEPS step rows each (`loss`, `lr`, `grad_norm`, `tokens`; one
 `loss` in 997 is the string "NaN"), written as the SDK writes them. Each command runs in its
 own process; wall time is measured around it and peak RSS is that child's own
-(`os.wait4` rusage). Prints a markdown table.
+(`os.wait4` rusage). Prints a markdown table, then the ratios of issue 24, each measured
+side by side in this run (best of ROUNDS, interleaved; the machine may be shared):
 
-    python bench/views.py [ranks] [steps]
+- `expr query` count per rank against its floor: DuckDB in a fresh process running the
+  same GROUP BY over the same files with the schema given (`read_json(..., columns=...)`),
+  and against the previous path (column detection over every shard, `EXACT_SHARDS` raised).
+- `expr export --format parquet` against DuckDB's own `COPY (SELECT * FROM metrics) TO
+  'x.parquet'` over the same views, in a fresh process.
+
+    python bench/views.py [ranks] [steps] [--ratios-only]
 """
 
 from __future__ import annotations
@@ -21,6 +28,29 @@ from pathlib import Path
 import orjson
 
 EXPR = [sys.executable, "-c", "from expr_cli.main import entry; entry()"]
+# the path before issue 24: DuckDB detects the columns over every shard
+EXPR_EXACT = [sys.executable, "-c", "import expr_tracker.views.sql as s; s.EXACT_SHARDS = 1 << 40\n"
+              "from expr_cli.main import entry; entry()"]
+ROUNDS = 3
+FLOOR_QUERY = """
+import duckdb, sys, glob
+files = sorted(glob.glob(sys.argv[1] + '/metrics*.jsonl'))
+cols = {'_step': 'BIGINT', '_time': 'DOUBLE', 'loss': 'DOUBLE', 'lr': 'DOUBLE',
+        'grad_norm': 'DOUBLE', 'tokens': 'BIGINT'}
+rows = duckdb.connect().execute(
+    "SELECT _file, count(*) FROM read_json(?, format='newline_delimited', columns=?, "
+    "filename='_file', ignore_errors=true) GROUP BY 1", [files, cols]).fetchall()
+assert len(rows) == len(files)
+"""
+FLOOR_COPY = """
+import duckdb, sys
+from expr_tracker.store.runread import ALL_STREAMS, run_shards
+from expr_tracker.views.sql import _shard_views
+con = duckdb.connect()
+for stmt in _shard_views(con, [str(s.path) for s in run_shards(sys.argv[1], ALL_STREAMS)]):
+    con.execute(stmt)
+con.execute("COPY (SELECT * FROM metrics) TO '" + sys.argv[2] + "' (FORMAT parquet)")
+"""
 
 
 def make_run(run: Path, ranks: int, steps: int) -> int:
@@ -43,10 +73,12 @@ def make_run(run: Path, ranks: int, steps: int) -> int:
     return total
 
 
-def measure(args: list[str], cwd: Path) -> tuple[float, float, str]:
+def measure(args: list[str], cwd: Path, argv0: list[str] = EXPR,
+            env: dict[str, str] | None = None) -> tuple[float, float, str]:
     """(seconds, peak RSS MiB, stdout) of one child process."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen([*EXPR, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd)
+    proc = subprocess.Popen([*argv0, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=cwd, env=env)
     out = proc.stdout.read()  # type: ignore[union-attr]
     err = proc.stderr.read()  # type: ignore[union-attr]
     _, status, usage = os.wait4(proc.pid, 0)
@@ -58,8 +90,9 @@ def measure(args: list[str], cwd: Path) -> tuple[float, float, str]:
 
 
 def main() -> None:
-    ranks = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
-    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 200
+    args = [a for a in sys.argv[1:] if a != "--ratios-only"]  # --ratios-only: no table
+    ranks = int(args[0]) if args else 4096
+    steps = int(args[1]) if len(args) > 1 else 200
     with tempfile.TemporaryDirectory(prefix="expr-bench-views-") as tmp:
         root = Path(tmp)
         run = root / "proj" / "big"
@@ -69,6 +102,9 @@ def main() -> None:
         rows = ranks * steps
         print(f"run: {ranks} ranks x {steps} steps = {rows:,} rows, {size / 2**20:.0f} MiB in "
               f"{ranks} shards (written in {made:.1f} s)\n")
+        if "--ratios-only" in sys.argv:
+            ratios(root, run, ranks)
+            return
         cases = [
             ("`expr export --format parquet`", ["export", str(run), "--format", "parquet",
                                                 "--out", str(root / "big.parquet")]),
@@ -96,6 +132,50 @@ def main() -> None:
         assert meta.num_rows == rows, meta.num_rows
         print(f"\nparquet: {meta.num_rows:,} rows, {meta.num_row_groups} row groups, "
               f"{(root / 'big.parquet').stat().st_size / 2**20:.1f} MiB")
+        ratios(root, run, ranks)
+
+
+def ratios(root: Path, run: Path, ranks: int) -> None:
+    """The issue 24 ratios, each side by side with its floor, best of ROUNDS."""
+    count = ["query", str(run), "--csv", "SELECT _rank, count(*) AS n FROM metrics GROUP BY 1"]
+    py = [sys.executable, "-c"]
+    cases = {
+        "query": (EXPR, count),
+        "query, detection over every shard (before)": (EXPR_EXACT, count),
+        "query floor: DuckDB, schema given": (py, [FLOOR_QUERY, str(run)]),
+        "export parquet": (EXPR, ["export", str(run), "--format", "parquet", "--force",
+                                  "--out", str(root / "r.parquet")]),
+        "export floor: DuckDB COPY over the views": (py, [FLOOR_COPY, str(run),
+                                                          str(root / "d.parquet")]),
+    }
+    envs: dict[str, dict[str, str] | None] = dict.fromkeys(cases)
+    before = os.environ.get("EXPR_BENCH_BEFORE")  # another checkout: its export, same rounds
+    if before:
+        cases["export parquet (before)"] = cases["export parquet"]
+        envs["export parquet (before)"] = {**os.environ, "PYTHONPATH": before}
+    best = dict.fromkeys(cases, float("inf"))
+    for _ in range(ROUNDS):
+        for label, (argv0, args) in cases.items():
+            dt, _, out = measure(args, root, argv0, envs[label])
+            if argv0 is not py and args is count:
+                assert out.count("\n") == ranks + 1, out[:200]
+            best[label] = min(best[label], dt)
+    q, qf, e, ef = (best["query"], best["query floor: DuckDB, schema given"],
+                    best["export parquet"], best["export floor: DuckDB COPY over the views"])
+    print(f"\nissue 24, best of {ROUNDS} interleaved rounds ({os.cpu_count()} cores, "
+          f"load {os.getloadavg()[0]:.1f} at the end):\n")
+    print("| measure | time | floor | ratio | target |")
+    print("|---|---|---|---|---|")
+    print(f"| `expr query` count per rank, {ranks:,} ranks | {q:.2f} s | {qf:.2f} s | "
+          f"{q / qf:.2f}x | <= 1 s: {'yes' if q <= 1 else 'NO'} |")
+    old = best["query, detection over every shard (before)"]
+    print(f"| same, detection over every shard (before) | {old:.2f} s | {qf:.2f} s | "
+          f"{old / qf:.2f}x | |")
+    print(f"| `expr export --format parquet` | {e:.2f} s | {ef:.2f} s (DuckDB COPY) | "
+          f"{e / ef:.2f}x | <= 2x: {'yes' if e <= 2 * ef else 'NO'} |")
+    if before:
+        eb = best["export parquet (before)"]
+        print(f"| same, from {before} (before) | {eb:.2f} s | {ef:.2f} s | {eb / ef:.2f}x | |")
 
 
 if __name__ == "__main__":

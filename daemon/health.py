@@ -8,7 +8,12 @@ due; the daemon loop calls it and wakes for `next_due`. A run's next pass is due
 max(`HEALTH_INTERVAL`, `PACE` x its last pass's duration) after that pass ended, so
 watching takes at most about 1/(1 + PACE) of a core whatever the run's size: a 16,384-rank
 run whose passes take 0.15 s is still checked every 1.5 s, and a first pass of several
-seconds is followed by a pause ten times as long instead of a busy core.
+seconds is followed by a pause ten times as long instead of a busy core. Passes due within
+SLACK of each other run in one wake-up (an idle exprd watching 64 runs wakes about once a
+second, not 64 times), and a run's directory is looked at only when its pass is due. A
+run in which nothing changed on its last pass waits twice as long each time, up to IDLE_MAX
+intervals (exprd at rest: hang and crash detection on an idle run are a few seconds later,
+against `hang_after`'s minutes); a pass that sees a change returns to the interval.
 A run stops being watched `LINGER` seconds after its rank-0 writer is done.
 """
 
@@ -31,6 +36,8 @@ HEALTH_INTERVAL = 1.0  # seconds between passes over one run, at least
 PACE = 10.0  # ... and at least this many times the last pass's duration
 LINGER = 60.0  # keep watching a run this long after its rank-0 writer finished or crashed
 ROOT_SCAN = 10.0  # seconds between scans of watch_roots for new runs
+SLACK = 0.25  # a pass due this soon (as a share of the interval) runs in this wake-up
+IDLE_MAX = 4  # a run that did not change is checked at least every this many intervals
 
 
 class DaemonHealth:
@@ -46,6 +53,7 @@ class DaemonHealth:
         self._until: dict[tuple[Path, str | None], float] = {}  # key -> stop watching after
         self._due: dict[tuple[Path, str | None], float] = {}  # key -> its next pass (monotonic)
         self.last_pass: dict[tuple[Path, str | None], float] = {}  # key -> seconds it took
+        self._wait: dict[tuple[Path, str | None], float] = {}  # key -> the idle run's backoff
         self._next = 0.0  # the next look for new runs (spool tails, watch_roots)
         self._next_scan = 0.0
         self._here = socket.gethostname()
@@ -99,19 +107,22 @@ class DaemonHealth:
                 self._next_scan = now + ROOT_SCAN
                 self._from_roots(now)
         recorded = 0
+        soon = now + SLACK * self.interval
         for key, watcher in list(self.watchers.items()):
+            if now <= self._until.get(key, 0.0) and soon < self._due.get(key, 0.0):
+                continue
             if now > self._until.get(key, 0.0) or not os.path.isdir(key[0]):
                 del self.watchers[key]
                 self._until.pop(key, None)
                 self._due.pop(key, None)
                 self.last_pass.pop(key, None)
-                continue
-            if now < self._due.get(key, 0.0):
+                self._wait.pop(key, None)
                 continue
             start = time.monotonic()
+            found = 0
             try:
                 for inc in watcher.check(time.time()):
-                    recorded += 1
+                    found += 1
                     log.warning("health %s: %s %s ranks %s: %s", key[0], inc.state, inc.kind,
                                 ",".join(map(str, inc.ranks)), inc.detail)
             except Exception as exc:  # a broken run directory must not stop the daemon
@@ -119,7 +130,14 @@ class DaemonHealth:
                 if cause not in self._warned:
                     self._warned.add(cause)
                     log.error("health check of %s failed: %r", key[0], exc)
+            recorded += found
             end = time.monotonic()
             took = self.last_pass[key] = end - start
-            self._due[key] = end + max(self.interval, PACE * took)
+            state = watcher.state
+            if found or state is None or state.changed:
+                wait = self.interval
+            else:
+                wait = min(IDLE_MAX * self.interval, 2 * self._wait.get(key, self.interval / 2))
+            self._wait[key] = wait
+            self._due[key] = end + max(wait, PACE * took)
         return recorded

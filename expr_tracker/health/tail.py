@@ -26,6 +26,7 @@ from expr_tracker.store.cursor import read_sidecar
 MAX_CATCHUP = 4 << 20  # bytes read forward per shard and pass; beyond it, re-read the tail
 MAX_TAIL_LINES = 100_000  # records parsed by one tail read
 TAIL_BLOCK = 16 << 10  # reverse-read block: a few dozen lines, not the 256 KiB of a full read
+SMALL_WINDOW, SMALL_BLOCK = 8, 4 << 10  # ... and for a window of a few steps, a few lines
 _MIN_STEP, _MAX_STEP = -(1 << 63), (1 << 63) - 1  # steps an array("q") holds
 SYSTEM = "system/"
 # a rank record is a system-metrics sample (DESIGN 19) when it holds one of these: two
@@ -239,9 +240,9 @@ class ShardTail:
         n_steps = 0
         top: int | None = None  # the largest step seen
         oldest: int | None = None  # the step of the window-th step row from the end
-        pos, block = end, TAIL_BLOCK
+        pos, block = end, self._first_block()
         done = False
-        with open(self.path, "rb") as fh:
+        with open(self._shard_name, "rb") as fh:
             while pos > 0 and not done:
                 start = max(0, pos - block)
                 fh.seek(start)
@@ -278,8 +279,13 @@ class ShardTail:
         self._take(got)
         self.offset = end
 
+    def _first_block(self) -> int:
+        """The first reverse read: the state of a run (window 2) needs a few lines, and
+        at 16,384 shards parsing 16 KiB of each would be most of the pass."""
+        return SMALL_BLOCK if self.window <= SMALL_WINDOW else TAIL_BLOCK
+
     def _read_forward(self, end: int) -> None:
-        with open(self.path, "rb") as fh:
+        with open(self._shard_name, "rb") as fh:
             for _, data in records.complete_blocks(fh, 1 << 20, self.offset):
                 self._take(_parse_lines(data))
                 self.offset += len(data)
@@ -308,7 +314,7 @@ class ShardTail:
         self.read_now = True
         try:
             with open(self._shard_name, "rb") as fh:
-                end = records.complete_end(fh, TAIL_BLOCK)
+                end = records.complete_end(fh, self._first_block())
             if replaced or end < self.offset or end - self.offset > MAX_CATCHUP or self.offset == 0:
                 self._read_tail(end)
             elif end > self.offset:

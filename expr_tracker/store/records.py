@@ -204,7 +204,8 @@ def dumps(record: Mapping[str, Any], nonfinite: bool | None = None) -> bytes:
     return _DUMPS(record, option=_NEWLINE)
 
 
-def _decode_nonfinite(obj: dict[str, Any]) -> dict[str, Any]:
+def decode_nonfinite(obj: dict[str, Any]) -> dict[str, Any]:
+    """`obj` with its "NaN"/"Infinity"/"-Infinity" metric values as floats (in place)."""
     for key, value in obj.items():
         if value.__class__ is str and value in DECODE_NONFINITE and key[:1] != "_":
             obj[key] = DECODE_NONFINITE[value]
@@ -224,7 +225,7 @@ def loads(line: bytes | str) -> dict[str, Any]:
             raise ValueError(f"not a JSON record: {exc}") from None
     if not isinstance(obj, dict):
         raise ValueError("not a JSON object")
-    return _decode_nonfinite(obj)
+    return decode_nonfinite(obj)
 
 
 def loads_block(data: bytes) -> list[dict[str, Any]] | None:

@@ -121,14 +121,15 @@ class RunReader:
         self.garbage = 0  # lines that did not parse, in the latest pass over the run
         self.reserved = RANK_COLUMNS if rank_records else ROW_COLUMNS
 
-    def _rows_of(self, shard: RunShard) -> Iterator[dict[str, Any]]:
+    def _records_of(self, shard: RunShard) -> Iterator[tuple[dict[str, Any], int]]:
+        """(record, its rank) of every record of `shard` that makes a row."""
         reader = ShardReader(shard.path)
         want_kind = "rank" if self.rank_records else None
         lo, hi = self.step_range
         metrics = self.metrics
         ranks = self.ranks
         try:
-            for _, rec in reader.iter_records():
+            for rec in reader.iter_all():
                 if rec.get("_kind") != want_kind:
                     continue
                 step = rec.get("_step")
@@ -139,34 +140,36 @@ class RunReader:
                     rank = shard.rank
                 if ranks is not None and rank not in ranks:
                     continue
-                t = rec.get("_time")
-                row: dict[str, Any] = {
-                    "_rank": rank,
-                    "_stream": shard.stream,
-                    "_step": step,
-                    "_time": float(t) if _num(t) else None,
-                }
-                if want_kind is not None:
-                    for k in ("_world_size", "_local_rank"):
-                        v = rec.get(k)
-                        row[k] = v if _int(v) else None
-                    w = rec.get("_weight")
-                    row["_weight"] = float(w) if _num(w) else None
-                if metrics is None:
-                    for k, v in rec.items():
-                        if k[:1] != "_":
-                            row[k] = v
-                else:
-                    picked = False
-                    for k in metrics:
-                        if k in rec:
-                            row[k] = rec[k]
-                            picked = True
-                    if not picked:
-                        continue
-                yield row
+                if metrics is not None and not any(k in rec for k in metrics):
+                    continue
+                yield rec, rank
         finally:
             self.garbage += reader.garbage
+
+    def _rows_of(self, shard: RunShard) -> Iterator[dict[str, Any]]:
+        want_kind = "rank" if self.rank_records else None
+        metrics = self.metrics
+        for rec, rank in self._records_of(shard):
+            t = rec.get("_time")
+            row: dict[str, Any] = {
+                "_rank": rank,
+                "_stream": shard.stream,
+                "_step": rec["_step"],
+                "_time": float(t) if _num(t) else None,
+            }
+            if want_kind is not None:
+                for k in ("_world_size", "_local_rank"):
+                    v = rec.get(k)
+                    row[k] = v if _int(v) else None
+                w = rec.get("_weight")
+                row["_weight"] = float(w) if _num(w) else None
+            if metrics is None:
+                row.update({k: v for k, v in rec.items() if k[:1] != "_"})
+            else:
+                for k in metrics:
+                    if k in rec:
+                        row[k] = rec[k]
+            yield row
 
     def rows(self) -> Iterator[dict[str, Any]]:
         """Every matching row, shard after shard."""
@@ -191,15 +194,20 @@ class RunReader:
         """Every column (reserved first, then metric keys in order of first appearance) and
         its type; one pass over the run. Metric keys without any non-null value are `str`."""
         kinds: dict[str, str | None] = {}
-        for row in self.rows():
-            for k, v in row.items():
-                if k[:1] == "_":
-                    continue
-                kind = value_kind(v)
-                if k not in kinds:
-                    kinds[k] = kind
-                elif kind is not None and kinds[k] != kind:
-                    kinds[k] = merge_kinds(kinds[k], kind)
+        metrics = self.metrics
+        self.garbage = 0
+        # from the records themselves, in the rows' key order: no row dicts built
+        for shard in self.shards:
+            for rec, _ in self._records_of(shard):
+                items = rec.items() if metrics is None else [(k, rec[k]) for k in metrics if k in rec]
+                for k, v in items:
+                    if k[:1] == "_":
+                        continue
+                    kind = value_kind(v)
+                    if k not in kinds:
+                        kinds[k] = kind
+                    elif kind is not None and kinds[k] != kind:
+                        kinds[k] = merge_kinds(kinds[k], kind)
         if self.metrics is not None:
             kinds = {k: kinds[k] for k in self.metrics if k in kinds}
         out = {k: RESERVED_KINDS[k] for k in self.reserved}

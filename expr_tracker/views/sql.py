@@ -10,7 +10,13 @@ Views (DESIGN 15):
 - `alerts`: every `alerts[.rankN].jsonl` line; `incidents`: `incidents.jsonl` (DESIGN 13),
   an empty view with the same columns when the file does not exist.
 
-DuckDB infers the column types (`union_by_name` over every file). A key that mixes numbers
+DuckDB infers the columns and their types (`union_by_name`), over every file in a run of at
+most EXACT_SHARDS shards. Detection costs DuckDB a fixed ~0.2 ms per file, several times the
+scan itself at thousands of ranks, so in a bigger run it detects over a sample of the shards
+(each stream's first shard plus up to SAMPLE_SHARDS spread over the ranks, the files the
+key sample below reads) and the views read every shard with that schema given (`columns`): a
+key or a type that appears only in shards outside the sample is not seen (a value of
+another type is cast to the column's, or NULL). A key that mixes numbers
 with the "NaN"/"Infinity"/"-Infinity" strings of the format comes out as JSON or text;
 when the keys' values in a bounded sample of the files (the first 256 KiB of up to 64
 shards) are all numbers once those strings are decoded, the view casts the column to
@@ -41,9 +47,11 @@ from typing import Any
 
 from expr_tracker.errors import TrackerError
 from expr_tracker.store import records
+from expr_tracker.store.layout import parse_shard_name
 from expr_tracker.store.runread import ALL_STREAMS, run_shards
 
 SAMPLE_SHARDS = 64
+EXACT_SHARDS = 256  # up to this many shards DuckDB detects the columns over every one
 SAMPLE_BYTES = 256 * 1024
 MAX_OBJECT = 16 * 1024 * 1024  # the longest line DuckDB will read (its default is 16 MiB)
 _ALERTS_RE = re.compile(r"alerts(?:\.rank\d+)?\.jsonl\Z")
@@ -146,12 +154,35 @@ def _file_list(paths: list[str]) -> str:
     return "[" + ", ".join(literal(p) for p in paths) + "]"
 
 
-def sample_keys(paths: list[Path]) -> dict[str, dict[str, Any]]:
-    """key -> {"step": seen in step rows, "rank": seen in rank records, "numeric": bool}
-    from the first SAMPLE_BYTES of up to SAMPLE_SHARDS shards spread over the run."""
+def _spread(paths: list[Any]) -> list[Any]:
+    """Up to SAMPLE_SHARDS of `paths`, evenly spread, the first one included."""
     if len(paths) > SAMPLE_SHARDS:
         stride = len(paths) / SAMPLE_SHARDS
         paths = [paths[int(i * stride)] for i in range(SAMPLE_SHARDS)]
+    return paths
+
+
+def detect_sample(shard_files: list[str]) -> list[str]:
+    """The shards DuckDB detects the columns over: every one in a run of at most
+    EXACT_SHARDS shards, else each stream's first shard and the key sample's shards."""
+    if len(shard_files) <= EXACT_SHARDS:
+        return shard_files
+    picked = dict.fromkeys(_spread(shard_files))
+    seen: set[str | None] = set()
+    for p in shard_files:  # sorted by stream then rank: the first of a stream is its lowest rank
+        parsed = parse_shard_name(Path(p).name)
+        stream = parsed.stream if parsed is not None else None
+        if stream not in seen:
+            seen.add(stream)
+            picked[p] = None
+    order = {p: i for i, p in enumerate(shard_files)}
+    return sorted(picked, key=order.__getitem__)
+
+
+def sample_keys(paths: list[Path]) -> dict[str, dict[str, Any]]:
+    """key -> {"step": seen in step rows, "rank": seen in rank records, "numeric": bool}
+    from the first SAMPLE_BYTES of up to SAMPLE_SHARDS shards spread over the run."""
+    paths = _spread(paths)
     out: dict[str, dict[str, Any]] = {}
     for path in paths:
         try:
@@ -204,11 +235,16 @@ def _shard_views(con: Any, shard_files: list[str]) -> list[str]:
         empty = ", ".join(f"NULL::{_META_TYPES[c]} AS {c}" for c in ("_rank", *_ROW_META))
         return [f"CREATE VIEW metrics AS SELECT {empty}, NULL::VARCHAR AS _stream LIMIT 0",
                 f"CREATE VIEW ranks AS SELECT {empty}, NULL::VARCHAR AS _stream LIMIT 0"]
-    source = (f"read_json({_file_list(shard_files)}, format='newline_delimited', "
-              f"union_by_name=true, filename='_file', ignore_errors=true, "
-              f"maximum_object_size={MAX_OBJECT})")
+    options = f"filename='_file', ignore_errors=true, maximum_object_size={MAX_OBJECT}"
+    detect = detect_sample(shard_files)
+    source = (f"read_json({_file_list(detect)}, format='newline_delimited', "
+              f"union_by_name=true, {options})")
     described = con.execute(f"DESCRIBE SELECT * FROM {source}").fetchall()
     have = {row[0]: row[1] for row in described}
+    if len(detect) < len(shard_files):
+        spec = ", ".join(f"{literal(c)}: {literal(t)}" for c, t in have.items() if c != "_file")
+        source = (f"read_json({_file_list(shard_files)}, format='newline_delimited', "
+                  f"columns={{{spec}}}, {options})")
     sample = sample_keys([Path(p) for p in shard_files])
     keys = [k for k in have if k[:1] != "_"]
     own_rank = "coalesce(TRY_CAST(_rank AS BIGINT), {f})" if "_rank" in have else "{f}"
@@ -250,7 +286,10 @@ def connect(run_dir: str | os.PathLike[str], memory_limit: str = DEFAULT_MEMORY)
     and what cannot spill fails with QueryMemory)."""
     duckdb = need_duckdb()
     run = Path(run_dir).resolve()
-    shard_files = [str(s.path.resolve()) for s in run_shards(run, ALL_STREAMS)]
+    # `run` is resolved: a shard's own path is its real one unless it is a symlink (and
+    # resolving 4,096 paths costs more than the views' 64-shard detection)
+    shard_files = [str(s.path.resolve() if s.path.is_symlink() else s.path)
+                   for s in run_shards(run, ALL_STREAMS)]
     alert_files = sorted(str(p.resolve()) for p in run.iterdir()
                          if _ALERTS_RE.match(p.name) and p.is_file())
     incidents = run / "incidents.jsonl"
@@ -260,6 +299,7 @@ def connect(run_dir: str | os.PathLike[str], memory_limit: str = DEFAULT_MEMORY)
     try:
         con.execute(f"SET temp_directory = {literal(spill)}")
         con.execute(f"SET memory_limit = {literal(check_memory(memory_limit))}")
+        con.execute("SET enable_progress_bar = false")  # DuckDB draws it on stdout
         con.execute("SET autoinstall_known_extensions = false")
         con.execute("SET autoload_known_extensions = false")
         allowed = [*shard_files, *alert_files, *incident_files]

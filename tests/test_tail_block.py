@@ -1,0 +1,40 @@
+"""A small window's first reverse read is a few lines (SMALL_BLOCK), not TAIL_BLOCK; the
+state read is the same either way (issue 24)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from expr_tracker.health import tail
+from expr_tracker.health.state import read_run
+from tests.synthetic import write_run
+
+
+def _state(run, window):
+    st = read_run(run, window=window)
+    out = {}
+    for r in st.ranks:  # every rank: what the state says of it, its window and last row
+        t = st.ranks[r]
+        out[r] = json.dumps({k: repr(v) for k, v in vars(t).items()}, sort_keys=True)
+    return out, st.frontier
+
+
+@pytest.mark.parametrize("window", [2, 8])
+def test_small_first_block_reads_the_same_state(tmp_path, monkeypatch, window):
+    run = write_run(tmp_path / "p" / "r", 12, 60, straggler=3, crashed=5)
+    # long lines (a 6 KiB string value: more than one small block), NaN and text values
+    with open(run / "metrics.rank7.jsonl", "a") as fh:
+        for s in range(60, 64):
+            fh.write(json.dumps({"_step": s, "_time": 1.0e9 + s, "loss": "NaN",
+                                 "note": "x" * 6000}) + "\n")
+    with open(run / "metrics.rank8.jsonl", "a") as fh:
+        fh.write(json.dumps({"_step": 60, "_time": 1.0e9, "loss": "Infinity", "tag": "a"}) + "\n")
+        fh.write('{"_step":61,"lo')  # a torn tail
+    small = _state(run, window)
+    monkeypatch.setattr(tail, "SMALL_BLOCK", tail.TAIL_BLOCK)  # the read before issue 24
+    assert _state(run, window) == small
+    assert len(small[0]) == 12 and small[1] is not None
+    assert math.isnan(read_run(run, window=window).ranks[7].last_row["loss"])

@@ -1,0 +1,95 @@
+"""The views of a big run (more than EXACT_SHARDS shards) read with the schema DuckDB
+detected over a sample give the answers of detection over every shard (issue 24)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from expr_tracker.views import sql
+from tests.conftest import T0
+from tests.views_runs import _write, shard_name
+
+RANKS = 40
+
+
+def _run(run):
+    """RANKS shards of two streams: NaN/Infinity strings in `loss` on a few ranks only, an
+    int key, a text key, a bool key, rank records, rank 0's own eval key, a torn line."""
+    for stream in (None, "eval"):
+        for r in range(RANKS):
+            recs = []
+            for s in range(30):
+                loss: object = round(1.0 / (s + 1) + 0.01 * r, 6)
+                if (r, s) in ((7, 3), (23, 11)):
+                    loss = "NaN"
+                if (r, s) == (31, 5):
+                    loss = "-Infinity"
+                row = {"_step": s, "_time": T0 + s, "loss": loss, "tokens": 4096 * s,
+                       "tag": f"r{r}", "ok": s % 2 == 0}
+                if r == 0 and s % 10 == 0:
+                    row["eval_acc"] = 0.5 + s / 100
+                recs.append(row)
+                recs.append({"_kind": "rank", "_step": s, "_time": T0 + s + 0.5, "_rank": r,
+                             "_world_size": RANKS, "_local_rank": r % 8, "_weight": 1.0,
+                             "step_time": 1.0 + 0.01 * r})
+            _write(run / shard_name(r, stream), recs, b'{"_step":99,"lo' if r == 3 else b"")
+    return run
+
+
+def _answers(run):
+    out = {}
+    with sql.connect(run) as con:
+        for view in ("metrics", "ranks"):
+            out[view, "describe"] = sql.run_query(con, f"DESCRIBE {view}").fetchall()
+            rows = sql.run_query(con, f"SELECT * FROM {view} ORDER BY ALL").fetchall()
+            # NaN != NaN: compare a text form of each value
+            out[view] = [tuple("nan" if isinstance(v, float) and math.isnan(v) else v
+                               for v in row) for row in rows]
+    return out
+
+
+def test_sampled_schema_gives_the_exact_answers(tmp_path, monkeypatch):
+    run = _run(tmp_path / "run")
+    exact = _answers(run)
+    monkeypatch.setattr(sql, "EXACT_SHARDS", 0)
+    monkeypatch.setattr(sql, "SAMPLE_SHARDS", 4)
+    assert len(sql.detect_sample([str(p) for p in sorted(run.iterdir())])) < 2 * RANKS
+    sampled = _answers(run)
+    assert sampled == exact
+    metrics = exact["metrics"]
+    assert len(metrics) == 2 * RANKS * 30  # every rank, every step, both streams
+    cols = [c[0] for c in exact["metrics", "describe"]]
+    types = {c[0]: c[1] for c in exact["metrics", "describe"]}
+    assert types["loss"] == "DOUBLE" and types["tokens"] == "BIGINT" and types["tag"] == "VARCHAR"
+    loss = cols.index("loss")
+    assert sum(1 for row in metrics if row[loss] == "nan") == 4
+    assert any(row[loss] == -math.inf for row in metrics)
+    assert "eval_acc" in cols and "step_time" not in cols
+
+
+@pytest.mark.parametrize("n", [1, 5, 300])
+def test_detect_sample_keeps_each_streams_first_shard(n, monkeypatch):
+    monkeypatch.setattr(sql, "EXACT_SHARDS", 0)
+    files = [f"/r/{shard_name(r)}" for r in range(n)] + [f"/r/{shard_name(r, 'b')}" for r in range(n)]
+    files.sort(key=lambda f: ("b" in f, f))
+    picked = sql.detect_sample(files)
+    assert "/r/metrics.jsonl" in picked and "/r/metrics.b.jsonl" in picked
+    assert len(picked) <= sql.SAMPLE_SHARDS + 2
+    assert picked == [f for f in files if f in picked]  # in the run's order
+
+
+def test_a_symlinked_shard_is_read_through_its_real_path(tmp_path):
+    """Shard paths are taken as they are (the run directory is resolved) except a symlink,
+    which is resolved as before: its target is the file DuckDB may open and reads."""
+    run = tmp_path / "run"
+    _write(run / "metrics.jsonl", [{"_step": 0, "_time": T0, "loss": 1.0}])
+    elsewhere = tmp_path / "kept" / "metrics.rank1.jsonl"
+    _write(elsewhere, [{"_step": 0, "_time": T0, "loss": 2.0}])
+    (run / "metrics.rank1.jsonl").symlink_to(elsewhere)
+    with sql.connect(tmp_path / "." / "run") as con:
+        rows = sql.run_query(con, "SELECT _rank, loss FROM metrics ORDER BY 1").fetchall()
+        allowed = con.execute("SELECT current_setting('allowed_paths')").fetchone()[0]
+    assert rows == [(0, 1.0), (1, 2.0)]
+    assert str(elsewhere.resolve()) in str(allowed) and str(run / "metrics.rank1.jsonl") not in str(allowed)
