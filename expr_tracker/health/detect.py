@@ -297,7 +297,7 @@ def _behind(state: RunState, cfg: HealthConfig) -> list[Finding]:
     return out
 
 
-def _crashed(state: RunState) -> list[Finding]:
+def crashes(state: RunState) -> list[Finding]:
     """One finding per crashed rank; `info` is its root candidate: {rank, host, type,
     message, time (its own clock, from the sidecar's exit), at (ours: its last write)}."""
     out = []
@@ -370,7 +370,7 @@ def detect(
     Once the run has ended (no live rank) only crashes are found: nothing else can be
     wrong with a run that is over (`incidents.plan` resolves what is open)."""
     if ended(state):
-        return _crashed(state)
+        return crashes(state)
     derived = _derive(state, cfg, memory)
     period = median([d.median for d in derived.values()]) if derived else None
     threshold = cfg.hang_threshold(period)
@@ -385,7 +385,7 @@ def detect(
     else:
         job.extend(_hangs(state, threshold, now, memory.stall_end))
     return [
-        *_crashed(state),
+        *crashes(state),
         *job,
         *_stragglers(state, derived, cfg, memory),
         *_slowdowns(state, derived, cfg, memory),

@@ -21,13 +21,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from expr_tracker.health.detect import Finding
+from expr_tracker.health.detect import Finding, crashes
 from expr_tracker.health.state import RunState
 from expr_tracker.ranks import compact
 
 # `id`, `kind`, `state` and `delivered` first: a line torn by a watcher killed mid-write
 # most likely still names them, and the next watcher recovers the incident (`salvage`)
-LINE_KEYS = ("id", "kind", "state", "delivered", "level", "ranks", "hosts", "step",
+LINE_KEYS = ("id", "kind", "state", "delivered", "ranks", "level", "hosts", "step",
              "first_seen", "last_seen", "detail")
 ENDED = "run ended"
 
@@ -65,7 +65,7 @@ class Incident:
         """The `incidents.jsonl` line (DESIGN 13), plus the level."""
         out = {
             "id": self.id, "kind": self.kind, "state": self.state, "delivered": self.delivered,
-            "level": self.level, "ranks": list(self.ranks), "hosts": list(self.hosts),
+            "ranks": list(self.ranks), "level": self.level, "hosts": list(self.hosts),
             "step": self.step, "first_seen": self.first_seen, "last_seen": self.last_seen,
             "detail": self.detail,
         }
@@ -180,6 +180,13 @@ def _crash_detail(root: Mapping[str, Any], ranks: tuple[int, ...], first: str) -
 
 def _root(info: Mapping[str, Any]) -> dict[str, Any]:
     return {k: info.get(k) for k in ("rank", "host", "type", "message", "time")}
+
+
+def first_crash(state: RunState) -> dict[str, Any] | None:
+    """The root of the run's crashes ({rank, host, type, message, time}), by the same order
+    as a `crashed` incident's; None when no rank crashed."""
+    infos = [f.info for f in crashes(state) if f.info is not None]
+    return _root(_crash_order(infos)[0]) if infos else None
 
 
 def _crashes(open_crashes: list[Incident], found: list[Finding], now: float, window: float,
