@@ -50,6 +50,11 @@ class DaemonHealth:
         self._next_scan = 0.0
         self._here = socket.gethostname()
         self._warned: set[str] = set()
+        # an incident delivered to a `log` channel is in exprd's log already: not twice
+        from expr_tracker.alerts import LogChannel
+
+        chans = getattr(dispatcher, "channels", ())
+        self._logged = any(isinstance(ch, LogChannel) for ch in chans)
 
     @property
     def next_due(self) -> float:
@@ -110,10 +115,13 @@ class DaemonHealth:
                 continue
             start = time.monotonic()
             try:
-                for inc in watcher.check(time.time()):
+                for inc in watcher.check():
                     recorded += 1
-                    log.warning("health %s: %s %s ranks %s: %s", key[0], inc.state, inc.kind,
-                                ",".join(map(str, inc.ranks)), inc.detail)
+                    if inc.delivered and self._logged:
+                        continue
+                    log.log(logging.WARNING if inc.state == "open" else logging.INFO,
+                            "health %s: %s %s ranks %s: %s", key[0], inc.state, inc.kind,
+                            ",".join(map(str, inc.ranks)), inc.detail)
             except Exception as exc:  # a broken run directory must not stop the daemon
                 cause = f"{key[0]}:{type(exc).__name__}"
                 if cause not in self._warned:

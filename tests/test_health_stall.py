@@ -39,10 +39,13 @@ def write_rank(run: Path, rank: int, last: int, wrote: float, *, probe: dict | N
     at `wrote`, and its sidecar (with `probe`) at `side`."""
     run.mkdir(parents=True, exist_ok=True)
     shard = run / f"{_stem(rank)}.jsonl"
-    rank_rec = '{{"_kind":"rank","_step":{},"_time":{},"_rank":%d,"step_time":0.5}}\n' % rank
-    shard.write_text("".join(json.dumps({"_step": s, "_time": t0 + s, "loss": 1.0}) + "\n"
-                             + (rank_rec.format(s, t0 + s) if records else "")
-                             for s in range(last + 1)))
+    rows = []
+    for s in range(last + 1):
+        rows.append({"_step": s, "_time": t0 + s, "loss": 1.0})
+        if records:
+            rows.append({"_kind": "rank", "_step": s, "_time": t0 + s, "_rank": rank,
+                         "step_time": 0.5})
+    shard.write_text("".join(json.dumps(row) + "\n" for row in rows))
     os.utime(shard, (wrote, wrote))
     meta: dict[str, Any] = {"version": 1, "rank": rank, "world_size": WORLD, "host": host,
                             "pid": 4242 + rank, "status": status, "start_time": t0}

@@ -36,6 +36,14 @@ _COLLECTIVE_FILES = ("torch/distributed/", "torch/nn/parallel/", "torch/autograd
 _WAITS = {"sleep": "time.sleep", "io": "I/O", "collective": "a collective"}
 
 
+def fmt_quiet(seconds: float) -> str:
+    """A silence as "62s", "14m", "5h", "3d"."""
+    for unit, size, above in (("d", 86400, 172800), ("h", 3600, 7200), ("m", 60, 120)):
+        if seconds >= above:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
 def _frame(text: str) -> tuple[str | None, str | None, bool]:
     """('file.py:88', 'function', user) of a probe's "path/file.py:88 function [user]"."""
     user = text.endswith(" [user]")
@@ -145,7 +153,7 @@ def stall(state: RunState, threshold: float, now: float) -> dict[str, Any] | Non
         why = f"rank {named[0].rank} at step {named[0].last_step}, the lowest"
     mine = {rs.rank for rs in named}
     waiters = [rs for rs in live if rs.rank not in mine and in_collective(rs.probe)]
-    detail = f"job stalled at step {step} for {quiet:.0f}s: {why}"
+    detail = f"job stalled at step {step} for {fmt_quiet(quiet)}: {why}"
     if waiters:
         fns = Counter(fn for rs in waiters if (fr := _frames(rs.probe)) and (fn := _frame(fr[0])[1]))
         fn = fns.most_common(1)[0][0] if fns else "a collective"
