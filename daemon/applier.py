@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from expr_tracker.pipeline import Pipeline
+from expr_tracker.probe import clean_probe, clean_spans
+from expr_tracker.store.layout import spans_name
 from expr_tracker.store.records import DECODE_NONFINITE
 from expr_tracker.store.safedir import UnsafePath
 from expr_tracker.store.shard import ShardWriter
@@ -448,6 +450,32 @@ class RunPipeline:
         self.slot.set_config(config)
         if seq > self.skip_upto:
             self._done(seq)
+
+    def set_probe(self, ev: Mapping[str, Any], seq: int) -> None:
+        """Where the silent rank is (DESIGN 13): into the sidecar at the next commit, or out
+        of it (a null probe: the rank logs again). A replayed probe is skipped."""
+        if self.dry_run or seq <= self.skip_upto or self.spec.time < self.slot.newest:
+            return
+        probe = clean_probe(ev.get("probe"))
+        writer = self.slot.writer
+        if writer.probe == probe:
+            return
+        writer.probe = probe
+        if writer.sidecar_enabled:
+            self.slot.open()
+            self.slot.sidecar_dirty = True
+            self.slot.last_sidecar = 0.0  # a probe is news: write it at the next commit
+        self._done(seq)
+
+    def spans(self, ev: Mapping[str, Any], seq: int) -> None:
+        """Traced spans (`trace_spans=True`): appended to `spans[.rankN].jsonl` of the run
+        (at least once: a restart between the write and the checkpoint repeats them)."""
+        if self.dry_run or seq <= self.skip_upto:
+            return
+        lines = clean_spans(ev.get("spans"))
+        if lines:
+            self.slot.writer.append_file(spans_name(self.spec.rank), lines)
+        self._done(seq)
 
     def tick(self, now: float) -> None:
         """Time rules (no_data, age, elapsed) of a live run."""

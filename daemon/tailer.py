@@ -405,6 +405,10 @@ class Tailer:
             run.set_rules(ev)
         elif kind == "config":
             run.set_config(ev, seq)
+        elif kind == "probe":
+            run.set_probe(ev, seq)
+        elif kind == "spans":
+            run.spans(ev, seq)
         elif kind == "finish":
             when = ev.get("_time")
             run.finish(str(ev.get("status") or "finished"),

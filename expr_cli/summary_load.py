@@ -92,16 +92,17 @@ def load_table(
 
 
 def load_row_table(
-    shards: list[ShardRef], keys: set[str], lo: int | None, world: int
+    shards: list[ShardRef], keys: set[str], lo: int | None, world: int, prefix: str | None = None
 ) -> tuple[RankTable, dict[str, int]]:
     """The numeric `keys` of each shard's step rows (ordinary `et.log` metrics) from about
-    step `lo` on, as a table of that shard's rank (issue 11: `--metric loss`)."""
+    step `lo` on, as a table of that shard's rank (issue 11: `--metric loss`); with
+    `prefix`, every key starting with it instead (`--spans`: `time_ms/`)."""
     from expr_tracker.stats.reduce import collect
     from expr_tracker.store import records
     from expr_tracker.store.window import window_start
 
     garbage: dict[str, int] = {}
-    marks = [b'"' + k.encode() + b'"' for k in keys]
+    marks = [b'"' + k.encode() + b'"' for k in keys] if prefix is None else [b'"' + prefix.encode()]
 
     def rows() -> Iterator[dict[str, Any]]:
         for shard in shards:
@@ -119,7 +120,8 @@ def load_row_table(
                             continue
                         if type(rec) is not dict or rec.get("_kind") is not None:
                             continue
-                        picked = {k: rec[k] for k in keys if k in rec}
+                        picked = ({k: rec[k] for k in keys if k in rec} if prefix is None
+                                  else {k: v for k, v in rec.items() if k.startswith(prefix)})
                         yield {"_kind": "rank", "_step": rec.get("_step"), "_rank": shard.rank,
                                "_world_size": world, **picked}
             if bad:

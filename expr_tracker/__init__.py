@@ -18,6 +18,7 @@ from typing import Any
 from expr_tracker import _state
 from expr_tracker.errors import RuleError, RunNotFoundError, TrackerError, UsageError
 from expr_tracker.run import Run
+from expr_tracker.spans import span, start_span
 
 __version__ = "0.1.0"
 
@@ -40,6 +41,8 @@ __all__ = [
     "log_rank_metrics",
     "read_run",
     "remove_alert_rule",
+    "span",
+    "start_span",
     "update_config",
 ]
 
@@ -63,6 +66,9 @@ def init(
     spool_dir: str | os.PathLike[str] | None = None,
     idle_timeout: float = 60.0,
     time_rule_interval: float = 10.0,
+    span_count: bool = False,
+    trace_spans: bool = False,
+    probe_after: float | None = None,
 ) -> Run:
     """Start (or resume) this process's shard of run `project/name` and make it current."""
     active = _state.current
@@ -76,7 +82,8 @@ def init(
         alert_rules=alert_rules, alert_on_rank=alert_on_rank, alert=alert, backends=backends,
         backend_on_rank=backend_on_rank, backend_rank_metrics=backend_rank_metrics,
         upload_mode=upload_mode, spool_dir=spool_dir, idle_timeout=idle_timeout,
-        time_rule_interval=time_rule_interval,
+        time_rule_interval=time_rule_interval, span_count=span_count, trace_spans=trace_spans,
+        probe_after=probe_after,
     )
     _state.set_current(run)
     return run

@@ -5,13 +5,17 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import orjson
+
 from expr_tracker.context import RunContext
 from expr_tracker.errors import UsageError
 from expr_tracker.pipeline import Pipeline
+from expr_tracker.store.layout import spans_name
 from expr_tracker.store.lock import ShardBusyError
 from expr_tracker.store.shard import ShardWriter
 
 FINISH_TIMEOUT = 30.0
+MAX_SPAN_BUFFER = 16 * 1024 * 1024  # trace lines kept while their file cannot be written
 
 
 class DirectSink:
@@ -54,6 +58,7 @@ class DirectSink:
         )
         if self.alerting and (run.alert_config is not None or run.ruleset is not None):
             self.pipeline.dispatcher = self._dispatcher()
+        self._span_buf = bytearray()  # trace lines waiting for the next flush
         self.fast_append: Any = None
         self.after_write: Any = None
         self._update_fast_path()
@@ -113,8 +118,27 @@ class DirectSink:
         self.run.config = config
         self.writer.identity["config"] = config
 
+    def set_probe(self, probe: dict[str, Any] | None) -> None:
+        """Where the silent process is (None: it logs again); in the next sidecar write."""
+        self.writer.probe = probe
+
+    def spans(self, lines: list[dict[str, Any]]) -> None:
+        """Traced spans (`trace_spans=True`), written to `spans[.rankN].jsonl` at the flush."""
+        self._span_buf += b"".join(orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE)
+                                   for line in lines)
+
     def flush(self) -> None:
         self.writer.flush()
+        self._flush_spans()
+
+    def _flush_spans(self) -> None:
+        if self._span_buf:
+            data = bytes(self._span_buf)
+            if self.writer.append_file(spans_name(self.run.rank), data):
+                del self._span_buf[: len(data)]
+            elif len(self._span_buf) > MAX_SPAN_BUFFER:
+                self.run.dropped["spans"] = self.run.dropped.get("spans", 0) + data.count(b"\n")
+                del self._span_buf[: len(data)]
 
     def tick(self) -> None:
         self.pipeline.tick()
@@ -125,6 +149,8 @@ class DirectSink:
     def close(self, status: str, exit: dict[str, Any] | None = None) -> None:
         """Finish the shard with `status`; `exit` is the crash's {type, message, time}."""
         self.writer.exit = exit
+        self.writer.probe = None
+        self._flush_spans()
         # backends such as wandb need seconds to start and sync; finish waits for them,
         # within a bound, so the end of a run does not lose its last rows
         self.pipeline.close(status, timeout=FINISH_TIMEOUT)
@@ -133,6 +159,7 @@ class DirectSink:
         # a forked child shares the parent's descriptor: forget the buffer, never flush it
         self.writer._buf.clear()
         self.writer._pending = b""
+        self._span_buf.clear()
         self.writer.forget_lock()
 
     def info(self) -> dict[str, Any]:

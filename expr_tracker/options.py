@@ -74,6 +74,9 @@ class Options:
     alert_config: Any
     backend_specs: list[Any]
     backend_objs: list[Any]
+    span_count: bool = False
+    trace_spans: bool = False
+    probe_after: float | None = None  # None: max(10 s, 5x the median step period)
 
 
 def _path(value: object, field: str) -> None:
@@ -100,6 +103,9 @@ def parse_options(
     spool_dir: str | os.PathLike[str] | None,
     idle_timeout: float,
     time_rule_interval: float,
+    span_count: bool = False,
+    trace_spans: bool = False,
+    probe_after: float | None = None,
 ) -> Options:
     """Check every argument of `init`; raise TypeError/ValueError naming the field."""
     project = validate_name(project, "project")
@@ -126,6 +132,10 @@ def parse_options(
     for field, value in (("idle_timeout", idle_timeout), ("time_rule_interval", time_rule_interval)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"{field} must be a positive number of seconds, got {value!r}")
+    for field, flag in (("span_count", span_count), ("trace_spans", trace_spans)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{field} must be True or False, got {type(flag).__name__}")
+    probe = check_probe_after(probe_after)
 
     info = _ranks.detect()
     if info.world_size is not None and info.world_size > MAX_WORLD:
@@ -181,7 +191,26 @@ def parse_options(
         alert_on_rank=alert_rank, backend_on_rank=backend_rank,
         backend_rank_metrics=bool(backend_rank_metrics), rules=rules, alert_config=alert_config,
         backend_specs=backend_specs, backend_objs=backend_objs,
+        span_count=span_count, trace_spans=trace_spans, probe_after=probe,
     )
+
+
+def check_probe_after(value: object) -> float | None:
+    """`probe_after=` (else `$EXPR_PROBE_AFTER`): seconds of silence before the background
+    thread writes a probe (DESIGN 13); None for the default."""
+    field = "probe_after"
+    if value is None:
+        env = os.environ.get("EXPR_PROBE_AFTER")
+        if not env:
+            return None
+        field = "EXPR_PROBE_AFTER"
+        try:
+            value = float(env)
+        except ValueError:
+            raise ValueError(f"EXPR_PROBE_AFTER must be a number of seconds, got {env!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
+        raise ValueError(f"{field} must be a positive number of seconds, got {value!r}")
+    return float(value)
 
 
 def merge_config(current: Mapping[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from expr_tracker import spans as _spans
 from expr_tracker.context import RunContext
 from expr_tracker.errors import UsageError
 from expr_tracker.options import merge_config, parse_options
@@ -34,6 +35,7 @@ _orjson_dumps = orjson.dumps
 _NL = orjson.OPT_APPEND_NEWLINE
 _INT_MIN = records.INT_MIN
 _INT_MAX = records.INT_MAX
+_drain = _spans.drain
 
 SIDECAR_EVERY = 5.0
 TICK = 1.0
@@ -62,6 +64,9 @@ class Run:
         spool_dir: str | os.PathLike[str] | None = None,
         idle_timeout: float = 60.0,
         time_rule_interval: float = 10.0,
+        span_count: bool = False,
+        trace_spans: bool = False,
+        probe_after: float | None = None,
     ) -> None:
         # -- validate everything before touching the disk -------------------
         o = parse_options(
@@ -70,7 +75,8 @@ class Run:
             backends=backends, backend_on_rank=backend_on_rank,
             backend_rank_metrics=backend_rank_metrics, upload_mode=upload_mode,
             spool_dir=spool_dir, idle_timeout=idle_timeout,
-            time_rule_interval=time_rule_interval,
+            time_rule_interval=time_rule_interval, span_count=span_count,
+            trace_spans=trace_spans, probe_after=probe_after,
         )
         self.project, self.name, self.stream, self.config = o.project, o.name, o.stream, o.config
         self.root, self.spool_root, self.mode, self.rank_aware = o.root, o.spool_root, o.mode, o.rank_aware
@@ -120,6 +126,12 @@ class Run:
             # once, on stderr: a job restarted from a checkpoint continues its shards
             print(f"resuming {self.name} rank {self.rank} at step {self._step}", file=sys.stderr,
                   flush=True)
+        # spans closed since the last row (DESIGN 17); the background thread writes probes
+        self._spans = _spans.Sink(self, o.span_count, o.trace_spans)
+        from expr_tracker.probe import Prober
+
+        self._prober = Prober(self, o.probe_after)
+        _spans.activate(self._spans)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._background, name="expr-tracker", daemon=True)
         self._thread.start()
@@ -198,6 +210,8 @@ class Run:
                             record = {"_step": at, "_time": _time(), **data}
                         else:  # spool mode: every event is numbered
                             record = {"_step": at, "_time": _time(), "_seq": seq, **data}
+                        if self._spans.pending:
+                            _drain(self._spans, record)
                         try:
                             line = _dumps(record, nonfinite) if nonfinite else _orjson_dumps(record, option=_NL)
                         except TypeError:
@@ -268,12 +282,15 @@ class Run:
         row = self._open
         self._open = None
         self._fast_ok = not (self._finished or self._detached)
-        if not row:
+        if not row and not self._spans.pending:
             return
         record = {"_step": step, "_time": time.time()}
         if not self.rank_aware:
             record["_rank"] = self.rank
-        record.update(row)
+        if row:
+            record.update(row)
+        if self._spans.pending:
+            _drain(self._spans, record)
         self._rows_committed += 1
         self._last_step = step
         self._sink.apply(record, self._open_nonfinite)
@@ -378,6 +395,7 @@ class Run:
                     if now - last_rules >= self.time_rule_interval:
                         last_rules = now
                         self._sink.tick()
+                self._prober.tick(now)
                 self._sink.flush()
                 if now - last_sidecar >= SIDECAR_EVERY or self._sidecar_due:
                     last_sidecar = now
@@ -395,11 +413,13 @@ class Run:
             self._fast_ok = False
             if self._detached:
                 return
-            if self._open:
+            _spans.deactivate(self._spans)
+            if self._open or self._spans.pending:  # spans closed after the last log() too
                 self._commit()
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=5.0)
+        self._prober.close()
         self._sink.close(status, self._exit if status == "crashed" else None)
         # in spool mode exprd evaluates the rules: this process never fed them a row
         if self.mode == "direct" and self._ruleset is not None and self._ruleset.rules:
@@ -452,6 +472,7 @@ class Run:
         """A forked child (a dataloader worker) must never write the parent's buffered rows."""
         self._detached = True
         self._fast_ok = False
+        _spans.deactivate(self._spans)  # a worker's spans would pile up unread
         self._lock = threading.Lock()
         self._sink.detach()
 

@@ -40,6 +40,7 @@ from expr_tracker.store.spoolfile import (
     unapplied_rows,
 )
 
+SPANS_PER_EVENT = 4096  # spans of one `spans` event (a line stays well under exprd's cap)
 # backend spec keys that never carry a secret; everything else stays out of the spool
 _SAFE_BACKEND_KEYS = ("type", "name", "entity", "project", "mode", "token_env", "batch",
                       "timeout", "retries", "backoff")
@@ -244,6 +245,17 @@ class SpoolSink:
         of it is harmless); a later init (after a rotation) carries it too."""
         self.run.config = config
         self._emit({"_event": "config", "_time": time.time(), "config": config})
+
+    def set_probe(self, probe: dict[str, Any] | None) -> None:
+        """Where the silent process is (None: it logs again): a `probe` event that exprd
+        writes into the sidecar."""
+        self._emit({"_event": "probe", "_time": time.time(), "probe": probe})
+
+    def spans(self, lines: list[dict[str, Any]]) -> None:
+        """Traced spans: `spans` events that exprd appends to `spans[.rankN].jsonl`."""
+        for i in range(0, len(lines), SPANS_PER_EVENT):
+            self._emit({"_event": "spans", "_time": time.time(),
+                        "spans": lines[i : i + SPANS_PER_EVENT]})
 
     def flush(self) -> None:
         self.writer.flush()

@@ -277,6 +277,7 @@ def summary_command(
     as_json: bool,
     min_rel: float = MIN_REL,
     agg: str = "max",
+    spans: bool = False,
 ) -> None:
     """Load the recent rank records (and step rows) of RUN and print the summary."""
     from expr_cli import render
@@ -284,6 +285,16 @@ def summary_command(
 
     if step is not None and steps is not None:
         raise CLIError("use either --step or --steps, not both", 2)
+    if spans:
+        if metrics or heatmap_key:
+            raise CLIError("--spans shows the time_ms/* keys; leave out --metric and --heatmap", 2)
+        ref = resolve_run(run, root_dir(dir))
+        view = spans_view(ref, stream, shards_of(ref, stream), step, parse_step_range(steps))
+        if as_json:
+            render.print_json(view)
+        else:
+            render_summary.spans(view)
+        return
     if not min_rel >= 0.0:
         raise CLIError(f"--min-rel must be >= 0, got {min_rel}", 2)
     if agg not in AGGS:
@@ -340,6 +351,39 @@ def summary_command(
         render_summary.summary(view)
 
 
+def spans_view(ref: RunRef, stream: str | None, shards: list[Any], step: int | None,
+               window: tuple[int | None, int | None] | None) -> dict[str, Any]:
+    """`--spans`: every `time_ms/*` key (et.span) as per-rank means over the recent steps
+    (up to the frontier), the window or one step, reduced across ranks (stats.phases)."""
+    from expr_cli.summary_load import load_row_table, window_lo
+    from expr_tracker.health.state import read_run
+    from expr_tracker.stats import phases, reduce
+
+    state = read_run(ref.path, stream, window=2)
+    world = max([state.world_size or 0, *(s.rank + 1 for s in shards)])
+    table, _ = load_row_table(shards, set(), window_lo(step, window, state.frontier), world,
+                              prefix=phases.PREFIX)
+    all_steps = table.steps
+    if not table.keys or not all_steps:
+        raise CLIError(f"run {ref.label} has no span times (time_ms/* keys): time phases "
+                       "with et.span(...)")
+    if window is not None:
+        lo = window[0] if window[0] is not None else all_steps[0]
+        hi = window[1] if window[1] is not None else all_steps[-1] + 1
+    elif step is not None:
+        lo, hi = step, step + 1
+    else:
+        front = state.frontier
+        hi = (front if front is not None and front <= all_steps[-1] else all_steps[-1]) + 1
+        lo = max(all_steps[0], hi - COVERAGE_STEPS)
+    means = {k: reduce.window_means(table, k, lo, hi) for k in table.keys}
+    means = {k: v for k, v in means.items() if v}
+    if not means:
+        raise CLIError(f"no span times in steps {lo}:{hi}; they cover steps "
+                       f"{all_steps[0]}..{all_steps[-1]}")
+    return {"run": ref.label, "stream": stream, "world_size": world, "steps": [lo, hi],
+            **phases.span_phases(means)}
+
 
 # `main` runs `expr summary` without typer when it can parse the arguments with these
 # (the root group checks that they match the typer options below)
@@ -352,6 +396,7 @@ FAST_OPTIONS = (
     FastOption("outliers", ("--outliers",), None, default=False),
     FastOption("min_rel", ("--min-rel",), float, default=MIN_REL),
     FastOption("agg", ("--agg",), default="max"),
+    FastOption("spans", ("--spans",), None, default=False),
     FastOption("stream", STREAM_FLAGS),
     FastOption("json", JSON_FLAGS, None, default=False),
     FastOption("dir", DIR_FLAGS),
@@ -361,7 +406,7 @@ FAST_OPTIONS = (
 def fast_run(v: dict[str, Any]) -> None:
     """`expr summary` with arguments parsed by `resolve.parse_fast`."""
     summary_command(v["run"], v["dir"], v["stream"], v["metric"], v["step"], v["steps"],
-                    v["heatmap"], v["outliers"], v["json"], v["min_rel"], v["agg"])
+                    v["heatmap"], v["outliers"], v["json"], v["min_rel"], v["agg"], v["spans"])
 
 
 def register(app: typer.Typer) -> None:
@@ -388,6 +433,9 @@ def register(app: typer.Typer) -> None:
                                     "this fraction.")
     agg_opt = typer.Option("max", "--agg", metavar="max|min|mean",
                            help="How a heatmap row of many ranks (a node, a bin) combines them.")
+    spans_opt = typer.Option(False, "--spans",
+                             help="Reduce the span times (time_ms/* of et.span) across ranks: "
+                                  "which phase makes the straggler slow.")
 
     @app.command(
         "summary",
@@ -402,6 +450,7 @@ def register(app: typer.Typer) -> None:
         outliers: bool = outliers_opt,
         min_rel: float = min_rel_opt,
         agg: str = agg_opt,
+        spans: bool = spans_opt,
         stream: str | None = STREAM_OPT,
         json: bool = JSON_OPT,
         dir: str | None = DIR_OPT,
@@ -414,5 +463,5 @@ def register(app: typer.Typer) -> None:
         are grouped by node: outliers named, the worst nodes first, the rest binned.
         """
         summary_command(run, dir, stream, metric, step, steps, heatmap, outliers, json,
-                        min_rel, agg)
+                        min_rel, agg, spans)
 

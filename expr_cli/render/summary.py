@@ -300,3 +300,37 @@ def last_values(rows: Sequence[Mapping[str, Any]], label: str) -> None:
         out.print()
         _show(out, f"{r['file']}  (rank {r['rank']}, step {fmt_cell(r['step'])})", table,
               style="bold cyan")
+
+
+def spans(view: Mapping[str, Any]) -> None:
+    """`expr summary --spans`: per span key, the ranks' median, the straggler's excess over
+    it and the slowest rank, worst phase first."""
+    from rich.table import Table
+    from rich.text import Text
+
+    out = console()
+    lo, hi = view["steps"]
+    straggler = view.get("straggler")
+    head = Text()
+    head.append(view["run"], style="bold")
+    head.append(f" · span times, per-rank means over steps {lo}:{hi} · world size "
+                f"{view['world_size']:,}")
+    out.print(head, soft_wrap=True)
+    if straggler is not None:
+        out.print(Text(f"  straggler: rank {straggler} (the most time over the median in "
+                       "top-level spans)", style="dim"), soft_wrap=True)
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for col, justify in (("span", "left"), ("median ms", "right"), (f"rank {straggler} ms", "right"),
+                         ("excess ms", "right"), ("x median", "right"), ("slowest", "right"),
+                         ("ranks", "right")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for row in view["spans"]:
+        excess = row["excess_ms"]
+        table.add_row(
+            row["path"], fmt_num(row["median_ms"]), fmt_num(row["straggler_ms"]),
+            Text(fmt_signed(excess) if excess is not None else "-",
+                 style="bold red" if excess is not None and excess > 0.1 * row["median_ms"] else ""),
+            fmt_ratio(row["ratio"]),
+            f"rank {row['max_rank']} ({fmt_num(row['max_ms'])})", str(row["ranks"]),
+        )
+    out.print(table)

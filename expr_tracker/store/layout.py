@@ -80,6 +80,20 @@ def alerts_name(rank: int) -> str:
     return "alerts.jsonl" if rank == 0 else f"alerts.rank{rank}.jsonl"
 
 
+def spans_name(rank: int) -> str:
+    """`spans.jsonl` for rank 0, `spans.rank2.jsonl` otherwise (`trace_spans=True`)."""
+    return "spans.jsonl" if rank == 0 else f"spans.rank{rank}.jsonl"
+
+
+_SPANS_RE = re.compile(r"spans(?:\.rank(?P<rank>\d+))?\.jsonl\Z")
+
+
+def parse_spans_name(filename: str) -> int | None:
+    """The rank of a span trace file name (`spans.jsonl`: 0), None for anything else."""
+    m = _SPANS_RE.match(filename)
+    return None if m is None else int(m.group("rank") or 0)
+
+
 @dataclass(frozen=True)
 class ShardName:
     """What a shard file name says about its contents."""

@@ -87,6 +87,7 @@ class ShardWriter:
         self.repaired = False
         self.status = "running"
         self.exit: dict[str, Any] | None = None  # {type, message, time} of a crash (DESIGN 5)
+        self.probe: dict[str, Any] | None = None  # where a silent rank is (DESIGN 13)
         self.start_time = time.time()
         self.end_time: float | None = None
         self.last_write: float | None = None
@@ -420,6 +421,8 @@ class ShardWriter:
         }
         if self.exit is not None and self.status == "crashed":
             out["exit"] = self.exit
+        if self.probe is not None and self.status == "running":
+            out["probe"] = self.probe
         return out
 
     def write_sidecar(self) -> bool:
@@ -435,6 +438,20 @@ class ShardWriter:
                 os.close(dfd)
         except OSError as exc:
             self._fail("sidecar", exc)
+            return False
+        return True
+
+    def append_file(self, name: str, data: bytes) -> bool:
+        """Append whole lines to file `name` of the run directory (the span trace): opened
+        now, following no symlink. Failures are reported (False), never raised."""
+        try:
+            fd = self.open_file(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            try:
+                write_all(fd, data)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            self._fail(name, exc)
             return False
         return True
 
