@@ -41,7 +41,8 @@ DEFAULT_AFTER = 10.0
 PERIODS = 5.0  # probe_after = max(DEFAULT_AFTER, PERIODS x the median step period)
 REWRITE_EVERY = 3.0
 MAX_WHERE = 8
-_CALL_OPS = frozenset(op for op, name in enumerate(dis.opname) if name.startswith("CALL"))
+# Python 3.11 stops a frame inside a C call at its PRECALL, later versions at the CALL
+_CALL_OPS = frozenset(op for op, name in enumerate(dis.opname) if name.startswith(("CALL", "PRECALL")))
 _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _LIBS = tuple(sorted({
     os.path.abspath(p) + os.sep

@@ -49,8 +49,9 @@ def write_rank(run: Path, rank: int, last: int, wrote: float, *, probe: dict | N
     os.utime(shard, (wrote, wrote))
     meta: dict[str, Any] = {"version": 1, "rank": rank, "world_size": WORLD, "host": host,
                             "pid": 4242 + rank, "status": status, "start_time": t0}
-    if probe is not None:
-        meta["probe"] = probe
+    if probe is not None:  # written while silent after its last row (its own clock)
+        since = probe["since"] or t0 + last + 0.5
+        meta["probe"] = {**probe, "since": since, "time": probe["time"] or since + 2}
     if exit is not None:
         meta["exit"] = exit
     path = run / f"{_stem(rank)}.meta.json"
@@ -99,6 +100,25 @@ def test_a_rank_whose_tracker_thread_cannot_run_has_no_probe_and_is_the_suspect(
     assert [(i.kind, i.ranks) for i in opened] == [("stall", (2,))]
     assert "rank 2 wrote no probe" in opened[0].detail, opened[0].detail
     assert "3 ranks wait in all_reduce" in opened[0].detail
+
+
+def test_a_probe_left_over_from_an_earlier_silence_is_not_believed(tmp_path: Path) -> None:
+    run = tmp_path / "p" / "r"
+    now = time.time()
+    for r in range(WORLD):  # rank 1's probe says "sleep", but it logged steps after it
+        old = {**SLEEP, "since": 1000.0 + 20, "time": 1000.0 + 22}
+        write_rank(run, r, 60, now - 30, probe=old if r == 1 else COLLECTIVE, side=now - 1)
+    opened = Watcher(run, CFG).check(now)
+    assert [(i.kind, i.ranks) for i in opened] == [("stall", (1,))]
+    assert "rank 1 left only an old probe" in opened[0].detail, opened[0].detail
+    # a sidecar not rewritten for long while the others' are: the same
+    run2 = tmp_path / "p" / "r2"
+    for r in range(WORLD):
+        write_rank(run2, r, 60, now - 30, probe=SLEEP if r == 2 else COLLECTIVE,
+                   side=now - 20 if r == 2 else now - 1)
+    opened = Watcher(run2, CFG).check(now)
+    assert [(i.kind, i.ranks) for i in opened] == [("stall", (2,))]
+    assert "rank 2 left only an old probe" in opened[0].detail, opened[0].detail
 
 
 def test_without_probes_the_lowest_step_then_the_oldest_write(tmp_path: Path) -> None:

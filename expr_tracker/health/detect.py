@@ -63,6 +63,7 @@ class Memory:
     # when the last stall ended: silence before it is not a hang (a spool-mode job resuming
     # reaches exprd rank by rank, and the ranks applied last would look silent)
     stall_end: float = -math.inf
+    stall_step: int | None = None  # the lead step when it ended: windows with its gap are not slow
     stalled: bool = False
 
 
@@ -376,19 +377,28 @@ def detect(
     threshold = cfg.hang_threshold(period)
     stalled = stall(state, threshold, now)
     if stalled is None and memory.stalled:
-        memory.stall_end = now
+        memory.stall_end, memory.stall_step = now, state.lead
     memory.stalled = stalled is not None
     job: list[Finding] = []
+    newest = max([t for rs in state.live if (t := rs.advanced) is not None], default=None)
     if stalled is not None:  # the suspects are named: no rank is a hang on its own
         job.append(Finding("stall", stalled["ranks"], stalled["detail"], stalled["step"],
                            stalled["host"], LEVELS["stall"], group=False, info=stalled))
-    else:
+    elif newest is not None and now - newest < threshold / 2:
+        # a silent rank is a hang while the others still advance; once they stopped too
+        # (a synchronous job waits for it at its next collective) it is a stall coming
         job.extend(_hangs(state, threshold, now, memory.stall_end))
+    # the step that waited out a stall is one huge step time: not a straggler or slowdown
+    # until every rank's windows have moved past it
+    front, after = state.frontier, memory.stall_step
+    settled = after is None or (front is not None and
+                                front - after > max(cfg.straggler_steps, cfg.slowdown_steps))
+    timing = [*_stragglers(state, derived, cfg, memory),
+              *_slowdowns(state, derived, cfg, memory)] if settled else []
     return [
         *crashes(state),
         *job,
-        *_stragglers(state, derived, cfg, memory),
-        *_slowdowns(state, derived, cfg, memory),
+        *timing,
         *_behind(state, cfg),
         *_missing(state, cfg, now),
         *_alerts(state, suppressed),

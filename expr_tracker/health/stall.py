@@ -13,9 +13,12 @@ and names the suspects, in order:
 4. else the rank that wrote last longest ago.
 
 A probe (written by the SDK's background thread into the sidecar, `probe`) is fresh when
-its sidecar changed within `PROBE_STALE` seconds of the freshest live sidecar: the SDK
-rewrites its sidecar every few seconds while its thread runs. Times are the reader's
-(`health.clock`), never a rank's own.
+its sidecar changed within `PROBE_STALE` seconds of the freshest live sidecar (the SDK
+rewrites a probe every 3 s while its thread runs; times on the reader's clock,
+`health.clock`) and it is not left over from an earlier silence: its `since` is not
+older than the rank's last step row (both on that rank's own clock). A thread that
+could not run since the rank resumed (a burst of steps, then C code holding the GIL)
+leaves its old probe behind.
 """
 
 from __future__ import annotations
@@ -27,12 +30,14 @@ from typing import Any
 from expr_tracker.health.state import RankState, RunState
 from expr_tracker.ranks import compact
 
-# the SDK rewrites a sidecar every 5 s (`run.SIDECAR_EVERY`) while its thread runs; two
+# the SDK rewrites a probe every 3 s (`probe.REWRITE_EVERY`) while its thread runs; two
 # rewrites missed, and a little slack for exprd's apply in spool mode, is stale
-PROBE_STALE = 12.0
+PROBE_STALE = 8.0
+LEFT_OVER = 1.0  # s: a probe whose `since` is this much older than the last row is old
 # frames of a rank waiting for its peers even when its probe does not say "collective":
 # DDP's gradient all-reduce runs inside the autograd engine, under `loss.backward()`
 _COLLECTIVE_FILES = ("torch/distributed/", "torch/nn/parallel/", "torch/autograd/", "c10d")
+_STALE = "left only an old probe (its tracker thread cannot run: C code holding the GIL, or stopped)"
 _WAITS = {"sleep": "time.sleep", "io": "I/O", "collective": "a collective"}
 
 
@@ -100,8 +105,12 @@ def suspects(live: Sequence[RankState]) -> tuple[list[RankState], str]:
     freshest = max(sides) if sides else None
 
     def fresh(rs: RankState) -> bool:
-        return (rs.probe is not None and rs.sidecar_write is not None and freshest is not None
-                and freshest - rs.sidecar_write <= PROBE_STALE)
+        if rs.probe is None or rs.sidecar_write is None or freshest is None:
+            return False
+        since = rs.probe.get("since")
+        if isinstance(since, (int, float)) and rs.times and since < rs.times[-1] - LEFT_OVER:
+            return False
+        return freshest - rs.sidecar_write <= PROBE_STALE
 
     probed = [rs for rs in live if fresh(rs)]
     waiting = [rs for rs in probed if in_collective(rs.probe)]
@@ -141,7 +150,9 @@ def stall(state: RunState, threshold: float, now: float) -> dict[str, Any] | Non
         return None
     step = state.lead
     if rule in ("busy", "no probe") and len(named) <= 3:
-        why = "; ".join(f"rank {rs.rank} {where(rs.probe)}" for rs in named)
+        why = "; ".join(f"rank {rs.rank} {where(rs.probe if rule == 'busy' else None)}"
+                        if rule == "busy" or rs.probe is None else
+                        f"rank {rs.rank} {_STALE}" for rs in named)
     else:
         first = where(named[0].probe) if rule == "busy" else None
         why = {"busy": f"{_who(named)} not in a collective, rank {named[0].rank} {first}",
