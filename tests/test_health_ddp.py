@@ -45,8 +45,9 @@ torch.manual_seed(0)
 model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 raise_at = int(os.environ.get("RAISE_AT", "-1"))
-et.init("ddp", "faults", dir=os.environ["ROOT"])
+run = et.init("ddp", "faults", dir=os.environ["ROOT"])
 for step in range({STEPS}):
+    t0 = time.perf_counter()
     x = torch.randn(16, 8)
     fault = {FAULTS!r}.get(step) if rank == {FAULTY} else None
     with et.span("data"):
@@ -63,6 +64,7 @@ for step in range({STEPS}):
     opt.zero_grad()
     loss.backward()
     opt.step()
+    run.log_rank_metrics({{"step_time": time.perf_counter() - t0}}, step=step)
     et.log({{"loss": loss.item()}}, step=step)
 et.finish()
 dist.barrier()

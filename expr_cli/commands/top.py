@@ -45,7 +45,8 @@ def steps_per_s(rs: Any, now: float) -> float | None:
     return (s1 - steps[i]) / (end - times[i]) if end > times[i] else None
 
 
-def job_line(state: Any, findings: list[Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+def job_line(state: Any, findings: list[Any], incidents: list[Any], rows: list[dict[str, Any]],
+             now: float) -> dict[str, Any]:
     """The whole job in one line: stalled (and the suspects), crashed (and which rank
     failed first), finished, or running at its median steps/s."""
     from expr_tracker.health.incidents import first_crash
@@ -58,6 +59,12 @@ def job_line(state: Any, findings: list[Any], rows: list[dict[str, Any]]) -> dic
         return {"state": "stalled", "suspects": list(ranks), "text":
                 f"stalled {fmt_quiet(stall['quiet'])} at step {stall['step']}; suspect "
                 f"rank{'s' if len(ranks) != 1 else ''} {compact(ranks)} {stall['where']}"}
+    recorded = next((i for i in incidents if i.kind == "stall"), None)
+    if recorded is not None:  # a watcher's (its thresholds), and no rank advanced since
+        newest = max([t for rs in state.live if (t := rs.advanced) is not None], default=now)
+        why = recorded.detail.split(": ", 1)[-1].split("; ")[0]
+        return {"state": "stalled", "suspects": list(recorded.ranks), "text":
+                f"stalled {fmt_quiet(now - newest)} at step {recorded.step}; suspect {why}"}
     first = first_crash(state) if any(r["status"] == "crashed" for r in rows) else None
     if first is not None:
         n = sum(r["status"] == "crashed" for r in rows)
@@ -128,7 +135,7 @@ class TopView:
         return {
             "run": self.ref.label, "frontier": state.frontier, "lead": state.lead,
             "live": len(state.live), "world_size": state.world_size, "metric": self.metric,
-            "job": job_line(state, findings, rows),
+            "job": job_line(state, findings, incidents, rows, wall),
             "ranks": rows, "nodes": _nodes(rows, state),
             "incidents": [i.as_line() for i in incidents],
         }

@@ -233,12 +233,23 @@ def _crashes(open_crashes: list[Incident], found: list[Finding], now: float, win
                           if not any(inc.id == x.id for x in (*out.opened, *out.updated)))
 
 
-def _stall(open_stalls: list[Incident], found: list[Finding], now: float, out: Plan) -> None:
+def _still_stalled(inc: Incident, state: RunState | None) -> bool:
+    """No live rank advanced since the stall incident opened (a watcher with other
+    thresholds, `expr top`, keeps another's stall open until the job moves)."""
+    if state is None or not state.live:
+        return False
+    return all((rs.advanced or 0.0) <= inc.first_seen for rs in state.live)
+
+
+def _stall(open_stalls: list[Incident], found: list[Finding], now: float, out: Plan,
+           state: RunState | None) -> None:
     """One `stall` incident per stall: while the job stays stalled the same incident names
     the suspects of each pass (a line of the same id when they change)."""
     f = found[0] if found else None
     for i, inc in enumerate(open_stalls):
-        if f is None or i > 0:
+        if f is None and i == 0 and _still_stalled(inc, state):
+            out.still_open.append(replace(inc, last_seen=now))
+        elif f is None or i > 0:
             out.resolved.append(replace(inc, state="resolved", last_seen=now, delivered=False))
         elif inc.ranks != f.ranks:
             out.updated.append(replace(inc, ranks=f.ranks, hosts=(f.host,) if f.host else (),
@@ -266,7 +277,7 @@ def plan(open_incidents: Iterable[Incident], findings: Iterable[Finding], now: f
         out.resolved.extend(replace(inc, state="resolved", last_seen=now, delivered=False,
                                     reason=ENDED) for inc in incs if inc.kind != "crashed")
         return out
-    _stall([i for i in incs if i.kind == "stall"], by_kind.pop("stall", []), now, out)
+    _stall([i for i in incs if i.kind == "stall"], by_kind.pop("stall", []), now, out, state)
     taken: set[tuple[str, int]] = set()
     for inc in incs:
         if inc.kind in ("crashed", "stall"):

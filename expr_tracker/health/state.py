@@ -78,6 +78,10 @@ class RankState:
     times: Sequence[float] = ()  # ... and their `_time`s
     last_row: dict[str, Any] | None = None  # the latest step row (for `expr top -m KEY`)
 
+    def __post_init__(self) -> None:
+        if self.advanced is None:  # a state built by hand: it advanced when it last wrote
+            self.advanced = self.last_write
+
     @property
     def step_times(self) -> list[tuple[int, float]]:
         """The recent step rows' (step, _time), oldest first (built on each call: the
