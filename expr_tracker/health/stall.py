@@ -166,7 +166,10 @@ def stall(state: RunState, threshold: float, now: float) -> dict[str, Any] | Non
     waiters = [rs for rs in live if rs.rank not in mine and in_collective(rs.probe)]
     detail = f"job stalled at step {step} for {fmt_quiet(quiet)}: {why}"
     if waiters:
-        fns = Counter(fn for rs in waiters if (fr := _frames(rs.probe)) and (fn := _frame(fr[0])[1]))
+        # where they wait: the commonest innermost frame of a sample (16,384 would cost more
+        # than the rest of the detector)
+        fns = Counter(fn for rs in waiters[:256]
+                      if (fr := _frames(rs.probe)) and (fn := _frame(fr[0])[1]))
         fn = fns.most_common(1)[0][0] if fns else "a collective"
         detail += f"; {len(waiters)} rank{'s' if len(waiters) != 1 else ''} wait in {fn}"
     hosts = {rs.host for rs in named}
