@@ -2,8 +2,8 @@
 
 A DDP or FSDP job whose one rank is stuck does not look like one silent rank: every other
 rank blocks in the next collective, so no rank advances and `hang` ("silent while another
-rank advanced") never fires. `stall` fires when no live rank advanced for `hang_after`
-and names the suspects, in order:
+rank advanced") never fires. `stall` fires when no rank advanced for `hang_after` while
+every rank is still running, and names the suspects, in order:
 
 1. ranks whose probe says they are not waiting in a collective while others' say they are
    (a rank in `time.sleep`, in its data loader, in a `print` to a full pipe);
@@ -139,7 +139,9 @@ def stall(state: RunState, threshold: float, now: float) -> dict[str, Any] | Non
     """The stall of this pass, or None: {"ranks", "step", "quiet", "detail", "where",
     "host", "rule"}. `now` and the ranks' times are on the reader's clock."""
     live = state.live
-    if not live or state.lead is None:
+    # every rank still running: once one finished or crashed, silence is that (its
+    # `crashed` incident explains the others' wait), not a collective waiting for a rank
+    if not live or len(live) < len(state.ranks) or state.lead is None:
         return None
     newest = max([t for rs in live if (t := rs.advanced) is not None], default=None)
     if newest is None or now - newest < threshold:
