@@ -253,3 +253,16 @@ def test_a_torn_last_line_is_set_aside_and_its_incident_not_delivered_again(
     lines = _lines(run)  # every line whole, the incident known again, nobody paged
     assert [(i["kind"], i["ranks"], i["id"]) for i in lines] == [("behind", [3], "0123456789ab")]
     assert len(httpserver.log) == 0
+
+
+def test_ranks_with_skewed_clocks_are_not_a_hang_stall_or_missing(tmp_path: Path) -> None:
+    """Ranks whose `_time` (their hosts' clocks) is off by +-120 s, all writing now."""
+    run = tmp_path / "p" / "r"
+    now = time.time()
+    w = Watcher(run, HealthConfig(hang_after=5.0, missing_after=60.0))
+    for step in (30, 31, 32):
+        for r in range(WORLD):
+            skew = 120.0 if r % 2 else -120.0
+            write_rank(run, r, step, now + step - 32, t0=now - 32 + skew, probe=None)
+        assert w.check(now + step - 32) == []
+    assert w.open == []
