@@ -61,6 +61,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PIP) duckdb
 	$(PY) bench/log_overhead.py
+	$(PY) bench/spans.py
 	$(PY) bench/summary.py
 	$(PY) bench/daemon.py
 	$(PY) bench/views.py

@@ -205,6 +205,9 @@ class Prober:
         """Once a second on the background thread: trace lines, then probe or clear."""
         run = self.run
         self._trace()
+        if len(run._spans.pending) > _spans.FOLD_AT:
+            with run._lock:
+                _spans.fold(run._spans)
         token = (run._rows_committed, run._last_log)
         if token != self._seen:
             rows = token[0] - self._seen[0]
@@ -245,9 +248,10 @@ class Prober:
         if any(item[4] not in names for item in items):
             names.update((t.ident, t.name) for t in threading.enumerate() if t.ident is not None)
         epoch = _spans.epoch_of
-        lines = [{"path": path, "start": round(epoch(start), 6), "dur_ms": dur / 1e6,
+        cut = len(_spans.PREFIX)
+        lines = [{"path": key[cut:], "start": round(epoch(start), 6), "dur_ms": dur / 1e6,
                   "step": step, "thread": names.get(ident, str(ident))}
-                 for path, start, dur, step, ident in items]
+                 for key, start, dur, step, ident in items]
         run = self.run
         with run._lock:
             if not run._detached:

@@ -24,7 +24,6 @@ open when it starts).
 from __future__ import annotations
 
 import functools
-import inspect
 import threading
 import time
 import weakref
@@ -39,7 +38,8 @@ _get_ident = threading.get_ident
 
 
 class _Thread:
-    """One thread's innermost open span path ("" when none is open)."""
+    """One thread's innermost open span, as its key `time_ms/<path>` ("" when none is
+    open): the key is what both the next nested span and the row need."""
 
     __slots__ = ("__weakref__", "top")
 
@@ -63,18 +63,20 @@ def _thread_state() -> _Thread:
 class Sink:
     """Where closed spans go while a run is active (set by `Run`, see `activate`).
 
-    `pending`: (path, ns) of spans closed since the last committed row, drained by
+    `pending`: (time_ms key, ns) of spans closed since the last committed row, drained by
     `drain`. `trace` (with `trace_spans=True`): (path, start ns, ns, step, thread id) of
     every closed span, written by the run's background thread. `run`: the open step is
-    `run._step`.
+    `run._step`. `folded`: key -> [ns, count] of spans `fold` took out of a long
+    `pending` (a program that closes spans for minutes without logging a row).
     """
 
-    __slots__ = ("count", "pending", "run", "trace")
+    __slots__ = ("count", "folded", "pending", "run", "trace")
 
     def __init__(self, run: Any, count: bool, trace: bool) -> None:
         self.run = run
         self.count = count
         self.pending: list[tuple[str, int]] = []
+        self.folded: dict[str, list[int]] = {}
         self.trace: list[tuple[str, int, int, int, int]] | None = [] if trace else None
 
 
@@ -109,72 +111,80 @@ def check_name(name: object) -> str:
     return name
 
 
-def _closed(path: str, start: int, dur: int) -> None:
+PREFIX = "time_ms/"
+_CUT = len(PREFIX)
+# parent key -> name -> key (`time_ms/<parent path>/<name>`): a span's key is looked up,
+# not built, on the hot path (bounded: a program has few distinct span paths)
+_joined: dict[str, dict[str, str]] = {}
+MAX_PATHS = 100_000
+
+
+def _join(parent: str, name: str) -> str:
+    key = f"{parent}/{name}" if parent else PREFIX + name
+    if len(_joined) < MAX_PATHS:
+        _joined.setdefault(parent, {})[name] = key
+    return key
+
+
+def _closed(key: str, start: int, dur: int) -> None:
     sink = _sink
     if sink is not None:
-        sink.pending.append((path, dur))
+        sink.pending.append((key, dur))
         trace = sink.trace
         if trace is not None:
-            trace.append((path, start, dur, sink.run._step, _get_ident()))
+            trace.append((key, start, dur, sink.run._step, _get_ident()))
 
 
 class Span:
     """A span as a context manager (sync or async) or a decorator; see the module docs.
 
     One object is one use as a context manager (`with et.span("x")` makes a new one
-    each time); as a decorator it opens a fresh span per call, so recursion and
-    threads are fine.
+    each time; entering one object twice before it exits mixes up its timing); as a
+    decorator it opens a fresh span per call, so recursion and threads are fine.
     """
 
-    __slots__ = ("_cache_parent", "_cache_path", "_parent", "_path", "_start", "_state", "name")
+    __slots__ = ("_key", "_parent", "_start", "_state", "name")
 
     def __init__(self, name: str) -> None:
         if name.__class__ is not str or name not in _names:
             check_name(name)
         self.name = name
-        self._cache_parent: str | None = None
-        self._cache_path = ""
-        self._start = 0
 
     def __enter__(self) -> Span:
-        if self._start:
-            raise RuntimeError(f"span {self.name!r} is already open; use a new et.span() per with block")
         try:
             state = _local.state
         except AttributeError:
             state = _thread_state()
-        parent = state.top
-        if parent is self._cache_parent:
-            path = self._cache_path
-        else:
-            path = f"{parent}/{self.name}" if parent else self.name
-            self._cache_parent, self._cache_path = parent, path
-        self._parent, self._path, self._state = parent, path, state
-        state.top = path
+        self._parent = parent = state.top
+        try:
+            self._key = state.top = _joined[parent][self.name]
+        except KeyError:
+            self._key = state.top = _join(parent, self.name)
+        self._state = state
         self._start = _ns()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         end = _ns()
-        start = self._start
-        self._start = 0
         self._state.top = self._parent
         sink = _sink
         if sink is not None:  # inline _closed: this is the hot path
-            dur = end - start
-            sink.pending.append((self._path, dur))
+            start = self._start
+            sink.pending.append((self._key, end - start))
             trace = sink.trace
             if trace is not None:
-                trace.append((self._path, start, dur, sink.run._step, _get_ident()))
+                trace.append((self._key, start, end - start, sink.run._step, _get_ident()))
 
     async def __aenter__(self) -> Span:
         return self.__enter__()
 
-    async def __aexit__(self, *exc: object) -> None:
-        self.__exit__()
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.__exit__(exc_type, exc, tb)
 
     def __call__(self, fn: F) -> F:
         """Decorate `fn` (sync or async): each call runs inside a span of this name."""
+        import inspect  # here: importing it costs `import expr_tracker` milliseconds
+
         name = self.name
         if inspect.iscoroutinefunction(fn):
 
@@ -203,7 +213,7 @@ class StartedSpan:
     of spans opened after it (it may end in any order, on any thread).
     """
 
-    __slots__ = ("_start", "path")
+    __slots__ = ("_start", "key")
 
     def __init__(self, name: str) -> None:
         if name.__class__ is not str or name not in _names:
@@ -212,15 +222,23 @@ class StartedSpan:
             parent = _local.state.top
         except AttributeError:
             parent = ""
-        self.path = f"{parent}/{name}" if parent else name
+        try:
+            self.key = _joined[parent][name]
+        except KeyError:
+            self.key = _join(parent, name)
         self._start = _ns()
+
+    @property
+    def path(self) -> str:
+        """`epoch`, `eval/batch`: the span's path."""
+        return self.key[_CUT:]
 
     def end(self) -> None:
         """Close the span: its duration goes to the open row (and the trace)."""
         start = self._start
         if start:
             self._start = 0
-            _closed(self.path, start, _ns() - start)
+            _closed(self.key, start, _ns() - start)
 
 
 def start_span(name: str) -> StartedSpan:
@@ -233,7 +251,7 @@ def open_path(ident: int | None = None) -> str:
     if ident is None:
         ident = threading.main_thread().ident or 0
     state = _threads.get(ident)
-    return state.top if state is not None else ""
+    return state.top[_CUT:] if state is not None else ""
 
 
 def open_spans(ident: int | None = None) -> list[str]:
@@ -245,32 +263,75 @@ def open_spans(ident: int | None = None) -> list[str]:
     return ["/".join(parts[: i + 1]) for i in range(len(parts))]
 
 
-_keys: dict[str, tuple[str, str]] = {}
+_count_keys: dict[str, str] = {}  # time_ms/<path> -> count/<path>
+
+
+def _drain_more(sink: Sink, record: dict[str, Any], items: list[tuple[str, int]]) -> None:
+    """`drain` for span_count=True and for spans `fold` took out of `pending`."""
+    counts: dict[str, int] = {}
+    for key, _ in items:
+        counts[key] = counts.get(key, 0) + 1
+    if sink.folded:  # `fold` left its marker ("", 0) in `pending`
+        for key, (ns, n) in sink.folded.items():
+            record[key] = record.get(key, 0.0) + ns / 1e6
+            counts[key] = counts.get(key, 0) + n
+        sink.folded = {}
+    record.pop("", None)
+    counts.pop("", None)
+    if sink.count:
+        for key, n in counts.items():
+            ckey = _count_keys.get(key)
+            if ckey is None:
+                ckey = _count_keys[key] = "count/" + key[_CUT:]
+            record[ckey] = n
 
 
 def drain(sink: Sink, record: dict[str, Any]) -> None:
-    """Move the spans closed since the last row into `record` (summed per path).
+    """Move the spans closed since the last row into `record` (summed per path, in ms).
 
     Called by `Run` under its lock when it commits a row; a span closing on another
     thread meanwhile lands in the next row (the list is taken and cut in two single
-    operations, so nothing is lost or counted twice).
+    operations, so nothing is lost or counted twice). A `time_ms/...` key the row
+    already holds as a number is added to; one holding anything else is replaced.
     """
     pending = sink.pending
-    n = len(pending)
-    items = pending[:n]
-    del pending[:n]
-    totals: dict[str, int] = {}
-    counts: dict[str, int] = {}
-    for path, dur in items:
-        totals[path] = totals.get(path, 0) + dur
-        counts[path] = counts.get(path, 0) + 1
-    for path, ns in totals.items():
-        keys = _keys.get(path)
-        if keys is None:
-            keys = _keys[path] = (f"time_ms/{path}", f"count/{path}")
-        record[keys[0]] = ns / 1e6
-        if sink.count:
-            record[keys[1]] = counts[path]
+    items = pending[:]
+    del pending[: len(items)]
+    get = record.get
+    try:
+        for key, dur in items:
+            record[key] = get(key, 0.0) + dur / 1e6
+    except TypeError:  # the caller logged a non-number under a span's key
+        for key, _ in items:
+            record.pop(key, None)
+        for key, dur in items:
+            record[key] = get(key, 0.0) + dur / 1e6
+    if sink.count or sink.folded:
+        _drain_more(sink, record, items)
+
+
+FOLD_AT = 4096  # pending spans the background thread folds into `Sink.folded`
+MAX_TRACE = 1 << 20  # traced spans kept for the background thread; beyond, counted
+
+
+def fold(sink: Sink) -> None:
+    """Sum a long `pending` into `folded` (memory stays bounded however long no row is
+    logged). The caller holds the run's lock, so `drain` cannot run meanwhile; a marker
+    ("", 0) stays in `pending`, so the next commit drains what was folded."""
+    pending = sink.pending
+    items = pending[:]
+    del pending[: len(items)]
+    folded = sink.folded
+    for key, dur in items:
+        if key:
+            entry = folded.get(key)
+            if entry is None:
+                folded[key] = [dur, 1]
+            else:
+                entry[0] += dur
+                entry[1] += 1
+    if folded:
+        pending.append(("", 0))
 
 
 def take_trace(sink: Sink) -> list[tuple[str, int, int, int, int]]:
@@ -278,9 +339,11 @@ def take_trace(sink: Sink) -> list[tuple[str, int, int, int, int]]:
     trace = sink.trace
     if not trace:
         return []
-    n = len(trace)
-    items = trace[:n]
-    del trace[:n]
+    items = trace[:]
+    del trace[: len(items)]
+    if len(items) > MAX_TRACE:  # the thread could not keep up (a stuck disk): keep the newest
+        sink.run._count("spans_trace", len(items) - MAX_TRACE)
+        del items[: len(items) - MAX_TRACE]
     return items
 
 

@@ -137,6 +137,34 @@ def test_bad_names_fail_at_the_call_naming_the_field(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="probe_after"):
         et.init("p", "r", dir=tmp_path, probe_after=0)
     assert not (tmp_path / "p").exists()  # nothing half-written
-    s = et.span("twice")
-    with s, pytest.raises(RuntimeError, match="already open"), s:
+
+
+def test_a_span_key_the_row_already_holds_is_added_to_or_replaced(tmp_path: Path) -> None:
+    run = et.init("p", "r", dir=tmp_path)
+    with et.span("io"):
         pass
+    et.log({"time_ms/io": 1000.0})
+    with et.span("io"):
+        pass
+    et.log({"time_ms/io": "by hand"})  # not a number: the span's time replaces it
+    et.finish()
+    first, second = rows(run)
+    assert 1000.0 < first["time_ms/io"] < 1100.0
+    assert isinstance(second["time_ms/io"], float) and second["time_ms/io"] < 100.0
+
+
+def test_spans_without_a_log_for_long_are_folded_and_still_land_whole(tmp_path: Path) -> None:
+    run = et.init("p", "r", dir=tmp_path, span_count=True)
+    sink = run._spans
+    for i in range(3 * spans_mod.FOLD_AT):
+        with et.span("eval"):
+            pass
+        if i % spans_mod.FOLD_AT == 0:
+            with run._lock:
+                spans_mod.fold(sink)  # what the background thread does once a second
+    assert len(sink.pending) <= spans_mod.FOLD_AT + 1
+    et.log({"loss": 1.0})
+    et.finish()
+    (r,) = rows(run)
+    assert r["count/eval"] == 3 * spans_mod.FOLD_AT and r["time_ms/eval"] > 0
+    assert "" not in r and "count/" not in r
