@@ -266,3 +266,23 @@ def test_ranks_with_skewed_clocks_are_not_a_hang_stall_or_missing(tmp_path: Path
             write_rank(run, r, step, now + step - 32, t0=now - 32 + skew, probe=None)
         assert w.check(now + step - 32) == []
     assert w.open == []
+
+
+def test_watch_waits_for_a_run_that_does_not_exist_yet_and_exits_when_it_ends(tmp_path: Path) -> None:
+    run = tmp_path / "p" / "later"
+    watch = subprocess.Popen([sys.executable, "-m", "expr_cli.main", "watch", str(run), "--json",
+                              "--exit-on-finish", "--interval", "0.2"], env=env_for(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.5)
+        assert watch.poll() is None  # waiting, not "no run"
+        now = time.time()
+        for r in range(WORLD):
+            write_rank(run, r, 10, now, status="finished")
+        out, err = watch.communicate(timeout=30)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.communicate()
+    assert watch.returncode == 0, err
+    assert "waiting for" in err and out == ""
