@@ -10,6 +10,8 @@ watching takes at most about 1/(1 + PACE) of a core whatever the run's size: a 1
 run whose passes take 0.15 s is still checked every 1.5 s, and a first pass of several
 seconds is followed by a pause ten times as long instead of a busy core.
 A run stops being watched `LINGER` seconds after its rank-0 writer is done.
+Each recorded incident is one line of exprd's log: the `log` channel's when it was
+delivered there, else a `health` line of its own.
 """
 
 from __future__ import annotations
