@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from expr_tracker.pipeline import Pipeline
-from expr_tracker.probe import clean_probe, clean_spans
 from expr_tracker.store.layout import spans_name
 from expr_tracker.store.records import DECODE_NONFINITE
 from expr_tracker.store.safedir import UnsafePath
@@ -456,6 +455,8 @@ class RunPipeline:
         of it (a null probe: the rank logs again). A replayed probe is skipped."""
         if self.dry_run or seq <= self.skip_upto or self.spec.time < self.slot.newest:
             return
+        from expr_tracker.probe import clean_probe  # only runs that go silent need it
+
         probe = clean_probe(ev.get("probe"))
         writer = self.slot.writer
         if writer.probe == probe:
@@ -472,6 +473,8 @@ class RunPipeline:
         (at least once: a restart between the write and the checkpoint repeats them)."""
         if self.dry_run or seq <= self.skip_upto:
             return
+        from expr_tracker.probe import clean_spans
+
         lines = clean_spans(ev.get("spans"))
         if lines:
             self.slot.writer.append_file(spans_name(self.spec.rank), lines)

@@ -24,12 +24,11 @@ absence as evidence too.
 from __future__ import annotations
 
 import collections
-import dis
+import functools
 import linecache
 import math
 import os
 import sys
-import sysconfig
 import threading
 import time
 from types import FrameType
@@ -41,15 +40,29 @@ DEFAULT_AFTER = 10.0
 PERIODS = 5.0  # probe_after = max(DEFAULT_AFTER, PERIODS x the median step period)
 REWRITE_EVERY = 3.0
 MAX_WHERE = 8
-# Python 3.11 stops a frame inside a C call at its PRECALL, later versions at the CALL
-_CALL_OPS = frozenset(op for op, name in enumerate(dis.opname) if name.startswith(("CALL", "PRECALL")))
 _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_LIBS = tuple(sorted({
-    os.path.abspath(p) + os.sep
-    for key in ("stdlib", "platstdlib", "purelib", "platlib")
-    if (p := sysconfig.get_paths().get(key))
-} | {os.path.abspath(p) + os.sep for p in sys.path if "site-packages" in p
-     or "dist-packages" in p}, key=len, reverse=True))
+
+
+@functools.lru_cache(maxsize=1)
+def _call_ops() -> frozenset[int]:
+    import dis
+
+    # Python 3.11 stops a frame inside a C call at its PRECALL, later versions at the CALL
+    return frozenset(op for op, name in enumerate(dis.opname) if name.startswith(("CALL", "PRECALL")))
+
+
+@functools.lru_cache(maxsize=1)
+def _libs() -> tuple[str, ...]:
+    """The library roots, longest first: computed at the first probe, never at import
+    (sysconfig takes milliseconds, and exprd imports this module for `clean_probe`)."""
+    import sysconfig
+
+    roots = {os.path.abspath(p) + os.sep
+             for key in ("stdlib", "platstdlib", "purelib", "platlib")
+             if (p := sysconfig.get_paths().get(key))}
+    roots |= {os.path.abspath(p) + os.sep for p in sys.path
+              if "site-packages" in p or "dist-packages" in p}
+    return tuple(sorted(roots, key=len, reverse=True))
 
 # what a frame's file (with "/" separators) or a C callee says about a wait
 _COLLECTIVE_FILES = ("torch/distributed/", "torch/nn/parallel/distributed.py", "c10d",
@@ -72,7 +85,7 @@ def _library(filename: str) -> str | None:
     path = os.path.abspath(filename)
     if path.startswith(_HERE):
         return "expr_tracker/" + path[len(_HERE):]
-    for root in _LIBS:
+    for root in _libs():
         if path.startswith(root):
             return path[len(root):]
     return None
@@ -93,7 +106,7 @@ def _callee(frame: FrameType) -> str | None:
     code = frame.f_code
     lasti = frame.f_lasti
     try:
-        if lasti < 0 or code.co_code[lasti] not in _CALL_OPS:
+        if lasti < 0 or code.co_code[lasti] not in _call_ops():
             return None
         positions = getattr(code, "co_positions", None)  # Python 3.11+
         if positions is None:
