@@ -1,8 +1,10 @@
 """Health benchmarks: watcher passes over many live rank shards; exprd's CPU while watching.
 
-    python bench/health.py [RANKS] [ROWS] [IDLE_SECONDS] [CURVE] [LIVE_RANKS] [LIVE_SECONDS]
+    python bench/health.py [RANKS] [ROWS] [IDLE_SECONDS] [CURVE] [LIVE_RANKS] [LIVE_SECONDS] \
+        [STALL_RANKS]
+    python bench/health.py stall [STALL_RANKS] [ROWS]      # the stall table only (64 rows)
 
-defaults 4096, 200, 30, "1024,4096,16384", 4096 and 60. Synthetic shards: every rank `ROWS`
+defaults 4096, 200, 30, "1024,4096,16384", 4096, 60 and 16384. Synthetic shards: every rank `ROWS`
 step rows and rank records, a `running` sidecar naming this host and this (live) process.
 Prints markdown tables:
 - one watcher over RANKS shards: a first pass (tails read) and a pass with nothing new;
@@ -11,7 +13,11 @@ Prints markdown tables:
   under 0.2 s;
 - exprd watching through `watch_roots`: one idle 64-rank run (target under 1% of a core)
   and one live LIVE_RANKS-rank run a writer process appends a step to every second, for
-  LIVE_SECONDS (target about 10% of a core at most: passes are paced by their cost).
+  LIVE_SECONDS (target about 10% of a core at most: passes are paced by their cost);
+- a stalled STALL_RANKS-rank run (no rank advanced for 10 minutes; every sidecar holds a
+  probe, all but one rank's in a collective): the stall detector alone (suspects and
+  detail), and a watcher's repeat pass with the stall open, beside a repeat pass over
+  a run of the same size that is not stalled.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -34,9 +41,19 @@ EXPRD = [sys.executable, "-m", "exprd.main", "--allow-root"]
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def make_run(run: Path, ranks: int, rows: int, pid: int | None = None) -> None:
+COLLECTIVE = {"waiting": "collective", "spans": ["step"],
+              "where": ["torch/distributed/distributed_c10d.py:2501 all_reduce",
+                        "train.py:80 main [user]"]}
+SLEEPING = {"waiting": "sleep", "spans": ["step", "data"],
+            "where": ["train.py:88 time.sleep", "train.py:88 main [user]"]}
+
+
+def make_run(run: Path, ranks: int, rows: int, pid: int | None = None, *,
+             stalled_for: float | None = None) -> None:
+    """`stalled_for`: every shard last written that long ago, every sidecar with a probe
+    (rank ranks // 2 sleeping, the others in a collective)."""
     run.mkdir(parents=True)
-    t0 = time.time() - rows
+    t0 = time.time() - rows - (stalled_for or 0.0)
     host, pid = socket.gethostname(), pid or os.getpid()
     for r in range(ranks):
         stem = "metrics" if r == 0 else f"metrics.rank{r}"
@@ -51,7 +68,12 @@ def make_run(run: Path, ranks: int, rows: int, pid: int | None = None) -> None:
                 "rank": r, "world_size": ranks, "local_rank": r % 8, "local_world_size": 8,
                 "session": "s", "host": host, "pid": pid, "status": "running",
                 "start_time": t0, "end_time": None, "last_write": t0 + rows}
+        if stalled_for is not None:
+            probe = SLEEPING if r == ranks // 2 else COLLECTIVE
+            side["probe"] = {"since": t0 + rows, "time": t0 + rows + 2, **probe}
         (run / f"{stem}.meta.json").write_bytes(orjson.dumps(side))
+        if stalled_for is not None:
+            os.utime(run / f"{stem}.jsonl", (t0 + rows, t0 + rows))
 
 
 def _settle(run: Path) -> None:
@@ -119,6 +141,35 @@ def one_pass(run: Path) -> tuple[float, float, float, float, int]:
     w.check()  # nothing changed: a stat per shard and sidecar
     c2, t2 = time.process_time(), time.perf_counter()
     return c1 - c0, t1 - t0, c2 - c1, t2 - t1, len(w.state.ranks if w.state else {})
+
+
+def stall_pass(tmp: Path, n: int, rows: int) -> dict[str, Any]:
+    """The stall detector over a stalled n-rank run, and repeat passes with and without a
+    stall (best of five each, side by side: the machine is shared)."""
+    from expr_tracker.health.stall import stall
+
+    cfg = HealthConfig(hang_after=60.0)
+    run = tmp / "stall" / "bench" / f"s{n}"
+    make_run(run, n, rows, stalled_for=600.0)
+    now = time.time()  # every tracker thread rewrote its probe just now
+    for side in run.glob("*.meta.json"):
+        os.utime(side, (now, now))
+    _settle(run)
+    calm = tmp / "stall" / "bench" / f"c{n}"
+    make_run(calm, n, rows)
+    _settle(calm)
+    stalled, steady = Watcher(run, cfg), Watcher(calm, cfg)
+    opened = stalled.check()
+    found = [(i.kind, i.ranks) for i in opened]
+    assert found == [("stall", (n // 2,))], [(k, len(r)) for k, r in found]
+    steady.check()
+    state = stalled.state
+    assert state is not None
+    detector = min(_timed(lambda: stall(state, 60.0, time.time())) for _ in range(5))
+    with_stall = min(_timed(stalled.check) for _ in range(5))
+    without = min(_timed(steady.check) for _ in range(5))
+    return {"ranks": n, "detector": detector[0], "detector_cpu": detector[1], "with": with_stall[0], "with_cpu": with_stall[1],
+            "without": without[0], "without_cpu": without[1], "detail": opened[0].detail}
 
 
 def cpu_of(pid: int) -> float:
@@ -191,13 +242,31 @@ def exprd_live(tmp: Path, ranks: int, rows: int, seconds: float) -> tuple[float,
                 f.close()
 
 
+def _print_stall(st: dict[str, Any]) -> None:
+    print("| stalled run | stall detector alone | repeat pass, stall open | repeat pass, "
+          "not stalled | ratio |")
+    print("| --- | --- | --- | --- | --- |")
+    print(f"| {st['ranks']:,} live ranks | {st['detector'] * 1000:.1f} ms wall, "
+          f"{st['detector_cpu'] * 1000:.1f} ms CPU | "
+          f"{st['with'] * 1000:.0f} ms wall, {st['with_cpu'] * 1000:.0f} ms CPU | "
+          f"{st['without'] * 1000:.0f} ms wall, {st['without_cpu'] * 1000:.0f} ms CPU | "
+          f"{st['with'] / st['without']:.2f}x |")
+    print(f"\nthe incident: {st['detail']}")
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["stall"]:  # `python bench/health.py stall [RANKS] [ROWS]`: that table only
+        with tempfile.TemporaryDirectory() as d:
+            _print_stall(stall_pass(Path(d), int(sys.argv[2]) if len(sys.argv) > 2 else 16384,
+                                    int(sys.argv[3]) if len(sys.argv) > 3 else 64))
+        return
     ranks = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
     rows = int(sys.argv[2]) if len(sys.argv) > 2 else 200
     idle = float(sys.argv[3]) if len(sys.argv) > 3 else 30.0
     sizes = [int(x) for x in (sys.argv[4] if len(sys.argv) > 4 else "1024,4096,16384").split(",")]
     live_ranks = int(sys.argv[5]) if len(sys.argv) > 5 else 4096
     live_s = float(sys.argv[6]) if len(sys.argv) > 6 else 60.0
+    stall_n = int(sys.argv[7]) if len(sys.argv) > 7 else 16384
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         big = tmp / "runs" / "bench" / "big"
@@ -206,6 +275,7 @@ def main() -> None:
         cold_cpu, cold_wall, warm_cpu, warm_wall, n = one_pass(big)
         assert n == ranks, n
         curve = repeat_curve(tmp, sizes, rows)
+        st = stall_pass(tmp, stall_n, rows)
         small_root = tmp / "small"
         make_run(small_root / "bench" / "live", 64, rows)
         idle_cpu = exprd_cpu(tmp, small_root, idle)
@@ -234,6 +304,8 @@ def main() -> None:
     print()
     print(f"nothing new at {top['ranks']:,} ranks < 0.2 s: "
           f"{'yes' if top['idle'] < 0.2 else 'NO'} ({top['idle'] * 1000:.0f} ms)")
+    print()
+    _print_stall(st)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ run in which nothing changed on its last pass waits twice as long each time, up 
 intervals (exprd at rest: hang and crash detection on an idle run are a few seconds later,
 against `hang_after`'s minutes); a pass that sees a change returns to the interval.
 A run stops being watched `LINGER` seconds after its rank-0 writer is done.
+Each recorded incident is one line of exprd's log: the `log` channel's when it was
+delivered there, else a `health` line of its own.
 """
 
 from __future__ import annotations
@@ -58,6 +60,11 @@ class DaemonHealth:
         self._next_scan = 0.0
         self._here = socket.gethostname()
         self._warned: set[str] = set()
+        # an incident delivered to a `log` channel is in exprd's log already: not twice
+        from expr_tracker.alerts import LogChannel
+
+        chans = getattr(dispatcher, "channels", ())
+        self._logged = any(isinstance(ch, LogChannel) for ch in chans)
 
     @property
     def next_due(self) -> float:
@@ -121,10 +128,13 @@ class DaemonHealth:
             start = time.monotonic()
             found = 0
             try:
-                for inc in watcher.check(time.time()):
+                for inc in watcher.check():  # on the watcher's own clock (DESIGN 13)
                     found += 1
-                    log.warning("health %s: %s %s ranks %s: %s", key[0], inc.state, inc.kind,
-                                ",".join(map(str, inc.ranks)), inc.detail)
+                    if inc.delivered and self._logged:
+                        continue
+                    log.log(logging.WARNING if inc.state == "open" else logging.INFO,
+                            "health %s: %s %s ranks %s: %s", key[0], inc.state, inc.kind,
+                            ",".join(map(str, inc.ranks)), inc.detail)
             except Exception as exc:  # a broken run directory must not stop the daemon
                 cause = f"{key[0]}:{type(exc).__name__}"
                 if cause not in self._warned:

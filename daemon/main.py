@@ -54,10 +54,16 @@ Progress = Callable[[int, int, int], None]
 
 
 def build_dispatcher(cfg: Config) -> Any:
-    """The alert dispatcher of the daemon's own channels (URLs and tokens live here)."""
-    from expr_tracker.alerts import Dispatcher, load_config
+    """The alert dispatcher of the daemon's own channels (URLs and tokens live here).
 
-    return Dispatcher.from_config(load_config(cfg.alert))
+    A `log` channel logs through exprd's log (stderr) only: one line per alert."""
+    from expr_tracker.alerts import Dispatcher, LogChannel, load_config
+
+    dispatcher = Dispatcher.from_config(load_config(cfg.alert))
+    for ch in dispatcher.channels:
+        if isinstance(ch, LogChannel):
+            ch.echo = False
+    return dispatcher
 
 
 def _unsafe(mode: int) -> bool:

@@ -47,7 +47,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 def _call_ops() -> frozenset[int]:
     import dis
 
-    return frozenset(op for op, name in enumerate(dis.opname) if name.startswith("CALL"))
+    # Python 3.11 stops a frame inside a C call at its PRECALL, later versions at the CALL
+    return frozenset(op for op, name in enumerate(dis.opname) if name.startswith(("CALL", "PRECALL")))
 
 
 @functools.lru_cache(maxsize=1)

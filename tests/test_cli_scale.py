@@ -100,7 +100,10 @@ def test_watch_once_json_names_the_straggler_and_the_crash(big_root, tmp_path):
     shutil.copytree(big_root / "proj" / "big", tmp_path / "proj" / "big")
     env = {"EXPR_DIR": str(tmp_path), "NO_COLOR": "1", "COLUMNS": "100"}
     t0 = time.monotonic()
-    result = CliRunner().invoke(build_app(), ["watch", "big", "--once", "--json"], env=env)
+    # the synthetic ranks last wrote at T0, long ago: without a longer hang_after the job
+    # is stalled too (correctly)
+    watch = ["watch", "big", "--once", "--json", "--hang-after", "1000d"]
+    result = CliRunner().invoke(build_app(), watch, env=env)
     elapsed = time.monotonic() - t0
     assert result.exit_code == 1, result.output  # incidents are open
     lines = [json.loads(line) for line in result.stdout.splitlines()]
@@ -113,7 +116,7 @@ def test_watch_once_json_names_the_straggler_and_the_crash(big_root, tmp_path):
     recorded = (tmp_path / "proj" / "big" / "incidents.jsonl").read_text().splitlines()
     assert len(recorded) == 2
     # a second pass records nothing new and still reports both as open
-    again = CliRunner().invoke(build_app(), ["watch", "big", "--once", "--json"], env=env)
+    again = CliRunner().invoke(build_app(), watch, env=env)
     assert again.exit_code == 1, again.output
     assert sorted(json.loads(x)["kind"] for x in again.stdout.splitlines()) == ["crashed", "straggler"]
     assert len((tmp_path / "proj" / "big" / "incidents.jsonl").read_text().splitlines()) == 2
@@ -122,7 +125,10 @@ def test_watch_once_json_names_the_straggler_and_the_crash(big_root, tmp_path):
 
 @pytest.mark.parametrize(("columns", "lines"), [(80, 24), (80, 100), (100, 100)])
 def test_top_once_fits_the_terminal_and_names_the_straggler_and_the_crash(run_cli, monkeypatch,
-                                                                         columns, lines):
+                                                                         tmp_path, columns, lines):
+    cfg = tmp_path / "alert.toml"  # the synthetic ranks wrote long ago: not a stall here
+    cfg.write_text('[health]\nhang_after = "1000d"\n')
+    monkeypatch.setenv("EXPR_ALERT_CONFIG", str(cfg))
     monkeypatch.setenv("COLUMNS", str(columns))
     monkeypatch.setenv("LINES", str(lines))
     out = run_cli("top", "big", "--once").stdout.splitlines()
@@ -130,8 +136,10 @@ def test_top_once_fits_the_terminal_and_names_the_straggler_and_the_crash(run_cl
     assert all(len(line) <= columns for line in out), "\n".join(out)
     assert out[0].startswith("proj/big") and f"{WORLD} ranks" in out[0]
     text = "\n".join(out)
-    # the incidents on top, the ranks with them first, their nodes named, the rest binned
-    assert out[1].startswith(f"crashed rank {CRASHED}") and out[2].startswith(f"straggler rank {STRAGGLER}")
+    # the job's line, the incidents on top, the ranks with them first, their nodes named,
+    # the rest binned
+    assert out[1].startswith(f"crashed: rank {CRASHED} failed first (RuntimeError: NCCL timeout)")
+    assert out[2].startswith(f"crashed rank {CRASHED}") and out[3].startswith(f"straggler rank {STRAGGLER}")
     ranks = [line.split()[0] for line in out if line[:6].strip().isdigit()]
     assert ranks[:2] == [str(CRASHED), str(STRAGGLER)]
     assert "more ranks" in text

@@ -46,3 +46,17 @@ def test_top_once_text_fits_80_columns(cli, tmp_path: Path) -> None:
     assert all(len(line) <= 80 for line in lines), result.stdout
     assert "crashed" in lines[1] and "rank 4" in lines[1]
     assert any("more ranks" in line for line in lines)
+
+
+def test_top_once_fits_five_lines_and_forty_columns_without_cutting_ranks(cli, tmp_path: Path) -> None:
+    run = _run(tmp_path / "r", world=20)
+    result = cli("top", str(run), "--once", COLUMNS="40", LINES="5", EXPR_NOW=str(time.time()))
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert len(lines) <= 5 and all(len(line) <= 40 for line in lines), result.stdout
+    assert "crashed: rank 4 failed first" in lines[1]
+    rows = [line.split() for line in lines if line[:6].strip().isdigit()]
+    assert rows and rows[0][0] == "4" and "…" not in rows[0][0], result.stdout
+    wide = cli("top", str(run), "--once", COLUMNS="40", LINES="30", EXPR_NOW=str(time.time()))
+    ranks = [line.split()[0] for line in wide.stdout.splitlines() if line[:6].strip().isdigit()]
+    assert {"16", "17", "18", "19"} <= set(ranks), wide.stdout  # whole rank numbers

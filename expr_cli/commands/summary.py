@@ -175,8 +175,13 @@ def _ranks_block(state: RunState | None, at: int | None, world: int) -> dict[str
         if at is not None and rs.last_step is not None and rs.last_step < at:
             behind.append({"rank": r, "step": rs.last_step, "status": rs.status})
     no_shard = [r for r in range(world) if r not in state.ranks] if len(state.ranks) > 1 else []
+    first = None
+    if crashed:
+        from expr_tracker.health.incidents import first_crash
+
+        first = first_crash(state)
     return {"shards": len(state.ranks), "live": by["running"], "finished": by["finished"],
-            "crashed": crashed, "behind": behind, "no_shard": no_shard,
+            "crashed": crashed, "first_crash": first, "behind": behind, "no_shard": no_shard,
             "frontier": state.frontier}
 
 

@@ -232,7 +232,7 @@ def _exit_130(signum: int, frame: object) -> None:
     os._exit(130)  # no interpreter shutdown: observer threads cannot print on their way out
 
 
-def _not_there_yet(exc: CLIError) -> bool:
+def not_there_yet(exc: CLIError) -> bool:
     """A run, stream or rank that may still appear (the job has not started writing)."""
     msg = exc.message
     return msg.startswith("no run ") or " is empty: " in msg or " has no shard" in msg
@@ -260,7 +260,7 @@ def _wait_for(run: str, dir: str | None, r: int | str | None,
         try:
             return _find(run, dir, r, stream)
         except CLIError as exc:
-            if not _not_there_yet(exc):
+            if not not_there_yet(exc):
                 raise
             if not said:
                 said = True

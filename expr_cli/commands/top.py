@@ -6,7 +6,7 @@ watcher), merged with the open incidents a watcher recorded in `incidents.jsonl`
 
 from __future__ import annotations
 
-import time
+from bisect import bisect_left
 from statistics import median
 from typing import Any
 
@@ -16,15 +16,67 @@ from expr_cli.errors import CLIError
 from expr_cli.layout import NODE_AGGS
 from expr_cli.resolve import DIR_OPT, JSON_OPT, RUN_ARG, STREAM_OPT, RunRef, resolve_run, root_dir
 
-_SEVERITY = {"crashed": 0, "hang": 1, "missing": 2, "alert": 3, "straggler": 4, "slowdown": 5,
-             "behind": 6}
+_SEVERITY = {"crashed": 0, "stall": 1, "hang": 2, "missing": 3, "alert": 4, "straggler": 5,
+             "slowdown": 6, "behind": 7}
+RATE_GRACE = 2.0  # seconds of silence that are the flush lag, not a slower rank
+RATE_HORIZON = 2.0  # a live rank's steps/s counts the steps of the last this many seconds ...
+RATE_PERIODS = 4  # ... or of this many of its step periods, if longer
 
 
-def _steps_per_s(times: list[tuple[int, float]]) -> float | None:
-    if len(times) < 2:
+def steps_per_s(rs: Any, now: float) -> float | None:
+    """A rank's steps/s up to now: over its recent step rows, and for a live rank over
+    the last max(RATE_HORIZON, RATE_PERIODS periods) up to `now` (the reader's clock),
+    so that it falls to 0 while the rank is silent (a stall) instead of showing the rate
+    of its last rows. Its rows' `_time`s are only compared with each other (its clock);
+    its silence is measured on ours."""
+    steps, times = rs.steps, rs.times
+    if len(steps) < 2:
         return None
-    (s0, t0), (s1, t1) = times[0], times[-1]
-    return (s1 - s0) / (t1 - t0) if t1 > t0 and s1 > s0 else None
+    s0, t0, s1, t1 = steps[0], times[0], steps[-1], times[-1]
+    if t1 <= t0 or s1 <= s0:
+        return None
+    if not rs.live or rs.last_write is None:
+        return (s1 - s0) / (t1 - t0)
+    end = t1 + max(0.0, now - rs.last_write - RATE_GRACE)  # `now` on the rank's clock
+    start = max(t0, end - max(RATE_HORIZON, RATE_PERIODS * (t1 - t0) / (s1 - s0)))
+    if start >= t1:
+        return 0.0
+    i = bisect_left(times, start)
+    return (s1 - steps[i]) / (end - times[i]) if end > times[i] else None
+
+
+def job_line(state: Any, findings: list[Any], incidents: list[Any], rows: list[dict[str, Any]],
+             now: float) -> dict[str, Any]:
+    """The whole job in one line: stalled (and the suspects), crashed (and which rank
+    failed first), finished, or running at its median steps/s."""
+    from expr_tracker.health.incidents import first_crash
+    from expr_tracker.health.stall import fmt_quiet
+    from expr_tracker.ranks import compact
+
+    stall = next((f.info for f in findings if f.kind == "stall" and f.info), None)
+    if stall is not None:
+        ranks = stall["ranks"]
+        return {"state": "stalled", "suspects": list(ranks), "text":
+                f"stalled {fmt_quiet(stall['quiet'])} at step {stall['step']}; suspect "
+                f"rank{'s' if len(ranks) != 1 else ''} {compact(ranks)} {stall['where']}"}
+    recorded = next((i for i in incidents if i.kind == "stall"), None)
+    if recorded is not None:  # a watcher's (its thresholds), and no rank advanced since
+        newest = max([t for rs in state.live if (t := rs.advanced) is not None], default=now)
+        why = recorded.detail.split(": ", 1)[-1].split("; ")[0]
+        return {"state": "stalled", "suspects": list(recorded.ranks), "text":
+                f"stalled {fmt_quiet(now - newest)} at step {recorded.step}; suspect {why}"}
+    first = first_crash(state) if any(r["status"] == "crashed" for r in rows) else None
+    if first is not None:
+        n = sum(r["status"] == "crashed" for r in rows)
+        why = ": ".join(str(x) for x in (first.get("type"), first.get("message")) if x)
+        return {"state": "crashed", "first_crash": first, "text":
+                f"crashed: rank {first['rank']} failed first" + (f" ({why})" if why else "")
+                + (f"; {n} ranks crashed" if n > 1 else "")}
+    if rows and not state.live:
+        return {"state": "finished", "text": "finished: every rank is done"}
+    rates = [r["steps_per_s"] for r in rows if r["status"] == "running" and r["steps_per_s"] is not None]
+    text = f"running at {median(rates):.3g} steps/s (median rank)" if rates else "running"
+    return {"state": "running", "text": text}
 
 
 def _metric(state: Any, rs: Any, key: str | None) -> Any:
@@ -53,16 +105,17 @@ class TopView:
 
     def __call__(self) -> dict[str, Any]:
         from expr_cli.render.health import age_now
-        from expr_tracker.health.detect import detect
+        from expr_tracker.health.detect import detect, ended
         from expr_tracker.health.incidents import plan
 
-        wall = time.time()
-        state = self.reader.read()
+        wall = self.reader.clock()
+        state = self.reader.read(wall)
         self.log.sync()
         findings = detect(state, [], self.cfg, self.memory, wall)
-        p = plan(self.log.open.values(), findings, wall, state)
+        p = plan(self.log.open.values(), findings, wall, state, crash_window=self.cfg.crash_window,
+                 ended=ended(state))
         recorded = [i for i in self.log.open.values() if i.kind == "alert"]  # needs alert files
-        incidents = sorted([*p.still_open, *p.opened, *recorded],
+        incidents = sorted([*p.still_open, *p.opened, *p.updated, *recorded],
                            key=lambda i: (_SEVERITY.get(i.kind, 9), i.ranks))
         worst: dict[int, int] = {}
         for inc in incidents:
@@ -72,7 +125,7 @@ class TopView:
         for rs in state.ranks.values():
             rows.append({
                 "rank": rs.rank, "host": rs.host, "step": rs.last_step, "status": rs.status,
-                "behind": state.behind(rs.rank), "steps_per_s": _steps_per_s(rs.step_times),
+                "behind": state.behind(rs.rank), "steps_per_s": steps_per_s(rs, wall),
                 "last_write_age": age_now(rs.last_write), "pid": rs.pid,
                 "incident": min((k for k, v in _SEVERITY.items() if v == worst.get(rs.rank)), default=None),
                 **({"metric": _metric(state, rs, self.metric)} if self.metric else {}),
@@ -82,6 +135,7 @@ class TopView:
         return {
             "run": self.ref.label, "frontier": state.frontier, "lead": state.lead,
             "live": len(state.live), "world_size": state.world_size, "metric": self.metric,
+            "job": job_line(state, findings, incidents, rows, wall),
             "ranks": rows, "nodes": _nodes(rows, state),
             "incidents": [i.as_line() for i in incidents],
         }
@@ -98,7 +152,7 @@ def _nodes(rows: list[dict[str, Any]], state: Any) -> list[dict[str, Any]]:
     out = []
     for node, members in by.items():
         steps = [m["step"] for m in members if m["step"] is not None]
-        rates = [m["steps_per_s"] for m in members if m["steps_per_s"]]
+        rates = [m["steps_per_s"] for m in members if m["steps_per_s"] is not None]
         out.append({
             "node": node, "ranks": len(members), "live": sum(m["status"] == "running" for m in members),
             "first_rank": min(m["rank"] for m in members), "last_rank": max(m["rank"] for m in members),

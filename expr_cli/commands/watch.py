@@ -14,7 +14,7 @@ from typing import Any
 import typer
 
 from expr_cli.errors import CLIError
-from expr_cli.resolve import DIR_OPT, JSON_OPT, RUN_ARG, STREAM_OPT, resolve_run, root_dir
+from expr_cli.resolve import DIR_OPT, JSON_OPT, RUN_ARG, STREAM_OPT, RunRef, resolve_run, root_dir
 
 FLUSH_TIMEOUT = 10.0  # seconds `--once` waits for the channels to deliver before exiting
 
@@ -50,16 +50,40 @@ def dispatcher(config: str | None) -> Any:
         raise CLIError(str(exc)) from None
 
 
+def _wait_for_run(run: str, dir: str | None, interval: float) -> RunRef:
+    """RUN, waited for while it does not exist yet (said once), as `expr tail` does."""
+    from expr_cli import render
+
+    from .tail import not_there_yet
+
+    said = False
+    while True:
+        try:
+            return resolve_run(run, root_dir(dir))
+        except CLIError as exc:
+            if not not_there_yet(exc):
+                raise
+            if not said:
+                said = True
+                render.status(f"waiting for {run} to appear ({exc.message}); Ctrl-C to stop")
+        time.sleep(interval)
+
+
 def watch_command(run: str, dir: str | None, stream: str | None, once: bool, as_json: bool,
-                  config: str | None, interval: float, overrides: dict[str, Any]) -> int:
-    """Watch RUN; the exit code (with --once: 1 if an incident is open, else 0)."""
+                  config: str | None, interval: float, overrides: dict[str, Any],
+                  exit_on_finish: bool = False) -> int:
+    """Watch RUN; the exit code (with --once, or --exit-on-finish once the run ended: 1 if
+    an incident is open, else 0)."""
     from expr_cli.render import health as render_health
     from expr_tracker.health.watch import Watcher
 
     if config is not None and not os.path.isfile(config):
         raise CLIError(f"--config {config}: no such file", 2)
-    ref = resolve_run(run, root_dir(dir))
     cfg = health_config(config, overrides)
+    try:
+        ref = resolve_run(run, root_dir(dir)) if once else _wait_for_run(run, dir, interval)
+    except KeyboardInterrupt:
+        return 130
     disp = dispatcher(config)
     watcher = Watcher(ref.path, cfg, disp, stream=stream)
     try:
@@ -74,9 +98,11 @@ def watch_command(run: str, dir: str | None, stream: str | None, once: bool, as_
                 render_health.no_incidents(ref.label)
             disp.flush(FLUSH_TIMEOUT)
             return 1 if watcher.open else 0
-        while True:
+        while not (exit_on_finish and watcher.ended):
             time.sleep(interval)
             render_health.incident_lines(watcher.check(), ref.label, as_json)
+        disp.flush(FLUSH_TIMEOUT)
+        return 1 if watcher.open else 0
     except KeyboardInterrupt:
         return 130  # like coreutils tools, quietly
     finally:
@@ -87,6 +113,8 @@ _ONCE = typer.Option(False, "--once", help="One pass, then exit: 1 if an inciden
 _CONFIG = typer.Option(None, "--config", "-c", metavar="FILE", show_default=False,
                        help="Alert config (channels, policy, \\[health]); default $EXPR_ALERT_CONFIG.")
 _INTERVAL = typer.Option(1.0, "--interval", min=0.1, help="Seconds between passes.")
+_EXIT_ON_FINISH = typer.Option(False, "--exit-on-finish",
+                               help="Exit once every rank finished or crashed: 1 if an incident is open.")
 
 
 def _opt(flag: str, help: str, metavar: str) -> Any:
@@ -100,12 +128,16 @@ def register(app: typer.Typer) -> None:
     def watch(
         run: str = RUN_ARG,
         once: bool = _ONCE,
+        exit_on_finish: bool = _EXIT_ON_FINISH,
         json: bool = JSON_OPT,
         config: str | None = _CONFIG,
         interval: float = _INTERVAL,
         stream: str | None = STREAM_OPT,
         dir: str | None = DIR_OPT,
-        hang_after: str | None = _opt("--hang-after", "Silence that is a hang (e.g. 90s, 5m).", "DURATION"),
+        hang_after: str | None = _opt("--hang-after", "Silence that is a hang or a stall (e.g. 90s, 5m).",
+                                      "DURATION"),
+        crash_window: str | None = _opt("--crash-window", "Crashes this soon after the first are one (60s).",
+                                        "DURATION"),
         missing_after: str | None = _opt("--missing-after", "When an absent rank is missing.", "DURATION"),
         straggler_ratio: float | None = _opt("--straggler-ratio", "Step time over the median (1.3).", "X"),
         straggler_steps: int | None = _opt("--straggler-steps", "Steps in a row (20).", "N"),
@@ -116,17 +148,19 @@ def register(app: typer.Typer) -> None:
             None, "--notify-recovery/--no-notify-recovery", show_default=False,
             help="Deliver resolved incidents too."),
     ) -> None:
-        """Watch RUN's ranks live: straggler, slowdown, hang, behind, crashed, missing, alert.
+        """Watch RUN's ranks live: straggler, slowdown, hang, stall, behind, crashed, missing, alert.
 
         Each incident is recorded once in the run's incidents.jsonl and delivered once
-        through the alert channels. --json prints incident lines. Ctrl-C stops (exit 130).
+        through the alert channels; a crash cascade is one incident naming the rank that
+        failed first. A run that does not exist yet is waited for. --json prints incident
+        lines. Ctrl-C stops (exit 130).
         """
         overrides = {
-            "hang_after": hang_after, "missing_after": missing_after,
+            "hang_after": hang_after, "missing_after": missing_after, "crash_window": crash_window,
             "straggler_ratio": straggler_ratio, "straggler_steps": straggler_steps,
             "slowdown_ratio": slowdown_ratio, "slowdown_steps": slowdown_steps,
             "behind_steps": behind_steps, "notify_recovery": notify_recovery,
         }
-        code = watch_command(run, dir, stream, once, json, config, interval, overrides)
+        code = watch_command(run, dir, stream, once, json, config, interval, overrides, exit_on_finish)
         if code:
             raise typer.Exit(code)

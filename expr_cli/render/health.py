@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
     from expr_tracker.health.incidents import Incident
 
-KIND_STYLE = {"crashed": "bold red", "hang": "red", "missing": "red", "alert": "red",
+KIND_STYLE = {"crashed": "bold red", "stall": "bold red", "hang": "red", "missing": "red", "alert": "red",
               "straggler": "yellow", "slowdown": "yellow", "behind": "yellow"}
 
 
@@ -78,16 +78,20 @@ def _line(text: Any) -> Any:
     return text
 
 
-def top_frame(view: Mapping[str, Any], height: int, agg: str = "worst") -> RenderableType:
-    """`expr top` in `height` lines (DESIGN 14): a header, the open incidents, the worst
+def top_frame(view: Mapping[str, Any], height: int, agg: str = "worst",
+              width: int | None = None) -> RenderableType:
+    """`expr top` in `height` lines (DESIGN 14): a header, the job's line (stalled and its
+    suspects, crashed and the rank that failed first, ...), the open incidents, the worst
     ranks that fit, then the nodes (those that need a look, the others folded into bins
-    combined with `agg`). Ranks with an incident that do not fit are named underneath."""
+    combined with `agg`). Ranks with an incident that do not fit are named underneath.
+    The header and the table's first row fit in 5 lines; below 60 columns the rank table
+    keeps rank, status, step and steps/s, and rank numbers are never cut."""
     from rich.console import Group
     from rich.text import Text
 
     from expr_cli.layout import fold_nodes
 
-    height = max(height, 12)
+    height = max(height, 5)
     parts: list[Any] = []
     ranks: list[Mapping[str, Any]] = view["ranks"]
     incidents: list[Mapping[str, Any]] = view["incidents"]
@@ -95,39 +99,50 @@ def top_frame(view: Mapping[str, Any], height: int, agg: str = "worst") -> Rende
     head.append(f"{len(ranks)} ranks, {view['live']} live  frontier {fmt_num(view['frontier'])}"
                 f"  lead {fmt_num(view['lead'])}", style="")
     parts.append(_line(head))
-    cap = max(1, height // 5)
-    shown_inc = incidents if len(incidents) <= cap else incidents[: cap - 1]
+    job = view.get("job") or {}
+    if job.get("text"):
+        style = {"stalled": "bold red", "crashed": "bold red", "finished": "green"}.get(job.get("state"), "")
+        parts.append(_line(Text(str(job["text"]), style=style)))
+    left = height - len(parts)
+    cap = 0 if left < 6 else max(1, height // 5)
+    shown_inc = incidents if len(incidents) <= cap else incidents[: max(0, cap - 1)]
     parts.extend(_line(incident_text(inc)) for inc in shown_inc)
-    if len(incidents) > len(shown_inc):
+    if len(incidents) > len(shown_inc) and cap:
         rest = incidents[len(shown_inc):]
         kinds = sorted({str(i.get("kind")) for i in rest})
         parts.append(_line(Text(f"... {len(rest)} more incidents ({', '.join(kinds)})", style="dim")))
-    if not incidents:
+    if not incidents and not job.get("text") and left >= 6:
         parts.append(_line(Text("no open incidents", style="green")))
     nodes: list[Mapping[str, Any]] = view["nodes"]
     left = height - len(parts)
-    node_rows = fold_nodes(nodes, min(len(nodes), max(3, (left - 6) // 3)), agg) if len(nodes) > 1 else []
+    node_rows: list[dict[str, Any]] = []
+    if len(nodes) > 1 and left >= 10:
+        node_rows = fold_nodes(nodes, min(len(nodes), max(3, (left - 6) // 3)), agg)
     node_lines = 2 + len(node_rows) if node_rows else 0
-    room = max(1, left - node_lines - 3)  # the rank table's head and rule, a "more" line
-    if len(ranks) <= room + 1:
-        room = len(ranks)  # the "more" line would take the last row's place
+    room = max(1, left - node_lines - 2)  # the rank table's head and rule
+    if len(ranks) > room and room > 1:
+        room -= 1  # a "more" line
+    more = len(ranks) > room and left - node_lines - 2 - room >= 1
+    narrow = (width or console().size.width) < 60
     metric = view.get("metric")
-    cols = ["rank", "host", "status", "step", "behind", "steps/s", "write", *([metric] if metric else [])]
+    cols = (["rank", "status", "step", "steps/s"] if narrow else
+            ["rank", "host", "status", "step", "behind", "steps/s", "write"]) + ([metric] if metric else [])
     table = _table(cols, right=["rank", "step", "behind", "steps/s", "write", *([metric] if metric else [])],
                    keep=["host", "status"])
+    table.columns[0].min_width = max([4, *(len(str(r["rank"])) for r in ranks[:room])])
     for r in ranks[:room]:
-        row = [str(r["rank"]), str(r.get("host") or "-")[:16], _status(r["status"]),
-               fmt_num(r["step"]), fmt_num(r["behind"]), fmt_num(r["steps_per_s"], 3),
-               _age(r["last_write_age"])]
+        row = {"rank": str(r["rank"]), "host": str(r.get("host") or "-")[:16], "status": _status(r["status"]),
+               "step": fmt_num(r["step"]), "behind": fmt_num(r["behind"]),
+               "steps/s": fmt_num(r["steps_per_s"], 3), "write": _age(r["last_write_age"])}
         if metric:
-            row.append(fmt_num(r.get("metric"))[:12])
-        table.add_row(*row)
+            row[metric] = fmt_num(r.get("metric"))[:12]
+        table.add_row(*(row[c] for c in cols))
     parts.append(table)
-    if len(ranks) > room:
+    if more:
         hidden = [r["rank"] for r in ranks[room:] if r.get("incident") or r["status"] == "crashed"]
-        more = Text(f"... {len(ranks) - room} more ranks", style="dim")
-        more.append(f"; also with incidents: {_ranks_text(hidden)}" if hidden else " (healthiest last)")
-        parts.append(_line(more))
+        line = Text(f"... {len(ranks) - room} more ranks", style="dim")
+        line.append(f"; also with incidents: {_ranks_text(hidden)}" if hidden else " (healthiest last)")
+        parts.append(_line(line))
     if node_rows:
         nt = _table(["node", "ranks", "live", "min step", "max behind", "slowest/s", "worst"],
                     right=["ranks", "live", "min step", "max behind", "slowest/s"], keep=["node", "worst"])
@@ -171,7 +186,7 @@ def top_live(frames: Any, refresh: float, agg: str = "worst") -> None:
     out = console()
     with Live(console=out, auto_refresh=False, screen=False, transient=False) as live:
         while True:
-            live.update(top_frame(frames(), out.size.height - 1, agg), refresh=True)
+            live.update(top_frame(frames(), out.size.height - 1, agg, out.size.width), refresh=True)
             time.sleep(refresh)
 
 

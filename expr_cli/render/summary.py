@@ -93,6 +93,11 @@ def _ranks_line(out: Console, ranks: Mapping[str, Any]) -> None:
     if crashed:
         text.append(f", {len(crashed):,} crashed (rank{'s' if len(crashed) != 1 else ''} "
                     f"{compact_ranks(list(crashed))})", style="bold red")
+        first = ranks.get("first_crash")
+        if first and len(crashed) > 1:
+            why = ": ".join(str(x) for x in (first.get("type"), first.get("message")) if x)
+            text.append(f"; rank {first['rank']} failed first" + (f" ({why})" if why else ""),
+                        style="red")
     else:
         text.append(", 0 crashed")
     if ranks.get("no_shard"):

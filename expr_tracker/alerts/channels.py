@@ -84,16 +84,19 @@ class LogChannel(Channel):
     """One line per alert on sys.stderr, and a record on the `expr_tracker.alerts` logger."""
 
     type = "log"
+    # False: no stderr copy when a handler takes the record (exprd, whose log is stderr)
+    echo = True
 
     def send(self, alert: Alert, timeout: float) -> None:
 
         line = format_line(alert)
         # Without any handler configured, logging's last-resort handler would print the
         # record to stderr a second time; the line below is the stderr copy.
-        if _log.hasHandlers():
+        handled = _log.hasHandlers()
+        if handled:
             _log.log(_LEVELNO.get(alert.level, logging.INFO), "%s", line)
         stream = sys.stderr
-        if stream is not None:
+        if stream is not None and (self.echo or not handled):
             stream.write(line + "\n")
             stream.flush()
 

@@ -111,6 +111,11 @@ class Dispatcher:
         return cls([build_channel(c) for c in cfg.channels], cfg.policy, on_warning=on_warning)
 
     @property
+    def channels(self) -> tuple[Channel, ...]:
+        """The channels, in the order of the config."""
+        return tuple(lane.channel for lane in self._lanes.values())
+
+    @property
     def channel_names(self) -> tuple[str, ...]:
         """Names a rule or `submit` may route to."""
         return tuple(self._lanes)

@@ -11,6 +11,7 @@ or `$EXPR_ALERT_CONFIG` (whose `channels` and `policy` tables `expr_tracker.aler
     hang_after = "5m"         # default: max(5 min, 20 x the median step period)
     behind_steps = 100        # steps short of the leading live rank
     missing_after = "10m"     # after the first rank started
+    crash_window = "60s"      # crashes this soon after the first are one incident
     step_time_key = "step_time"   # the rank metric holding a step's duration
     notify_recovery = false   # deliver resolved incidents too
 
@@ -42,6 +43,7 @@ class HealthConfig:
     hang_after: float | None = None  # None: max(HANG_FLOOR, HANG_PERIODS x median period)
     behind_steps: int = 100
     missing_after: float = 600.0
+    crash_window: float = 60.0
     step_time_key: str = "step_time"
     notify_recovery: bool = False
 
@@ -54,7 +56,7 @@ class HealthConfig:
 
 _RATIOS = ("straggler_ratio", "slowdown_ratio")
 _COUNTS = ("straggler_steps", "slowdown_steps", "behind_steps")
-_DURATIONS = ("hang_after", "missing_after")
+_DURATIONS = ("hang_after", "missing_after", "crash_window")
 KEYS = tuple(f.name for f in fields(HealthConfig))
 
 

@@ -24,11 +24,12 @@ from statistics import median
 from typing import Any
 
 from expr_tracker.health.config import HealthConfig
+from expr_tracker.health.stall import stall
 from expr_tracker.health.state import RunState
 
-KINDS = ("straggler", "slowdown", "hang", "behind", "crashed", "missing", "alert")
-LEVELS = {"straggler": "warning", "slowdown": "warning", "hang": "error", "behind": "warning",
-          "crashed": "error", "missing": "error", "alert": "error"}
+KINDS = ("straggler", "slowdown", "hang", "stall", "behind", "crashed", "missing", "alert")
+LEVELS = {"straggler": "warning", "slowdown": "warning", "hang": "error", "stall": "error",
+          "behind": "warning", "crashed": "error", "missing": "error", "alert": "error"}
 JOB = -1  # the rank key of the whole job's slowdown window in `Memory.best`
 # A slowdown must also cost at least this much per step: a best window is the minimum of
 # many noisy windows, so sub-millisecond step times (timer noise, a CPU toy job) would
@@ -47,6 +48,8 @@ class Finding:
     host: str | None = None
     level: str = "warning"
     group: bool = True
+    # a crash: {rank, host, type, message, time, at}; a stall: `stall.stall`'s answer
+    info: Mapping[str, Any] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -57,6 +60,11 @@ class Memory:
     firing: dict[str, set[int]] = field(default_factory=dict)  # kind -> ranks firing
     derived: dict[int, _Derived] = field(default_factory=dict, repr=False)  # rank -> its window's
     derived_for: tuple[Any, ...] = ()  # the settings `derived` was computed with
+    # when the last stall ended: silence before it is not a hang (a spool-mode job resuming
+    # reaches exprd rank by rank, and the ranks applied last would look silent)
+    stall_end: float = -math.inf
+    stall_step: int | None = None  # the lead step when it ended: windows with its gap are not slow
+    stalled: bool = False
 
 
 class _Derived:
@@ -241,10 +249,11 @@ def median_period(times: Mapping[int, list[float]]) -> float | None:
     return median(per_rank) if per_rank else None
 
 
-def _hangs(state: RunState, threshold: float, now: float) -> list[Finding]:
+def _hangs(state: RunState, threshold: float, now: float, since: float) -> list[Finding]:
+    """Silence counts from `since` at the earliest (the end of the last stall)."""
     # most passes find no live rank silent that long: one comprehension, no sort
     oldest = min([w for rs in state.live if (w := rs.last_write) is not None], default=None)
-    if oldest is None or now - oldest < threshold:
+    if oldest is None or now - max(oldest, since) < threshold:
         return []
     # "another rank advanced": some rank wrote later and reached a later step. The ranks
     # sorted by last write, with the largest step of those written at or after each, answer
@@ -260,7 +269,7 @@ def _hangs(state: RunState, threshold: float, now: float) -> list[Finding]:
         if rs.last_write is None:
             continue
         silent = now - rs.last_write
-        if silent < threshold:
+        if now - max(rs.last_write, since) < threshold:
             continue
         mine = rs.last_step if rs.last_step is not None else -1
         k = bisect_right(writes, rs.last_write)  # the first rank written after this one
@@ -289,17 +298,28 @@ def _behind(state: RunState, cfg: HealthConfig) -> list[Finding]:
     return out
 
 
-def _crashed(state: RunState) -> list[Finding]:
+def crashes(state: RunState) -> list[Finding]:
+    """One finding per crashed rank; `info` is its root candidate: {rank, host, type,
+    message, time (its own clock, from the sidecar's exit), at (ours: its last write)}."""
     out = []
     for rs in [rs for rs in state.ranks.values() if rs.status == "crashed"]:
         why = rs.status_reason or "crashed"
+        ex = rs.exit or {}
+        kind, message = ex.get("type"), ex.get("message")
         if rs.exit:
-            why = f"{rs.exit.get('type', 'exception')}: {rs.exit.get('message', '')}".rstrip(": ")
+            why = f"{kind or 'exception'}: {message or ''}".rstrip(": ")
         elif why == "process gone":
             why = f"its process{f' {rs.pid}' if rs.pid else ''} is gone without a finish"
         at = f" at step {rs.last_step}" if rs.last_step is not None else ""
+        when = [t for t in (rs.last_write, rs.sidecar_write) if t is not None]
+        t = ex.get("time")
+        info = {"rank": rs.rank, "host": rs.host,
+                "type": kind if isinstance(kind, str) else None,
+                "message": message if isinstance(message, str) else why,
+                "time": t if isinstance(t, (int, float)) and not isinstance(t, bool) else None,
+                "at": max(when) if when else None}
         out.append(Finding("crashed", (rs.rank,), f"rank {rs.rank} crashed{at}: {why}",
-                           rs.last_step, rs.host, LEVELS["crashed"]))
+                           rs.last_step, rs.host, LEVELS["crashed"], group=False, info=info))
     return out
 
 
@@ -334,6 +354,11 @@ def _alerts(state: RunState, suppressed: Iterable[Mapping[str, Any]]) -> list[Fi
     return out
 
 
+def ended(state: RunState) -> bool:
+    """The run is over: it has ranks and every one finished or crashed."""
+    return bool(state.ranks) and not state.live
+
+
 def detect(
     state: RunState,
     suppressed: Iterable[Mapping[str, Any]],
@@ -341,14 +366,39 @@ def detect(
     memory: Memory,
     now: float,
 ) -> list[Finding]:
-    """Every finding of one pass. `suppressed`: the latest suppressed alert line per (rank, rule)."""
+    """Every finding of one pass. `suppressed`: the latest suppressed alert line per (rank, rule).
+
+    Once the run has ended (no live rank) only crashes are found: nothing else can be
+    wrong with a run that is over (`incidents.plan` resolves what is open)."""
+    if ended(state):
+        return crashes(state)
     derived = _derive(state, cfg, memory)
     period = median([d.median for d in derived.values()]) if derived else None
+    threshold = cfg.hang_threshold(period)
+    stalled = stall(state, threshold, now)
+    if stalled is None and memory.stalled:
+        memory.stall_end, memory.stall_step = now, state.lead
+    memory.stalled = stalled is not None
+    job: list[Finding] = []
+    newest = max([t for rs in state.live if (t := rs.advanced) is not None], default=None)
+    if stalled is not None:  # the suspects are named: no rank is a hang on its own
+        job.append(Finding("stall", stalled["ranks"], stalled["detail"], stalled["step"],
+                           stalled["host"], LEVELS["stall"], group=False, info=stalled))
+    elif newest is not None and now - newest < threshold / 2:
+        # a silent rank is a hang while the others still advance; once they stopped too
+        # (a synchronous job waits for it at its next collective) it is a stall coming
+        job.extend(_hangs(state, threshold, now, memory.stall_end))
+    # the step that waited out a stall is one huge step time: not a straggler or slowdown
+    # until every rank's windows have moved past it
+    front, after = state.frontier, memory.stall_step
+    settled = after is None or (front is not None and
+                                front - after > max(cfg.straggler_steps, cfg.slowdown_steps))
+    timing = [*_stragglers(state, derived, cfg, memory),
+              *_slowdowns(state, derived, cfg, memory)] if settled else []
     return [
-        *_crashed(state),
-        *_hangs(state, cfg.hang_threshold(period), now),
-        *_stragglers(state, derived, cfg, memory),
-        *_slowdowns(state, derived, cfg, memory),
+        *crashes(state),
+        *job,
+        *timing,
         *_behind(state, cfg),
         *_missing(state, cfg, now),
         *_alerts(state, suppressed),

@@ -5,6 +5,10 @@ are matched to the open incidents of that kind: an incident stays open while any
 ranks still fires (a rank that joins later opens an incident of its own), and resolves
 when none does. New findings of one kind on one host form one incident naming the host.
 
+Two kinds are one incident per fault, with a stable `id` whose later lines change it
+without delivering it again: `crashed` (crashes within `crash_window` of the first join
+it; `root` names the first) and `stall` (one per stall; its suspects may change).
+
 A hang resolves on what the rank does, not on thresholds: only when each of its ranks has
 written again (or is no longer live). So a watcher with other settings (an `expr watch`
 beside exprd) never resolves a hang another watcher opened while the rank stays silent.
@@ -12,17 +16,28 @@ beside exprd) never resolves a hang another watcher opened while the rank stays 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from expr_tracker.health.detect import Finding
+from expr_tracker.health.detect import Finding, crashes
 from expr_tracker.health.state import RunState
 from expr_tracker.health.why import explain
+from expr_tracker.ranks import compact
 
 WHY_KINDS = ("straggler", "slowdown")
-LINE_KEYS = ("kind", "ranks", "hosts", "step", "first_seen", "last_seen", "detail", "state",
-             "delivered")
+
+# `id`, `kind`, `state` and `delivered` first: a line torn by a watcher killed mid-write
+# most likely still names them, and the next watcher recovers the incident (`salvage`)
+LINE_KEYS = ("id", "kind", "state", "delivered", "ranks", "level", "hosts", "step",
+             "first_seen", "last_seen", "detail")
+ENDED = "run ended"
+
+
+def new_id() -> str:
+    """A stable id for one incident's lines (12 hex digits)."""
+    return os.urandom(6).hex()
 
 
 @dataclass
@@ -41,23 +56,30 @@ class Incident:
     level: str = "warning"
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     why: str | None = None  # a straggler's or slowdown's system metrics that stand out
+    id: str = field(default_factory=new_id)
+    root: dict[str, Any] | None = None  # a crash: the first rank to crash
+    reason: str | None = None  # why it resolved, when not its own detector ("run ended")
 
     @property
     def key(self) -> tuple[str, tuple[int, ...]]:
-        """What makes it one incident: its kind and its set of ranks."""
+        """Its kind and its set of ranks: one opening of these per watcher pass."""
         return self.kind, self.ranks
 
     def as_line(self) -> dict[str, Any]:
         """The `incidents.jsonl` line (DESIGN 13), plus the level."""
-        line = {
-            "kind": self.kind, "ranks": list(self.ranks), "hosts": list(self.hosts),
+        out = {
+            "id": self.id, "kind": self.kind, "state": self.state, "delivered": self.delivered,
+            "ranks": list(self.ranks), "level": self.level, "hosts": list(self.hosts),
             "step": self.step, "first_seen": self.first_seen, "last_seen": self.last_seen,
-            "detail": self.detail, "state": self.state, "delivered": self.delivered,
-            "level": self.level,
+            "detail": self.detail,
         }
         if self.why is not None:
-            line["why"] = self.why
-        return line
+            out["why"] = self.why
+        if self.root is not None:
+            out["root"] = self.root
+        if self.reason is not None:
+            out["reason"] = self.reason
+        return out
 
     @classmethod
     def from_line(cls, line: Mapping[str, Any]) -> Incident | None:
@@ -70,13 +92,21 @@ class Incident:
         step = line.get("step")
         raw_hosts = line.get("hosts")
         hosts: list[Any] = raw_hosts if isinstance(raw_hosts, list) else []
+        first = _time(line.get("first_seen"))
+        ident = line.get("id")
+        if not isinstance(ident, str) or not ident:  # a line of an older watcher
+            ident = f"{kind}:{','.join(map(str, sorted(ranks)))}:{first:.3f}"
+        root = line.get("root")
+        reason = line.get("reason")
         return cls(
             kind=kind, ranks=tuple(sorted(ranks)), hosts=tuple(str(h) for h in hosts),
             step=step if type(step) is int else None,
-            first_seen=_time(line.get("first_seen")), last_seen=_time(line.get("last_seen")),
+            first_seen=first, last_seen=_time(line.get("last_seen")),
             detail=str(line.get("detail") or ""), state=state,
             delivered=bool(line.get("delivered")), level=str(line.get("level") or "warning"),
             why=line["why"] if isinstance(line.get("why"), str) else None,
+            id=ident, root=dict(root) if isinstance(root, Mapping) else None,
+            reason=reason if isinstance(reason, str) else None,
         )
 
 
@@ -86,11 +116,14 @@ def _time(v: Any) -> float:
 
 @dataclass
 class Plan:
-    """What a pass changes: incidents to open, to resolve, and those still open (updated)."""
+    """What a pass changes: incidents to open, to resolve, to update (a line of the same
+    `id`, not delivered again: a crash's ranks grow, a stall's suspects change), and those
+    still open (updated in memory only)."""
 
     opened: list[Incident]
     resolved: list[Incident]
     still_open: list[Incident]
+    updated: list[Incident] = field(default_factory=list)
 
 
 def _merge(kind: str, group: list[Finding], now: float) -> Incident:
@@ -129,29 +162,152 @@ def _still_silent(inc: Incident, state: RunState | None) -> bool:
     return False
 
 
+# the messages of ranks that crash because a peer did: the collective's transport failed
+_COLLATERAL = ("connection closed by peer", "connection reset by peer", "broken pipe",
+               "communicator was aborted", "socket timeout", "sigterm", "signal 15",
+               "process group", "processgroup", "watchdog caught collective")
+
+
+def _collateral(info: Mapping[str, Any]) -> bool:
+    text = f"{info.get('type') or ''} {info.get('message') or ''}".lower()
+    return any(p in text for p in _COLLATERAL)
+
+
+def _crash_order(infos: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Crashes in the order they happened, by what can be compared: the ranks' own exit
+    times when they share one host (one clock), else when we saw them; a rank whose message
+    says a peer went away comes after the others (it is collateral)."""
+    same_host = len({i.get("host") for i in infos}) == 1
+    def key(i: Mapping[str, Any]) -> tuple[bool, float, float, int]:
+        t = i.get("time") if same_host and i.get("time") is not None else i.get("at")
+        return (_collateral(i), float(t if t is not None else 0.0), float(i.get("at") or 0.0),
+                int(i["rank"]))
+    return sorted(infos, key=key)
+
+
+def _crash_detail(root: Mapping[str, Any], ranks: tuple[int, ...], first: str) -> str:
+    others = [r for r in ranks if r != root.get("rank")]
+    if not others:
+        return first
+    return (f"{first}; then {len(others)} more rank{'s' if len(others) != 1 else ''} "
+            f"crashed: {compact(others)}")
+
+
+def _root(info: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: info.get(k) for k in ("rank", "host", "type", "message", "time")}
+
+
+def first_crash(state: RunState) -> dict[str, Any] | None:
+    """The root of the run's crashes ({rank, host, type, message, time}), by the same order
+    as a `crashed` incident's; None when no rank crashed."""
+    infos = [f.info for f in crashes(state) if f.info is not None]
+    return _root(_crash_order(infos)[0]) if infos else None
+
+
+def _crashes(open_crashes: list[Incident], found: list[Finding], now: float, window: float,
+             out: Plan) -> None:
+    """One `crashed` incident per fault: crashes within `window` seconds of the first join
+    its incident (a line of the same id, not delivered again)."""
+    mine = {r for inc in open_crashes for r in inc.ranks}
+    still = {r for f in found for r in f.ranks}
+    grown: dict[str, Incident] = {}
+    for inc in open_crashes:
+        if not still & set(inc.ranks):  # its ranks run again (a new session)
+            out.resolved.append(replace(inc, state="resolved", last_seen=now, delivered=False))
+        else:
+            grown[inc.id] = replace(inc, last_seen=now)
+    new = [f for f in found if f.ranks[0] not in mine]
+    infos = {f.ranks[0]: f for f in new}
+    for info in _crash_order([f.info or {"rank": f.ranks[0]} for f in new]):
+        f = infos[int(info["rank"])]
+        seen = info.get("at")
+        at = float(seen) if seen is not None else now
+        host = (f.host,) if f.host else ()
+        # the incident whose root crashed at most `window` before (on our clock)
+        home = next((inc for inc in grown.values() if inc.root is not None
+                     and at - float(inc.extra.get("at", inc.first_seen)) <= window), None)
+        if home is None:
+            inc = Incident(kind="crashed", ranks=f.ranks, hosts=host, step=f.step, first_seen=now,
+                           last_seen=now, detail=f.detail, level=f.level, root=_root(info))
+            inc.extra["at"] = at
+            inc.extra["first"] = f.detail
+            grown[inc.id] = inc
+            out.opened.append(inc)
+            continue
+        ranks = tuple(sorted({*home.ranks, *f.ranks}))
+        first = home.extra.get("first") or home.detail.split("; then ")[0]
+        upd = replace(home, ranks=ranks, hosts=tuple(sorted({*home.hosts, *host})),
+                      detail=_crash_detail(home.root or {}, ranks, first), last_seen=now)
+        upd.extra = {**home.extra, "first": first}
+        grown[home.id] = upd
+        if any(o.id == home.id for o in out.opened):
+            out.opened = [upd if o.id == home.id else o for o in out.opened]
+        else:
+            out.updated = [u for u in out.updated if u.id != home.id] + [upd]
+    out.still_open.extend(inc for inc in grown.values()
+                          if not any(inc.id == x.id for x in (*out.opened, *out.updated)))
+
+
+def _still_stalled(inc: Incident, state: RunState | None) -> bool:
+    """No live rank advanced since the stall incident opened (a watcher with other
+    thresholds, `expr top`, keeps another's stall open until the job moves)."""
+    if state is None or not state.live:
+        return False
+    return all((rs.advanced or 0.0) <= inc.first_seen for rs in state.live)
+
+
+def _stall(open_stalls: list[Incident], found: list[Finding], now: float, out: Plan,
+           state: RunState | None) -> None:
+    """One `stall` incident per stall: while the job stays stalled the same incident names
+    the suspects of each pass (a line of the same id when they change)."""
+    f = found[0] if found else None
+    for i, inc in enumerate(open_stalls):
+        if f is None and i == 0 and _still_stalled(inc, state):
+            out.still_open.append(replace(inc, last_seen=now))
+        elif f is None or i > 0:
+            out.resolved.append(replace(inc, state="resolved", last_seen=now, delivered=False))
+        elif inc.ranks != f.ranks:
+            out.updated.append(replace(inc, ranks=f.ranks, hosts=(f.host,) if f.host else (),
+                                       detail=f.detail, step=f.step, last_seen=now))
+        else:
+            out.still_open.append(replace(inc, detail=f.detail, step=f.step, last_seen=now))
+    if f is not None and not open_stalls:
+        out.opened.append(_merge("stall", [f], now))
+
+
 def plan(open_incidents: Iterable[Incident], findings: Iterable[Finding], now: float,
-         state: RunState | None = None) -> Plan:
+         state: RunState | None = None, *, crash_window: float = 60.0,
+         ended: bool = False) -> Plan:
     """Match this pass's findings to the open incidents (see the module docstring).
-    `state`, the pass's reading of the run, lets a hang resolve only on a new write."""
+    `state`, the pass's reading of the run, lets a hang resolve only on a new write.
+    `ended`: the run is over, every open incident but a crash resolves ("run ended")."""
     by_kind: dict[str, list[Finding]] = {}
     for f in findings:
         by_kind.setdefault(f.kind, []).append(f)
-    opened: list[Incident] = []
-    resolved: list[Incident] = []
-    still: list[Incident] = []
+    out = Plan([], [], [])
+    incs = list(open_incidents)
+    _crashes([i for i in incs if i.kind == "crashed"], by_kind.pop("crashed", []), now,
+             crash_window, out)
+    if ended:
+        out.resolved.extend(replace(inc, state="resolved", last_seen=now, delivered=False,
+                                    reason=ENDED) for inc in incs if inc.kind != "crashed")
+        return out
+    _stall([i for i in incs if i.kind == "stall"], by_kind.pop("stall", []), now, out, state)
     taken: set[tuple[str, int]] = set()
-    for inc in open_incidents:
+    for inc in incs:
+        if inc.kind in ("crashed", "stall"):
+            continue
         firing = {r for f in by_kind.get(inc.kind, ()) for r in f.ranks}
         if firing & set(inc.ranks):
             hits = [f for f in by_kind[inc.kind] if set(f.ranks) & set(inc.ranks)]
             steps = [f.step for f in hits if f.step is not None]
-            still.append(replace(inc, last_seen=now, step=max(steps) if steps else inc.step))
+            out.still_open.append(replace(inc, last_seen=now, step=max(steps) if steps else inc.step))
             taken.update((inc.kind, r) for r in inc.ranks)
         elif _still_silent(inc, state):
-            still.append(replace(inc, last_seen=now))
+            out.still_open.append(replace(inc, last_seen=now))
             taken.update((inc.kind, r) for r in inc.ranks)
         else:
-            resolved.append(replace(inc, state="resolved", last_seen=now, delivered=False))
+            out.resolved.append(replace(inc, state="resolved", last_seen=now, delivered=False))
     for kind, group in by_kind.items():
         fresh: dict[Any, list[Finding]] = {}
         for f in group:
@@ -162,5 +318,5 @@ def plan(open_incidents: Iterable[Incident], findings: Iterable[Finding], now: f
             gkey: Any = ("host", f.host) if f.group and f.host else ("one", id(f))
             fresh.setdefault(gkey, []).append(f)
         for members in fresh.values():
-            opened.append(_with_why(_merge(kind, members, now), state))
-    return Plan(opened, resolved, still)
+            out.opened.append(_with_why(_merge(kind, members, now), state))
+    return out

@@ -34,6 +34,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from expr_tracker.health.clock import PassClock, Seen, mtime_on_our_clock
 from expr_tracker.health.tail import MAX_CATCHUP as MAX_CATCHUP  # (re-exported)
 from expr_tracker.health.tail import ShardTail, decoded, refresh_all
 from expr_tracker.procs import pid_alive
@@ -66,11 +67,20 @@ class RankState:
     start_time: float | None = None
     end_time: float | None = None
     last_step: int | None = None  # largest step of its step rows or of its own rank records
-    last_write: float | None = None  # shard mtime
+    # on the reader's clock (`health.clock`): when it saw the shard grow, its last step
+    # rise, its sidecar change (a first pass dates them by mtimes on the filesystem's clock)
+    last_write: float | None = None
+    advanced: float | None = None
+    sidecar_write: float | None = None
+    probe: dict[str, Any] | None = None  # where its main thread is, while silent (DESIGN 13)
     size: int = 0
     steps: Sequence[int] = ()  # the recent step rows' steps, oldest first ...
     times: Sequence[float] = ()  # ... and their `_time`s
     last_row: dict[str, Any] | None = None  # the latest step row (for `expr top -m KEY`)
+
+    def __post_init__(self) -> None:
+        if self.advanced is None:  # a state built by hand: it advanced when it last wrote
+            self.advanced = self.last_write
 
     @property
     def step_times(self) -> list[tuple[int, float]]:
@@ -170,7 +180,6 @@ def _rank_state(tail: ShardTail) -> RankState:
         stream=tail.stream,
         path=tail.path,
         last_step=tail.last_step,
-        last_write=tail.mtime_ns / 1e9 if tail.mtime_ns >= 0 else None,
         size=tail.size,
         steps=tail.steps,
         times=tail.times,
@@ -191,6 +200,8 @@ def _rank_state(tail: ShardTail) -> RankState:
     out.end_time = _num(meta.get("end_time"))
     ex = meta.get("exit")
     out.exit = dict(ex) if isinstance(ex, Mapping) else None
+    probe = meta.get("probe")
+    out.probe = dict(probe) if isinstance(probe, Mapping) else None
     status = meta.get("status")
     out.status = status if status in STATUSES else "running"
     if out.status == "crashed":
@@ -273,6 +284,9 @@ class RunReader:
         self._found: dict[int, Path] = {}
         self._dir_key: tuple[int, int] | None = None  # (mtime_ns, inode) of a trusted listing
         self._full_at = -math.inf  # wall clock of the last full pass
+        self.clock = PassClock()  # the pass times of `health.clock`
+        self.fs_offset = 0.0  # the filesystem's clock minus ours (a watcher measures it)
+        self._when: dict[int, Seen] = {}  # shard rank -> when it wrote, advanced, ...
 
     def _list(self) -> dict[int, Path]:
         """`list_shards`, with each entry name parsed once for the reader's life."""
@@ -296,12 +310,14 @@ class RunReader:
         self.names = names
         return out
 
-    def read(self) -> RunState:
+    def read(self, at: float | None = None) -> RunState:
         """One pass: list the shards, refresh each (a first read of many in processes),
-        and rebuild what is derived from the shards that changed."""
+        and rebuild what is derived from the shards that changed. `at`: the pass's time
+        on the caller's clock (default `self.clock()`), the time of what it sees change."""
         import time
 
         now = time.time()
+        at = self.clock() if at is None else at
         full = True
         try:
             st = os.stat(self.run_dir)
@@ -340,7 +356,7 @@ class RunReader:
         else:
             rest = list(tails.values())
         live.extend(t for t in refresh_all(rest, full) if t.ok)
-        changed = self._update(live)
+        changed = self._update(live, at)
         self.shards_read = sum(tails[r].read_now for r in changed if r in tails)
         self.sidecars_read = sum(tails[r].side_read_now for r in changed if r in tails)
         ranks = self._states.copy()
@@ -367,7 +383,7 @@ class RunReader:
         state.__dict__["world_size"] = max(sizes) if sizes else None  # (the cached property)
         return state
 
-    def _update(self, live: list[ShardTail]) -> list[int]:
+    def _update(self, live: list[ShardTail], at: float) -> list[int]:
         """Bring the derived state up to date with this pass's tails; returns the shard
         ranks that changed (were read again, appeared, or went)."""
         seen, keys, owners = self._seen, self._keys, self._owners
@@ -383,6 +399,7 @@ class RunReader:
             self._unlocal(old)
             self._count_size(old.world_size if old else None, -1)
             self._gone.pop(r, None)
+            self._when.pop(r, None)
             for k in keys.pop(r, ()):
                 owners[k].pop(r, None)
                 dirty.add(k)
@@ -397,6 +414,7 @@ class RunReader:
             dirty |= keys.get(r, frozenset()) | mine
             keys[r] = mine
             rs = _rank_state(t)
+            self._date(rs, t, at)
             old = self._states.get(r)
             added = added or old is None
             self._unlocal(old)
@@ -410,6 +428,17 @@ class RunReader:
             self._states = dict(sorted(self._states.items()))
         self._merge(dirty)
         return [*changed, *gone]
+
+    def _date(self, rs: RankState, t: ShardTail, at: float) -> None:
+        """Set `rs`'s times of writing, advancing and sidecar (see `health.clock`)."""
+        w = self._when.get(t.rank)
+        if w is None:
+            side = t.sidecar_stat[0] if t.sidecar_stat is not None else None
+            w = self._when[t.rank] = Seen(mtime_on_our_clock(t.mtime_ns, self.fs_offset),
+                                          mtime_on_our_clock(side, self.fs_offset), t.last_step)
+        else:
+            w.update(at, t.read_now, t.side_read_now, t.last_step)
+        rs.last_write, rs.advanced, rs.sidecar_write = w.write, w.advance, w.side
 
     def _count_size(self, ws: int | None, n: int) -> None:
         if ws:

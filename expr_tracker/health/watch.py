@@ -16,15 +16,15 @@ import contextlib
 import fcntl
 import os
 import re
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from expr_tracker.health.clock import fs_offset
 from expr_tracker.health.config import HealthConfig
-from expr_tracker.health.detect import Memory, detect
+from expr_tracker.health.detect import Memory, detect, ended
 from expr_tracker.health.incidents import Incident, plan
 from expr_tracker.health.state import DEFAULT_WINDOW, RunReader, RunState
 from expr_tracker.ranks import compact
@@ -69,14 +69,38 @@ class _LineTail:
             yield rec
 
 
+_TORN = {  # what a torn line most likely still holds (see `incidents.LINE_KEYS`)
+    "id": re.compile(rb'"id"\s*:\s*"([^"\\]{1,64})"'),
+    "kind": re.compile(rb'"kind"\s*:\s*"([a-z]{1,32})"'),
+    "state": re.compile(rb'"state"\s*:\s*"(open|resolved)"'),
+    "ranks": re.compile(rb'"ranks"\s*:\s*\[([\d,\s]{0,100000})\]'),
+}
+
+
+def salvage(fragment: bytes) -> Incident | None:
+    """The incident a torn line was recording, as far as it can be read (it was delivered:
+    a watcher delivers before it writes the line)."""
+    found = {k: m.group(1).decode() for k, rx in _TORN.items() if (m := rx.search(fragment))}
+    if "kind" not in found or "ranks" not in found:
+        return None
+    ranks = tuple(sorted(int(r) for r in found["ranks"].replace(" ", "").split(",") if r))
+    inc = Incident(kind=found["kind"], ranks=ranks, hosts=(), step=None, first_seen=0.0,
+                   last_seen=0.0, detail="(recovered from a torn line of incidents.jsonl)",
+                   state=found.get("state", "open"), delivered=True)
+    if "id" in found:
+        inc.id = found["id"]
+    return inc
+
+
 class IncidentLog:
-    """`{run}/incidents.jsonl`: the open incidents, read back and appended to."""
+    """`{run}/incidents.jsonl`: the open incidents (by id), read back and appended to."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
         self.path = run_dir / INCIDENTS
         self._tail = _LineTail(self.path)
-        self.open: dict[tuple[str, tuple[int, ...]], Incident] = {}
+        self.open: dict[str, Incident] = {}
+        self.torn = 0  # torn tails set aside by this watcher
 
     def sync(self, fd: int | None = None) -> None:
         """Apply the lines appended since the last call (by us or another watcher)."""
@@ -85,43 +109,112 @@ class IncidentLog:
             if inc is None:
                 continue
             if inc.state == "open":
-                self.open[inc.key] = inc
+                self.open[inc.id] = inc
             else:
-                self.open.pop(inc.key, None)
+                self.open.pop(inc.id, None)
+
+    def _open_fd(self) -> int:
+        dfd = os.open(self.run_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            return os.open(INCIDENTS, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+                           | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+
+    def fs_offset(self) -> float | None:
+        """The run directory's filesystem's clock minus ours (`health.clock.fs_offset`)."""
+        try:
+            fd = self._open_fd()
+        except OSError:
+            return None
+        try:
+            return fs_offset(fd)
+        finally:
+            os.close(fd)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[int]:
-        dfd = os.open(self.run_dir, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            fd = os.open(INCIDENTS, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
-                         | os.O_CLOEXEC, 0o644, dir_fd=dfd)
-        finally:
-            os.close(dfd)
+        fd = self._open_fd()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield fd
         finally:
             os.close(fd)
 
-    def record(self, changes: list[Incident], deliver: Callable[[Incident], bool]) -> list[Incident]:
-        """Append `changes` that nobody recorded yet, delivering each first; returns those.
+    def _set_aside_torn(self, fd: int) -> Incident | None:
+        """A last line without its newline (a watcher killed mid-write) goes to
+        `incidents.jsonl.torn` and is cut off, so the next line is not glued onto it.
+        Returns the incident it held, if it can be read (to be written again whole)."""
+        size = os.fstat(fd).st_size
+        if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+            return None
+        start = max(0, size - _MAX_READ)
+        data = os.pread(fd, size - start, start)
+        cut = data.rfind(b"\n") + 1
+        if cut == 0 and start > 0:
+            return None  # a "line" of more than _MAX_READ bytes: not ours, leave it
+        fragment = data[cut:]
+        dfd = os.open(self.run_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            side = os.open(INCIDENTS + ".torn", os.O_WRONLY | os.O_APPEND | os.O_CREAT
+                           | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+        try:
+            os.write(side, fragment + b"\n")
+        finally:
+            os.close(side)
+        os.ftruncate(fd, start + cut)
+        self.torn += 1
+        return salvage(fragment)
 
-        Under the file lock: re-read what other watchers appended, skip an opening that is
-        already open (or a resolution of what is not), deliver, append one line each.
+    def record(self, changes: list[Incident], deliver: Callable[[Incident], bool],
+               updates: list[Incident] | None = None) -> list[Incident]:
+        """Append `changes` (openings, resolutions) that nobody recorded yet, delivering
+        each first, and `updates` (lines of an open incident's id: not delivered again);
+        returns those written.
+
+        Under the file lock: set a torn tail aside, re-read what other watchers appended,
+        skip an opening that is already open (or a resolution of what is not), deliver,
+        append one line each.
         """
         done: list[Incident] = []
         with self._locked() as fd:
+            recovered = self._set_aside_torn(fd)
             self.sync(fd)
+            if recovered is not None and self._fresh(recovered):
+                os.write(fd, orjson.dumps(recovered.as_line(), option=orjson.OPT_APPEND_NEWLINE))
+                self.sync(fd)
             for inc in changes:
-                is_open = inc.key in self.open
-                if (inc.state == "open") == is_open:
+                if inc.state == "resolved":
+                    if inc.id not in self.open:
+                        continue
+                elif not self._fresh(inc):
                     continue
                 inc.delivered = deliver(inc)
                 line = orjson.dumps(inc.as_line(), option=orjson.OPT_APPEND_NEWLINE)
                 os.write(fd, line)  # one write of one whole line, O_APPEND
                 done.append(inc)
+            for inc in updates or ():
+                cur = self.open.get(inc.id)
+                if cur is None or (cur.ranks == inc.ranks and cur.detail == inc.detail):
+                    continue
+                inc.delivered = cur.delivered
+                os.write(fd, orjson.dumps(inc.as_line(), option=orjson.OPT_APPEND_NEWLINE))
+                done.append(inc)
             self.sync(fd)
         return done
+
+    def _fresh(self, inc: Incident) -> bool:
+        """An opening nobody recorded: no open incident of its kind covers it (the same
+        ranks; for a stall any, one per run; for a crash any of its ranks)."""
+        for o in self.open.values():
+            if o.kind != inc.kind:
+                continue
+            if o.ranks == inc.ranks or inc.kind == "stall" or (
+                    inc.kind == "crashed" and set(o.ranks) & set(inc.ranks)):
+                return False
+        return True
 
 
 class Watcher:
@@ -148,6 +241,7 @@ class Watcher:
         self._suppressed: dict[tuple[int, str], dict[str, Any]] = {}
         self.state: RunState | None = None
         self.errors = 0
+        self._clocked = False  # the filesystem's clock measured (on the first pass)
 
     @property
     def open(self) -> list[Incident]:
@@ -170,20 +264,31 @@ class Watcher:
                 a["rank"] = rank
                 self._suppressed[(rank, str(a.get("rule") or a.get("title")))] = a
 
+    @property
+    def ended(self) -> bool:
+        """The run is over (by the last pass): every rank finished or crashed."""
+        return self.state is not None and ended(self.state)
+
     def check(self, now: float | None = None) -> list[Incident]:
-        """One pass: read, detect, record and deliver what changed. Returns the changes."""
-        now = time.time() if now is None else now
-        self.state = self.reader.read()
+        """One pass: read, detect, record and deliver what changed. Returns the changes.
+        `now`: the pass's time on the watcher's clock (default `reader.clock()`)."""
+        if not self._clocked and self.run_dir.is_dir():
+            # files not seen change yet are dated by their mtimes, on the filesystem's clock
+            self._clocked = True
+            self.reader.fs_offset = self.log.fs_offset() or 0.0
+        now = self.reader.clock() if now is None else now
+        self.state = self.reader.read(now)
         self._read_alerts()
         self.log.sync()
         findings = detect(self.state, list(self._suppressed.values()), self.cfg, self.memory, now)
-        p = plan(self.log.open.values(), findings, now, self.state)
+        p = plan(self.log.open.values(), findings, now, self.state,
+                 crash_window=self.cfg.crash_window, ended=ended(self.state))
         for inc in p.still_open:  # last_seen and step in memory; the file keeps the first line
-            self.log.open[inc.key] = inc
-        if not (p.opened or p.resolved) or not self.run_dir.is_dir():
+            self.log.open[inc.id] = inc
+        if not (p.opened or p.resolved or p.updated) or not self.run_dir.is_dir():
             return []
         try:
-            return self.log.record(p.resolved + p.opened, self._deliver)
+            return self.log.record(p.resolved + p.opened, self._deliver, p.updated)
         except OSError:
             self.errors += 1
             return []

@@ -1,0 +1,71 @@
+"""The watcher's clock (DESIGN 13): when a rank last wrote, advanced, or rewrote its sidecar.
+
+Ranks run on many hosts whose clocks disagree, and a shared filesystem stamps mtimes with
+the server's clock, so silence is never measured by subtracting another host's time from
+ours. A reader kept between passes notes the pass at which it saw a shard grow, its last
+step rise or its sidecar change, on its own monotonic clock (`PassClock`, as epoch seconds
+so that incidents can print them). What it has not seen change it dates by the files'
+mtimes, moved onto its clock by the filesystem's offset (`fs_offset`: the mtime of a file
+it touched just now, minus its own time). So a single pass (`expr watch --once`) measures
+against the filesystem's time, a long-running watcher against its own clock.
+
+Nothing here writes but `fs_offset`, which touches one file it is handed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+class PassClock:
+    """Epoch seconds that move with `time.monotonic()`: a wall clock step (NTP) after the
+    start does not make a rank look silent or fresh."""
+
+    def __init__(self) -> None:
+        self._wall0 = time.time()
+        self._mono0 = time.monotonic()
+
+    def __call__(self) -> float:
+        return self._wall0 + (time.monotonic() - self._mono0)
+
+
+def fs_offset(fd: int) -> float | None:
+    """The filesystem's time minus ours, from touching the open file `fd` (its mtime set to
+    the server's time); None when it cannot be touched."""
+    try:
+        before = time.time()
+        os.utime(fd)
+        after = time.time()
+        mtime = os.fstat(fd).st_mtime_ns / 1e9
+    except OSError:
+        return None
+    return mtime - (before + after) / 2
+
+
+class Seen:
+    """Per shard rank: when this reader saw it write, advance and rewrite its sidecar."""
+
+    __slots__ = ("advance", "side", "step", "write")
+
+    def __init__(self, write: float | None, side: float | None, step: int | None) -> None:
+        self.write = write  # shard data appended (first pass: its mtime on our clock)
+        self.advance = write  # its last step rose
+        self.side = side  # its sidecar was rewritten (the SDK does every few seconds)
+        self.step = step
+
+    def update(self, now: float, wrote: bool, side_changed: bool, step: int | None) -> None:
+        """A pass at `now` saw the shard grow (`wrote`) and/or its sidecar change."""
+        if wrote:
+            self.write = now
+            if step is not None and (self.step is None or step > self.step):
+                self.advance = now
+        if side_changed:
+            self.side = now
+        if step is not None:
+            self.step = step if self.step is None else max(self.step, step)
+
+
+def mtime_on_our_clock(mtime_ns: int | None, offset: float) -> float | None:
+    """A file's mtime (ns, the filesystem's clock) as a time of ours."""
+    return None if mtime_ns is None or mtime_ns < 0 else mtime_ns / 1e9 - offset

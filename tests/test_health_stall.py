@@ -1,0 +1,288 @@
+"""Stalls, crashes as one incident per fault, and the end of a run, on hand-written runs.
+
+Real files (shards, sidecars with the probes the SDK writes, incidents.jsonl), a real
+webhook on 127.0.0.1, the real Watcher and `expr watch`; the ranks are written by hand so
+that each rule of DESIGN 13 is pinned on its own (tests/test_health_ddp.py runs torchrun).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from expr_tracker.health.config import HealthConfig
+from expr_tracker.health.watch import INCIDENTS, Watcher
+from tests.procs import env_for
+
+WORLD = 4
+CFG = HealthConfig(hang_after=20.0, behind_steps=100_000, straggler_steps=5, slowdown_ratio=100)
+COLLECTIVE = {"since": 0.0, "time": 0.0, "waiting": "collective", "spans": ["step"],
+              "where": ["/venv/torch/distributed/distributed_c10d.py:2501 all_reduce",
+                        "/job/train.py:80 main [user]"]}
+SLEEP = {"since": 0.0, "time": 0.0, "waiting": "sleep", "spans": ["step", "data"],
+         "where": ["/job/train.py:88 main [user]", "/job/train.py:120 <module> [user]"]}
+
+
+def _stem(rank: int) -> str:
+    return "metrics" if rank == 0 else f"metrics.rank{rank}"
+
+
+def write_rank(run: Path, rank: int, last: int, wrote: float, *, probe: dict | None = None,
+               side: float | None = None, status: str = "running", exit: dict | None = None,
+               host: str = "node-1", t0: float = 1000.0, records: bool = False) -> None:
+    """Rank `rank`'s shard (steps 0..last, one a second from `t0` on its own clock) written
+    at `wrote`, and its sidecar (with `probe`) at `side`."""
+    run.mkdir(parents=True, exist_ok=True)
+    shard = run / f"{_stem(rank)}.jsonl"
+    rows = []
+    for s in range(last + 1):
+        rows.append({"_step": s, "_time": t0 + s, "loss": 1.0})
+        if records:
+            rows.append({"_kind": "rank", "_step": s, "_time": t0 + s, "_rank": rank,
+                         "step_time": 0.5})
+    shard.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    os.utime(shard, (wrote, wrote))
+    meta: dict[str, Any] = {"version": 1, "rank": rank, "world_size": WORLD, "host": host,
+                            "pid": 4242 + rank, "status": status, "start_time": t0}
+    if probe is not None:  # written while silent after its last row (its own clock)
+        since = probe["since"] or t0 + last + 0.5
+        meta["probe"] = {**probe, "since": since, "time": probe["time"] or since + 2}
+    if exit is not None:
+        meta["exit"] = exit
+    path = run / f"{_stem(rank)}.meta.json"
+    path.write_text(json.dumps(meta))
+    t = side if side is not None else wrote
+    os.utime(path, (t, t))
+
+
+def _lines(run: Path) -> list[dict[str, Any]]:
+    path = run / INCIDENTS
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def expr(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "expr_cli.main", *args], env=env_for(),
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_rank_sleeping_while_the_others_wait_in_a_collective_is_the_suspect(tmp_path: Path) -> None:
+    run = tmp_path / "p" / "r"
+    now = time.time()
+    for r in range(WORLD):
+        write_rank(run, r, 149, now - 62, probe=SLEEP if r == 3 else COLLECTIVE, side=now - 1)
+    w = Watcher(run, CFG)
+    opened = w.check(now)
+    assert [(i.kind, i.ranks) for i in opened] == [("stall", (3,))]
+    assert opened[0].detail == ("job stalled at step 149 for 62s: rank 3 in time.sleep "
+                                "(train.py:88, span data); 3 ranks wait in all_reduce")
+    assert w.check(now + 5) == []  # still stalled, still one incident
+    # rank 0 advances: the stall is over; the others are not hung (they waited)
+    write_rank(run, 0, 150, now + 10, probe=None)
+    changes = w.check(now + 10)
+    assert [(i.kind, i.state) for i in changes] == [("stall", "resolved")]
+    assert w.check(now + 12) == []
+    assert [i["kind"] for i in _lines(run)] == ["stall", "stall"]
+
+
+def test_a_rank_whose_tracker_thread_cannot_run_has_no_probe_and_is_the_suspect(tmp_path: Path) -> None:
+    run = tmp_path / "p" / "r"
+    now = time.time()
+    for r in range(WORLD):
+        # rank 2 (SIGSTOP, or C code holding the GIL) wrote its last sidecar when it stopped
+        write_rank(run, r, 80, now - 30, probe=None if r == 2 else COLLECTIVE,
+                   side=now - 30 if r == 2 else now - 2)
+    opened = Watcher(run, CFG).check(now)
+    assert [(i.kind, i.ranks) for i in opened] == [("stall", (2,))]
+    assert "rank 2 wrote no probe" in opened[0].detail, opened[0].detail
+    assert "3 ranks wait in all_reduce" in opened[0].detail
+
+
+def test_a_probe_left_over_from_an_earlier_silence_is_not_believed(tmp_path: Path) -> None:
+    run = tmp_path / "p" / "r"
+    now = time.time()
+    for r in range(WORLD):  # rank 1's probe says "sleep", but it logged steps after it
+        old = {**SLEEP, "since": 1000.0 + 20, "time": 1000.0 + 22}
+        write_rank(run, r, 60, now - 30, probe=old if r == 1 else COLLECTIVE, side=now - 1)
+    opened = Watcher(run, CFG).check(now)
+    assert [(i.kind, i.ranks) for i in opened] == [("stall", (1,))]
+    assert "rank 1 left only an old probe" in opened[0].detail, opened[0].detail
+    # a sidecar not rewritten for long while the others' are: the same
+    run2 = tmp_path / "p" / "r2"
+    for r in range(WORLD):
+        write_rank(run2, r, 60, now - 30, probe=SLEEP if r == 2 else COLLECTIVE,
+                   side=now - 20 if r == 2 else now - 1)
+    opened = Watcher(run2, CFG).check(now)
+    assert [(i.kind, i.ranks) for i in opened] == [("stall", (2,))]
+    assert "rank 2 left only an old probe" in opened[0].detail, opened[0].detail
+
+
+def test_without_probes_the_lowest_step_then_the_oldest_write(tmp_path: Path) -> None:
+    run = tmp_path / "p" / "r"
+    now = time.time()
+    for r in range(WORLD):
+        write_rank(run, r, 40 if r == 1 else 41, now - 30)
+    opened = Watcher(run, CFG).check(now)
+    assert [(i.kind, i.ranks) for i in opened] == [("stall", (1,))]
+    assert "rank 1 at step 40, the lowest" in opened[0].detail
+    run2 = tmp_path / "p" / "r2"
+    for r in range(WORLD):
+        write_rank(run2, r, 41, now - (40 if r == 2 else 30))
+    opened = Watcher(run2, CFG).check(now)
+    assert [(i.kind, i.ranks) for i in opened] == [("stall", (2,))]
+
+
+def test_one_stall_while_its_suspects_change_and_no_hang_when_the_job_resumes(tmp_path: Path) -> None:
+    run = tmp_path / "p" / "r"
+    now = time.time()
+    for r in range(WORLD):  # no probes yet: rank 0 wrote last longest ago
+        write_rank(run, r, 10, now - (31 if r == 0 else 30))
+    w = Watcher(run, CFG)
+    assert [i.ranks for i in w.check(now)] == [(0,)]
+    for r in range(WORLD):  # the probes arrive: rank 3 is the one not in the collective
+        write_rank(run, r, 10, now - (31 if r == 0 else 30), probe=SLEEP if r == 3 else COLLECTIVE,
+                   side=now + 1)
+    changed = w.check(now + 2)
+    assert [(i.kind, i.ranks, i.state) for i in changed] == [("stall", (3,), "open")]
+    lines = _lines(run)
+    assert len({i["id"] for i in lines}) == 1 and lines[-1]["ranks"] == [3]
+    # spool mode: exprd applies rank 3's new rows first; the others look silent for 40 s
+    write_rank(run, 3, 12, now + 10)
+    assert [i.state for i in w.check(now + 10)] == ["resolved"]
+    assert w.check(now + 11) == []  # not a hang of ranks 0-2: their silence was the stall's
+    for r in range(3):
+        write_rank(run, r, 12, now + 12)
+    assert w.check(now + 12) == []
+
+
+def _hook_config(path: Path, url: str) -> Path:
+    path.write_text(f'[channels.hook]\ntype = "webhook"\nurl = {json.dumps(url)}\nretries = 0\n'
+                    '[policy]\nrate = 0\n')
+    return path
+
+
+def test_one_crash_cascade_is_one_incident_delivered_once(tmp_path: Path, httpserver: Any) -> None:
+    httpserver.expect_request("/hook", method="POST").respond_with_data("ok")
+    cfg = _hook_config(tmp_path / "alert.toml", httpserver.url_for("/hook"))
+    run = tmp_path / "p" / "r"
+    now = time.time()
+    for r in range(WORLD):
+        write_rank(run, r, 120, now - 1, records=True)
+    boom = {"type": "RuntimeError", "message": "boom", "time": now - 5}
+    write_rank(run, 1, 120, now - 5, status="crashed", exit=boom, records=True)
+    first = expr("watch", str(run), "--once", "--json", "--config", str(cfg))
+    assert first.returncode == 1, first.stderr
+    # gloo ends the others: "Connection closed by peer"; rank 3 without a word
+    peer = {"type": "RuntimeError", "message": "[gloo] Connection closed by peer", "time": now - 3}
+    for r in (0, 2):
+        write_rank(run, r, 120, now - 3, status="crashed", exit=peer, records=True)
+    write_rank(run, 3, 120, now - 2, status="crashed", records=True)
+    second = expr("watch", str(run), "--once", "--json", "--config", str(cfg))
+    assert second.returncode == 1, second.stderr
+    lines = _lines(run)
+    assert {i["kind"] for i in lines} == {"crashed"} and len({i["id"] for i in lines}) == 1
+    assert lines[0]["root"]["rank"] == 1 and lines[0]["root"]["message"] == "boom"
+    assert lines[0]["root"]["type"] == "RuntimeError"
+    assert lines[-1]["ranks"] == [0, 1, 2, 3] and lines[-1]["root"]["rank"] == 1
+    assert "rank 1 crashed at step 120: RuntimeError: boom; then 3 more ranks crashed" in lines[-1]["detail"]
+    assert len(httpserver.log) == 1
+    # the whole run crashed: nothing else opens, `expr summary` names the first to fail
+    summary = expr("summary", str(run), "--json")
+    assert summary.returncode == 0, summary.stderr
+    assert json.loads(summary.stdout)["ranks"]["first_crash"]["rank"] == 1
+    text = expr("summary", str(run))
+    assert "rank 1 failed first" in text.stdout, text.stdout
+
+
+def test_a_cascade_seen_in_one_pass_has_the_root_that_is_not_collateral(tmp_path: Path) -> None:
+    run = tmp_path / "p" / "r"
+    now = time.time()
+    peer = {"type": "RuntimeError", "message": "Connection reset by peer", "time": now - 9}
+    for r in range(WORLD):  # rank 2's exit time is the latest, but the others blame a peer
+        ex = {"type": "ValueError", "message": "bad batch", "time": now - 8} if r == 2 else peer
+        write_rank(run, r, 7, now - 8, status="crashed", exit=ex)
+    opened = Watcher(run, CFG).check(now)
+    assert [(i.kind, i.ranks) for i in opened] == [("crashed", (0, 1, 2, 3))]
+    assert opened[0].root is not None and opened[0].root["rank"] == 2
+    # a crash beyond crash_window after the first is another fault
+    run2 = tmp_path / "p" / "r2"
+    for r in range(2):
+        write_rank(run2, r, 7, now - (200 if r == 0 else 5), status="crashed",
+                   exit={"type": "OSError", "message": f"disk {r}", "time": 0.0})
+    for r in range(2, WORLD):
+        write_rank(run2, r, 7, now - 1)
+    opened = Watcher(run2, CFG).check(now)
+    assert sorted(i.ranks for i in opened if i.kind == "crashed") == [(0,), (1,)]
+
+
+def test_when_the_run_ends_its_incidents_resolve_and_watch_once_exits_0(tmp_path: Path) -> None:
+    run = tmp_path / "p" / "r"
+    now = time.time()
+    for r in range(WORLD):
+        write_rank(run, r, 30 if r == 2 else 200, now - 1)
+    w = Watcher(run, HealthConfig(hang_after=3600.0, behind_steps=100))
+    assert [(i.kind, i.ranks) for i in w.check(now)] == [("behind", (2,))]
+    for r in range(WORLD):
+        write_rank(run, r, 30 if r == 2 else 200, now + 1, status="finished")
+    done = w.check(now + 2)
+    assert [(i.kind, i.state, i.reason) for i in done] == [("behind", "resolved", "run ended")]
+    assert _lines(run)[-1]["reason"] == "run ended"
+    again = expr("watch", str(run), "--once", "--behind-steps", "100")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "no open incidents" in again.stdout
+
+
+def test_a_torn_last_line_is_set_aside_and_its_incident_not_delivered_again(
+        tmp_path: Path, httpserver: Any) -> None:
+    httpserver.expect_request("/hook", method="POST").respond_with_data("ok")
+    cfg = _hook_config(tmp_path / "alert.toml", httpserver.url_for("/hook"))
+    run = tmp_path / "p" / "r"
+    now = time.time()
+    for r in range(WORLD):
+        write_rank(run, r, 200 if r != 3 else 20, now - 1)
+    # a watcher delivered "behind [3]" and was killed while writing its line
+    torn = b'{"id":"0123456789ab","kind":"behind","state":"open","delivered":true,"ranks":[3],"le'
+    (run / INCIDENTS).write_bytes(torn)
+    proc = expr("watch", str(run), "--once", "--json", "--config", str(cfg))
+    assert proc.returncode == 1, proc.stderr
+    assert (run / "incidents.jsonl.torn").read_bytes() == torn + b"\n"
+    lines = _lines(run)  # every line whole, the incident known again, nobody paged
+    assert [(i["kind"], i["ranks"], i["id"]) for i in lines] == [("behind", [3], "0123456789ab")]
+    assert len(httpserver.log) == 0
+
+
+def test_ranks_with_skewed_clocks_are_not_a_hang_stall_or_missing(tmp_path: Path) -> None:
+    """Ranks whose `_time` (their hosts' clocks) is off by +-120 s, all writing now."""
+    run = tmp_path / "p" / "r"
+    now = time.time()
+    w = Watcher(run, HealthConfig(hang_after=5.0, missing_after=60.0))
+    for step in (30, 31, 32):
+        for r in range(WORLD):
+            skew = 120.0 if r % 2 else -120.0
+            write_rank(run, r, step, now + step - 32, t0=now - 32 + skew, probe=None)
+        assert w.check(now + step - 32) == []
+    assert w.open == []
+
+
+def test_watch_waits_for_a_run_that_does_not_exist_yet_and_exits_when_it_ends(tmp_path: Path) -> None:
+    run = tmp_path / "p" / "later"
+    watch = subprocess.Popen([sys.executable, "-m", "expr_cli.main", "watch", str(run), "--json",
+                              "--exit-on-finish", "--interval", "0.2"], env=env_for(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.5)
+        assert watch.poll() is None  # waiting, not "no run"
+        now = time.time()
+        for r in range(WORLD):
+            write_rank(run, r, 10, now, status="finished")
+        out, err = watch.communicate(timeout=30)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.communicate()
+    assert watch.returncode == 0, err
+    assert "waiting for" in err and out == ""
