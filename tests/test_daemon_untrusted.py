@@ -5,16 +5,30 @@ arguments, and the weak spots around them. Real spool files edited by hand, a re
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 
-from tests.procs import env_for
-from tests.test_daemon import _rewrite, exprd_once, lines_of, make_spool, write_config
+from tests.procs import env_for, in_mount_namespace
+from tests.test_daemon import (
+    EXPRD,
+    _rewrite,
+    exprd_once,
+    lines_of,
+    make_spool,
+    start_exprd,
+    stop,
+    wait_for,
+    wait_ready,
+    write_config,
+)
 
 # each replaces the record of one `_seq` (so no gap is reported): (line, reason quarantined)
 BAD_RECORDS: list[tuple[str, str]] = [
@@ -121,3 +135,70 @@ def test_bad_spool_records_are_quarantined_naming_the_field_the_rest_lands(
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert f"{len(BAD_RECORDS) + 1 + len(scalar)} quarantined" in out.stdout
+
+
+# -- weak spots ----------------------------------------------------------------------------
+
+
+def test_a_read_only_state_dir_is_logged_once_not_every_second(tmp_path: Path) -> None:
+    spool, state, root = tmp_path / "spool", tmp_path / "state", tmp_path / "runs"
+    make_spool(spool, root, "ro", 20)
+    cfg = write_config(tmp_path / "exprd.toml", spool, state, [root])
+    exprd_once(cfg)  # the state dir with its files, then made read-only (root ignores modes)
+    make_spool(spool, root, "ro2", 20)
+    log = tmp_path / "exprd.log"
+    result = in_mount_namespace(f"""
+        import json, subprocess, time
+        state = {str(state)!r}
+        subprocess.run(["mount", "--bind", state, state], check=True)
+        subprocess.run(["mount", "-o", "remount,ro,bind", state], check=True)
+        with open({str(log)!r}, "ab") as err:
+            d = subprocess.Popen([*{EXPRD!r}, "--config", {str(cfg)!r}], stdout=subprocess.DEVNULL,
+                                 stderr=err)
+        time.sleep(4.0)  # status_interval 0.2 s: some 20 failed writes
+        alive = d.poll() is None
+        d.terminate()
+        d.wait(20)
+        print(json.dumps({{"alive": alive}}))
+    """)
+    assert result["alive"]
+    text = log.read_text()
+    assert text.count("cannot write status.json") == 1, text
+    assert "Read-only file system" in text
+    assert (root / "proj" / "ro2" / "metrics.jsonl").exists()  # the rows land all the same
+
+
+def test_spool_files_of_another_user_are_logged_once_and_allowed_uids_refuses_them(
+        tmp_path: Path) -> None:
+    spool, root = tmp_path / "spool", tmp_path / "runs"
+    mine = make_spool(spool, root, "mine", 10)
+    theirs = make_spool(spool, root, "theirs", 10)
+    os.chown(theirs, 4242, 4242)  # the test runs as root: the spool root is root's
+    # the default: applied, and said once however many rescans see it
+    state = tmp_path / "state"
+    cfg = write_config(tmp_path / "exprd.toml", spool, state, [root])
+    log = tmp_path / "exprd.log"
+    d = start_exprd(cfg, log=log)
+    try:
+        wait_ready(state, d)
+        wait_for(lambda: (root / "proj" / "theirs" / "metrics.jsonl").exists(), 20, "the rows")
+        time.sleep(1.0)  # five rescans
+    finally:
+        assert stop(d) == 0
+    text = log.read_text()
+    assert text.count("owned by uid 4242") == 1, text
+    assert str(mine) not in text
+    # allowed_uids: refused, with the reason where a person looks
+    state2 = tmp_path / "state2"
+    shutil.rmtree(root)
+    cfg = write_config(tmp_path / "exprd2.toml", spool, state2, [root], extra="allowed_uids = [0]\n")
+    proc = exprd_once(cfg)
+    assert (root / "proj" / "mine" / "metrics.jsonl").exists()
+    assert not (root / "proj" / "theirs").exists()
+    assert _status(state2)["refused_paths"] == {
+        str(theirs): "owned by uid 4242, which allowed_uids does not list"}
+    assert "refusing" in proc.stderr and str(theirs) in proc.stderr
+    bad = write_config(tmp_path / "exprd3.toml", spool, state2, [root], extra='allowed_uids = ["x"]\n')
+    out = subprocess.run([*EXPRD, "--config", str(bad), "--once"], env=env_for(), capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode != 0 and "allowed_uids must be a list of numeric user ids" in out.stderr
