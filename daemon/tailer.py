@@ -334,6 +334,9 @@ class Tailer:
                                  or screen(ev, line, shapes))):
                         if append is None:
                             assert run is not None
+                            if not run.started and self._overlaps(tail, run, ev):
+                                done = reader.size
+                                return False
                             append = run.prepare()
                         seq = last = seq + 1
                         append(line[:-1] + suffix)  # the spool line verbatim, plus `_sid`
@@ -366,6 +369,14 @@ class Tailer:
                 run.appended(applied, last)
                 tail.applied += applied
         return False
+
+    def _overlaps(self, tail: FileTail, run: RunPipeline, ev: dict[str, Any]) -> bool:
+        """Refuse the file if its session would write steps its shard holds (see
+        `RunPipeline.overlap`)."""
+        reason = run.overlap(ev)
+        if reason is not None:
+            self.refuse(tail, reason)
+        return reason is not None
 
     @staticmethod
     def _row_shape(tail: FileTail) -> frozenset[str] | None:
@@ -441,6 +452,8 @@ class Tailer:
                 tail.shapes = (shapes[0], shapes[1])
                 # what was checked is what lands (not a repeated key readers would trip on)
                 line = orjson.dumps(ev)
+            if not run.started and self._overlaps(tail, run, ev):
+                return
             if run.record(ev, line, seq, start):
                 tail.applied += 1
             else:

@@ -202,3 +202,27 @@ def test_spool_files_of_another_user_are_logged_once_and_allowed_uids_refuses_th
     out = subprocess.run([*EXPRD, "--config", str(bad), "--once"], env=env_for(), capture_output=True,
                          text=True, timeout=60)
     assert out.returncode != 0 and "allowed_uids must be a list of numeric user ids" in out.stderr
+
+
+def test_one_rank_on_two_spool_roots_the_second_session_is_refused(tmp_path: Path) -> None:
+    """On one spool root the SDK's writer lock refuses a second process of a rank; on two,
+    both write, each from step 0, and the second exprd must not append its steps again."""
+    root = tmp_path / "runs"
+    first = make_spool(tmp_path / "spool-a", root, "twice", 60)
+    second = make_spool(tmp_path / "spool-b", root, "twice", 30)  # also from step 0
+    exprd_once(write_config(tmp_path / "a.toml", tmp_path / "spool-a", tmp_path / "state-a", [root]))
+    proc = exprd_once(write_config(tmp_path / "b.toml", tmp_path / "spool-b", tmp_path / "state-b",
+                                   [root]))
+    recs = lines_of(root / "proj" / "twice" / "metrics.jsonl")
+    assert [r["_step"] for r in recs] == list(range(60))
+    assert {r["_sid"] for r in recs} == {first.name.split(".")[1]}
+    reason = _status(tmp_path / "state-b")["files"][str(second)]["reason"]
+    assert "already holds steps up to 59 of another session" in reason
+    assert "starts again at step 0" in reason and "two spool roots" in reason
+    assert "refusing" in proc.stderr
+    # a real resume on one root (after the shard's last step) is applied as before
+    third = make_spool(tmp_path / "spool-a", root, "twice", 5)
+    exprd_once(write_config(tmp_path / "a.toml", tmp_path / "spool-a", tmp_path / "state-a", [root]))
+    recs = lines_of(root / "proj" / "twice" / "metrics.jsonl")
+    assert [r["_step"] for r in recs] == list(range(65))
+    assert recs[-1]["_sid"] == third.name.split(".")[1]
