@@ -40,6 +40,7 @@ BAD_RECORDS: list[tuple[str, str]] = [
      "bad record: _step must be at most 9223372036854775807 (int64), got 9223372036854775808"),
     ('{{"_step":50,"_time":1.0,"_seq":{seq},"k":{{"a":1}}}}', "bad record: value of key 'k' must be"),
     ('{{"_step":50,"_time":1.0,"_seq":{seq},"k":[1]}}', "bad record: value of key 'k' must be"),
+    ('{{"_step":50,"_time":1.0,"_seq":{seq},"k":{{}}}}', "bad record: value of key 'k' must be"),
     ('{{"_step":50,"_seq":{seq},"k":-1}}', "bad record: _time is missing"),
     ('{{"_step":50,"_time":"now","_seq":{seq},"k":-1}}', "bad record: _time must be a number"),
     ('{{"_step":50,"_time":1.0,"_seq":{seq},"k":-1,"":2}}', "bad record: metric keys must not be empty"),

@@ -123,3 +123,16 @@ def test_spool_records_are_checked_as_log_checks_its_arguments():
             untrusted.check_record(rec)
         for shape in _shapes(rec):
             assert not untrusted.screen(rec, orjson.dumps(rec), shape), name
+
+
+def test_the_block_screen_leaves_out_the_events_at_its_ends_only():
+    init = b'{"_event":"init","_seq":0,"rules":[],"identity":{"a":1}}'
+    row = b'{"_step":1,"_time":1.5,"_seq":1,"loss":0.5,"k":2}'
+    finish = b'{"_event":"finish","_seq":3,"_time":2.0,"status":"finished"}'
+    alert = b'{"_event":"alert","_seq":2,"title":"x","tags":["a"]}'
+    evs, clean = untrusted.screen_block([init, row, row, finish], 1 << 24)
+    assert clean and evs is not None and evs[1]["k"] == 2
+    assert not untrusted.screen_block([row, alert, row], 1 << 24)[1]
+    assert not untrusted.screen_block([row, b'{"_step":1,"_time":1.5,"k":[2]}'], 1 << 24)[1]
+    assert untrusted.screen_block([row, b"null"], 1 << 24) == ([orjson.loads(row), None], False)
+    assert untrusted.screen_block([row, b"{"], 1 << 24) == (None, False)

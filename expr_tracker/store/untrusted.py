@@ -87,16 +87,17 @@ def screen(rec: dict[str, Any], line: bytes, shapes: Sequence[frozenset[str] | N
 
     `shapes` are the key sets of the last step row and the last rank record that passed
     `check_record`: the same keys mean no empty, reserved or unknown `_` key. One colon
-    per key means no repeated or nested key (and no colon in text), no `[` no list, a
-    line under MAX_STR no text over the limits; orjson parses only ints in
-    [INT_MIN, INT_MAX] and valid UTF-8. Spool lines are orjson's own: no whitespace.
+    per key means no repeated or nested key (and no colon in text), no `[` no list, no
+    second `{` no empty object, a line under MAX_STR no text over the limits; orjson
+    parses only ints in [INT_MIN, INT_MAX] and valid UTF-8.
     """
     kind = "_kind" in rec
     if rec.keys() != shapes[kind]:
         return False
     step = rec["_step"]
     if (step.__class__ is not int or not 0 <= step <= MAX_STEP or rec["_time"].__class__ is not float
-            or line.count(58) != len(rec) or 91 in line or len(line) > MAX_STR):  # 58 ":", 91 "["
+            or line.count(58) != len(rec) or 91 in line or len(line) > MAX_STR
+            or line.find(123, 1) >= 0):  # 58 ":", 91 "[", 123 "{" (an empty `{}` has no colon)
         return False
     if not kind:
         rank = rec.get("_rank", 0)
@@ -123,7 +124,9 @@ def screen_block(parts: list[bytes], max_line: int) -> tuple[list[Any] | None, b
 
     (None, False) when some line does not parse or is over `max_line`: the caller goes
     line by line. Across the block, colons == keys holds only if it holds on every line
-    (a line of JSON objects never has fewer colons than keys).
+    (a line of JSON objects never has fewer colons than keys). Events at the block's ends
+    (a file's init, its finish) are left out of the sums: a line that starts with
+    `{"_event"` has that key, which no checked step row has, so it is never screened so.
     """
     longest = max(map(len, parts), default=0)
     if longest > max_line:
@@ -132,7 +135,14 @@ def screen_block(parts: list[bytes], max_line: int) -> tuple[list[Any] | None, b
         recs = list(map(orjson.loads, parts))
     except orjson.JSONDecodeError:
         return None, False
-    data = b"\n".join(parts)
-    clean = (longest <= MAX_STR and set(map(type, recs)) == {dict} and 91 not in data
-             and data.count(58) == sum(map(len, recs)))
+    lo, hi = 0, len(parts)
+    while lo < hi and parts[lo].startswith(b'{"_event"'):
+        lo += 1
+    while hi > lo and parts[hi - 1].startswith(b'{"_event"'):
+        hi -= 1
+    rows = recs[lo:hi]
+    data = b"\n".join(parts[lo:hi])
+    # 58 ":", 91 "[", 123 "{": a colon per key, no list, one brace per line (no `{}` value)
+    clean = (longest <= MAX_STR and set(map(type, rows)) <= {dict} and 91 not in data
+             and data.count(58) == sum(map(len, rows)) and data.count(123) == len(rows))
     return recs, clean
