@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 import pytest
 
-from tests.procs import env_for, in_mount_namespace
+from tests.procs import env_for, in_mount_namespace, run_all, spawn
 from tests.test_daemon import (
     EXPRD,
     _rewrite,
@@ -227,3 +227,42 @@ def test_one_rank_on_two_spool_roots_the_second_session_is_refused(tmp_path: Pat
     recs = lines_of(root / "proj" / "twice" / "metrics.jsonl")
     assert [r["_step"] for r in recs] == list(range(65))
     assert recs[-1]["_sid"] == third.name.split(".")[1]
+
+
+def _expr(*args: str) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run([sys.executable, "-m", "expr_cli.main", *args], capture_output=True, text=True,
+                         env=env_for({"NO_COLOR": "1", "COLUMNS": "160"}), timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+def test_a_corrupt_sidecar_and_a_world_size_the_records_deny_are_said(tmp_path: Path) -> None:
+    """Three ranks of a job launched as 8 (sidecars: world size 8) whose rank records say
+    4; rank 2's sidecar is then corrupted (not running: its status is unknown)."""
+    root = tmp_path / "runs"
+    code = f"""
+        import expr_tracker as et
+        et.init("proj", "w", dir={str(root)!r})
+        for k in range(5):
+            et.log_rank_metrics({{"loss": 1.0 + k}}, step=k, world_size=4)
+        et.finish()
+    """
+    run_all([spawn(code, {"RANK": str(r), "WORLD_SIZE": "8"}) for r in range(3)])
+    run = root / "proj" / "w"
+    (run / "metrics.rank2.meta.json").write_text('{"status": "running", "cursor": ')
+    out = _expr("shards", str(run), "--json")
+    rows = {r["rank"]: r for r in json.loads(out.stdout)}
+    assert rows[2]["status"] == "corrupt" and rows[2]["sidecar"] == "corrupt sidecar"
+    assert rows[0]["sidecar"] == "ok" and rows[0]["status"] == "finished"
+    warn = ("the sidecars say world_size 8 (ranks 0-1), the rank records 4 (ranks 0-2); "
+            "using 8")
+    assert warn in out.stderr.replace("\n", " ")
+    text = _expr("shards", str(run)).stdout
+    assert "corrupt sidecar" in text and "corrupt" in text
+    out = _expr("summary", str(run))
+    assert warn in out.stderr.replace("\n", " ")
+    assert json.loads(_expr("summary", str(run), "--json").stdout)["world_size_mismatch"] == warn
+    top = json.loads(_expr("top", str(run), "--once", "--json").stdout)
+    status = {r["rank"]: r["status"] for r in top["ranks"]}
+    assert status == {0: "finished", 1: "finished", 2: "corrupt"}
+    assert top["live"] == 0
