@@ -310,8 +310,9 @@ class Tailer:
                     self._line(tail, pos, big_end, b"", TOO_LONG)
                     done = big_end
                     continue
-                # a run that only appends: the block parsed and screened at once
-                evs, clean = block(parts, max_line) if fast else (None, False)
+                # the block parsed and screened at once (for the fast case: the first
+                # block of a file holds its init, after which the run only appends)
+                evs, clean = block(parts, max_line)
                 for i, line in enumerate(parts):
                     end = pos + len(line) + 1
                     ev: Any = TOO_LONG
