@@ -190,7 +190,7 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
         if not isinstance(uids, list) or not all(
                 type(u) is int and 0 <= u < 2**32 for u in uids):
             raise ConfigError(f"allowed_uids must be a list of numeric user ids, got {uids!r}")
-        cfg.allowed_uids = frozenset(uids)
+        cfg.allowed_uids = frozenset(uids) or None  # []: any owner, as without the key
     if "trust_run_backends" in raw:
         if not isinstance(raw["trust_run_backends"], bool):
             raise ConfigError("trust_run_backends must be true or false")
