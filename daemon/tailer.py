@@ -374,7 +374,7 @@ class Tailer:
     def _overlaps(self, tail: FileTail, run: RunPipeline, ev: dict[str, Any]) -> bool:
         """Refuse the file if its session would write steps its shard holds (see
         `RunPipeline.overlap`)."""
-        reason = run.overlap(ev)
+        reason = run.overlap(ev, tail.path.parent)
         if reason is not None:
             self.refuse(tail, reason)
         return reason is not None

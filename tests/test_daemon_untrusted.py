@@ -218,9 +218,26 @@ def test_one_rank_on_two_spool_roots_the_second_session_is_refused(tmp_path: Pat
     assert [r["_step"] for r in recs] == list(range(60))
     assert {r["_sid"] for r in recs} == {first.name.split(".")[1]}
     reason = _status(tmp_path / "state-b")["files"][str(second)]["reason"]
-    assert "already holds steps up to 59 of another session" in reason
+    assert f"already holds steps up to 59, some of session {first.name.split('.')[1]}" in reason
     assert "starts again at step 0" in reason and "two spool roots" in reason
     assert "refusing" in proc.stderr
+    # sessions of one spool root are never refused, in whatever order they are applied
+    # (here the later one first: a crashed session, resumed, exprd down all along)
+    shutil.rmtree(root)
+    lone = tmp_path / "spool-c"
+    early = make_spool(lone, root, "order", 10)
+    late = make_spool(lone, root, "order", 10)  # resumes after the spooled rows: 10..19
+    early.rename(tmp_path / "aside.jsonl")  # applied second: after the later session
+    cfg = write_config(tmp_path / "c.toml", lone, tmp_path / "state-c", [root])
+    exprd_once(cfg)
+    (tmp_path / "aside.jsonl").rename(early)
+    exprd_once(cfg)
+    recs = lines_of(root / "proj" / "order" / "metrics.jsonl")
+    assert [r["_step"] for r in recs] == [*range(10, 20), *range(10)]
+    assert {r["_sid"] for r in recs[10:]} == {early.name.split(".")[1]} != {late.name.split(".")[1]}
+    shutil.rmtree(root)
+    exprd_once(write_config(tmp_path / "a.toml", tmp_path / "spool-a", tmp_path / "state-a2",
+                            [root]))
     # a real resume on one root (after the shard's last step) is applied as before
     third = make_spool(tmp_path / "spool-a", root, "twice", 5)
     exprd_once(write_config(tmp_path / "a.toml", tmp_path / "spool-a", tmp_path / "state-a", [root]))

@@ -55,7 +55,7 @@ _near_valid = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(_near_valid, st.booleans())
 def test_the_fast_screen_never_passes_what_the_full_check_refuses(rec, spaced):
     """`screen` lets exprd keep a spool line verbatim without `check_record`: it may say
