@@ -7,7 +7,11 @@ runs open at once (WRITERS x RUNS_PER_WRITER live spool files) and log STEPS ste
 each at a steady pace. Meanwhile exprd, started with a descriptor limit of 64 (below
 the file count), is killed with SIGKILL at random moments and started again, and the
 run root, a small tmpfs in a private mount namespace, is filled up and freed again.
-At the end every shard must hold every step exactly once. Prints a markdown table.
+Every 50 steps each run's spool file also gets one line of a bad kind (issue 20: a
+`_step` that is text, negative or past int64, a nested value, no `_time`, an empty or
+reserved key, a rank record out of its world, a `null` line), numbered like an event of
+the run: exprd must quarantine every one and apply none. At the end every shard must
+hold every step exactly once, and no bad line. Prints a markdown table.
 
 Runs as root (it mounts a tmpfs); it re-runs itself under `unshare -m`.
 """
@@ -33,16 +37,47 @@ NOFILE = 64
 TMPFS_MB = 48
 
 
+# spool lines exprd must refuse (`{seq}`: the event number the line takes); "k" is -1 in
+# each, so one that landed in a shard is told from the good rows
+BAD_LINES = [
+    '{{"_step":"7","_time":1.0,"_seq":{seq},"k":-1}}',
+    '{{"_step":-1,"_time":1.0,"_seq":{seq},"k":-1}}',
+    '{{"_step":1180591620717411303424,"_time":1.0,"_seq":{seq},"k":-1}}',
+    '{{"_step":9223372036854775808,"_time":1.0,"_seq":{seq},"k":-1}}',
+    '{{"_step":5,"_time":1.0,"_seq":{seq},"k":-1,"a":{{"a":1}}}}',
+    '{{"_step":5,"_time":1.0,"_seq":{seq},"k":-1,"a":[1]}}',
+    '{{"_step":5,"_time":1.0,"_seq":{seq},"k":-1,"a":{{}}}}',
+    '{{"_step":5,"_seq":{seq},"k":-1}}',
+    '{{"_step":5,"_time":1.0,"_seq":{seq},"k":-1,"":2}}',
+    '{{"_step":5,"_time":1.0,"_seq":{seq},"k":-1,"_x":2}}',
+    '{{"_kind":"rank","_step":5,"_time":1.0,"_rank":99999999,"_world_size":-5,"_seq":{seq},"k":-1}}',
+    'null',
+]
+
+
 def writer_code(spool: Path, root: Path, w: int, runs: int, steps: int, seconds: float) -> str:
     return textwrap.dedent(f"""
         import time, expr_tracker as et
+        BAD = {BAD_LINES!r}
         runs = [et.Run("torture", "w{w}-r%d" % i, dir={str(root)!r}, upload_mode="spool",
                        spool_dir={str(spool)!r}) for i in range({runs})]
         pause = {seconds} * 0.8 / {steps} * 50
+
+        def bad(run, i):
+            # a hand-made line in the run's own spool file, numbered as its next event
+            # (the SDK's private sink: this is a test of exprd, not of the SDK's API)
+            with run._lock:
+                sink = run._sink
+                seq = sink.seq
+                if "{{seq}}" in BAD[i % len(BAD)]:
+                    sink.seq = seq + 1
+                sink.writer.append(BAD[i % len(BAD)].format(seq=seq).encode() + b"\\n")
+
         for s in range(0, {steps}, 50):
-            for run in runs:
+            for i, run in enumerate(runs):
                 for k in range(s, min(s + 50, {steps})):
                     run.log({{"loss": 1.0 / (k + 1), "k": k}})
+                bad(run, s // 50 + i)
             time.sleep(pause)
         for run in runs:
             run.finish()
@@ -103,19 +138,38 @@ def shards_done(root: Path, names: list[str], steps: int) -> bool:
     return True
 
 
-def check(root: Path, names: list[str], steps: int) -> tuple[int, int, int]:
-    """(rows, lost, duplicated) over every shard."""
-    rows = lost = dup = 0
+def check(root: Path, names: list[str], steps: int) -> tuple[int, int, int, int]:
+    """(rows, lost, duplicated, bad lines that landed) over every shard."""
+    rows = lost = dup = landed = 0
     for name in names:
         seen: dict[int, int] = {}
         with open(root / "torture" / name / "metrics.jsonl", "rb") as fh:
             for line in fh:
-                k = json.loads(line)["_step"]
+                rec = json.loads(line)
+                if rec.get("k") == -1:
+                    landed += 1
+                    continue
+                k = rec["_step"]
                 seen[k] = seen.get(k, 0) + 1
                 rows += 1
         lost += sum(1 for k in range(steps) if k not in seen)
         dup += sum(n - 1 for n in seen.values() if n > 1)
-    return rows, lost, dup
+    return rows, lost, dup, landed
+
+
+def quarantined(state: Path) -> int:
+    """Distinct bad lines in the quarantine (a line read again after a kill -9 is indexed
+    again, at the same file and offset)."""
+    seen = set()
+    try:
+        lines = (state / "quarantine" / "index.jsonl").read_text().splitlines()
+    except OSError:
+        return 0
+    for line in lines:
+        q = json.loads(line)
+        if q["reason"].startswith(("bad record:", "not an event:")):
+            seen.add((q["file"], q["offset"]))
+    return len(seen)
 
 
 def main() -> None:
@@ -167,11 +221,14 @@ def main() -> None:
         d.send_signal(signal.SIGTERM)
         d.wait(15)
         elapsed = time.monotonic() - t0
-        rows, lost, dup = check(root, names, steps)
+        rows, lost, dup, landed = check(root, names, steps)
+        caught = quarantined(state)
+        bad = writers * per * len(range(0, steps, 50))
         text = log.read_text(errors="replace")
         # each exprd logs a cause once: these count the exprd lives that met it
         enospc, emfile = text.count("No space left on device"), text.count("Too many open files")
-        ok = not lost and not dup and rows == writers * per * steps
+        ok = not lost and not dup and rows == writers * per * steps and not landed \
+            and caught == bad
     finally:
         for p in [*procs, *([d] if d is not None else [])]:
             if p.poll() is None:
@@ -195,13 +252,15 @@ def main() -> None:
         ("rows in shards", f"{rows:,}"),
         ("rows lost", str(lost)),
         ("duplicates", str(dup)),
+        ("bad spool lines written / quarantined / in shards", f"{bad:,} / {caught:,} / {landed}"),
     ]
     print("| measure | value |")
     print("| --- | --- |")
     for k, v in table:
         print(f"| {k} | {v} |")
-    if lost or dup or rows != events:
-        raise SystemExit(f"FAILED: {lost} rows lost, {dup} duplicates")
+    if lost or dup or rows != events or landed or caught != bad:
+        raise SystemExit(f"FAILED: {lost} rows lost, {dup} duplicates, {landed} bad lines in "
+                         f"shards, {caught} of {bad} bad lines quarantined")
 
 
 if __name__ == "__main__":

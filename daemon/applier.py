@@ -22,6 +22,7 @@ from expr_tracker.store.layout import spans_name
 from expr_tracker.store.records import DECODE_NONFINITE
 from expr_tracker.store.safedir import UnsafePath
 from expr_tracker.store.shard import ShardWriter
+from expr_tracker.store.spoolfile import session_of, spool_files_of
 
 from .config import Config
 from .forwarder import Forwarder, drop_journals
@@ -277,6 +278,8 @@ class RunPipeline:
         # backends read the spool themselves (forwarder.Forwarder.pump): only rules need values
         self.needs_values = bool(self.rules is not None and self.rules.rules)
         self.closed = False
+        # a shared rank_aware=False shard interleaves ranks' steps: nothing to compare
+        self.started = not spec.rank_aware
 
     def _warn(self, cause: str, message: str) -> None:
         self.pool.warn(cause, message)
@@ -310,6 +313,33 @@ class RunPipeline:
 
     def backend_stats(self) -> dict[str, Any]:
         return self.forwarder.stats()
+
+    def overlap(self, ev: Mapping[str, Any], spool_dir: Path) -> str | None:
+        """Why this session must not write its shard, checked at its first step row: the
+        shard already holds that step or a later one, and a session whose spool file is
+        not in `spool_dir` wrote there. The SDK's resume starts after the shard's and the
+        spool's last step, and its writer lock refuses a second process of one rank on
+        one spool root (the sessions of one spool directory may be applied in any order);
+        the same rank through two spool roots (two EXPR_SPOOL, two exprds) would
+        interleave in the shard."""
+        if self.started or "_kind" in ev:
+            return None
+        self.started = True
+        slot = self.slot
+        if self.skip_upto >= 0 or self.dry_run or not slot.open() or not slot.flush():
+            return None  # a session the shard already has rows of; or read it later
+        last, step = slot.writer.cursor.last_step, ev.get("_step")
+        if last is None or type(step) is not int or step > last:
+            return None
+        stem = slot.paths.stem
+        here = {session_of(p, stem) for p in spool_files_of(spool_dir, stem)}
+        foreign = sorted(set(slot.writer.cursor.applied) - here - {self.spec.session})
+        if not foreign:
+            return None
+        return (f"rank {self.spec.rank}: the shard {slot.paths.shard} already holds steps up to "
+                f"{last}, some of session {foreign[0]} (not in this spool root), and session "
+                f"{self.spec.session} starts again at step {step}: one rank written through "
+                "two spool roots? check RANK and EXPR_SPOOL")
 
     def prepare(self) -> Callable[[bytes], None]:
         """Open the shard for the plain case (once this session has an event to add)."""

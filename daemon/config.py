@@ -9,6 +9,9 @@
     trust_run_backends = false           # use a run's own (secret-free) backend specs
     max_open_files = 256                 # shard descriptors held at once (default: half
                                          # the descriptor limit, at most 1024)
+    allowed_uids = [1001]                # apply only spool files these users own (default:
+                                         # any, a file of another user than the spool
+                                         # root's owner logged once)
 
     watch_roots = ["/shared/runs"]       # also watch live runs there whose rank-0 sidecar names this host
 
@@ -46,7 +49,7 @@ _DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*\Z")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 KEYS = ("spool", "state", "allowed_roots", "rescan_interval", "retention", "crash_silence",
         "alert", "backends", "trust_run_backends", "checkpoint_interval", "status_interval",
-        "health", "watch_roots", "max_open_files")
+        "health", "watch_roots", "max_open_files", "allowed_uids")
 
 
 class ConfigError(ValueError):
@@ -71,6 +74,7 @@ class Config:
     health: Any = None  # expr_tracker.health.config.HealthConfig (None: the defaults)
     watch_roots: list[Path] = field(default_factory=list)
     max_open_files: int | None = None
+    allowed_uids: frozenset[int] | None = None  # None: any owner (another one is logged)
     source: str | None = None
 
     def allows(self, path: Path) -> bool:
@@ -183,6 +187,12 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"max_open_files must be an integer >= 1, got {value!r}")
         cfg.max_open_files = value
+    if "allowed_uids" in raw:
+        uids = raw["allowed_uids"]
+        if not isinstance(uids, list) or not all(
+                type(u) is int and 0 <= u < 2**32 for u in uids):
+            raise ConfigError(f"allowed_uids must be a list of numeric user ids, got {uids!r}")
+        cfg.allowed_uids = frozenset(uids) or None  # []: any owner, as without the key
     if "trust_run_backends" in raw:
         if not isinstance(raw["trust_run_backends"], bool):
             raise ConfigError("trust_run_backends must be true or false")

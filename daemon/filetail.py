@@ -36,6 +36,8 @@ class FileTail:
     skipped: int = 0  # record events the shard already held
     drained: bool = False  # the last pump read every complete line there was
     read_error: str = ""  # why the last read failed (EMFILE...): retried, never "torn"
+    # the keys of the last step row and of the last rank record that passed the full check
+    shapes: tuple[frozenset[str] | None, frozenset[str] | None] = (None, None)
 
     @property
     def key(self) -> str:

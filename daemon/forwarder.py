@@ -33,6 +33,7 @@ import orjson
 
 from expr_tracker.store.records import DECODE_NONFINITE
 from expr_tracker.store.spoolfile import SpoolReader
+from expr_tracker.store.untrusted import check_record, screen
 
 if TYPE_CHECKING:
     from .config import Config
@@ -213,6 +214,7 @@ class Forwarder:
         reader = SpoolReader(path)
         max_line = reader.max_line
         last = -1 if seq is None else seq
+        shapes: list[frozenset[str] | None] = [None, None]  # see records.screen
         try:
             for pos, parts, big_end in reader.chunks(off, min(READ_BUDGET, upto - off)):
                 if big_end is not None:
@@ -239,6 +241,12 @@ class Forwarder:
                         continue  # init, finish, rules; alerts reach backends from the pipeline
                     if "_sid" in ev:
                         del ev["_sid"]
+                    if not screen(ev, line, shapes):
+                        try:
+                            check_record(ev)  # a bad record: the shard consumer quarantines it
+                        except (TypeError, ValueError):
+                            continue
+                        shapes["_kind" in ev] = frozenset(ev)
                     if nonfinite(line) is not None:
                         for key, value in ev.items():
                             if (value.__class__ is str and key[:1] != "_"

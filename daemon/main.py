@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import gc
 import logging
 import os
@@ -109,6 +110,7 @@ class Daemon:
         self.reload_requested = False
         self.started = time.time()
         self.refused: dict[str, str] = {}
+        self._other_owner = set()  # spool files of another user, logged once each
         self.watcher: Any = None
         if not replay and cfg.allowed_roots is None:
             log.warning("no allowed_roots configured: runs may write anywhere this user can")
@@ -151,8 +153,29 @@ class Daemon:
             if _unsafe(st.st_mode):
                 self._refuse_path(entry.path, "writable by other users")
                 continue
+            if depth == 2 and not self._owner_ok(entry.path, st.st_uid):
+                continue
             out.append(entry)
         return out
+
+    def _owner_ok(self, path: str, uid: int) -> bool:
+        """A spool file of a user `allowed_uids` does not list is refused; without the key,
+        one of another user than the spool root's owner is applied and logged once."""
+        allowed = self.cfg.allowed_uids
+        if allowed is not None:
+            if uid in allowed:
+                return True
+            self._refuse_path(path, f"owned by uid {uid}, which allowed_uids does not list")
+            return False
+        if uid != self._spool_uid and path not in self._other_owner:
+            self._other_owner.add(path)
+            log.warning("%s is owned by uid %d, not by the spool root's owner (uid %d); "
+                        "applied (allowed_uids in the config refuses such files)", path, uid,
+                        self._spool_uid)
+        return True
+
+    _spool_uid = -1  # the spool root's owner, read at each scan
+    _other_owner: set[str]
 
     def scan(self) -> list[FileTail]:
         """Walk `{spool}/{project}/{name}/*.jsonl` and track every acceptable file."""
@@ -163,6 +186,7 @@ class Daemon:
         if _unsafe(st.st_mode):
             self._refuse_path(str(self.spool), "spool directory is writable by other users")
             return []
+        self._spool_uid = st.st_uid
         seen = []
         for proj in self._entries(str(self.spool), 0):
             for run in self._entries(proj.path, 1):
@@ -232,7 +256,11 @@ class Daemon:
                     status_mod.write(self.sdir, doc)
                     self._last_status, self._status_written = same, now
                 except OSError as exc:
-                    log.error("cannot write status.json: %s", exc.strerror or exc)
+                    # a read-only or full state dir: retried each round, logged once per
+                    # cause (and hourly with its count), counted in `errors`
+                    cause = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+                    self.tailer.warn(f"status:{cause}", "cannot write status.json in "
+                                     f"{self.sdir.path}: {exc.strerror or exc}")
         return doc
 
     _last_status: dict[str, Any] | None = None

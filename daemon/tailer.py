@@ -22,6 +22,7 @@ from typing import Any
 
 import orjson
 
+from expr_tracker.store import untrusted
 from expr_tracker.store.spoolfile import SpoolReader
 
 from .applier import RunPipeline, ShardPool, forget_file
@@ -33,10 +34,20 @@ from .state import Checkpoints, Quarantine, StateDir
 log = logging.getLogger("exprd")
 MAX_LOGGED = 10  # quarantine log lines per file; the rest are counted in status.json
 LOG_AGAIN = 3600.0  # a cause already logged is logged again (with its count) after this
+TOO_LONG = object()  # the parse of a line over the spool's line limit (never read)
 
 
 def _cause(exc: OSError) -> str:
     return errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a parsed value that is not an object (`null`, array...)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    return {list: "array", str: "string"}.get(type(value), "number")
 
 
 class Tailer:
@@ -283,8 +294,10 @@ class Tailer:
         """Apply the complete lines from `tail.offset` (about `budget` bytes); True if it
         stopped early because the shard or a backend cannot take more now."""
         loads, decode_error = orjson.loads, orjson.JSONDecodeError
+        screen, block, max_step = untrusted.screen, untrusted.screen_block, untrusted.MAX_STEP
         max_line = reader.max_line
         run = tail.run
+        shapes, row = tail.shapes, self._row_shape(tail)
         fast, skip, suffix = self._fast_case(tail)
         append = None
         seq = last = tail.seq
@@ -294,23 +307,37 @@ class Tailer:
             for pos, parts, big_end in reader.chunks(tail.offset, budget):
                 if big_end is not None:
                     tail.seq = seq
-                    self._line(tail, pos, big_end, b"", None)
+                    self._line(tail, pos, big_end, b"", TOO_LONG)
                     done = big_end
                     continue
-                for line in parts:
+                # the block parsed and screened at once (for the fast case: the first
+                # block of a file holds its init, after which the run only appends)
+                evs, clean = block(parts, max_line)
+                for i, line in enumerate(parts):
                     end = pos + len(line) + 1
-                    ev: Any = None
-                    if len(line) <= max_line:
+                    ev: Any = TOO_LONG
+                    if evs is not None:
+                        ev = evs[i]
+                    elif len(line) <= max_line:
                         try:
                             ev = loads(line)
                         except decode_error as exc:
                             ev = exc
-                    # the fast case: the next record of a run that only appends it
+                    # the fast case: the next record of a run that only appends it, that
+                    # passes the screen (untrusted.screen, or its cheap half when the
+                    # block is clean): the keys of a record that passed the full check
+                    # (so no `_event`, `_sid` or a `_kind` other than "rank")
                     if (fast and ev.__class__ is dict and ev.get("_seq") == seq + 1
-                            and seq >= skip and line[-1:] == b"}" and "_event" not in ev
-                            and "_sid" not in ev and ev.get("_kind", "rank") == "rank"):
+                            and seq >= skip and line[-1:] == b"}"
+                            and ((clean and ev.keys() == row and ev["_time"].__class__ is float
+                                  and (step := ev["_step"]).__class__ is int
+                                  and 0 <= step <= max_step)
+                                 or screen(ev, line, shapes))):
                         if append is None:
                             assert run is not None
+                            if not run.started and self._overlaps(tail, run, ev):
+                                done = reader.size
+                                return False
                             append = run.prepare()
                         seq = last = seq + 1
                         append(line[:-1] + suffix)  # the spool line verbatim, plus `_sid`
@@ -319,7 +346,7 @@ class Tailer:
                         continue
                     tail.seq = seq
                     self._line(tail, pos, end, line, ev)
-                    seq = tail.seq
+                    seq, shapes, row = tail.seq, tail.shapes, self._row_shape(tail)
                     pos = done = end
                     if tail.state == "refused":
                         done = reader.size
@@ -344,6 +371,21 @@ class Tailer:
                 tail.applied += applied
         return False
 
+    def _overlaps(self, tail: FileTail, run: RunPipeline, ev: dict[str, Any]) -> bool:
+        """Refuse the file if its session would write steps its shard holds (see
+        `RunPipeline.overlap`)."""
+        reason = run.overlap(ev, tail.path.parent)
+        if reason is not None:
+            self.refuse(tail, reason)
+        return reason is not None
+
+    @staticmethod
+    def _row_shape(tail: FileTail) -> frozenset[str] | None:
+        """The keys of the file's checked step rows, if the block screen covers them
+        (not with `_rank`, whose value it does not look at)."""
+        row = tail.shapes[0]
+        return row if row is not None and "_rank" not in row else None
+
     @staticmethod
     def _fast_case(tail: FileTail) -> tuple[bool, int, bytes]:
         run = tail.run
@@ -352,17 +394,21 @@ class Tailer:
         return True, run.skip_upto, run.suffix
 
     def _line(self, tail: FileTail, start: int, end: int, line: bytes, ev: Any) -> None:
-        """One line the fast case did not take: `ev` is its parse (None: over 16 MiB)."""
-        if ev is None:
+        """One line the fast case did not take: `ev` is its parse (TOO_LONG: over 16 MiB)."""
+        if ev is TOO_LONG:
             self.log_bad(tail, start, end, "line over 16 MiB")
             return
         if isinstance(ev, Exception):
             why = "not UTF-8" if "utf-8" in str(ev).lower() else "not JSON"
             self.log_bad(tail, start, end, why)
             return
-        seq = ev.get("_seq") if type(ev) is dict else None
+        if type(ev) is not dict:
+            self.log_bad(tail, start, end, f"not an event: a JSON {_json_type(ev)}, not an object")
+            return
+        seq = ev.get("_seq")
         if type(seq) is not int or seq < 0:
-            self.log_bad(tail, start, end, "not an event (a JSON object with _seq)")
+            self.log_bad(tail, start, end, "not an event: no _seq (an int >= 0)"
+                         if seq is None else f"not an event: _seq must be an int >= 0, got {seq!r}")
             return
         kind = ev.get("_event")
         run = tail.run
@@ -395,6 +441,20 @@ class Tailer:
                 line = orjson.dumps(ev)
                 self.warn(f"spool_sid:{tail.path}", f"{tail.path}: a record carries its own "
                            "_sid; exprd replaced it with the file's session")
+            if not untrusted.screen(ev, line, tail.shapes):
+                # a spool line is untrusted: checked as log() checks its arguments
+                try:
+                    untrusted.check_record(ev)
+                except (TypeError, ValueError) as exc:
+                    self.log_bad(tail, start, end, f"bad record: {exc}")
+                    return
+                shapes = list(tail.shapes)
+                shapes[rkind is not None] = frozenset(ev)
+                tail.shapes = (shapes[0], shapes[1])
+                # what was checked is what lands (not a repeated key readers would trip on)
+                line = orjson.dumps(ev)
+            if not run.started and self._overlaps(tail, run, ev):
+                return
             if run.record(ev, line, seq, start):
                 tail.applied += 1
             else:

@@ -183,6 +183,27 @@ def disagreeing_world_sizes(worlds: Mapping[int, int], world: int) -> list[dict[
     return out
 
 
+def sidecar_world_warning(sidecars: Mapping[int, int], records: Mapping[int, int],
+                          world: int) -> str | None:
+    """One line when the sidecars' world size (rank -> size) is not what the ranks' rank
+    records say (`_world_size`), naming both and their ranks; None when they agree (or
+    either says nothing)."""
+    side = {r: w for r, w in sidecars.items() if w}
+    recs = {r: w for r, w in records.items() if w}
+    if not side or not recs or set(side.values()) == set(recs.values()):
+        return None
+
+    def said(sizes: Mapping[int, int]) -> str:
+        by: dict[int, list[int]] = {}
+        for r, w in sizes.items():
+            by.setdefault(w, []).append(r)
+        return ", ".join(f"{w} (rank{'s' if len(rs) != 1 else ''} {compact_ranks(sorted(rs))})"
+                         for w, rs in sorted(by.items()))
+
+    return (f"the sidecars say world_size {said(side)}, the rank records {said(recs)}; "
+            f"using {world}")
+
+
 def world_size_warning(groups: Sequence[Mapping[str, Any]], world: int) -> str:
     """One line naming the ranks that disagree on the world size."""
     parts = [f"{g['world_size']} (rank{'s' if len(g['ranks']) != 1 else ''} "

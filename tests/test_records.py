@@ -68,3 +68,4 @@ def test_bad_values_name_the_key(data, exc, match):
 
 def test_iter_lines_ignores_unterminated_tail():
     assert [line for _, line in records.iter_lines(b'{"a":1}\n{"b":2}\n{"c"')] == [b'{"a":1}', b'{"b":2}']
+

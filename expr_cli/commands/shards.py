@@ -78,7 +78,9 @@ def inspect_shard(ref: ShardRef, last_step: Any = False) -> dict[str, Any]:
     """Rows, last step, size, status and sidecar state of one shard, without modifying it
     (`last_step` when the caller knows it already)."""
     stem = ref.path.name[: -len(".jsonl")]
-    meta = read_sidecar(ref.path.with_name(f"{stem}.meta.json"))
+    side = ref.path.with_name(f"{stem}.meta.json")
+    meta = read_sidecar(side)
+    corrupt = meta is None and side.exists()
     with open(ref.path, "rb") as fh:
         fd = fh.fileno()
         st = os.fstat(fd)
@@ -97,7 +99,9 @@ def inspect_shard(ref: ShardRef, last_step: Any = False) -> dict[str, Any]:
     if status == "running" and meta and meta.get("host") == socket.gethostname() and not _pid_alive(meta.get("pid")):
         status = "stale"
     torn = st.st_size - complete
-    if meta is None:
+    if corrupt:
+        sidecar, status = "corrupt sidecar", "corrupt"
+    elif meta is None:
         sidecar = "missing"
     elif torn:
         sidecar = f"torn tail {torn} B"
@@ -159,10 +163,25 @@ def inspect_run(found: list[ShardRef], run_path: Any) -> list[dict[str, Any]]:
             if rs is not None and rs.status == "crashed" and row["status"] in ("running", None):
                 row["status"] = "stale"  # the writer is gone without a finish
             row["exit"] = rs.exit if rs is not None else None
+            recs = state.rank_records.get(row["rank"])
+            # the world size this rank's latest rank record names (vs the sidecar's)
+            row["records_world_size"] = recs[-1].get("_world_size") if recs else None
             last = row["last_step"]
             row["behind"] = front - last if front is not None and last is not None else None
             row["attention"] = _attention(row, slow.get(row["rank"]))
     return rows
+
+
+def _world_mismatch(rows: list[dict[str, Any]]) -> str | None:
+    """A warning when the shards' sidecars and their rank records disagree on the world
+    size (see `layout.sidecar_world_warning`)."""
+    from expr_cli.layout import sidecar_world_warning
+
+    side = {r["rank"]: r["world_size"] for r in rows if type(r.get("world_size")) is int}
+    recs = {r["rank"]: r["records_world_size"] for r in rows
+            if type(r.get("records_world_size")) is int}
+    world = max([*side.values(), *recs.values()], default=0)
+    return sidecar_world_warning(side, recs, world)
 
 
 def _known_last(state: Any, rank: int) -> Any:
@@ -196,7 +215,9 @@ def _attention(row: dict[str, Any], slow: float | None) -> list[str]:
         why.append(f"behind {row['behind']:,} steps")
     if slow is not None:
         why.append(f"slow: step_time {slow:.2f}x median")
-    if row["sidecar"] not in ("ok", "behind"):
+    if row["sidecar"] == "corrupt sidecar":
+        why.append("corrupt sidecar: not a JSON object (status unknown)")
+    elif row["sidecar"] not in ("ok", "behind"):
         why.append(f"sidecar {row['sidecar']}")
     return why
 
@@ -216,6 +237,8 @@ def shards_command(
     if not found:
         raise CLIError(f"run {ref.label} is empty: no metrics*.jsonl shards in {ref.path}")
     rows = inspect_run(found, ref.path)
+    if mismatch := _world_mismatch(rows):
+        render.warning(mismatch)
     if as_json:
         render.print_json([{k: v for k, v in r.items() if k not in _JSON_DROP} for r in rows])
         return
@@ -241,7 +264,8 @@ def register(app: typer.Typer) -> None:
         the shards that need attention (--all for every row).
 
         The sidecar column compares the sidecar's cursor with the file (ok, behind while
-        running, needs repair, torn tail, missing). Attention: crashed or stale, 100+
+        running, needs repair, torn tail, missing, corrupt sidecar: the status is then
+        `corrupt`). Attention: crashed or stale, 100+
         steps behind the frontier, slow (step_time an outlier), sidecar trouble. Nothing
         is modified.
         """

@@ -258,6 +258,8 @@ def build_view(
                                  world)
     nodes = layout.Nodes.of(state, world)
     view["world_sizes"] = layout.disagreeing_world_sizes(world_sizes or {}, world)
+    sidecars = {r: rs.world_size for r, rs in state.ranks.items()} if state is not None else {}
+    view["world_size_mismatch"] = layout.sidecar_world_warning(sidecars, world_sizes or {}, world)
     items = []
     flagged_all: set[int] = set()
     for key in keys if keys is not None else list(tables):
@@ -397,6 +399,8 @@ def summary_command(
     view["system_keys"] = [] if wanted else system_keys
     if view["world_sizes"]:
         render.warning(layout.world_size_warning(view["world_sizes"], view["world_size"]))
+    if view["world_size_mismatch"]:
+        render.warning(view["world_size_mismatch"])
     if as_json:
         view.pop("stream_text")
         render.print_json(view)

@@ -30,7 +30,8 @@ SCALE = (
 GLYPHS = "▁▂▃▄▅▆▇█"  # the same scale without colour (NO_COLOR, pipes)
 MISSING = "·"
 NONFINITE = "\N{MULTIPLICATION SIGN}"
-STATUS_STYLE = {"running": "green", "finished": "blue", "crashed": "bold red", "stale": "yellow"}
+STATUS_STYLE = {"running": "green", "finished": "blue", "crashed": "bold red", "stale": "yellow",
+                "corrupt": "bold red"}
 
 
 def now() -> float:

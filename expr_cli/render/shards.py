@@ -12,7 +12,7 @@ from . import _show, _status, _table, console, fmt_age, fmt_bytes, fmt_num
 
 NODE_ROWS = 10  # nodes listed, worst first
 ATTENTION_ROWS = 20  # shards needing attention listed; the rest are counted
-_ORDER = {"crashed": 0, "stale": 1, "running": 2, "finished": 3}
+_ORDER = {"crashed": 0, "stale": 1, "corrupt": 1, "running": 2, "finished": 3}
 
 
 def _node_badness(rows: Sequence[Mapping[str, Any]]) -> tuple[int, int, int]:

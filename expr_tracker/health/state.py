@@ -57,7 +57,7 @@ class RankState:
     path: Path
     host: str | None = None
     pid: int | None = None  # the writing (training) process; in spool mode the SDK's, not exprd's
-    status: str = "running"  # running | finished | crashed
+    status: str = "running"  # running | finished | crashed | corrupt (its sidecar)
     status_reason: str | None = None  # why: "exception", "process gone", ...
     exit: dict[str, Any] | None = None  # the sidecar's {type, message, time} after a crash
     world_size: int | None = None
@@ -206,6 +206,10 @@ def _rank_state(tail: ShardTail) -> RankState:
     out.status = status if status in STATUSES else "running"
     if out.status == "crashed":
         out.status_reason = "exception" if out.exit else "crashed"
+    if tail.sidecar_corrupt:
+        # not "running" on no evidence: whether it still trains is unknown (and a live
+        # writer rewrites its sidecar within seconds)
+        out.status, out.status_reason = "corrupt", "corrupt sidecar"
     return out
 
 

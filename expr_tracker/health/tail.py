@@ -138,6 +138,7 @@ class ShardTail:
         self.system: dict[int, dict[str, Any]] = {}
         self.sidecar: dict[str, Any] | None = None
         self.sidecar_stat: tuple[int, int, int] | None = None  # (mtime_ns, size, inode)
+        self.sidecar_corrupt = False  # a sidecar file is there but is no JSON object
         # plain strings: a pass stats every shard and sidecar, and a Path costs a conversion
         self._shard_name = os.fspath(path)
         self._side_name = self._shard_name[: -len(".jsonl")] + ".meta.json"
@@ -331,12 +332,13 @@ class ShardTail:
             st = os.stat(self._side_name)
         except OSError:
             changed = self.sidecar_stat is not None
-            self.sidecar, self.sidecar_stat = None, None
+            self.sidecar, self.sidecar_stat, self.sidecar_corrupt = None, None, False
             return changed
         key = (st.st_mtime_ns, st.st_size, st.st_ino)
         if key == self.sidecar_stat:
             return False
         self.sidecar = read_sidecar(Path(self._side_name))
+        self.sidecar_corrupt = self.sidecar is None
         self.sidecar_stat = key
         self.side_read_now = True
         return True

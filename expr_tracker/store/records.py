@@ -159,7 +159,7 @@ def encode_row(data: Any, field: str = "data") -> tuple[dict[str, Scalar], bool]
                         f"value of key {key!r} takes the row's text over {MAX_ROW} bytes; "
                         "log less text per row"
                     )
-            elif value.__class__ is str and value in _NONFINITE_TEXT:
+            elif value.__class__ is str and value in NONFINITE_TEXT:
                 # encode_value spells non-finite floats as text; keep the float in memory
                 value = DECODE_NONFINITE[value]
                 nonfinite = True
@@ -167,7 +167,7 @@ def encode_row(data: Any, field: str = "data") -> tuple[dict[str, Scalar], bool]
     return out, nonfinite
 
 
-_NONFINITE_TEXT = frozenset(("NaN", "Infinity", "-Infinity"))
+NONFINITE_TEXT = frozenset(("NaN", "Infinity", "-Infinity"))
 
 
 def check_merged(row: Mapping[str, Any], more: Mapping[str, Any]) -> None:
@@ -315,6 +315,34 @@ def check_step(step: object, field: str = "step") -> int:
 
 
 
+def check_rank_fields(rank: Any, world_size: Any, local_rank: Any, weight: Any,
+                       names: tuple[str, str, str, str]) -> None:
+    """The checks of `log_rank_metrics` on its rank, world size, local rank and weight;
+    errors name the field (`names`: the arguments' names, or a record's fields)."""
+    rank_n, world_n, local_n, weight_n = names
+    # world_size None: unknown (the launcher did not set WORLD_SIZE); written as null
+    if world_size is not None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int):
+            raise TypeError(f"{world_n} must be an int, got {type(world_size).__name__}")
+        if not 1 <= world_size <= MAX_WORLD:
+            raise ValueError(
+                f"{world_n} must be between 1 and {MAX_WORLD:,} (the sanity cap), got {world_size}"
+            )
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(f"{rank_n} must be an int, got {type(rank).__name__}")
+    bound = MAX_WORLD if world_size is None else world_size
+    if not 0 <= rank < bound:
+        raise ValueError(f"{rank_n} must satisfy 0 <= {rank_n} < {world_n} ({bound}), got {rank}")
+    if local_rank is not None and (
+        isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0
+    ):
+        raise ValueError(f"{local_n} must be an int >= 0 or None, got {local_rank!r}")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+        raise TypeError(f"{weight_n} must be a number, got {type(weight).__name__}")
+    if not (math.isfinite(weight) and weight >= 0):
+        raise ValueError(f"{weight_n} must be finite and >= 0, got {weight}")
+
+
 def rank_record(
     metrics: Any,
     step: Any,
@@ -327,27 +355,8 @@ def rank_record(
     import time
 
     step = check_step(step)
-    # world_size None: unknown (the launcher did not set WORLD_SIZE); written as null
-    if world_size is not None:
-        if isinstance(world_size, bool) or not isinstance(world_size, int):
-            raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
-        if not 1 <= world_size <= MAX_WORLD:
-            raise ValueError(
-                f"world_size must be between 1 and {MAX_WORLD:,} (the sanity cap), got {world_size}"
-            )
-    if isinstance(rank, bool) or not isinstance(rank, int):
-        raise TypeError(f"rank must be an int, got {type(rank).__name__}")
-    bound = MAX_WORLD if world_size is None else world_size
-    if not 0 <= rank < bound:
-        raise ValueError(f"rank must satisfy 0 <= rank < world_size ({bound}), got {rank}")
-    if local_rank is not None and (
-        isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0
-    ):
-        raise ValueError(f"local_rank must be an int >= 0 or None, got {local_rank!r}")
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-        raise TypeError(f"weight must be a number, got {type(weight).__name__}")
-    if not (math.isfinite(weight) and weight >= 0):
-        raise ValueError(f"weight must be finite and >= 0, got {weight}")
+    check_rank_fields(rank, world_size, local_rank, weight,
+                       ("rank", "world_size", "local_rank", "weight"))
     if not isinstance(metrics, Mapping):
         raise TypeError(f"metrics must be a dict of metric name to number, got {type(metrics).__name__}")
     if not metrics:
@@ -370,3 +379,4 @@ def rank_record(
     }
     record.update(row)
     return record, nonfinite
+

@@ -1,0 +1,157 @@
+"""Records read from a file someone else wrote (exprd's spool lines), checked as the SDK
+checks its own at the call.
+
+A spool file is plain text any process of the training user can write: exprd must not
+copy a line into a shard, or hand it to a backend, on the strength of it parsing. The
+checks are `records`' own (one source of truth: `check_step`, `check_key`, `encode_row`,
+the rank-record checks of `log_rank_metrics`); `screen` and `screen_block` let the usual
+line through at a small fraction of their cost.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import orjson
+
+from expr_tracker.store.records import (
+    MAX_STR,
+    MAX_WORLD,
+    NONFINITE_TEXT,
+    check_rank_fields,
+    check_step,
+    encode_row,
+)
+
+MAX_STEP = 2**63 - 1  # the steps every reader holds (int64)
+ROW_FIELDS = frozenset(("_step", "_time", "_seq", "_rank"))  # `_rank`: rank_aware=False
+RANK_FIELDS = frozenset(("_kind", "_step", "_time", "_seq", "_rank", "_world_size",
+                         "_local_rank", "_weight"))
+_RANK_NAMES = ("_rank", "_world_size", "_local_rank", "_weight")
+
+
+# 19 digits in a row: maybe an int outside int64, which the screens leave to `check_record`
+# (int64 holds 19 digits, so a few of its own largest values take the full check too)
+_LONG_DIGITS = re.compile(rb"\d{19}")
+
+
+def check_record(rec: Mapping[str, Any]) -> None:
+    """Check a record read from an untrusted file (a spool line) as `log()` and
+    `log_rank_metrics()` check theirs at the call; TypeError/ValueError naming the field.
+
+    Only fields those calls write are allowed (with the spool's `_seq`); `_step` and
+    `_time` are required, values are what `encode_row` takes (non-finite floats as text).
+    """
+    kind = rec.get("_kind")
+    if kind is not None and kind != "rank":
+        raise ValueError(f"_kind must be 'rank' or absent, got {kind!r}")
+    allowed = ROW_FIELDS if kind is None else RANK_FIELDS
+    user: dict[str, Any] = {}
+    for key, value in rec.items():
+        if key[:1] == "_" and key in allowed:
+            continue
+        if key[:1] == "_":
+            raise ValueError(f"field {key!r}: keys starting with '_' are reserved, and log() "
+                             "writes no such field")
+        user[key] = value
+    if "_step" not in rec:
+        raise ValueError("_step is missing")
+    step = check_step(rec["_step"], "_step")
+    if step > MAX_STEP:
+        raise ValueError(f"_step must be at most {MAX_STEP} (int64), got {step}")
+    when = rec.get("_time")
+    if when is None:
+        raise ValueError("_time is missing" if "_time" not in rec else "_time must be a number, got null")
+    if when.__class__ is bool or not isinstance(when, (int, float)):
+        raise TypeError(f"_time must be a number (seconds since the epoch), got {type(when).__name__}")
+    if kind is None:
+        rank = rec.get("_rank", 0)
+        if rank.__class__ is not int or not 0 <= rank < MAX_WORLD:
+            raise ValueError(f"_rank must be an int between 0 and {MAX_WORLD - 1:,}, got {rank!r}")
+        if user:
+            encode_row(user)
+        return
+    check_rank_fields(rec.get("_rank"), rec.get("_world_size"), rec.get("_local_rank"),
+                       rec.get("_weight", 1.0), _RANK_NAMES)
+    if not user:
+        raise ValueError("a rank record needs at least one metric")
+    encode_row(user)
+    for key, value in user.items():
+        # numbers only (non-finite floats are written as text)
+        if value.__class__ is bool or not (isinstance(value, (int, float))
+                                           or value in NONFINITE_TEXT):
+            raise TypeError(f"metric {key!r} of a rank record must be a number, "
+                            f"got {type(value).__name__}")
+
+
+def screen(rec: dict[str, Any], line: bytes, shapes: Sequence[frozenset[str] | None]) -> bool:
+    """A fast screen for the usual spool record: True only if `check_record(rec)` passes
+    and `line` holds exactly `rec` (no repeated key), so the line may be kept verbatim.
+    False says nothing: the caller runs `check_record` (and writes `rec` out again).
+
+    `shapes` are the key sets of the last step row and the last rank record that passed
+    `check_record`: the same keys mean no empty, reserved or unknown `_` key. One colon
+    per key means no repeated or nested key (and no colon in text), no `[` no list, no
+    second `{` no empty object, a line under MAX_STR no text over the limits, no run of
+    19 digits no int outside int64 (records.INT_MIN..INT_MAX: orjson parses up to 2**64-1);
+    orjson parses only valid UTF-8.
+    """
+    kind = "_kind" in rec
+    if rec.keys() != shapes[kind]:
+        return False
+    step = rec["_step"]
+    if (step.__class__ is not int or not 0 <= step <= MAX_STEP or rec["_time"].__class__ is not float
+            or line.count(58) != len(rec) or 91 in line or len(line) > MAX_STR
+            or line.find(123, 1) >= 0  # 58 ":", 91 "[", 123 "{" (an empty `{}` has no colon)
+            or _LONG_DIGITS.search(line) is not None):
+        return False
+    if not kind:
+        rank = rec.get("_rank", 0)
+        return rank.__class__ is int and 0 <= rank < MAX_WORLD
+    # a rank record as log_rank_metrics writes it: weight a float, metrics numbers
+    rank, world, local = rec["_rank"], rec.get("_world_size"), rec.get("_local_rank")
+    weight = rec.get("_weight", 1.0)
+    if not ((world is None or (world.__class__ is int and world <= MAX_WORLD))
+            and rank.__class__ is int and 0 <= rank < (MAX_WORLD if world is None else world)
+            and (local is None or (local.__class__ is int and local >= 0))
+            and weight.__class__ is float and weight >= 0.0):  # orjson parses no inf or nan
+        return False
+    for key, value in rec.items():
+        if key[0] != "_" and value.__class__ is not float and value.__class__ is not int:
+            return False  # bool, None, text ("NaN" too): the full check decides
+    return True
+
+
+def screen_block(parts: list[bytes], max_line: int) -> tuple[list[Any] | None, bool]:
+    """The lines of one block (without their newlines) parsed, each on its own, and
+    whether the block passes the line-level half of `screen` (`clean`): then a record of
+    it whose keys are a checked step row's (without `_rank`), with an int `_step` in range
+    and a float `_time`, passes `screen`, and the caller may skip the call.
+
+    (None, False) when some line does not parse or is over `max_line`: the caller goes
+    line by line. Across the block, colons == keys holds only if it holds on every line
+    (a line of JSON objects never has fewer colons than keys). Events at the block's ends
+    (a file's init, its finish) are left out of the sums: a line that starts with
+    `{"_event"` has that key, which no checked step row has, so it is never screened so.
+    """
+    longest = max(map(len, parts), default=0)
+    if longest > max_line:
+        return None, False
+    try:
+        recs = list(map(orjson.loads, parts))
+    except orjson.JSONDecodeError:
+        return None, False
+    lo, hi = 0, len(parts)
+    while lo < hi and parts[lo].startswith(b'{"_event"'):
+        lo += 1
+    while hi > lo and parts[hi - 1].startswith(b'{"_event"'):
+        hi -= 1
+    rows = recs[lo:hi]
+    data = b"\n".join(parts[lo:hi])
+    # 58 ":", 91 "[", 123 "{": a colon per key, no list, one brace per line (no `{}` value)
+    clean = (longest <= MAX_STR and set(map(type, rows)) <= {dict} and 91 not in data
+             and data.count(58) == sum(map(len, rows)) and data.count(123) == len(rows)
+             and _LONG_DIGITS.search(data) is None)
+    return recs, clean
