@@ -11,7 +11,7 @@ PIP := $(PY) -m pip install -q -c $(CONSTRAINTS)
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PIP) -e '.[dev,wandb,trackio,plot,export,query]'
+	$(PIP) -e '.[dev,wandb,trackio,plot,export,query,serve]'
 	touch $(STAMP)
 
 demo: $(STAMP)
