@@ -58,12 +58,14 @@ def _int(params: Params, name: str, lo: int = 0, hi: int = 1 << 62) -> int | Non
 
 
 def _cli(call: Any, root: Path) -> Any:
-    """Run a data function; its CLIError becomes a 404 (nothing there) or a 400."""
+    """Run a data function; its CLIError becomes a 400 (a usage error, code 2, or bad
+    input) or a 404 (nothing there: no such run, stream, metric or step)."""
     try:
         return call()
     except CLIError as exc:
         msg = exc.message.replace(f"{root}/", "").replace(str(root), "the run root")
-        gone = msg.startswith(("no ", "unknown ", "run ")) or "has no" in msg or "is empty" in msg
+        gone = exc.code != 2 and (msg.startswith(("no ", "unknown ", "run ")) or "has no" in msg
+                                  or "is empty" in msg)
         raise (NotFound if gone else BadRequest)(msg) from None
 
 
