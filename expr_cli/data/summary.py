@@ -166,14 +166,15 @@ def build_view(
     min_rel: float = MIN_REL,
     agg: str = "max",
     world_sizes: dict[int, int] | None = None,
-    chart: bool = False,
+    chart: bool | str = False,
 ) -> dict[str, Any]:
     """The summary as JSON-ready data (what `--json` prints and `render_summary` draws).
 
     `tables` maps each key to the table holding it (rank records, or step rows for keys
     logged with `et.log`); `keys` (default: every key of `tables`) get a statistics block;
     `primary` decides the steps and the coverage block. `chart` adds the reducers of the
-    first key at each recent step (`expr serve`'s chart; the CLI does not ask for it).
+    first key (or of the key it names) at each recent step (`expr serve`'s chart; the CLI
+    does not ask for it).
     """
     from expr_tracker.stats import reduce
 
@@ -236,8 +237,9 @@ def build_view(
             item["note"] = f"not reported here (last at step {last[0]})" if last else "never reported"
         items.append(item)
     view["keys"] = items
-    if chart and items:
-        view["chart"] = _chart(tables[items[0]["key"]], items[0]["key"],
+    ckey = chart if isinstance(chart, str) and chart in tables else (items[0]["key"] if items else None)
+    if chart and ckey is not None:
+        view["chart"] = _chart(tables[ckey], ckey,
                                chosen if window is not None else recent)
     view["coverage"] = [
         {"step": s, "reported": n, "world": w, "missing": missing}
@@ -276,21 +278,32 @@ def summary_data(
     min_rel: float = MIN_REL,
     agg: str = "max",
     state: RunState | None = None,
-    chart: bool = False,
+    chart: bool | str = False,
+    memo: dict[Any, Any] | None = None,
 ) -> tuple[dict[str, Any], list[str], bool]:
     """Load the recent rank records (and step rows) of RUN and reduce them: the view, the
     warnings to show beside it, and whether it is a full summary (False: the run has no
     rank records nor the asked keys, and the view holds each shard's last row instead).
 
     `buckets(world)` is the heatmap's width in step buckets (a terminal's, a page's);
-    `state` is the run's live state when the caller keeps it between calls (`expr serve`).
+    `state` is the run's live state when the caller keeps it between calls (`expr serve`),
+    and `memo` a dict it keeps while that state does not change: the rank records read for
+    one step or window are read once for every answer about them.
     """
     shards = shards_of(ref, stream)
     wanted = parse_metrics(metrics)
-    state, lo, scans = read_window(ref.path, stream, shards, step, window, state)
-    table, garbage, worlds = load_table(shards, lo, scans)
-    if lo is not None and not table.steps and state.frontier is not None:
-        table, garbage, worlds = load_table(shards, None)  # sparse rank records: read it all
+    hit = memo.get(("table", step, window)) if memo is not None else None
+    if hit is not None:
+        lo, table, garbage, worlds = hit
+        garbage = dict(garbage)
+    else:
+        state, lo, scans = read_window(ref.path, stream, shards, step, window, state)
+        table, garbage, worlds = load_table(shards, lo, scans)
+        if lo is not None and not table.steps and state.frontier is not None:
+            table, garbage, worlds = load_table(shards, None)  # sparse rank records: read it all
+        if memo is not None:
+            memo[("table", step, window)] = (lo, table, dict(garbage), worlds)
+    assert state is not None
     asked = [*(wanted or ()), *([heatmap_key] if heatmap_key else [])]
     have = set(table.keys)
     row_keys = {k for k in asked if k not in have}

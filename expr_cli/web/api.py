@@ -77,10 +77,9 @@ class Api:
         self.lives = lives
 
     def _run(self, project: str, name: str, params: Params) -> tuple[RunRef, str | None]:
-        ref = run_ref(self.root, project, name)
-        stream = stream_arg(_one(params, "stream"))
-        _cli(lambda: shards_of(ref, stream), self.root)  # an empty run, an unknown stream
-        return ref, stream
+        # an empty run or an unknown stream is found by the answer's build (a directory
+        # listing of 16,384 shards is not for every request)
+        return run_ref(self.root, project, name), stream_arg(_one(params, "stream"))
 
     def live(self, project: str, name: str, params: Params) -> Any:
         """The kept live state of a run (the event stream's)."""
@@ -98,23 +97,26 @@ class Api:
         return jsonable(out)
 
     def summary(self, project: str, name: str, params: Params) -> dict[str, Any]:
-        """`expr summary --json` (`metric`, `step`, `steps`), plus `chart`."""
+        """`expr summary --json` (`metric`, `step`, `steps`), plus `chart` (of `chart=KEY`,
+        else of the first key)."""
         ref, stream = self._run(project, name, params)
         metrics = parse_metrics(list(params.get("metric") or [])) or None
         step = _int(params, "step")
         steps = _cli(lambda: parse_step_range(_one(params, "steps")), self.root)
         if step is not None and steps is not None:
             raise BadRequest("use either step or steps, not both")
+        chart = _one(params, "chart") or True
         live = self.lives.get(ref, stream)
 
         def build(state: Any) -> Any:
             view, _, _ = _cli(lambda: summary_data(
                 ref, stream, metrics, step, steps, None, False, lambda w: 1, state=state,
-                chart=True), self.root)
+                chart=chart, memo=live.memo), self.root)
             view.pop("stream_text", None)
             return jsonable(view)
 
-        return live.answer(("summary", tuple(metrics or ()), step, steps), build)  # type: ignore[no-any-return]
+        key = ("summary", tuple(metrics or ()), step, steps, chart)
+        return live.answer(key, build)  # type: ignore[no-any-return]
 
     def heatmap(self, project: str, name: str, params: Params) -> dict[str, Any]:
         """`expr summary --heatmap KEY --json` (`metric`, `steps`, `agg`, `buckets`; `node`)."""
@@ -133,7 +135,7 @@ class Api:
         def build(state: Any) -> Any:
             view, _, full = _cli(lambda: summary_data(
                 ref, stream, [key], None, steps, key, False, lambda w: width, agg=agg,
-                state=state), self.root)
+                state=state, memo=live.memo), self.root)
             if not full:
                 raise NotFound(f"run {ref.label} has no values of {key}")
             view.pop("stream_text", None)
@@ -156,16 +158,23 @@ class Api:
         return live.answer(("heatmap", key, steps, agg, width, node), build)  # type: ignore[no-any-return]
 
     def top(self, project: str, name: str, params: Params) -> dict[str, Any]:
-        """`expr top --once --json`, plus `history` (incident lines, newest first)."""
+        """`expr top --once --json`, plus `history` (incident lines, newest first); `limit=N`
+        keeps the worst N ranks and nodes (a page shows a screenful, not 16,384 rows)."""
         ref, stream = self._run(project, name, params)
+        limit = _int(params, "limit", 1)
         live = self.lives.get(ref, stream)
 
         def build(state: Any) -> Any:
+            _cli(lambda: shards_of(ref, stream), self.root)
             frame = live.top(state)
             frame["history"] = incident_lines(ref)
             return jsonable(frame)
 
-        return live.answer(("top",), build, ttl=TOP_TTL)  # type: ignore[no-any-return]
+        frame = live.answer(("top",), build, ttl=TOP_TTL)
+        if limit is not None:
+            frame = {**frame, "ranks_total": len(frame["ranks"]), "nodes_total": len(frame["nodes"]),
+                     "ranks": frame["ranks"][:limit], "nodes": frame["nodes"][:limit]}
+        return frame  # type: ignore[no-any-return]
 
     def series(self, project: str, name: str, params: Params) -> dict[str, Any]:
         """`expr plot --json` (`metric`, `ranks`, `steps`, `smooth`)."""
@@ -178,8 +187,13 @@ class Api:
         window = _int(params, "smooth", 1, 10_000) or 1
         live = self.lives.get(ref, stream)
         key = ("series", tuple(metrics), tuple(ranks or ()), steps, window)
-        return live.answer(key, lambda state: jsonable(_cli(  # type: ignore[no-any-return]
-            lambda: series_data(ref, stream, metrics, ranks, steps, window), self.root)))
+
+        def build(state: Any) -> Any:
+            _cli(lambda: shards_of(ref, stream), self.root)
+            return jsonable(_cli(lambda: series_data(ref, stream, metrics, ranks, steps, window),
+                                 self.root))
+
+        return live.answer(key, build)  # type: ignore[no-any-return]
 
     def compare(self, params: Params) -> dict[str, Any]:
         """One metric of several runs (`run=P/A&run=P/B&metric=`), aligned by step: per
@@ -196,10 +210,10 @@ class Api:
         per: list[tuple[str, dict[int, float], int]] = []
         for text in runs:
             ref = run_arg(self.root, text)
-            _cli(lambda ref=ref: shards_of(ref, stream), self.root)  # type: ignore[misc]
             live = self.lives.get(ref, stream)
 
             def build(state: Any, ref: RunRef = ref) -> Any:
+                _cli(lambda: shards_of(ref, stream), self.root)
                 series = load_series(ref.path, stream, [key], None, None)[key]
                 by: dict[int, list[float]] = {}
                 for xs, ys in series.values():

@@ -20,6 +20,8 @@ from typing import Any
 from expr_cli.data.top import TopView
 from expr_cli.resolve import RunRef
 
+from .paths import no_links
+
 MIN_PASS = 0.5  # seconds: requests and event streams closer than this share a pass
 TOP_TTL = 2.0  # top runs the time-based detectors (hang, stall): rebuilt this often anyway
 MAX_RUNS = 32  # live states kept (least recently used dropped)
@@ -41,6 +43,7 @@ class LiveRun:
         self.pass_s = 0.0  # server time of the last pass (the bench reports it)
         self._mark: Any = None
         self._answers: OrderedDict[Any, tuple[float, Any]] = OrderedDict()
+        self.memo: dict[Any, Any] = {}  # what answers of this version share (tables read)
 
     def refresh(self, max_age: float = MIN_PASS) -> Any:
         """The live state, from a pass at most `max_age` seconds old."""
@@ -53,8 +56,10 @@ class LiveRun:
                     tuple(sorted(Counter(rs.status for rs in state.ranks.values()).items())),
                     _incidents_key(self.ref))
             if state.changed or mark != self._mark or self.state is None:
+                no_links(self.ref)  # files appeared: none may be a symlink
                 self.version += 1
                 self._answers.clear()
+                self.memo = {}
             self._mark = mark
             self.state = state
             self.pass_at = time.monotonic()

@@ -4,8 +4,8 @@ The names go through the store's own validation (one path component each: no `/`
 `..`, no leading dot), and the two directories are opened from the root's descriptor
 with O_NOFOLLOW (`store.safedir`), so a symlinked project or run directory is refused,
 whatever it points at. A run directory whose files are symlinks (a shard linked to a
-file elsewhere) is refused too: the readers open files by name, and a run the SDK or
-exprd wrote never holds one.
+file elsewhere) is refused too (`no_links`, whenever its files change): the readers open
+files by name, and a run the SDK or exprd wrote never holds one.
 """
 
 from __future__ import annotations
@@ -39,15 +39,22 @@ def run_ref(root: Path, project: str, name: str) -> RunRef:
         raise NotFound(f"no run {project}/{name} under the run root") from None
     except OSError as exc:  # a symlink, a file where a directory should be
         raise NotFound(f"no run {project}/{name} under the run root ({_why(exc)})") from None
+    os.close(fd)
+    return RunRef(root / project / name, f"{project}/{name}")
+
+
+def no_links(ref: RunRef) -> None:
+    """NotFound when an entry of the run directory is a symlink (checked again whenever
+    the run's files change, before anything is read for the new state)."""
+    fd = os.open(ref.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         with os.scandir(fd) as it:
             linked = [e.name for e in it if e.is_symlink()]
     finally:
         os.close(fd)
     if linked:
-        raise NotFound(f"run {project}/{name} holds symlinks ({', '.join(sorted(linked)[:3])}); "
+        raise NotFound(f"run {ref.label} holds symlinks ({', '.join(sorted(linked)[:3])}); "
                        "expr serve does not follow them")
-    return RunRef(root / project / name, f"{project}/{name}")
 
 
 def run_arg(root: Path, text: str) -> RunRef:

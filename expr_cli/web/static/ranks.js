@@ -15,8 +15,9 @@ export function drawRanks(el, top) {
       h("td", { class: "num" }, num(r.steps_per_s, 3)),
       h("td", { class: "num" }, r.last_write_age === null ? "–" : `${age(r.last_write_age)} ago`),
       h("td", {}, r.incident ? badge(r.incident) : "")))));
-  const more = rows.length > SHOWN
-    ? h("p", { class: "muted" }, `and ${(rows.length - SHOWN).toLocaleString("en-US")} more ranks; `
-      + `${(top.nodes || []).length.toLocaleString("en-US")} nodes`) : null;
+  const total = top.ranks_total ?? rows.length;
+  const more = total > SHOWN
+    ? h("p", { class: "muted" }, `and ${(total - SHOWN).toLocaleString("en-US")} more ranks on `
+      + `${(top.nodes_total ?? (top.nodes || []).length).toLocaleString("en-US")} nodes`) : null;
   replace(el, table, more);
 }

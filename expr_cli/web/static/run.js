@@ -32,9 +32,13 @@ async function load() {
   if (page.busy) { page.again = true; return; }
   page.busy = true;
   try {
-    const all = await get(`${base}/summary`);
+    // one summary answers the tiles, the outliers, the coverage and the chart (chart=KEY)
+    let all = await get(`${base}/summary`, { chart: page.metric });
     const keys = metricKeys(all);
     if (!page.metric || !keys.includes(page.metric)) page.metric = keys[0] || null;
+    if (all.keys && all.chart && page.metric && all.chart.key !== page.metric) {
+      all = await get(`${base}/summary`, { chart: page.metric });
+    }
     drawPicker($("metric"), keys, page.metric, (k) => {
       page.metric = k; page.drill = null;
       const q = new URLSearchParams(window.location.search); q.set("metric", k);
@@ -43,9 +47,10 @@ async function load() {
     });
     const m = page.metric;
     const [one, hm, top] = await Promise.all([
-      m ? get(`${base}/summary`, { metric: m }) : Promise.resolve(all),
+      // a run without rank records: the picked key of its step rows
+      all.keys || !m ? Promise.resolve(all) : get(`${base}/summary`, { metric: m, chart: m }),
       m ? get(`${base}/heatmap`, { metric: m, buckets: 60 }).catch((e) => ({ error: e.message })) : Promise.resolve(null),
-      get(`${base}/top`),
+      get(`${base}/top`, { limit: 64 }),
     ]);
     $("missing").hidden = true;
     $("content").hidden = false;
