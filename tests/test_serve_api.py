@@ -325,3 +325,31 @@ def test_serve_refuses_a_missing_root_and_a_busy_port(tmp_path: Path, server: Se
     assert result.exit_code == 1 and "cannot listen" in result.output
     result = runner.invoke(build_app(), ["serve", "--dir", str(tmp_path), "--token", "short"])
     assert result.exit_code == 2 and "--token must be" in result.output
+
+
+def test_past_256_ranks_the_heatmap_rows_are_nodes_and_a_node_drills_in(
+        cli: Any, client: TestClient, root: Path) -> None:
+    from expr_cli.layout import combine
+    from expr_cli.render.summary import heatmap_buckets
+
+    write_run(root / "proj" / "wide", 264, 4, straggler=9, status="finished")
+    want = cli_json(cli, "summary", "proj/wide", "-m", "step_time", "--heatmap", "step_time")
+    width = heatmap_buckets(100, 264)
+    got = api(client, "/api/runs/proj/wide/heatmap", metric="step_time", buckets=width)
+    hm, full = got["heatmap"], want["heatmap"]
+    assert hm["cells"] == {} and hm["node"] is None
+    assert [n["node"] for n in hm["nodes"]] == [f"gpu-{i:04d}" for i in range(33)]
+    one = hm["nodes"][1]
+    assert one["ranks"] == "8-15" and one["n"] == 8
+    assert one["cells"] == combine([full["cells"][str(r)] for r in range(8, 16)], "max")
+    assert hm["rows"] == full["rows"]  # the CLI's binned rows are there too
+    got = api(client, "/api/runs/proj/wide/heatmap", metric="step_time", buckets=width,
+              node="gpu-0001")
+    assert got["heatmap"]["cells"] == {str(r): full["cells"][str(r)] for r in range(8, 16)}
+    resp = client.get("/api/runs/proj/wide/heatmap",
+                      params={"metric": "step_time", "node": "gpu-9999"})
+    assert resp.status_code == 404 and "no node" in resp.json()["error"]
+    top = api(client, "/api/runs/proj/wide/top", limit=5)
+    assert len(top["ranks"]) == 5 and top["ranks_total"] == 264 and top["nodes_total"] == 33
+    every = api(client, "/api/runs/proj/wide/top")
+    assert top["ranks"] == every["ranks"][:5] and top["nodes"] == every["nodes"][:5]
