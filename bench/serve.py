@@ -94,7 +94,10 @@ def main() -> None:
     load = os.getloadavg()[0]
     print(f"expr serve, synthetic runs of {STEPS} steps, {os.cpu_count()} cores, "
           f"load average {load:.1f} at the start\n")
-    rows = []
+    print("| ranks | first render, fresh server | bytes (requests) | second visitor | "
+          "no-change refresh (server) | first build (server) | `expr summary --json` | "
+          "refresh vs CLI |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
         for world in worlds:
@@ -110,17 +113,11 @@ def main() -> None:
                 srv.terminate()
                 srv.wait()
             refresh, first, cli = refresh_cost(root)
-            rows.append((world, cold, warm, refresh, first, cli))
-            print(f"  {world:,} ranks done", file=sys.stderr, flush=True)
+            # each row as soon as it is measured (a 16,384-rank row takes minutes)
+            print(f"| {world:,} | {cold[0]:.1f} s | {cold[1] / 1e6:.2f} MB ({cold[2]}) | "
+                  f"{warm[0]:.2f} s | {refresh:.3f} s | {first:.1f} s | {cli:.1f} s | "
+                  f"{cli / refresh:.0f}x |", flush=True)
         browser.close()
-    print("| ranks | first render, fresh server | bytes (requests) | second visitor | "
-          "no-change refresh (server) | first build (server) | `expr summary --json` | "
-          "refresh vs CLI |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for world, cold, warm, refresh, first, cli in rows:
-        print(f"| {world:,} | {cold[0]:.1f} s | {cold[1] / 1e6:.2f} MB ({cold[2]}) | "
-              f"{warm[0]:.2f} s | {refresh:.3f} s | {first:.1f} s | {cli:.1f} s | "
-              f"{cli / refresh:.0f}x |")
     print(f"\nload average {os.getloadavg()[0]:.1f} at the end")
 
 
