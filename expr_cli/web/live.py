@@ -23,7 +23,7 @@ from expr_cli.resolve import RunRef
 from .paths import no_links
 
 MIN_PASS = 0.5  # seconds: requests and event streams closer than this share a pass
-TOP_TTL = 2.0  # top runs the time-based detectors (hang, stall): rebuilt this often anyway
+TOP_TTL = 10.0  # top runs the time-based detectors (hang, stall: minutes): rebuilt this often anyway
 MAX_RUNS = 32  # live states kept (least recently used dropped)
 MAX_ANSWERS = 64  # answers kept per run and version
 INCIDENT_TAIL = 256 << 10  # bytes of incidents.jsonl read for the resolved incidents
