@@ -95,8 +95,8 @@ def register(app: typer.Typer) -> None:
         heatmap and incidents of the runs under the run root, live, read-only.
 
         Prints the URL. 127.0.0.1 by default; any other --host requires a token (sent
-        once as ?token=, then an HttpOnly cookie). Needs the serve extra:
-        pip install 'expr-tracker[serve]'.
+        once as ?token=, then an HttpOnly cookie). Ctrl-C stops it. Needs the
+        serve extra (starlette, uvicorn).
         """
         code = serve_command(dir, host, port, token)
         if code:
