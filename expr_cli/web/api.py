@@ -14,6 +14,8 @@ Every function takes the query parameters as a mapping of lists and raises `BadR
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from statistics import median
@@ -35,6 +37,7 @@ Params = Mapping[str, Sequence[str]]
 PAGE_RANKS = 256  # past this many ranks the heatmap's rows are nodes (a click drills in)
 MAX_BUCKETS = 400
 MAX_COMPARE = 8
+RUNS_TTL = 5.0  # seconds the runs list is kept: it inspects every shard of every run
 
 
 def _one(params: Params, name: str) -> str | None:
@@ -75,6 +78,8 @@ class Api:
     def __init__(self, root: Path, lives: LiveRuns) -> None:
         self.root = root
         self.lives = lives
+        self._runs: tuple[float, list[dict[str, Any]]] | None = None
+        self._runs_lock = threading.Lock()
 
     def _run(self, project: str, name: str, params: Params) -> tuple[RunRef, str | None]:
         # an empty run or an unknown stream is found by the answer's build (a directory
@@ -88,7 +93,15 @@ class Api:
 
     def runs(self, params: Params) -> list[dict[str, Any]]:
         """`expr runs --json` (without spooled runs: the page is about the run root), each
-        run with `open_incidents`."""
+        run with `open_incidents`; kept `RUNS_TTL` seconds, whoever asks."""
+        with self._runs_lock:
+            if self._runs is not None and time.monotonic() - self._runs[0] < RUNS_TTL:
+                return self._runs[1]
+            out = self._list_runs()
+            self._runs = (time.monotonic(), out)
+            return out
+
+    def _list_runs(self) -> list[dict[str, Any]]:
         rows = [r for r in runs_data(self.root) if inside(self.root, Path(r["path"]))]
         out = runs_json(rows, [])
         for row in out:
