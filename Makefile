@@ -11,7 +11,7 @@ PIP := $(PY) -m pip install -q -c $(CONSTRAINTS)
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PIP) -e '.[dev,wandb,trackio,plot,export,query,gpu]'
+	$(PIP) -e '.[dev,wandb,trackio,plot,export,query,gpu,serve]'
 	touch $(STAMP)
 
 demo: $(STAMP)

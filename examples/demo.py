@@ -6,7 +6,8 @@
    diverges at step 90, which the rule `isnan(loss) => critical` catches;
 3. waits until exprd has applied every event, stops it with SIGTERM;
 4. shows what landed: the shards, history, the per-rank summary with outliers and
-   a heatmap, the alerts, and the daemon's status.
+   a heatmap, the alerts, and the daemon's status;
+5. prints the `expr serve` command that shows the run in a browser.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ def main() -> None:
     sh("expr", "plot", "sft-1", "-m", "loss")
     sh("expr", "status", "--state", str(state))
     print(f"\neverything is in {base}; `rm -r {base}` when done")
+    print("\nto look at the run in a browser (the Distributed tab: ranks, outliers, heatmap, incidents):")
+    print(f"  {BIN / 'expr'} serve --dir {root}    # then open http://127.0.0.1:8321/runs/demo/sft-1")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ EXTRAS = {
     "matplotlib": ("plot", "matplotlib"),
     "pyarrow": ("export", "pyarrow"),
     "duckdb": ("query", "DuckDB"),
+    "starlette": ("serve", "starlette"),
+    "uvicorn": ("serve", "uvicorn"),
 }
 
 

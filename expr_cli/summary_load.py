@@ -149,7 +149,7 @@ def last_rows(shards: list[ShardRef], garbage: dict[str, int]) -> list[dict[str,
 
 def read_window(
     run_dir: Any, stream: str | None, shards: list[ShardRef], step: int | None,
-    window: tuple[int | None, int | None] | None,
+    window: tuple[int | None, int | None] | None, state: RunState | None = None,
 ) -> tuple[RunState, int | None, list[Any]]:
     """The run's live state (sidecars and a few tail lines per shard: status, host, last
     step, the frontier) and the scans of the shards' tails from step `lo` on.
@@ -157,7 +157,8 @@ def read_window(
     By default the window ends at the frontier, known only once the state is read: the
     tails are scanned meanwhile, in worker processes, for each shard's own last
     `RECENT` steps, and the few shards whose tail does not reach back to the window
-    (ranks far ahead of the frontier) are read again.
+    (ranks far ahead of the frontier) are read again. `state`: the live state when the
+    caller keeps one (a `RunReader` between calls); else it is read here.
     """
     from expr_tracker.health.state import read_run
     from expr_tracker.stats import parallel, scan
@@ -165,11 +166,13 @@ def read_window(
     paths = [s.path for s in shards]
     expected = len(shards) * RECENT * _TAIL_GUESS
     if step is not None or window is not None:
-        state = read_run(run_dir, stream, window=2)
+        if state is None:
+            state = read_run(run_dir, stream, window=2)
         lo = window_lo(step, window, state.frontier)
         return state, lo, parallel.ScanJob(paths, lo, expected_bytes=expected if lo else 1 << 62).result()
     job = parallel.ScanJob(paths, recent=RECENT, expected_bytes=expected)
-    state = read_run(run_dir, stream, window=2)
+    if state is None:
+        state = read_run(run_dir, stream, window=2)
     scans = job.result()
     lo = window_lo(None, None, state.frontier)
     if lo is not None:

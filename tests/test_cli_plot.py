@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from expr_cli.commands.plot import parse_ranks, smooth
+from expr_cli.commands.plot import parse_ranks  # (the command re-exports it)
+from expr_cli.data.series import smooth
 from tests.test_cli_export import _blocked
 from tests.views_runs import make_run
 

@@ -12,12 +12,11 @@ reported, and left for the next writer to repair (DESIGN 5).
 
 from __future__ import annotations
 
-import os
-import socket
 from typing import Any
 
 import typer
 
+from expr_cli.data.runs import inspect_shard
 from expr_cli.resolve import (
     DIR_OPT,
     JSON_OPT,
@@ -26,108 +25,10 @@ from expr_cli.resolve import (
     list_shards,
     resolve_run,
     root_dir,
-    stream_label,
 )
-from expr_tracker.procs import pid_alive
-from expr_tracker.store import records
-from expr_tracker.store.cursor import read_sidecar
-from expr_tracker.store.reader import ShardReader
 
-_BLOCK = 1 << 20  # counting lines
-_TAIL = 16 << 10  # finding the end of the last complete line
 ALL_ROWS_UP_TO = 32  # shards listed one per row without --all
 BEHIND_STEPS = 100  # DESIGN 13: `behind` from this many steps short of the frontier
-
-
-def _count_lines(fd: int, start: int, end: int) -> int:
-    n = 0
-    pos = start
-    while pos < end:
-        block = os.pread(fd, min(_BLOCK * 4, end - pos), pos)
-        if not block:
-            break
-        n += block.count(b"\n")
-        pos += len(block)
-    return n
-
-
-def _last_step(ref: ShardRef) -> int | None:
-    """The largest `_step`, reading backwards to the last step row.
-
-    Step rows of a shard are in increasing step order, so the last one holds the
-    largest; rank records after it may name any step. The sidecar's cursor is not
-    used: the file is the truth.
-    """
-    best: int | None = None
-    for rec in ShardReader(ref.path).iter_reverse():
-        step = rec.get("_step")
-        if type(step) is int:
-            best = step if best is None else max(best, step)
-            if rec.get("_kind") is None:
-                break
-    return best
-
-
-def _pid_alive(pid: Any) -> bool:
-    if type(pid) is not int or pid <= 0:
-        return True  # unknown pid
-    return pid_alive(pid)
-
-
-def inspect_shard(ref: ShardRef, last_step: Any = False) -> dict[str, Any]:
-    """Rows, last step, size, status and sidecar state of one shard, without modifying it
-    (`last_step` when the caller knows it already)."""
-    stem = ref.path.name[: -len(".jsonl")]
-    side = ref.path.with_name(f"{stem}.meta.json")
-    meta = read_sidecar(side)
-    corrupt = meta is None and side.exists()
-    with open(ref.path, "rb") as fh:
-        fd = fh.fileno()
-        st = os.fstat(fd)
-        complete = records.complete_end(fh, _TAIL)
-        cursor = (meta or {}).get("cursor") or {}
-        hint, hint_rows = cursor.get("bytes"), cursor.get("rows")
-        # trust the sidecar's row count up to its cursor when that is a line boundary
-        if (
-            isinstance(hint, int) and isinstance(hint_rows, int) and 0 <= hint <= complete
-            and (hint == 0 or os.pread(fd, 1, hint - 1) == b"\n")
-        ):
-            rows = hint_rows + _count_lines(fd, hint, complete)
-        else:
-            rows = _count_lines(fd, 0, complete)
-    status = (meta or {}).get("status")
-    if status == "running" and meta and meta.get("host") == socket.gethostname() and not _pid_alive(meta.get("pid")):
-        status = "stale"
-    torn = st.st_size - complete
-    if corrupt:
-        sidecar, status = "corrupt sidecar", "corrupt"
-    elif meta is None:
-        sidecar = "missing"
-    elif torn:
-        sidecar = f"torn tail {torn} B"
-    elif hint == complete:
-        sidecar = "ok"
-    elif status == "running" and type(hint) is int and hint < complete:
-        sidecar = "behind"  # written every few seconds while running
-    else:
-        sidecar = "needs repair"
-    return {
-        "rank": ref.rank,
-        "stream": ref.stream,
-        "stream_text": stream_label(ref.stream),
-        "file": ref.path.name,
-        "path": str(ref.path),
-        "rows": rows,
-        "last_step": (_last_step(ref) if last_step is False else last_step) if rows else None,
-        "size": st.st_size,
-        "status": status,
-        "last_write": st.st_mtime,
-        "sidecar": sidecar,
-        "torn_bytes": torn,
-        "torn_saved": ref.path.with_name(ref.path.name + ".torn").exists(),
-        "world_size": (meta or {}).get("world_size"),
-        "host": (meta or {}).get("host"),
-    }
 
 
 _JSON_DROP = ("stream_text",)

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from expr_cli.errors import CLIError
+from expr_cli.data import jsonable, now
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -32,25 +31,6 @@ MISSING = "·"
 NONFINITE = "\N{MULTIPLICATION SIGN}"
 STATUS_STYLE = {"running": "green", "finished": "blue", "crashed": "bold red", "stale": "yellow",
                 "corrupt": "bold red"}
-
-
-def now() -> float:
-    """The current time, or `$EXPR_NOW` (seconds since the epoch) to make ages reproducible.
-
-    A value that is not a finite number is a CLIError naming the variable, not Python's
-    "could not convert string to float".
-    """
-    frozen = os.environ.get("EXPR_NOW")
-    if not frozen:
-        return time.time()
-    try:
-        value = float(frozen)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value):
-        raise CLIError(f"EXPR_NOW must be a time in seconds since the epoch (such as "
-                       f"{int(time.time())}), got {frozen!r}; unset it to use the clock")
-    return value
 
 
 def console(stderr: bool = False, soft_wrap: bool = False) -> Console:
@@ -127,17 +107,6 @@ def fmt_cell(v: Any) -> str:
     if v is None:
         return ""
     return fmt_num(v, 6) if isinstance(v, (int, float)) else str(v)
-
-
-def jsonable(obj: Any) -> Any:
-    """Non-finite floats become "NaN"/"Infinity"/"-Infinity", as in shards (strict JSON)."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return "NaN" if math.isnan(obj) else ("Infinity" if obj > 0 else "-Infinity")
-    if isinstance(obj, Mapping):
-        return {str(k): jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [jsonable(v) for v in obj]
-    return obj
 
 
 def print_json(obj: Any) -> None:

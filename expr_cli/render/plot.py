@@ -9,36 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
+
+from expr_cli.data.series import Band as Band
+from expr_cli.data.series import Line as Line
+from expr_cli.data.series import Panel as Panel
 
 MARKERS = "ox+*#@%&=~"
 OUTLIER_COLORS = ("tab:red", "tab:orange", "tab:purple", "tab:brown", "tab:pink")
-
-
-class Line(NamedTuple):
-    """One series: a legend label, steps and values; `kind` is rank, median or outlier."""
-
-    label: str
-    steps: list[int]
-    values: list[float]
-    kind: str = "rank"
-
-
-class Band(NamedTuple):
-    """The p05-p95 envelope across ranks, per step."""
-
-    steps: list[int]
-    lo: list[float]
-    hi: list[float]
-
-
-class Panel(NamedTuple):
-    """The chart of one metric."""
-
-    metric: str
-    lines: list[Line]
-    band: Band | None
-    note: str
 
 
 def _thin(steps: Sequence[int], values: Sequence[float], points: int) -> tuple[list[int], list[float]]:

@@ -1,0 +1,125 @@
+"""`expr serve` at scale (issue 19): the run page of synthetic 4,096- and 16,384-rank runs.
+
+    python bench/serve.py [WORLDS]        e.g. python bench/serve.py 4096,16384
+
+For each world size, side by side in one run: a fresh `expr serve --port 0` and headless
+Debian chromium (playwright, no browser download): time to first render of the run page
+(navigation to every panel drawn), bytes transferred (response bodies and headers, the
+event stream excluded), then a second visitor on the same server (its live state kept);
+and, in this process, the server time of a refresh with nothing new (the page's three
+requests: summary, heatmap, top) against `expr summary --json` of the same run (which
+reads it all again each time). Runs come from bench/scale.py's cache
+($EXPR_SCALE_CACHE, default /tmp/expr-scale-cache; 200 steps per rank).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.scale import cached_run  # noqa: E402
+
+EXPR = Path(sys.executable).parent / "expr"
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]
+STEPS = 200
+REFRESHES = 10
+
+
+def page_load(browser: object, url: str) -> tuple[float, int, int]:
+    """Seconds to every panel drawn, bytes transferred, requests."""
+    ctx = browser.new_context(viewport={"width": 1280, "height": 1200})  # type: ignore[attr-defined]
+    page = ctx.new_page()
+    sizes: list[int] = []
+
+    def done(req: object) -> None:
+        s = req.sizes()  # type: ignore[attr-defined]
+        sizes.append(s["responseBodySize"] + s["responseHeadersSize"])
+
+    page.on("requestfinished", done)
+    t0 = time.monotonic()
+    page.goto(url)
+    page.wait_for_selector("body[data-loaded='1']", timeout=600_000)
+    page.wait_for_selector("#chart canvas", timeout=60_000)
+    took = time.monotonic() - t0
+    page.wait_for_timeout(300)
+    ctx.close()
+    return took, sum(sizes), len(sizes)
+
+
+def refresh_cost(root: Path) -> tuple[float, float, float]:
+    """Median server seconds of a no-change refresh (summary + heatmap + top), the first
+    build's seconds, and `expr summary --json`'s seconds, in this process / a child."""
+    from expr_cli.web.api import Api
+    from expr_cli.web.live import MIN_PASS, LiveRuns
+    from expr_tracker.health.config import HealthConfig
+
+    api = Api(root, LiveRuns(HealthConfig()))
+    run = ("bench", "big")
+
+    def once() -> None:
+        api.summary(*run, {"chart": ["step_time"]})
+        api.heatmap(*run, {"metric": ["step_time"], "buckets": ["60"]})
+        api.top(*run, {"limit": ["64"]})
+
+    t0 = time.monotonic()
+    once()
+    first = time.monotonic() - t0
+    times = []
+    for _ in range(REFRESHES):
+        time.sleep(MIN_PASS + 0.05)  # a new pass each time (requests closer share one)
+        t0 = time.monotonic()
+        once()
+        times.append(time.monotonic() - t0)
+    env = {**os.environ, "EXPR_DIR": str(root)}
+    t0 = time.monotonic()
+    subprocess.run([str(EXPR), "summary", "bench/big", "--json"], env=env, check=True,
+                   stdout=subprocess.DEVNULL)
+    cli = time.monotonic() - t0
+    return statistics.median(times), first, cli
+
+
+def main() -> None:
+    from playwright.sync_api import sync_playwright
+
+    worlds = [int(w) for w in (sys.argv[1] if len(sys.argv) > 1 else "4096,16384").split(",")]
+    load = os.getloadavg()[0]
+    print(f"expr serve, synthetic runs of {STEPS} steps, {os.cpu_count()} cores, "
+          f"load average {load:.1f} at the start\n")
+    print("| ranks | first render, fresh server | bytes (requests) | second visitor | "
+          "no-change refresh (server) | first build (server) | `expr summary --json` | "
+          "refresh vs CLI |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+        for world in worlds:
+            root = cached_run(world, STEPS)
+            srv = subprocess.Popen([str(EXPR), "serve", "--dir", str(root), "--port", "0"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            try:
+                assert srv.stdout is not None
+                url = srv.stdout.readline().strip().rstrip("/") + "/runs/bench/big?metric=step_time"
+                cold = page_load(browser, url)
+                warm = page_load(browser, url)
+            finally:
+                srv.terminate()
+                srv.wait()
+            refresh, first, cli = refresh_cost(root)
+            # each row as soon as it is measured (a 16,384-rank row takes minutes)
+            print(f"| {world:,} | {cold[0]:.1f} s | {cold[1] / 1e6:.2f} MB ({cold[2]}) | "
+                  f"{warm[0]:.2f} s | {refresh:.3f} s | {first:.1f} s | {cli:.1f} s | "
+                  f"{cli / refresh:.0f}x |", flush=True)
+        browser.close()
+    print(f"\nload average {os.getloadavg()[0]:.1f} at the end")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""`expr top`'s answer: every rank's state and the run's incidents, worst first (DESIGN 13,
+14), as the dict `expr top --once --json` prints and `expr serve` returns.
+
+Read-only: the detectors run in memory on every frame (so the view is live even with no
+watcher), merged with the open incidents a watcher recorded in `incidents.jsonl`.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from statistics import median
+from typing import Any
+
+from expr_cli.resolve import RunRef
+
+from . import now
+
+_SEVERITY = {"crashed": 0, "stall": 1, "hang": 2, "missing": 3, "alert": 4, "straggler": 5,
+             "slowdown": 6, "behind": 7}
+RATE_GRACE = 2.0  # seconds of silence that are the flush lag, not a slower rank
+RATE_HORIZON = 2.0  # a live rank's steps/s counts the steps of the last this many seconds ...
+RATE_PERIODS = 4  # ... or of this many of its step periods, if longer
+
+
+def age_now(t: float | None) -> float | None:
+    """Seconds since `t` (relative to `$EXPR_NOW` in tests)."""
+    return None if t is None else max(0.0, now() - t)
+
+
+def steps_per_s(rs: Any, now: float) -> float | None:
+    """A rank's steps/s up to now: over its recent step rows, and for a live rank over
+    the last max(RATE_HORIZON, RATE_PERIODS periods) up to `now` (the reader's clock),
+    so that it falls to 0 while the rank is silent (a stall) instead of showing the rate
+    of its last rows. Its rows' `_time`s are only compared with each other (its clock);
+    its silence is measured on ours."""
+    steps, times = rs.steps, rs.times
+    if len(steps) < 2:
+        return None
+    s0, t0, s1, t1 = steps[0], times[0], steps[-1], times[-1]
+    if t1 <= t0 or s1 <= s0:
+        return None
+    if not rs.live or rs.last_write is None:
+        return (s1 - s0) / (t1 - t0)
+    end = t1 + max(0.0, now - rs.last_write - RATE_GRACE)  # `now` on the rank's clock
+    start = max(t0, end - max(RATE_HORIZON, RATE_PERIODS * (t1 - t0) / (s1 - s0)))
+    if start >= t1:
+        return 0.0
+    i = bisect_left(times, start)
+    return (s1 - steps[i]) / (end - times[i]) if end > times[i] else None
+
+
+def job_line(state: Any, findings: list[Any], incidents: list[Any], rows: list[dict[str, Any]],
+             now: float) -> dict[str, Any]:
+    """The whole job in one line: stalled (and the suspects), crashed (and which rank
+    failed first), finished, or running at its median steps/s."""
+    from expr_tracker.health.incidents import first_crash
+    from expr_tracker.health.stall import fmt_quiet
+    from expr_tracker.ranks import compact
+
+    stall = next((f.info for f in findings if f.kind == "stall" and f.info), None)
+    if stall is not None:
+        ranks = stall["ranks"]
+        return {"state": "stalled", "suspects": list(ranks), "text":
+                f"stalled {fmt_quiet(stall['quiet'])} at step {stall['step']}; suspect "
+                f"rank{'s' if len(ranks) != 1 else ''} {compact(ranks)} {stall['where']}"}
+    recorded = next((i for i in incidents if i.kind == "stall"), None)
+    if recorded is not None:  # a watcher's (its thresholds), and no rank advanced since
+        newest = max([t for rs in state.live if (t := rs.advanced) is not None], default=now)
+        why = recorded.detail.split(": ", 1)[-1].split("; ")[0]
+        return {"state": "stalled", "suspects": list(recorded.ranks), "text":
+                f"stalled {fmt_quiet(now - newest)} at step {recorded.step}; suspect {why}"}
+    first = first_crash(state) if any(r["status"] == "crashed" for r in rows) else None
+    if first is not None:
+        n = sum(r["status"] == "crashed" for r in rows)
+        why = ": ".join(str(x) for x in (first.get("type"), first.get("message")) if x)
+        return {"state": "crashed", "first_crash": first, "text":
+                f"crashed: rank {first['rank']} failed first" + (f" ({why})" if why else "")
+                + (f"; {n} ranks crashed" if n > 1 else "")}
+    if rows and not state.live:
+        return {"state": "finished", "text": "finished: every rank is done"}
+    rates = [r["steps_per_s"] for r in rows if r["status"] == "running" and r["steps_per_s"] is not None]
+    text = f"running at {median(rates):.3g} steps/s (median rank)" if rates else "running"
+    return {"state": "running", "text": text}
+
+
+def _metric(state: Any, rs: Any, key: str | None) -> Any:
+    if key is None:
+        return None
+    recs = state.rank_records.get(rs.rank) or []
+    for rec in reversed(recs):
+        if key in rec:
+            return rec[key]
+    return (rs.last_row or {}).get(key)
+
+
+class TopView:
+    """Builds one frame's data: a reader and detector memory kept between frames."""
+
+    def __init__(self, ref: RunRef, stream: str | None, metric: str | None, cfg: Any) -> None:
+        from expr_tracker.health.detect import Memory
+        from expr_tracker.health.watch import IncidentLog, Watcher
+
+        self.ref = ref
+        self.metric = metric
+        self.cfg = cfg
+        self.reader = Watcher(ref.path, cfg, None, stream=stream).reader
+        self.memory = Memory()
+        self.log = IncidentLog(ref.path)
+
+    def __call__(self, state: Any = None) -> dict[str, Any]:
+        """One frame; `state`: this pass's live state when the caller read it already
+        (from `self.reader`)."""
+        from expr_tracker.health.detect import detect, ended
+        from expr_tracker.health.incidents import plan
+
+        wall = self.reader.clock()
+        if state is None:
+            state = self.reader.read(wall)
+        self.log.sync()
+        findings = detect(state, [], self.cfg, self.memory, wall)
+        p = plan(self.log.open.values(), findings, wall, state, crash_window=self.cfg.crash_window,
+                 ended=ended(state))
+        recorded = [i for i in self.log.open.values() if i.kind == "alert"]  # needs alert files
+        incidents = sorted([*p.still_open, *p.opened, *p.updated, *recorded],
+                           key=lambda i: (_SEVERITY.get(i.kind, 9), i.ranks))
+        worst: dict[int, int] = {}
+        for inc in incidents:
+            for r in inc.ranks:
+                worst[r] = min(worst.get(r, 9), _SEVERITY.get(inc.kind, 9))
+        rows = []
+        for rs in state.ranks.values():
+            rows.append({
+                "rank": rs.rank, "host": rs.host, "step": rs.last_step, "status": rs.status,
+                "behind": state.behind(rs.rank), "steps_per_s": steps_per_s(rs, wall),
+                "last_write_age": age_now(rs.last_write), "pid": rs.pid,
+                "incident": min((k for k, v in _SEVERITY.items() if v == worst.get(rs.rank)), default=None),
+                **({"metric": _metric(state, rs, self.metric)} if self.metric else {}),
+            })
+        rows.sort(key=lambda r: (worst.get(r["rank"], 9), r["status"] == "finished",
+                                 -(r["behind"] or 0), r["steps_per_s"] or 0.0, r["rank"]))
+        return {
+            "run": self.ref.label, "frontier": state.frontier, "lead": state.lead,
+            "live": len(state.live), "world_size": state.world_size, "metric": self.metric,
+            "job": job_line(state, findings, incidents, rows, wall),
+            "ranks": rows, "nodes": _nodes(rows, state),
+            "incidents": [i.as_line() for i in incidents],
+        }
+
+
+def _nodes(rows: list[dict[str, Any]], state: Any) -> list[dict[str, Any]]:
+    """Per node (host, else rank // local_world_size), worst first."""
+    order = {"crashed": 0, "running": 1, "finished": 2}
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        rs = state.ranks[r["rank"]]
+        node = rs.host or (f"node{r['rank'] // rs.local_world_size}" if rs.local_world_size else "?")
+        by.setdefault(node, []).append(r)
+    out = []
+    for node, members in by.items():
+        steps = [m["step"] for m in members if m["step"] is not None]
+        rates = [m["steps_per_s"] for m in members if m["steps_per_s"] is not None]
+        out.append({
+            "node": node, "ranks": len(members), "live": sum(m["status"] == "running" for m in members),
+            "first_rank": min(m["rank"] for m in members), "last_rank": max(m["rank"] for m in members),
+            "min_step": min(steps) if steps else None,
+            "max_behind": max((m["behind"] or 0 for m in members), default=0),
+            "slowest": min(rates) if rates else None,
+            "median_rate": median(rates) if rates else None,
+            "worst": min((m["status"] for m in members), key=lambda s: order.get(s, 3)),
+            "incident": min((m["incident"] for m in members if m["incident"]),
+                            key=lambda k: _SEVERITY.get(k, 9), default=None),
+        })
+    out.sort(key=lambda n: (_SEVERITY.get(n["incident"], 9), order.get(n["worst"], 3),
+                            -n["max_behind"], n["slowest"] or 0.0))
+    return out
+
+

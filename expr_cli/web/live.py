@@ -1,0 +1,140 @@
+"""Each run's live state, kept between requests (DESIGN 18).
+
+A `LiveRun` holds the health watcher's incremental reader (`health.state.RunReader`, by
+way of `data.top.TopView`): a pass over an idle run of thousands of ranks is a `stat` per
+shard and sidecar. A pass that saw nothing change (no shard or sidecar changed, the same
+frontier and statuses) keeps the version, and every answer built for that version is
+served again from memory: a refresh with nothing new costs the pass, not the reduction.
+Passes are shared: one per `MIN_PASS` seconds whatever the number of pages and requests.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from expr_cli.data.top import TopView
+from expr_cli.resolve import RunRef
+
+from .paths import no_links
+
+MIN_PASS = 0.5  # seconds: requests and event streams closer than this share a pass
+TOP_TTL = 10.0  # top runs the time-based detectors (hang, stall: minutes): rebuilt this often anyway
+MAX_RUNS = 32  # live states kept (least recently used dropped)
+MAX_ANSWERS = 64  # answers kept per run and version
+INCIDENT_TAIL = 256 << 10  # bytes of incidents.jsonl read for the resolved incidents
+
+
+class LiveRun:
+    """One stream of one run: the reader, the version, and the answers of that version."""
+
+    def __init__(self, ref: RunRef, stream: str | None, cfg: Any) -> None:
+        self.ref = ref
+        self.stream = stream
+        self.top = TopView(ref, stream, None, cfg)
+        self.lock = threading.RLock()
+        self.version = 0
+        self.state: Any = None
+        self.pass_at = -1e9
+        self.pass_s = 0.0  # server time of the last pass (the bench reports it)
+        self._mark: Any = None
+        self._answers: OrderedDict[Any, tuple[float, Any]] = OrderedDict()
+        self.memo: dict[Any, Any] = {}  # what answers of this version share (tables read)
+
+    def refresh(self, max_age: float = MIN_PASS) -> Any:
+        """The live state, from a pass at most `max_age` seconds old."""
+        with self.lock:
+            t = time.monotonic()
+            if self.state is not None and t - self.pass_at < max_age:
+                return self.state
+            state = self.top.reader.read()
+            mark = (state.frontier, state.lead, state.world_size,
+                    tuple(sorted(Counter(rs.status for rs in state.ranks.values()).items())),
+                    _incidents_key(self.ref))
+            if state.changed or mark != self._mark or self.state is None:
+                no_links(self.ref)  # files appeared: none may be a symlink
+                self.version += 1
+                self._answers.clear()
+                self.memo = {}
+            self._mark = mark
+            self.state = state
+            self.pass_at = time.monotonic()
+            self.pass_s = self.pass_at - t
+            return state
+
+    def answer(self, key: Any, build: Callable[[Any], Any], ttl: float | None = None) -> Any:
+        """`build(state)` for this version, from memory when it was built already (and, with
+        `ttl`, at most that many seconds ago)."""
+        with self.lock:
+            state = self.refresh()
+            hit = self._answers.get(key)
+            if hit is not None and (ttl is None or time.monotonic() - hit[0] < ttl):
+                self._answers.move_to_end(key)
+                return hit[1]
+            value = build(state)
+            self._answers[key] = (time.monotonic(), value)
+            while len(self._answers) > MAX_ANSWERS:
+                self._answers.popitem(last=False)
+            return value
+
+
+def _incidents_key(ref: RunRef) -> tuple[int, int] | None:
+    """The size and mtime of incidents.jsonl: a watcher's new line is a change too."""
+    try:
+        st = os.stat(ref.path / "incidents.jsonl", follow_symlinks=False)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
+class LiveRuns:
+    """The live states of the runs pages look at, least recently used dropped first."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.lock = threading.Lock()
+        self.runs: OrderedDict[tuple[str, str | None], LiveRun] = OrderedDict()
+
+    def get(self, ref: RunRef, stream: str | None) -> LiveRun:
+        """The kept state of `ref` (made on first use)."""
+        key = (str(ref.path), stream)
+        with self.lock:
+            run = self.runs.get(key)
+            if run is None:
+                run = self.runs[key] = LiveRun(ref, stream, self.cfg)
+                while len(self.runs) > MAX_RUNS:
+                    self.runs.popitem(last=False)
+            self.runs.move_to_end(key)
+            return run
+
+
+def incident_lines(ref: RunRef, limit: int = 200) -> list[dict[str, Any]]:
+    """The last `limit` lines of the run's incidents.jsonl (opened and resolved), newest
+    first; fields the page does not know (a new kind, `root`, `id`) are passed through."""
+    from expr_tracker.store import records
+
+    try:
+        fd = os.open(ref.path / "incidents.jsonl", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return []
+    try:
+        size = os.fstat(fd).st_size
+        start = max(0, size - INCIDENT_TAIL)
+        data = os.pread(fd, size - start, start)
+    finally:
+        os.close(fd)
+    if start:
+        data = data[data.find(b"\n") + 1:]
+    out = []
+    for _, line in records.iter_lines(data[: data.rfind(b"\n") + 1]):
+        try:
+            rec = records.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("kind"), str):
+            out.append(rec)
+    return out[-limit:][::-1]

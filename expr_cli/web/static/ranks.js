@@ -1,0 +1,23 @@
+// The per-rank snapshot, worst first (as `expr top`): status, step, behind, steps/s, last write.
+import { age, badge, h, num, replace } from "./dom.js";
+
+const SHOWN = 64;
+
+export function drawRanks(el, top) {
+  const rows = top.ranks || [];
+  const table = h("table", { class: "grid", id: "rank-table" },
+    h("thead", {}, h("tr", {}, ["rank", "host", "status", "step", "behind", "steps/s", "last write", "incident"]
+      .map((c, i) => h("th", { class: i >= 3 && i <= 6 ? "num" : "" }, c)))),
+    h("tbody", {}, rows.slice(0, SHOWN).map((r) => h("tr", {},
+      h("td", {}, `rank ${r.rank}`), h("td", { class: "muted" }, r.host || ""),
+      h("td", {}, badge(r.status)), h("td", { class: "num" }, r.step ?? "–"),
+      h("td", { class: "num" }, r.behind ? r.behind.toLocaleString("en-US") : "0"),
+      h("td", { class: "num" }, num(r.steps_per_s, 3)),
+      h("td", { class: "num" }, r.last_write_age === null ? "–" : `${age(r.last_write_age)} ago`),
+      h("td", {}, r.incident ? badge(r.incident) : "")))));
+  const total = top.ranks_total ?? rows.length;
+  const more = total > SHOWN
+    ? h("p", { class: "muted" }, `and ${(total - SHOWN).toLocaleString("en-US")} more ranks on `
+      + `${(top.nodes_total ?? (top.nodes || []).length).toLocaleString("en-US")} nodes`) : null;
+  replace(el, table, more);
+}

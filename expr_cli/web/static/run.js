@@ -1,0 +1,110 @@
+// The run page: fetches the summary (all keys and the picked one), the heatmap and top,
+// and hands each to its panel; the event stream triggers a refetch, never a reload.
+import { ApiError, get, runPath } from "./api.js";
+import { drawChart, resizeChart } from "./chart.js";
+import { drawCoverage } from "./coverage.js";
+import { drawHeader, drawLive } from "./header.js";
+import { drawHeatmap, heatRows, rowAt } from "./heatmap.js";
+import { drawIncidents } from "./incidents.js";
+import { follow } from "./live.js";
+import { drawOutliers } from "./outliers.js";
+import { drawPicker, metricKeys } from "./picker.js";
+import { drawRanks } from "./ranks.js";
+import { drawTiles } from "./tiles.js";
+
+const $ = (id) => document.getElementById(id);
+const parts = window.location.pathname.split("/").filter(Boolean).map(decodeURIComponent);
+const [project, name] = [parts[1], parts[2]];
+const label = `${project}/${name}`;
+const base = runPath(project, name);
+const page = { metric: new URLSearchParams(window.location.search).get("metric"), busy: false, again: false,
+               drill: null, loaded: false };
+
+function missing(message) {
+  $("content").hidden = true;
+  const el = $("missing");
+  el.hidden = false;
+  el.textContent = message;
+  drawHeader(label, null, null);
+}
+
+async function load() {
+  if (page.busy) { page.again = true; return; }
+  page.busy = true;
+  try {
+    // one summary answers the tiles, the outliers, the coverage and the chart (chart=KEY)
+    let all = await get(`${base}/summary`, { chart: page.metric });
+    const keys = metricKeys(all);
+    if (!page.metric || !keys.includes(page.metric)) page.metric = keys[0] || null;
+    if (all.keys && all.chart && page.metric && all.chart.key !== page.metric) {
+      all = await get(`${base}/summary`, { chart: page.metric });
+    }
+    drawPicker($("metric"), keys, page.metric, (k) => {
+      page.metric = k; page.drill = null;
+      const q = new URLSearchParams(window.location.search); q.set("metric", k);
+      history.replaceState(null, "", `${window.location.pathname}?${q}`);
+      load();
+    });
+    const m = page.metric;
+    const [one, hm, top] = await Promise.all([
+      // a run without rank records: the picked key of its step rows
+      all.keys || !m ? Promise.resolve(all) : get(`${base}/summary`, { metric: m, chart: m }),
+      m ? get(`${base}/heatmap`, { metric: m, buckets: 60 }).catch((e) => ({ error: e.message })) : Promise.resolve(null),
+      get(`${base}/top`, { limit: 64 }),
+    ]);
+    $("missing").hidden = true;
+    $("content").hidden = false;
+    drawHeader(label, one, top);
+    if (one.keys) {
+      drawTiles($("tiles"), one, m);
+      if (one.chart) { drawChart($("chart"), one.chart); $("chart-note").textContent = `${one.chart.key}, last ${one.chart.step.length} steps`; }
+      drawCoverage($("coverage"), $("coverage-note"), one);
+    } else {
+      $("tiles").textContent = "this run has no rank records; pick a metric its ranks log";
+    }
+    drawOutliers($("outliers"), all.keys ? all : one);
+    drawIncidents($("incidents"), top);
+    drawRanks($("ranks"), top);
+    if (hm && hm.heatmap) {
+      const h = hm.heatmap;
+      drawHeatmap($("heatmap"), heatRows(h), h.buckets, $("heatmap-legend"));
+      $("heatmap-note").textContent = `${h.key}, ${h.nodes ? `${h.nodes.length} nodes (${h.agg}); click a node for its ranks` : `${hm.world_size} ranks`}`;
+      if (page.drill) drill(page.drill);
+    } else if (hm && hm.error) {
+      $("heatmap-note").textContent = hm.error;
+    }
+    page.loaded = true;
+    document.body.dataset.loaded = "1";
+  } catch (err) {
+    if (err instanceof ApiError && err.status === 404) missing(`${err.message}.`);
+    else drawLive(`error: ${err.message}`);
+  } finally {
+    page.busy = false;
+    if (page.again) { page.again = false; load(); }
+  }
+}
+
+async function drill(node) {
+  page.drill = node;
+  try {
+    const hm = await get(`${base}/heatmap`, { metric: page.metric, buckets: 60, node });
+    $("drill").hidden = false;
+    $("drill-title").textContent = `node ${node}: ${Object.keys(hm.heatmap.cells).length} ranks`;
+    drawHeatmap($("drill-canvas"), heatRows({ cells: hm.heatmap.cells }), hm.heatmap.buckets, null);
+  } catch (err) {
+    $("drill-title").textContent = `node ${node}: ${err.message}`;
+  }
+}
+
+$("heatmap").addEventListener("click", (ev) => {
+  const row = rowAt($("heatmap"), ev);
+  if (row && row.node) drill(row.node);
+});
+$("drill-close").addEventListener("click", () => { page.drill = null; $("drill").hidden = true; });
+window.addEventListener("resize", () => resizeChart($("chart")));
+
+drawHeader(label, null, null);
+load().then(() => {
+  if (!page.loaded) return;
+  follow(`${base}/events`, () => load(), (s) => drawLive(s));
+});

@@ -1,0 +1,26 @@
+// The tiles: ranks reporting n/world, weighted mean against mean, spread p05-p95, std.
+import { h, num, replace } from "./dom.js";
+
+function tile(label, value, sub, id) {
+  return h("div", { class: "tile", id }, h("div", { class: "label" }, label),
+    h("div", { class: "value" }, value), h("div", { class: "sub" }, sub));
+}
+
+export function drawTiles(el, summary, key) {
+  const item = (summary.keys || []).find((k) => k.key === key) || (summary.keys || [])[0];
+  if (!item) { replace(el, tile("ranks reporting", "–", "no values", "tile-ranks")); return; }
+  const s = item.stats || {};
+  const world = summary.world_size || s.world;
+  const missing = (item.missing || []).length, behind = (item.behind || []).length;
+  const where = summary.step !== null && summary.step !== undefined ? `at step ${summary.step}`
+    : `steps ${(summary.steps || []).join(":")}`;
+  const gap = s.mean && s.wmean !== null && s.wmean !== undefined && typeof s.mean === "number"
+    ? `${(((s.wmean - s.mean) / Math.abs(s.mean)) * 100).toFixed(2)}% from the mean` : "";
+  replace(el,
+    tile("ranks reporting", `${s.n ?? 0}/${world ?? "?"}`,
+      [where, behind ? `${behind} behind` : "", missing ? `${missing} missing` : ""].filter(Boolean).join(" · "),
+      "tile-ranks"),
+    tile("weighted mean vs mean", `${num(s.wmean)} vs ${num(s.mean)}`, gap, "tile-means"),
+    tile("spread p05-p95", `${num(s.p05)} – ${num(s.p95)}`, `p50 ${num(s.p50)}`, "tile-spread"),
+    tile("std", num(s.std), `min ${num(s.min)} · max ${num(s.max)}`, "tile-std"));
+}
