@@ -83,3 +83,14 @@ def test_status_at_80_columns(tmp_path: Path, cli80) -> None:  # type: ignore[no
     joined = "".join(line.split()[0] if line.split() else "" for line in out.splitlines())
     for f in files:
         assert f.name in joined, out
+
+
+def test_top_at_80_columns(tmp_path: Path, cli80, golden, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("LINES", "40")
+    # the fixture run was written long ago: thresholds that leave it alone
+    cfg = tmp_path / "health.toml"
+    cfg.write_text('[health]\nhang_after = "1000d"\n')
+    out = cli80("top", "run-1", "--once", "--config", str(cfg))
+    header = next(line for line in out.splitlines() if line.lstrip().startswith("rank"))
+    assert "step" in header.split(), out
+    golden("top_run1_80.txt", out)
