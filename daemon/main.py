@@ -472,18 +472,34 @@ class _Signals:
     stop = False
     reload = False
 
+    waking = False
+
+    @classmethod
+    def _wake(cls) -> None:
+        # A handler runs between two bytecodes, so a storm of signals nests handlers inside
+        # the os.write of the one before, deep enough for a RecursionError that ended exprd.
+        # A handler that finds another one waking the loop only sets its flag: that wake-up
+        # is not even consumed yet, and the loop reads the flags after it.
+        if cls.waking or cls.daemon is None:
+            return
+        cls.waking = True
+        try:
+            cls.daemon.wake.set()
+        finally:
+            cls.waking = False
+
     @classmethod
     def on_term(cls, signum: int, frame: Any) -> None:
         cls.stop = True
         if cls.daemon is not None:
             cls.daemon.stopping = True
-            cls.daemon.wake.set()
+            cls._wake()
 
     @classmethod
     def on_hup(cls, signum: int, frame: Any) -> None:
         if cls.daemon is not None:
             cls.daemon.reload_requested = True
-            cls.daemon.wake.set()
+            cls._wake()
 
     @classmethod
     def install(cls) -> None:
