@@ -128,6 +128,7 @@ class SpoolSink:
         self.path = spool_path(run.spool_root, run.project, run.name, run.paths.stem, run.session)
         self.alerting = False  # exprd evaluates rules and delivers alerts
         self.reporting = False
+        self._summary: dict[str, Any] | None = None  # set by finish, sent in the finish event
         # a shared rank_aware=False shard resumes after this rank's own rows (DESIGN 5)
         own = None if run.rank_aware else run.rank
         cursor = scan_shard(run.paths, own)
@@ -295,9 +296,8 @@ class SpoolSink:
         event: dict[str, Any] = {"_event": "finish", "_time": time.time(), "status": status}
         if exit is not None:
             event["exit"] = exit
-        summary = getattr(self, "_summary", None)
-        if summary:
-            event["summary"] = summary
+        if self._summary:
+            event["summary"] = self._summary
         self._emit(event)
         self.writer.close("finished")
         if self._lock_fd is not None:
