@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 
 from expr_tracker.store.records import (
+    MAX_STEP,
     MAX_STR,
     MAX_WORLD,
     NONFINITE_TEXT,
@@ -25,7 +26,6 @@ from expr_tracker.store.records import (
     encode_row,
 )
 
-MAX_STEP = 2**63 - 1  # the steps every reader holds (int64)
 ROW_FIELDS = frozenset(("_step", "_time", "_seq", "_rank"))  # `_rank`: rank_aware=False
 RANK_FIELDS = frozenset(("_kind", "_step", "_time", "_seq", "_rank", "_world_size",
                          "_local_rank", "_weight"))
@@ -58,9 +58,7 @@ def check_record(rec: Mapping[str, Any]) -> None:
         user[key] = value
     if "_step" not in rec:
         raise ValueError("_step is missing")
-    step = check_step(rec["_step"], "_step")
-    if step > MAX_STEP:
-        raise ValueError(f"_step must be at most {MAX_STEP} (int64), got {step}")
+    check_step(rec["_step"], "_step")  # log()'s own bounds (records.MAX_STEP)
     when = rec.get("_time")
     if when is None:
         raise ValueError("_time is missing" if "_time" not in rec else "_time must be a number, got null")
