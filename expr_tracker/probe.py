@@ -214,6 +214,14 @@ class Prober:
         ordered = sorted(self._periods)
         return max(DEFAULT_AFTER, PERIODS * ordered[len(ordered) // 2])
 
+    def own_row(self) -> None:
+        """The background thread committed a row of its own (a system-metrics sample): not
+        the training code's activity. Counted as seen, so a silent rank keeps its probe and
+        its `since` (every rank samples at about the same time: taking every probe away at
+        once would leave a stall's watcher with no probe to tell the suspect by)."""
+        rows, last = self._seen
+        self._seen = (rows + 1, last)
+
     def tick(self, now: float) -> None:
         """Once a second on the background thread: trace lines, then probe or clear."""
         run = self.run

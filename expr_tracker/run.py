@@ -446,6 +446,7 @@ class Run:
                 record, nonfinite = records.rank_record(
                     metrics, step, self.rank, self.world_size, self.local_rank, 1.0)
                 self._rows_committed += 1
+                self._prober.own_row()  # same thread as its tick: not the loop's activity
                 self._sink.apply(record, nonfinite)
         except Exception as exc:  # the tracker must never take the process down
             self.warn_once(f"system:{type(exc).__name__}", f"expr_tracker: system metrics: {exc!r}")

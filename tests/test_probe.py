@@ -99,6 +99,53 @@ def test_in_spool_mode_exprd_writes_the_probe_and_the_traced_spans(tmp_path: Pat
         assert stop(d) == 0
 
 
+SILENT_WITH_SYSTEM = """
+    import os, time, expr_tracker as et
+    et.init("proj", "sys", dir={root!r}, probe_after=1, system_metrics=True, system_interval=1)
+    et.log({{"loss": 1.0}})
+    with et.span("data"):
+        while not os.path.exists({stop!r}):
+            time.sleep(0.05)
+    et.finish()
+"""
+
+
+def test_system_samples_do_not_take_a_silent_ranks_probe_away(tmp_path: Path) -> None:
+    """A system-metrics sample is a row the tracker's own thread commits. It once counted as
+    the training loop's activity: every sample cleared the probe and reset its `since`, and
+    since every rank samples at about the same time, a stall's watcher saw no probe on any
+    rank for a pass and named a wrong suspect (rank 0, "wrote last longest ago")."""
+    root, halt = tmp_path / "runs", tmp_path / "stop"
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SILENT_WITH_SYSTEM.format(root=str(root), stop=str(halt))))
+    proc = subprocess.Popen([sys.executable, str(script)], env=env_for({}), cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    meta = root / "proj" / "sys" / "metrics.meta.json"
+    shard = root / "proj" / "sys" / "metrics.jsonl"
+    try:
+        wait_for(lambda: sidecar(meta).get("probe") is not None, 20, "a probe in the sidecar")
+        first = sidecar(meta)["probe"]
+        deadline = time.monotonic() + 4.5  # several samples at system_interval=1
+        while time.monotonic() < deadline:
+            meta_now = sidecar(meta)
+            if meta_now:  # a whole sidecar: the probe must be in it, from the same silence
+                probe = meta_now.get("probe")
+                assert probe is not None, "a system sample took the probe away"
+                # `since` is rewritten from the monotonic clock: equal within its jitter
+                assert abs(probe["since"] - first["since"]) < 0.1 and probe["spans"] == ["data"]
+            time.sleep(0.05)
+        samples = sum(1 for line in shard.read_text().splitlines() if '"_kind":"rank"' in line
+                      or '"_kind": "rank"' in line)
+        assert samples >= 3, samples  # the samples did happen meanwhile
+        halt.touch()
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 # -- the sampler in this process ----------------------------------------------------
 
 
