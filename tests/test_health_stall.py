@@ -286,3 +286,22 @@ def test_watch_waits_for_a_run_that_does_not_exist_yet_and_exits_when_it_ends(tm
             watch.communicate()
     assert watch.returncode == 0, err
     assert "waiting for" in err and out == ""
+
+
+def test_missing_ranks_are_timed_from_the_first_start_on_the_readers_clock(tmp_path: Path) -> None:
+    """Rank 3 never wrote a shard. Ranks 0-2 started 32 s ago, but rank 0's host clock is
+    120 s behind: its `start_time` says 152 s ago. `missing` waits `missing_after` (60 s)
+    from the first start as the reader sees it, not from a time off another host's clock."""
+    run = tmp_path / "p" / "r"
+    now = time.time()
+    cfg = HealthConfig(hang_after=1000.0, missing_after=60.0, behind_steps=100_000)
+    for r in range(WORLD - 1):
+        skew = -120.0 if r == 0 else 0.0
+        write_rank(run, r, 31, now - 1, t0=now - 32 + skew, probe=None)
+    assert [i.kind for i in Watcher(run, cfg).check(now)] == []
+    later = now + 40  # 72 s after the start: rank 3 is missing now
+    for r in range(WORLD - 1):
+        skew = -120.0 if r == 0 else 0.0
+        write_rank(run, r, 71, later - 1, t0=now - 32 + skew, probe=None)
+    opened = Watcher(run, cfg).check(later)
+    assert [(i.kind, i.ranks) for i in opened] == [("missing", (3,))]

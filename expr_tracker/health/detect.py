@@ -25,7 +25,7 @@ from typing import Any
 
 from expr_tracker.health.config import HealthConfig
 from expr_tracker.health.stall import stall
-from expr_tracker.health.state import RunState
+from expr_tracker.health.state import RankState, RunState
 
 KINDS = ("straggler", "slowdown", "hang", "stall", "behind", "crashed", "missing", "alert")
 LEVELS = {"straggler": "warning", "slowdown": "warning", "hang": "error", "stall": "error",
@@ -323,12 +323,23 @@ def crashes(state: RunState) -> list[Finding]:
     return out
 
 
+def _started(rs: RankState) -> float | None:
+    """When a rank started, on the reader's clock (`health.clock`): its `start_time` is on
+    its host's clock, so it is dated by how long before its last row it came (both on that
+    clock) back from when the reader saw that row written."""
+    if rs.last_write is None:
+        return None
+    if rs.start_time is None or not rs.times:
+        return rs.last_write
+    return rs.last_write - max(0.0, rs.times[-1] - rs.start_time)
+
+
 def _missing(state: RunState, cfg: HealthConfig, now: float) -> list[Finding]:
     world, ranks = state.world_size, state.ranks
     if not world or (len(ranks) >= world and max(ranks) < world):  # every rank has a shard
         return []
     gone = tuple(r for r in range(world) if r not in ranks)
-    starts = [t for rs in ranks.values() if (t := rs.start_time or rs.last_write) is not None]
+    starts = [t for rs in ranks.values() if (t := _started(rs)) is not None]
     if not gone or not starts or now - min(starts) < cfg.missing_after:
         return []
     return [Finding("missing", gone,
