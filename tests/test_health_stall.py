@@ -305,3 +305,33 @@ def test_missing_ranks_are_timed_from_the_first_start_on_the_readers_clock(tmp_p
         write_rank(run, r, 71, later - 1, t0=now - 32 + skew, probe=None)
     opened = Watcher(run, cfg).check(later)
     assert [(i.kind, i.ranks) for i in opened] == [("missing", (3,))]
+
+
+def test_a_short_hang_after_waits_for_the_probes_before_naming_a_suspect(tmp_path: Path) -> None:
+    """`hang_after` 4 s, below the SDK's first probe (10 s of silence): all four ranks
+    logged step 19 and went quiet 5 s ago, nobody has probed yet. The oldest write (by a
+    millisecond) is no evidence and a stall pages once, so no stall yet; once the probes
+    are there (14 s: past the probe horizon of 13 s) the stall names the rank in sleep."""
+    from expr_tracker import probe
+    from expr_tracker.health import stall
+
+    assert (stall.PROBE_AFTER, stall.PROBE_PERIODS, stall.PROBE_REWRITE) == (
+        probe.DEFAULT_AFTER, probe.PERIODS, probe.REWRITE_EVERY)
+    run = tmp_path / "p" / "r"
+    now = time.time()
+    cfg = HealthConfig(hang_after=4.0, behind_steps=100_000, straggler_steps=5, slowdown_ratio=100)
+    for r in range(WORLD):
+        write_rank(run, r, 19, now - 5 - r * 0.001)
+    w = Watcher(run, cfg)
+    assert w.check(now) == []
+    for r in range(WORLD):  # rank 2 probed a little late: no evidence before the horizon
+        write_rank(run, r, 19, now - 5 - r * 0.001, probe=None if r == 2 else COLLECTIVE,
+                   side=now)
+    assert w.check(now + 1) == []
+    for r in range(WORLD):
+        write_rank(run, r, 19, now - 5 - r * 0.001, probe=SLEEP if r == 2 else COLLECTIVE,
+                   side=now + 9)
+    opened = w.check(now + 9)
+    assert [(i.kind, i.ranks) for i in opened] == [("stall", (2,))]
+    assert "rank 2 in main" in opened[0].detail or "rank 2 in time.sleep" in opened[0].detail, \
+        opened[0].detail

@@ -386,7 +386,7 @@ def detect(
     derived = _derive(state, cfg, memory)
     period = median([d.median for d in derived.values()]) if derived else None
     threshold = cfg.hang_threshold(period)
-    stalled = stall(state, threshold, now)
+    stalled = stall(state, threshold, now, period)
     if stalled is None and memory.stalled:
         memory.stall_end, memory.stall_step = now, state.lead
     memory.stalled = stalled is not None

@@ -12,6 +12,14 @@ every rank is still running, and names the suspects, in order:
 3. else the ranks with the lowest last step;
 4. else the rank that wrote last longest ago.
 
+Rules 2 and 4 are evidence only once every healthy rank has had time to write a probe:
+the SDK writes the first after `probe_after` of silence (by default max(10 s, 5x the
+median step period), the same for every rank of a job). A `hang_after` set below that
+would name whichever rank probed a second later, or wrote a millisecond earlier, and a
+stall pages once: so until the silence passes `probe_horizon` a stall that only those
+rules could explain waits for the probes (the default `hang_after`, max(5 min, 20x the
+period), is always past it).
+
 A probe (written by the SDK's background thread into the sidecar, `probe`) is fresh when
 its sidecar changed within `PROBE_STALE` seconds of the freshest live sidecar (the SDK
 rewrites a probe every 3 s while its thread runs; times on the reader's clock,
@@ -33,6 +41,9 @@ from expr_tracker.ranks import compact
 # the SDK rewrites a probe every 3 s (`probe.REWRITE_EVERY`) while its thread runs; two
 # rewrites missed, and a little slack for exprd's apply in spool mode, is stale
 PROBE_STALE = 8.0
+# the SDK's default `probe_after` (`probe.DEFAULT_AFTER`, `probe.PERIODS`: health sits
+# below the SDK and cannot import it; tests/test_health_stall.py checks they agree)
+PROBE_AFTER, PROBE_PERIODS, PROBE_REWRITE = 10.0, 5.0, 3.0
 LEFT_OVER = 1.0  # s: a probe whose `since` is this much older than the last row is old
 # frames of a rank waiting for its peers even when its probe does not say "collective":
 # DDP's gradient all-reduce runs inside the autograd engine, under `loss.backward()`
@@ -129,15 +140,24 @@ def suspects(live: Sequence[RankState]) -> tuple[list[RankState], str]:
     return [oldest], "oldest write"
 
 
+def probe_horizon(period: float | None) -> float:
+    """Seconds of silence by which every healthy rank has written a probe (the SDK's
+    default `probe_after` for a job of this median step period, plus a rewrite's time for
+    the background thread's tick and, in spool mode, exprd's apply)."""
+    return max(PROBE_AFTER, PROBE_PERIODS * (period or 0.0)) + PROBE_REWRITE
+
+
 def _who(ranks: Sequence[RankState]) -> str:
     hosts = {rs.host for rs in ranks}
     on = f" on {next(iter(hosts))}" if len(hosts) == 1 and None not in hosts and len(ranks) > 1 else ""
     return f"rank{'s' if len(ranks) != 1 else ''} {compact([rs.rank for rs in ranks])}{on}"
 
 
-def stall(state: RunState, threshold: float, now: float) -> dict[str, Any] | None:
+def stall(state: RunState, threshold: float, now: float,
+          period: float | None = None) -> dict[str, Any] | None:
     """The stall of this pass, or None: {"ranks", "step", "quiet", "detail", "where",
-    "host", "rule"}. `now` and the ranks' times are on the reader's clock."""
+    "host", "rule"}. `now` and the ranks' times are on the reader's clock; `period` is the
+    job's median step period (for `probe_horizon`)."""
     live = state.live
     # every rank still running: once one finished or crashed, silence is that (its
     # `crashed` incident explains the others' wait), not a collective waiting for a rank
@@ -148,7 +168,7 @@ def stall(state: RunState, threshold: float, now: float) -> dict[str, Any] | Non
         return None
     quiet = now - newest
     named, rule = suspects(live)
-    if not named:
+    if not named or (rule in ("no probe", "oldest write") and quiet < probe_horizon(period)):
         return None
     step = state.lead
     if rule in ("busy", "no probe") and len(named) <= 3:
