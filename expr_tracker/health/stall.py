@@ -193,7 +193,8 @@ def stall(state: RunState, threshold: float, now: float,
         fns = Counter(fn for rs in waiters[:256]
                       if (fr := _frames(rs.probe)) and (fn := _frame(fr[0])[1]))
         fn = fns.most_common(1)[0][0] if fns else "a collective"
-        detail += f"; {len(waiters)} rank{'s' if len(waiters) != 1 else ''} wait in {fn}"
+        many = len(waiters) != 1
+        detail += f"; {len(waiters)} rank{'s' if many else ''} wait{'' if many else 's'} in {fn}"
     hosts = {rs.host for rs in named}
     return {"ranks": tuple(rs.rank for rs in named), "step": step, "quiet": quiet,
             "detail": detail, "where": where(named[0].probe), "rule": rule,
