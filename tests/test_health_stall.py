@@ -310,8 +310,9 @@ def test_missing_ranks_are_timed_from_the_first_start_on_the_readers_clock(tmp_p
 def test_a_short_hang_after_waits_for_the_probes_before_naming_a_suspect(tmp_path: Path) -> None:
     """`hang_after` 4 s, below the SDK's first probe (10 s of silence): all four ranks
     logged step 19 and went quiet 5 s ago, nobody has probed yet. The oldest write (by a
-    millisecond) is no evidence and a stall pages once, so no stall yet; once the probes
-    are there (14 s: past the probe horizon of 13 s) the stall names the rank in sleep."""
+    millisecond) is no evidence and a stall pages once, so no stall yet; nor while the
+    others' probes are only just there and rank 2's is not; once rank 2's says sleep,
+    the stall names it."""
     from expr_tracker import probe
     from expr_tracker.health import stall
 
@@ -324,10 +325,11 @@ def test_a_short_hang_after_waits_for_the_probes_before_naming_a_suspect(tmp_pat
         write_rank(run, r, 19, now - 5 - r * 0.001)
     w = Watcher(run, cfg)
     assert w.check(now) == []
-    for r in range(WORLD):  # rank 2 probed a little late: no evidence before the horizon
+    for r in range(WORLD):  # the others just probed, rank 2 not yet: no evidence
         write_rank(run, r, 19, now - 5 - r * 0.001, probe=None if r == 2 else COLLECTIVE,
-                   side=now)
+                   side=now + 1)
     assert w.check(now + 1) == []
+    assert w.check(now + 2) == []
     for r in range(WORLD):
         write_rank(run, r, 19, now - 5 - r * 0.001, probe=SLEEP if r == 2 else COLLECTIVE,
                    side=now + 9)
@@ -335,3 +337,29 @@ def test_a_short_hang_after_waits_for_the_probes_before_naming_a_suspect(tmp_pat
     assert [(i.kind, i.ranks) for i in opened] == [("stall", (2,))]
     assert "rank 2 in main" in opened[0].detail or "rank 2 in time.sleep" in opened[0].detail, \
         opened[0].detail
+
+
+def test_a_missing_probe_counts_once_the_others_have_been_seen_a_while(tmp_path: Path) -> None:
+    """`hang_after` 4 s: ranks 0, 1 and 3 probed (in the collective), rank 2 did not. The
+    first pass that sees their probes waits; 3 s later rank 2 still has none: the suspect.
+    A single pass (`--once`) cannot tell how long the probes were there and names it."""
+    run = tmp_path / "p" / "r"
+    now = time.time()
+    cfg = HealthConfig(hang_after=4.0, behind_steps=100_000, straggler_steps=5, slowdown_ratio=100)
+    for r in range(WORLD):
+        write_rank(run, r, 19, now - 6, probe=None if r == 2 else COLLECTIVE,
+                   side=now - 6 if r == 2 else now - 4)
+    assert [(i.kind, i.ranks) for i in Watcher(run, cfg).check(now)] == [("stall", (2,))]
+    run = tmp_path / "p" / "watched"
+    for r in range(WORLD):
+        write_rank(run, r, 19, now - 6)
+    w = Watcher(run, cfg)
+    assert w.check(now - 5) == []  # a pass before the probes: the watcher has been watching
+    for r in range(WORLD):
+        write_rank(run, r, 19, now - 6, probe=None if r == 2 else COLLECTIVE,
+                   side=now - 6 if r == 2 else now)
+    assert w.check(now) == []
+    assert w.check(now + 2) == []
+    opened = w.check(now + 3.5)
+    assert [(i.kind, i.ranks) for i in opened] == [("stall", (2,))]
+    assert "rank 2 wrote no probe" in opened[0].detail, opened[0].detail

@@ -65,6 +65,10 @@ class Memory:
     stall_end: float = -math.inf
     stall_step: int | None = None  # the lead step when it ended: windows with its gap are not slow
     stalled: bool = False
+    # rank -> (its probe's `since`, when this watcher first saw that probe): a missing
+    # probe is evidence once the others' have been there a while (`stall.stall`)
+    probes: dict[int, tuple[float, float]] = field(default_factory=dict)
+    passes: int = 0
 
 
 class _Derived:
@@ -365,6 +369,26 @@ def _alerts(state: RunState, suppressed: Iterable[Mapping[str, Any]]) -> list[Fi
     return out
 
 
+def _probes_seen(state: RunState, memory: Memory, now: float) -> dict[int, float]:
+    """Rank -> when this watcher first saw its probe of the current silence (a probe is
+    rewritten every few seconds with the same `since`, give or take the clocks' jitter).
+    A watcher's first pass (`--once`) cannot tell: it dates every probe long ago."""
+    seen, first = memory.probes, memory.passes == 0
+    memory.passes += 1
+    out: dict[int, tuple[float, float]] = {}
+    for rs in state.live:
+        probe = rs.probe
+        if probe is None:
+            continue
+        since = probe.get("since")
+        since = float(since) if isinstance(since, (int, float)) else math.nan
+        old = seen.get(rs.rank)
+        out[rs.rank] = old if old is not None and abs(old[0] - since) < 1.0 else (
+            since, -math.inf if first else now)
+    memory.probes = out
+    return {rank: at for rank, (_, at) in out.items()}
+
+
 def ended(state: RunState) -> bool:
     """The run is over: it has ranks and every one finished or crashed."""
     return bool(state.ranks) and not state.live
@@ -386,7 +410,7 @@ def detect(
     derived = _derive(state, cfg, memory)
     period = median([d.median for d in derived.values()]) if derived else None
     threshold = cfg.hang_threshold(period)
-    stalled = stall(state, threshold, now, period)
+    stalled = stall(state, threshold, now, period, _probes_seen(state, memory, now))
     if stalled is None and memory.stalled:
         memory.stall_end, memory.stall_step = now, state.lead
     memory.stalled = stalled is not None

@@ -12,13 +12,14 @@ every rank is still running, and names the suspects, in order:
 3. else the ranks with the lowest last step;
 4. else the rank that wrote last longest ago.
 
-Rules 2 and 4 are evidence only once every healthy rank has had time to write a probe:
-the SDK writes the first after `probe_after` of silence (by default max(10 s, 5x the
-median step period), the same for every rank of a job). A `hang_after` set below that
-would name whichever rank probed a second later, or wrote a millisecond earlier, and a
-stall pages once: so until the silence passes `probe_horizon` a stall that only those
-rules could explain waits for the probes (the default `hang_after`, max(5 min, 20x the
-period), is always past it).
+Rules 2 and 4 are evidence only once every healthy rank has had time to write a probe
+(a stall pages once: a `hang_after` shorter than the SDK's `probe_after` would name
+whichever rank probed a second later, or wrote a millisecond earlier). The ranks of a
+job go silent together and probe after the same `probe_after` (by default max(10 s, 5x
+the median step period)), so a missing probe counts once the others' have been seen
+for a rewrite's time (`PROBE_REWRITE`), and the oldest write once the silence passes
+`probe_horizon` with no probe anywhere. The default `hang_after`, max(5 min, 20x the
+period), is always past both.
 
 A probe (written by the SDK's background thread into the sidecar, `probe`) is fresh when
 its sidecar changed within `PROBE_STALE` seconds of the freshest live sidecar (the SDK
@@ -31,8 +32,9 @@ leaves its old probe behind.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from expr_tracker.health.state import RankState, RunState
@@ -153,11 +155,12 @@ def _who(ranks: Sequence[RankState]) -> str:
     return f"rank{'s' if len(ranks) != 1 else ''} {compact([rs.rank for rs in ranks])}{on}"
 
 
-def stall(state: RunState, threshold: float, now: float,
-          period: float | None = None) -> dict[str, Any] | None:
+def stall(state: RunState, threshold: float, now: float, period: float | None = None,
+          probes_seen: Mapping[int, float] | None = None) -> dict[str, Any] | None:
     """The stall of this pass, or None: {"ranks", "step", "quiet", "detail", "where",
     "host", "rule"}. `now` and the ranks' times are on the reader's clock; `period` is the
-    job's median step period (for `probe_horizon`)."""
+    job's median step period (for `probe_horizon`); `probes_seen`, rank -> when the reader
+    first saw its current probe (none: every probe counts as long seen)."""
     live = state.live
     # every rank still running: once one finished or crashed, silence is that (its
     # `crashed` incident explains the others' wait), not a collective waiting for a rank
@@ -168,8 +171,14 @@ def stall(state: RunState, threshold: float, now: float,
         return None
     quiet = now - newest
     named, rule = suspects(live)
-    if not named or (rule in ("no probe", "oldest write") and quiet < probe_horizon(period)):
+    if not named or (rule == "oldest write" and quiet < probe_horizon(period)):
         return None
+    if rule == "no probe" and probes_seen is not None:
+        mine = {rs.rank for rs in named}
+        seen_at = min((probes_seen.get(rs.rank, -math.inf) for rs in live if rs.rank not in mine),
+                      default=-math.inf)
+        if now - seen_at < PROBE_REWRITE:  # the others only just probed: the rest may yet
+            return None
     step = state.lead
     if rule in ("busy", "no probe") and len(named) <= 3:
         why = "; ".join(f"rank {rs.rank} {where(rs.probe if rule == 'busy' else None)}"
