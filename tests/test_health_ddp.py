@@ -165,7 +165,7 @@ def _check_stalls(run: Path, probes: list[Any]) -> None:
     details = [mine[0]["detail"] for mine in stalls.values()]
     assert any("in time.sleep" in d and "span data" in d for d in details), (details, probes)
     # the GIL, the SIGSTOP: no probe, or the one of the sleep left behind
-    assert sum("tracker thread cannot run" in d for d in details) == 2, details
+    assert sum("tracker thread cannot run" in d for d in details) == 2, (details, probes)
     assert all("wait in" in d for d in details), details  # the others, in the collective
     assert not [i for i in lines if i["kind"] == "hang"], lines
 
