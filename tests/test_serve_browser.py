@@ -25,9 +25,11 @@ pytest.importorskip("playwright.sync_api", reason="the browser tests need playwr
 pytest.importorskip("starlette", reason="expr serve needs the serve extra (starlette, uvicorn)")
 
 from .servers import Server, kill_all, train, wait_all  # noqa: E402
+from .synthetic import PER_NODE, host_of, write_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 _UPDATE = bool(os.environ.get("UPDATE_SCREENSHOT"))  # read before the env is cleaned
+WIDE, WIDE_SLOW = 320, 163  # past the page's 256 rows: one row per node
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run"]
 
@@ -35,8 +37,10 @@ ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """demo/sft-1 (4 ranks, rank 2 a straggler, finished), demo/sft-2 (2 ranks, finished),
-    demo/live-2 (2 ranks still training), served by `expr serve --port 0`."""
+    demo/live-2 (2 ranks still training), demo/wide (WIDE synthetic ranks on WIDE/8 nodes,
+    rank WIDE_SLOW a straggler), served by `expr serve --port 0`."""
     root = tmp_path_factory.mktemp("serve-site") / "runs"
+    write_run(root / "demo" / "wide", WIDE, 30, straggler=WIDE_SLOW, status="finished")
     done = [*train(root, "sft-1", range(4), 4, "--steps", "60", "--slow-rank", "2", "--sleep", "0.005"),
             *train(root, "sft-2", range(2), 2, "--steps", "40", "--sleep", "0.005")]
     live = train(root, "live-2", range(2), 2, "--steps", "100000", "--sleep", "0.2")
@@ -155,3 +159,42 @@ def test_a_run_that_does_not_exist_says_so(site: Server, page: Any) -> None:
     # the API's 404 is what the page reports; the browser logs it as a failed load
     page.errors_seen[:] = [e for e in page.errors_seen if "status of 404" not in e]
 
+
+
+def _rows(page: Any, canvas: str) -> list[str]:
+    """The labels of a heatmap canvas's rows (what it drew, kept on the element)."""
+    return page.evaluate(f"document.querySelector({canvas!r}).__rows.map((r) => r.label)")  # type: ignore[no-any-return]
+
+
+def test_past_256_ranks_the_heatmap_shows_nodes_and_a_click_drills_into_one(
+        site: Server, page: Any) -> None:
+    page.goto(site.base + "/runs/demo/wide?metric=step_time")
+    page.wait_for_selector("body[data-loaded='1']")
+    nodes = WIDE // PER_NODE
+    assert page.inner_text("#heatmap-note").startswith(f"step_time, {nodes} nodes (max)")
+    assert _rows(page, "#heatmap") == [host_of(r) for r in range(0, WIDE, PER_NODE)]
+    assert page.locator("#drill").is_hidden()
+    assert colours(page.locator("#heatmap").screenshot()) >= 8
+    # a click on the straggler's node row: that node's 8 ranks, one row each, named
+    slow_node = WIDE_SLOW // PER_NODE
+    box = page.locator("#heatmap").bounding_box()
+    rh = page.evaluate("document.querySelector('#heatmap').__rh")
+    page.mouse.click(box["x"] + 40, box["y"] + slow_node * rh + rh / 2)
+    page.wait_for_selector("#drill:not([hidden])")
+    assert page.inner_text("#drill-title") == f"node {host_of(WIDE_SLOW)}: {PER_NODE} ranks"
+    first = slow_node * PER_NODE
+    assert _rows(page, "#drill-canvas") == [f"rank {r}" for r in range(first, first + PER_NODE)]
+    assert colours(page.locator("#drill-canvas").screenshot()) >= 4
+    # the straggler's row is the brightest (viridis: its step time is the highest)
+    row = page.evaluate("""() => {
+      const c = document.querySelector('#drill-canvas'), ctx = c.getContext('2d');
+      const dpr = window.devicePixelRatio || 1, rh = c.__rh;
+      return c.__rows.map((_, i) => {
+        const d = ctx.getImageData(c.width - 20 * dpr, (i * rh + rh / 2) * dpr, 1, 1).data;
+        return d[0] + d[1] + d[2];
+      });
+    }""")
+    assert row.index(max(row)) == WIDE_SLOW - first, row
+    page.click("#drill-close")
+    page.wait_for_selector("#drill", state="hidden")
+    assert _rows(page, "#heatmap")[0] == host_of(0)

@@ -1,0 +1,241 @@
+"""`expr serve` against `trackio show` on the same 4-rank run (issue 19's comparison).
+
+    python bench/serve_peer.py [STEPS] [ROUNDS]        e.g. python bench/serve_peer.py 200 3
+
+One synthetic 4-rank run (tests/synthetic.py: rank 2 a 1.6x straggler, finished), opened
+side by side in one run in headless Debian chromium (playwright, no browser download):
+
+- `expr serve --port 0` over its run root, the run page `/runs/bench/peer4`;
+- `trackio show --project bench` over a trackio project holding the same rows: one trackio
+  run per rank, named as this project's trackio backend names them (`peer4`,
+  `peer4-rank1`, ...; group `peer4`), written with `trackio.init` + `run.log(row, step=)`
+  per rank-run. trackio's own `import_csv` refuses a project that already exists, so it
+  can import one rank of a run, not four into one project.
+
+Per page: seconds from navigation to the first chart drawn (a chart canvas that holds at
+least `COLOURS` distinct colours: uPlot's `#chart canvas` here, vega's `canvas.marks`
+there), bytes transferred to that point (bodies and headers of finished requests), and
+the bytes the open page then fetches in `IDLE` seconds with nothing new in the run
+(expr's event stream is one long response, not counted; it sends nothing but a comment
+every 15 s). Round 1 is each server's first visitor; rounds alternate between the two.
+
+Network: the browser aborts (and counts) every request not to 127.0.0.1; both servers
+get GRADIO_ANALYTICS_ENABLED=False, HF_HUB_OFFLINE=1, HF_HUB_DISABLE_TELEMETRY=1,
+DO_NOT_TRACK=1, a private HF_HOME and TRACKIO_DIR, BROWSER=/bin/true (trackio opens a
+browser tab otherwise), GRADIO_SERVER_PORT (how `trackio show` picks its port). Every
+process started here is stopped by its pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.synthetic import write_run  # noqa: E402
+
+EXPR = Path(sys.executable).parent / "expr"
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]
+PROJECT, NAME, WORLD = "bench", "peer4", 4
+COLOURS = 8
+IDLE = 10.0
+QUIET_ENV = {"GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1",
+             "HF_HUB_DISABLE_TELEMETRY": "1", "DO_NOT_TRACK": "1", "BROWSER": "/bin/true",
+             "TRANSFORMERS_OFFLINE": "1"}
+# distinct colours of the first canvas matching the selector (every 4th pixel, stops at 64)
+DRAWN = """(sel) => {
+  const c = document.querySelector(sel);
+  if (!c || !c.width || !c.height) return 0;
+  const d = c.getContext("2d").getImageData(0, 0, c.width, c.height).data;
+  const seen = new Set();
+  for (let i = 0; i < d.length && seen.size < 64; i += 16) seen.add(`${d[i]},${d[i+1]},${d[i+2]},${d[i+3]}`);
+  return seen.size;
+}"""
+
+
+def trackio_import(tdir: str, run_dir: str) -> None:
+    """In a child process (trackio reads TRACKIO_DIR at import): every rank's step rows
+    and rank records of `run_dir`, merged per step, logged to one trackio run per rank."""
+    os.environ["TRACKIO_DIR"] = tdir
+    import contextvars
+
+    import trackio
+
+    for r in range(WORLD):
+        stem = "metrics" if r == 0 else f"metrics.rank{r}"
+        rows: dict[int, dict[str, float]] = {}
+        with open(Path(run_dir) / f"{stem}.jsonl", encoding="utf-8") as fh:
+            for line in fh:
+                rec = json.loads(line)
+                row = rows.setdefault(rec["_step"], {})
+                row.update({k: v for k, v in rec.items() if not k.startswith("_")})
+        name = NAME if r == 0 else f"{NAME}-rank{r}"
+        run = contextvars.Context().run(trackio.init, project=PROJECT, name=name, group=NAME,
+                                        embed=False, auto_log_gpu=False, auto_log_cpu=False)
+        for step in sorted(rows):
+            run.log(rows[step], step=step)
+        run.finish()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start(cmd: list[str], env: dict[str, str], pattern: str) -> tuple[subprocess.Popen[str], str]:
+    """Start a server; its process and the first URL matching `pattern` it prints."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 120
+    seen = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        m = re.search(pattern, re.sub(r"\x1b\[[0-9;]*m", "", line))
+        if m:
+            return proc, m.group(1)
+    stop(proc)
+    raise RuntimeError(f"{cmd[0]} printed no URL: {''.join(seen)[-2000:]}")
+
+
+def stop(proc: subprocess.Popen[str]) -> int:
+    """Ctrl-C by pid, then SIGKILL if it lingers; its exit code."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGINT)
+        try:
+            return proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+    return proc.wait()
+
+
+def visit(browser: Any, url: str, canvas: str, blocked: list[str]) -> dict[str, float]:
+    """One fresh visitor: seconds to the first chart drawn, bytes and requests to then,
+    bytes and requests in the IDLE seconds after."""
+    ctx = browser.new_context(viewport={"width": 1280, "height": 1200})
+
+    def only_local(route: Any) -> None:
+        if route.request.url.startswith("http://127.0.0.1:"):
+            route.continue_()
+        else:
+            blocked.append(route.request.url)
+            route.abort()
+
+    ctx.route("**/*", only_local)
+    page = ctx.new_page()
+    sizes: list[int] = []
+
+    def done(req: Any) -> None:
+        s = req.sizes()
+        sizes.append(s["responseBodySize"] + s["responseHeadersSize"])
+
+    page.on("requestfinished", done)
+    t0 = time.monotonic()
+    page.goto(url, wait_until="commit")
+    while page.evaluate(DRAWN, canvas) < COLOURS:
+        if time.monotonic() - t0 > 300:
+            raise RuntimeError(f"no chart drawn at {url} in 300 s")
+        page.wait_for_timeout(20)
+    took = time.monotonic() - t0
+    at_chart, n_chart = sum(sizes), len(sizes)
+    page.wait_for_timeout(IDLE * 1000)
+    idle, n_idle = sum(sizes) - at_chart, len(sizes) - n_chart
+    ctx.close()
+    return {"s": took, "bytes": at_chart, "requests": n_chart, "idle_bytes": idle,
+            "idle_requests": n_idle}
+
+
+def main() -> None:
+    from playwright.sync_api import sync_playwright
+
+    steps = int(sys.argv[1]) if len(sys.argv) > 1 else 200
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    tmp = Path(tempfile.mkdtemp(prefix="expr-serve-peer-"))
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        root = tmp / "runs"
+        write_run(root / PROJECT / NAME, WORLD, steps, straggler=2, status="finished")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("EXPR_", "TRACKIO_"))}
+        env.update(QUIET_ENV, HF_HOME=str(tmp / "hf"), TRACKIO_DIR=str(tmp / "trackio"))
+        t0 = time.monotonic()
+        subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                        "from bench.serve_peer import trackio_import; trackio_import(*sys.argv[2:])",
+                        str(REPO), str(tmp / "trackio"), str(root / PROJECT / NAME)],
+                       env=env, check=True, stdout=subprocess.DEVNULL)
+        imported = time.monotonic() - t0
+        from importlib.metadata import version
+
+        port = free_port()
+        expr_proc, expr_url = start([str(EXPR), "serve", "--dir", str(root), "--port", "0"], env,
+                                    r"^(http://\S+)")
+        procs.append(expr_proc)
+        tk_proc, tk_url = start(
+            [sys.executable, "-c", "import sys; from trackio.cli import main; "
+             "sys.argv[0] = 'trackio'; main()", "show", "--project", PROJECT],
+            {**env, "GRADIO_SERVER_PORT": str(port)}, r"launched at: (http://\S+)")
+        procs.append(tk_proc)
+        pages = {"expr serve": (expr_url.rstrip("/") + f"/runs/{PROJECT}/{NAME}", "#chart canvas"),
+                 f"trackio show ({version('trackio')})": (tk_url, ".vega-embed canvas.marks")}
+        load = os.getloadavg()
+        print(f"expr serve vs trackio show: one synthetic run of {WORLD} ranks x {steps} steps "
+              f"(rank 2 a straggler), {os.cpu_count()} cores, load average "
+              f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1/5/15 min) at the start; "
+              f"trackio import of the rows {imported:.1f} s\n")
+        blocked: list[str] = []
+        results: dict[str, list[dict[str, float]]] = {k: [] for k in pages}
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+            try:
+                for _ in range(rounds):
+                    for label, (url, canvas) in pages.items():
+                        results[label].append(visit(browser, url, canvas, blocked))
+            finally:
+                browser.close()
+        print(f"| page | first chart, first visitor | first chart, later visitors (median of "
+              f"{rounds - 1}) | bytes to first chart (requests) | bytes in the next "
+              f"{IDLE:.0f} s idle (requests) |")
+        print("| --- | ---: | ---: | ---: | ---: |")
+        for label, rs in results.items():
+            later = statistics.median(r["s"] for r in rs[1:]) if len(rs) > 1 else float("nan")
+            first = rs[0]
+            print(f"| {label} | {first['s']:.2f} s | {later:.2f} s | "
+                  f"{first['bytes'] / 1e3:,.0f} kB ({first['requests']:.0f}) | "
+                  f"{statistics.median(r['idle_bytes'] for r in rs) / 1e3:,.1f} kB "
+                  f"({statistics.median(r['idle_requests'] for r in rs):.0f}) |")
+        e, t = (results[k] for k in pages)
+        print(f"\nratio trackio/expr: first chart (first visitor) {t[0]['s'] / e[0]['s']:.1f}x, "
+              f"later visitors {statistics.median(r['s'] for r in t[1:]) / statistics.median(r['s'] for r in e[1:]):.1f}x, "
+              f"bytes to first chart {t[0]['bytes'] / e[0]['bytes']:.1f}x")
+        print(f"requests refused (not 127.0.0.1): {len(blocked)}"
+              + (f" ({', '.join(sorted(set(blocked))[:5])})" if blocked else ""))
+        load = os.getloadavg()
+        print(f"load average {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} at the end")
+    finally:
+        codes = [stop(proc) for proc in procs]
+        if codes:
+            print(f"exit codes after Ctrl-C: expr serve {codes[0]}"
+                  + (f", trackio show {codes[1]}" if len(codes) > 1 else ""))
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
