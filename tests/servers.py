@@ -20,6 +20,7 @@ class Server:
     """`expr serve ARGS` until `stop()`; `url` is what it printed (with any token)."""
 
     def __init__(self, root: Path, *args: str) -> None:
+        self.root = root
         env = {k: v for k, v in os.environ.items() if not k.startswith("EXPR_")}
         self.proc = subprocess.Popen([str(EXPR), "serve", "--dir", str(root), "--port", "0", *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -6,9 +6,11 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +68,7 @@ def test_summary_is_expr_summary_json(cli: Any, client: TestClient, run: str) ->
     want = cli_json(cli, "summary", f"proj/{run}")
     got = api(client, f"/api/runs/proj/{run}/summary")
     chart = got.pop("chart")
+    assert re.fullmatch(r"[0-9a-f]{8}\.[1-9][0-9]*", got.pop("version"))
     assert got == want
     first = want["keys"][0]
     assert chart["key"] == first["key"] and chart["step"][-1] == want["step"]
@@ -77,11 +80,13 @@ def test_summary_of_one_metric_at_a_step_and_over_a_window(cli: Any, client: Tes
     want = cli_json(cli, "summary", "proj/four", "-m", "step_time", "--step", "30")
     got = api(client, "/api/runs/proj/four/summary", metric="step_time", step=30)
     got.pop("chart")
+    got.pop("version")
     assert got == want
     assert [o["rank"] for o in got["keys"][0]["outliers"]] == [2]
     want = cli_json(cli, "summary", "proj/four", "-m", "step_time,grad_norm", "--steps", "10:20")
     got = api(client, "/api/runs/proj/four/summary", metric=["step_time", "grad_norm"], steps="10:20")
     got.pop("chart")
+    got.pop("version")
     assert got == want
 
 
@@ -92,6 +97,7 @@ def test_heatmap_is_expr_summary_heatmap_json(cli: Any, client: TestClient) -> N
     width = heatmap_buckets(100, 4)  # the CLI's under COLUMNS=100
     got = api(client, "/api/runs/proj/four/heatmap", metric="step_time", buckets=width)
     got.pop("chart", None)
+    got.pop("version")
     assert got == want
     assert len(got["heatmap"]["cells"]) == 4
 
@@ -100,6 +106,7 @@ def test_top_is_expr_top_once_json(cli: Any, client: TestClient) -> None:
     want = cli_json(cli, "top", "proj/four", "--once")
     got = api(client, "/api/runs/proj/four/top")
     assert got.pop("history") == []
+    got.pop("version")
     assert got == want
     assert [r["rank"] for r in got["ranks"]] == sorted(r["rank"] for r in got["ranks"])
 
@@ -264,7 +271,25 @@ def test_the_event_stream_says_the_run_changed(server: Server) -> None:
         conn.close()
     assert lines[0] == "event: change"
     data = json.loads(lines[1].removeprefix("data: "))
-    assert data["frontier"] == 59 and data["world_size"] == 4 and data["version"] >= 1
+    assert data["frontier"] == 59 and data["world_size"] == 4
+    # a page that drew this version: the stream stays quiet while the run does not move
+    drawn = json.loads(urllib.request.urlopen(
+        f"{server.base}/api/runs/proj/four/summary", timeout=10).read())["version"]
+    assert drawn == data["version"]
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=3)
+    try:
+        conn.request("GET", f"/api/runs/proj/four/events?version={drawn}")
+        resp = conn.getresponse()
+        assert resp.status == 200
+        with pytest.raises(TimeoutError):
+            resp.readline()  # no change event: the first pass found the version drawn
+        conn.close()
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        conn.request("GET", "/api/runs/proj/four/events?version=0badf00d.1")
+        resp = conn.getresponse()
+        assert resp.readline().decode().strip() == "event: change"  # another server's
+    finally:
+        conn.close()
 
 
 def test_another_host_needs_the_token(root: Path) -> None:

@@ -38,9 +38,12 @@ ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
 def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """demo/sft-1 (4 ranks, rank 2 a straggler, finished), demo/sft-2 (2 ranks, finished),
     demo/live-2 (2 ranks still training), demo/wide (WIDE synthetic ranks on WIDE/8 nodes,
-    rank WIDE_SLOW a straggler), served by `expr serve --port 0`."""
+    rank WIDE_SLOW a straggler), demo/mixed (4 synthetic ranks: rank 1 noisier, rank 2
+    slower and 20x heavier), served by `expr serve --port 0`."""
     root = tmp_path_factory.mktemp("serve-site") / "runs"
     write_run(root / "demo" / "wide", WIDE, 30, straggler=WIDE_SLOW, status="finished")
+    write_run(root / "demo" / "mixed", 4, 40, straggler=2, noisy=1, weights={2: 20.0},
+              status="finished")
     done = [*train(root, "sft-1", range(4), 4, "--steps", "60", "--slow-rank", "2", "--sleep", "0.005"),
             *train(root, "sft-2", range(2), 2, "--steps", "40", "--sleep", "0.005")]
     live = train(root, "live-2", range(2), 2, "--steps", "100000", "--sleep", "0.2")
@@ -198,3 +201,42 @@ def test_past_256_ranks_the_heatmap_shows_nodes_and_a_click_drills_into_one(
     page.click("#drill-close")
     page.wait_for_selector("#drill", state="hidden")
     assert _rows(page, "#heatmap")[0] == host_of(0)
+
+
+def test_the_weighted_mean_flag_and_the_noisier_ranks_are_the_clis(site: Server, page: Any) -> None:
+    import json
+    import subprocess
+
+    from .servers import EXPR
+
+    page.goto(site.base + "/runs/demo/mixed?metric=step_time")
+    page.wait_for_selector("body[data-noisier='1']")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXPR_")}
+
+    def cli(*args: str) -> Any:
+        out = subprocess.run([str(EXPR), "summary", "demo/mixed", "-m", "step_time", "--json",
+                              "--dir", str(site.root), *args], env=env, capture_output=True,
+                             text=True, check=True)
+        return json.loads(out.stdout)["keys"][0]
+
+    at = cli()
+    assert at["weighted"]["differs"] is True
+    means = page.locator("#tile-means")
+    assert "differs: more than 2 x std/sqrt(n)" in means.inner_text()
+    assert "warn" in (means.get_attribute("class") or "")
+    # the window is the chart's: every step of this 40-step run
+    window = cli("--steps", "0:40")["variability"]
+    assert [o["rank"] for o in window["noisier"]] == [1]
+    noisier = page.inner_text("#noisier-list")
+    assert noisier == "rank 1 gpu-0000 noisier: CV 0.4 vs 0.0028 median", noisier
+    assert page.inner_text("#noisier h3") == "Noisier step_time, steps 0:40"
+    cells = {tr.query_selector("td").inner_text(): tr.query_selector("td.noisier").inner_text()
+             for tr in page.query_selector_all("#rank-table tbody tr")}
+    assert cells == {"rank 0": "", "rank 1": "CV 0.4 vs 0.0028 median", "rank 2": "", "rank 3": ""}
+
+
+def test_equal_weights_are_within_the_spread_and_no_rank_is_noisier(site: Server, page: Any) -> None:
+    page.goto(site.base + "/runs/demo/sft-1?metric=step_time")
+    page.wait_for_selector("body[data-noisier='1']")
+    assert "within the spread" in page.inner_text("#tile-means")
+    assert page.inner_text("#noisier-none").startswith("no rank noisier (step_time, steps ")

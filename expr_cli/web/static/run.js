@@ -1,5 +1,6 @@
 // The run page: fetches the summary (all keys and the picked one), the heatmap and top,
-// and hands each to its panel; the event stream triggers a refetch, never a reload.
+// and hands each to its panel, then the picked key's summary over the chart's steps (the
+// noisier ranks); the event stream triggers a refetch, never a reload.
 import { ApiError, get, runPath } from "./api.js";
 import { drawChart, resizeChart } from "./chart.js";
 import { drawCoverage } from "./coverage.js";
@@ -7,6 +8,7 @@ import { drawHeader, drawLive } from "./header.js";
 import { drawHeatmap, heatRows, rowAt } from "./heatmap.js";
 import { drawIncidents } from "./incidents.js";
 import { follow } from "./live.js";
+import { drawNoisier, noisierByRank } from "./noisier.js";
 import { drawOutliers } from "./outliers.js";
 import { drawPicker, metricKeys } from "./picker.js";
 import { drawRanks } from "./ranks.js";
@@ -18,7 +20,7 @@ const [project, name] = [parts[1], parts[2]];
 const label = `${project}/${name}`;
 const base = runPath(project, name);
 const page = { metric: new URLSearchParams(window.location.search).get("metric"), busy: false, again: false,
-               drill: null, loaded: false };
+               drill: null, loaded: false, noisier: new Map() };
 
 function missing(message) {
   $("content").hidden = true;
@@ -40,7 +42,7 @@ async function load() {
       all = await get(`${base}/summary`, { chart: page.metric });
     }
     drawPicker($("metric"), keys, page.metric, (k) => {
-      page.metric = k; page.drill = null;
+      page.metric = k; page.drill = null; page.noisier = new Map();
       const q = new URLSearchParams(window.location.search); q.set("metric", k);
       history.replaceState(null, "", `${window.location.pathname}?${q}`);
       load();
@@ -64,7 +66,7 @@ async function load() {
     }
     drawOutliers($("outliers"), all.keys ? all : one);
     drawIncidents($("incidents"), top);
-    drawRanks($("ranks"), top);
+    drawRanks($("ranks"), top, page.noisier);
     if (hm && hm.heatmap) {
       const h = hm.heatmap;
       drawHeatmap($("heatmap"), heatRows(h), h.buckets, $("heatmap-legend"));
@@ -73,8 +75,23 @@ async function load() {
     } else if (hm && hm.error) {
       $("heatmap-note").textContent = hm.error;
     }
+    // the oldest version drawn: the event stream stays quiet until the run moves past it
+    const drawn = [all, one, hm, top].map((a) => a && a.version).filter(Boolean);
+    page.version = drawn.sort((a, b) => Number(a.split(".")[1]) - Number(b.split(".")[1]))[0] || null;
     page.loaded = true;
     document.body.dataset.loaded = "1";
+    // after the first render: is a rank noisier over the chart's steps? (one more summary)
+    if (one.keys && one.chart && one.chart.step.length >= 2 && m) {
+      const st = one.chart.step;
+      const win = await get(`${base}/summary`, { metric: m, steps: `${st[0]}:${st[st.length - 1] + 1}` })
+        .catch(() => null);
+      if (win && page.metric === m) {
+        page.noisier = noisierByRank(win);
+        drawNoisier($("noisier"), win);
+        drawRanks($("ranks"), top, page.noisier);
+        document.body.dataset.noisier = "1";
+      }
+    }
   } catch (err) {
     if (err instanceof ApiError && err.status === 404) missing(`${err.message}.`);
     else drawLive(`error: ${err.message}`);
@@ -106,5 +123,6 @@ window.addEventListener("resize", () => resizeChart($("chart")));
 drawHeader(label, null, null);
 load().then(() => {
   if (!page.loaded) return;
-  follow(`${base}/events`, () => load(), (s) => drawLive(s));
+  follow(page.version ? `${base}/events?version=${encodeURIComponent(page.version)}` : `${base}/events`,
+    () => load(), (s) => drawLive(s));
 });
