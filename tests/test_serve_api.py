@@ -297,6 +297,9 @@ def test_another_host_needs_the_token(root: Path) -> None:
     try:
         assert srv.url.startswith("http://0.0.0.0:") and "/?token=" in srv.url
         token = srv.url.split("token=", 1)[1]
+        import socket
+        there = srv.url.replace("//0.0.0.0:", f"//{socket.gethostname()}:")
+        assert srv.status_line(f"from another machine: {there}")
         assert len(token) >= 16
         for path in ("/", "/api/runs", "/api/runs/proj/four/summary", "/static/run.js"):
             status, headers, body = _raw(srv.port, path)
@@ -350,6 +353,12 @@ def test_serve_refuses_a_missing_root_and_a_busy_port(tmp_path: Path, server: Se
     assert result.exit_code == 1 and "cannot listen" in result.output
     result = runner.invoke(build_app(), ["serve", "--dir", str(tmp_path), "--token", "short"])
     assert result.exit_code == 2 and "--token must be" in result.output
+    (tmp_path / "file").write_text("")
+    result = runner.invoke(build_app(), ["serve", "--dir", str(tmp_path / "file")])
+    assert result.exit_code == 1 and "is not a directory" in result.output
+    for port in ("-1", "65536"):
+        result = runner.invoke(build_app(), ["serve", "--dir", str(tmp_path), "--port", port])
+        assert result.exit_code == 2 and f"--port must be in 0..65535, got {port}" in result.output
 
 
 def test_past_256_ranks_the_heatmap_rows_are_nodes_and_a_node_drills_in(

@@ -240,3 +240,18 @@ def test_equal_weights_are_within_the_spread_and_no_rank_is_noisier(site: Server
     page.wait_for_selector("body[data-noisier='1']")
     assert "within the spread" in page.inner_text("#tile-means")
     assert page.inner_text("#noisier-none").startswith("no rank noisier (step_time, steps ")
+
+
+def test_a_page_opened_before_its_run_exists_shows_it_once_it_does(site: Server, page: Any) -> None:
+    page.goto(site.base + "/runs/demo/later")
+    page.wait_for_selector("#missing:not([hidden])")
+    assert "no run demo/later" in page.inner_text("#missing")
+    assert page.inner_text("#live") == "checking again every 2 s"
+    page.evaluate("window.__same_page = true")
+    write_run(site.root / "demo" / "later", 4, 10, straggler=2)  # the job starts
+    page.wait_for_selector("body[data-loaded='1']", timeout=15_000)
+    assert page.locator("#missing").is_hidden()
+    assert page.inner_text("#tile-ranks").split("\n")[1] == "4/4"
+    assert re.search(r"\brank 2\b", page.inner_text("#outliers"))
+    assert page.evaluate("window.__same_page") is True
+    page.errors_seen[:] = [e for e in page.errors_seen if "status of 404" not in e]

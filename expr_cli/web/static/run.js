@@ -22,12 +22,15 @@ const base = runPath(project, name);
 const page = { metric: new URLSearchParams(window.location.search).get("metric"), busy: false, again: false,
                drill: null, loaded: false, noisier: new Map() };
 
+const RETRY_MS = 2000; // a run not there yet (the job is starting): look again this often
+
 function missing(message) {
   $("content").hidden = true;
   const el = $("missing");
   el.hidden = false;
   el.textContent = message;
   drawHeader(label, null, null);
+  drawLive(`checking again every ${RETRY_MS / 1000} s`);
 }
 
 async function load() {
@@ -93,8 +96,10 @@ async function load() {
       }
     }
   } catch (err) {
-    if (err instanceof ApiError && err.status === 404) missing(`${err.message}.`);
-    else drawLive(`error: ${err.message}`);
+    if (err instanceof ApiError && err.status === 404) {
+      missing(`${err.message}.`);
+      if (!page.loaded) setTimeout(start, RETRY_MS);
+    } else drawLive(`error: ${err.message}`);
   } finally {
     page.busy = false;
     if (page.again) { page.again = false; load(); }
@@ -120,9 +125,15 @@ $("heatmap").addEventListener("click", (ev) => {
 $("drill-close").addEventListener("click", () => { page.drill = null; $("drill").hidden = true; });
 window.addEventListener("resize", () => resizeChart($("chart")));
 
+// the first load, again every RETRY_MS while the run is not there; then the event stream
+function start() {
+  load().then(() => {
+    if (!page.loaded || page.following) return;
+    page.following = true;
+    follow(page.version ? `${base}/events?version=${encodeURIComponent(page.version)}` : `${base}/events`,
+      () => load(), (s) => drawLive(s));
+  });
+}
+
 drawHeader(label, null, null);
-load().then(() => {
-  if (!page.loaded) return;
-  follow(page.version ? `${base}/events?version=${encodeURIComponent(page.version)}` : `${base}/events`,
-    () => load(), (s) => drawLive(s));
-});
+start();
