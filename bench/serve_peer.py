@@ -14,8 +14,9 @@ side by side in one run in headless Debian chromium (playwright, no browser down
 
 Per page: seconds from navigation to the first chart drawn (a chart canvas that holds at
 least `COLOURS` distinct colours: uPlot's `#chart canvas` here, vega's `canvas.marks`
-there), bytes transferred to that point (bodies and headers of finished requests), and
-the bytes the open page then fetches in `IDLE` seconds with nothing new in the run
+there), bytes transferred to that point (bodies and headers of finished requests), and,
+`SETTLE` seconds later (the rest of the page loaded), the bytes the open page fetches in
+`IDLE` seconds with nothing new in the run
 (expr's event stream is one long response, not counted; it sends nothing but a comment
 every 15 s). Round 1 is each server's first visitor; rounds alternate between the two.
 
@@ -53,6 +54,8 @@ ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run"]
 PROJECT, NAME, WORLD = "bench", "peer4", 4
 COLOURS = 8
+SETTLE = 3.0
+STOP_WAIT = 30.0
 IDLE = 10.0
 QUIET_ENV = {"GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1",
              "HF_HUB_DISABLE_TELEMETRY": "1", "DO_NOT_TRACK": "1", "BROWSER": "/bin/true",
@@ -122,7 +125,7 @@ def stop(proc: subprocess.Popen[str]) -> int:
     if proc.poll() is None:
         os.kill(proc.pid, signal.SIGINT)
         try:
-            return proc.wait(timeout=15)
+            return proc.wait(timeout=STOP_WAIT)
         except subprocess.TimeoutExpired:
             os.kill(proc.pid, signal.SIGKILL)
     return proc.wait()
@@ -157,8 +160,10 @@ def visit(browser: Any, url: str, canvas: str, blocked: list[str]) -> dict[str, 
         page.wait_for_timeout(20)
     took = time.monotonic() - t0
     at_chart, n_chart = sum(sizes), len(sizes)
+    page.wait_for_timeout(SETTLE * 1000)  # the rest of the page (other panels) loads
+    settled, n_settled = sum(sizes), len(sizes)
     page.wait_for_timeout(IDLE * 1000)
-    idle, n_idle = sum(sizes) - at_chart, len(sizes) - n_chart
+    idle, n_idle = sum(sizes) - settled, len(sizes) - n_settled
     ctx.close()
     return {"s": took, "bytes": at_chart, "requests": n_chart, "idle_bytes": idle,
             "idle_requests": n_idle}
@@ -212,7 +217,7 @@ def main() -> None:
                 browser.close()
         print(f"| page | first chart, first visitor | first chart, later visitors (median of "
               f"{rounds - 1}) | bytes to first chart (requests) | bytes in the next "
-              f"{IDLE:.0f} s idle (requests) |")
+              f"{IDLE:.0f} s idle, from {SETTLE:.0f} s after it (requests) |")
         print("| --- | ---: | ---: | ---: | ---: |")
         for label, rs in results.items():
             later = statistics.median(r["s"] for r in rs[1:]) if len(rs) > 1 else float("nan")
@@ -230,10 +235,17 @@ def main() -> None:
         load = os.getloadavg()
         print(f"load average {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} at the end")
     finally:
-        codes = [stop(proc) for proc in procs]
+        codes = []
+        for proc in procs:
+            t0 = time.monotonic()
+            codes.append(f"{stop(proc)} after {time.monotonic() - t0:.1f} s")
         if codes:
-            print(f"exit codes after Ctrl-C: expr serve {codes[0]}"
+            print(f"exit codes after Ctrl-C (-9: still running {STOP_WAIT:.0f} s later, "
+                  f"killed): expr serve {codes[0]}"
                   + (f", trackio show {codes[1]}" if len(codes) > 1 else ""))
+            if len(procs) > 1 and procs[1].stdout is not None:
+                tail = procs[1].stdout.read().strip().splitlines()[-2:]
+                print("trackio show's last lines: " + " / ".join(tail))
         shutil.rmtree(tmp, ignore_errors=True)
 
 

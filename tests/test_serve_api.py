@@ -387,3 +387,19 @@ def test_past_256_ranks_the_heatmap_rows_are_nodes_and_a_node_drills_in(
     assert len(top["ranks"]) == 5 and top["ranks_total"] == 264 and top["nodes_total"] == 33
     every = api(client, "/api/runs/proj/wide/top")
     assert top["ranks"] == every["ranks"][:5] and top["nodes"] == every["nodes"][:5]
+
+
+def test_ctrl_c_ends_the_server_with_event_streams_open(root: Path) -> None:
+    srv = Server(root)
+    conns = []
+    try:
+        for _ in range(3):  # three pages following the run
+            conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+            conn.request("GET", "/api/runs/proj/four/events")
+            resp = conn.getresponse()
+            assert resp.readline().decode().strip() == "event: change"
+            conns.append(conn)
+    finally:
+        assert srv.stop() == 130  # Ctrl-C, within stop()'s 10 s
+        for conn in conns:
+            conn.close()

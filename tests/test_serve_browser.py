@@ -113,6 +113,9 @@ def test_the_run_page_shows_the_ranks_the_straggler_the_heatmap_and_the_chart(
     assert colours(page.locator("#heatmap").screenshot()) >= 8
     assert colours(page.locator("#chart").screenshot()) >= 8
     assert "rank 2" in page.inner_text("#rank-table")
+    page.wait_for_selector("body[data-noisier='1']")  # the last panel to arrive
+    ticks = page.evaluate("document.querySelector('#chart').__plot.axes[0]._splits")
+    assert len(ticks) >= 3 and all(t == int(t) for t in ticks), ticks  # whole steps
     shot = page.screenshot(full_page=True)
     (tmp_path / "serve.png").write_bytes(shot)
     if _UPDATE:
