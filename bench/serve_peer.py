@@ -18,7 +18,8 @@ there), bytes transferred to that point (bodies and headers of finished requests
 `SETTLE` seconds later (the rest of the page loaded), the bytes the open page fetches in
 `IDLE` seconds with nothing new in the run
 (expr's event stream is one long response, not counted; it sends nothing but a comment
-every 15 s). Round 1 is each server's first visitor; rounds alternate between the two.
+every 15 s). Each round starts both servers afresh and sends each a first visitor (a
+server that has read nothing yet) and a second one; who goes first alternates.
 
 Network: the browser aborts (and counts) every request not to 127.0.0.1; both servers
 get GRADIO_ANALYTICS_ENABLED=False, HF_HUB_OFFLINE=1, HF_HUB_DISABLE_TELEMETRY=1,
@@ -101,26 +102,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(cmd: list[str], env: dict[str, str], pattern: str) -> tuple[subprocess.Popen[str], str]:
-    """Start a server; its process and the first URL matching `pattern` it prints."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    assert proc.stdout is not None
+def start(cmd: list[str], env: dict[str, str], pattern: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """Start a server, its output into the file `log` (a pipe nobody reads would fill up
+    and block it); its process and the first URL matching `pattern` it prints."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
-    seen = []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        seen.append(line)
-        m = re.search(pattern, re.sub(r"\x1b\[[0-9;]*m", "", line))
+    while time.monotonic() < deadline and proc.poll() is None:
+        m = re.search(pattern, re.sub(r"\x1b\[[0-9;]*m", "", log.read_text(errors="replace")),
+                      re.MULTILINE)
         if m:
             return proc, m.group(1)
+        time.sleep(0.1)
     stop(proc)
-    raise RuntimeError(f"{cmd[0]} printed no URL: {''.join(seen)[-2000:]}")
+    raise RuntimeError(f"{cmd[0]} printed no URL: {log.read_text(errors='replace')[-2000:]}")
 
 
-def stop(proc: subprocess.Popen[str]) -> int:
+def stop(proc: subprocess.Popen[bytes]) -> int:
     """Ctrl-C by pid, then SIGKILL if it lingers; its exit code."""
     if proc.poll() is None:
         os.kill(proc.pid, signal.SIGINT)
@@ -169,13 +167,33 @@ def visit(browser: Any, url: str, canvas: str, blocked: list[str]) -> dict[str, 
             "idle_requests": n_idle}
 
 
+def servers(root: Path, env: dict[str, str], tmp: Path, n: int) -> dict[str, Any]:
+    """Round `n`'s fresh `expr serve` and `trackio show`: label -> (process, URL, canvas)."""
+    from importlib.metadata import version
+
+    e, eu = start([str(EXPR), "serve", "--dir", str(root), "--port", "0"], env,
+                  r"^(http://\S+)", tmp / f"expr{n}.log")
+    try:
+        t, tu = start([sys.executable, "-c", "import sys; from trackio.cli import main; "
+                       "sys.argv[0] = 'trackio'; main()", "show", "--project", PROJECT],
+                      {**env, "GRADIO_SERVER_PORT": str(free_port())}, r"launched at: (http://\S+)",
+                      tmp / f"trackio{n}.log")
+    except BaseException:
+        stop(e)
+        raise
+    return {"expr serve": (e, eu.rstrip("/") + f"/runs/{PROJECT}/{NAME}", "#chart canvas"),
+            f"trackio show ({version('trackio')})": (t, tu, ".vega-embed canvas.marks")}
+
+
 def main() -> None:
     from playwright.sync_api import sync_playwright
 
+    # a bench started in the background (`cmd &`) ignores SIGINT, and so would every child:
+    # trackio show would then never see the Ctrl-C; handled here, children get the default
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 200
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
     tmp = Path(tempfile.mkdtemp(prefix="expr-serve-peer-"))
-    procs: list[subprocess.Popen[str]] = []
     try:
         root = tmp / "runs"
         write_run(root / PROJECT / NAME, WORLD, steps, straggler=2, status="finished")
@@ -187,65 +205,61 @@ def main() -> None:
                         str(REPO), str(tmp / "trackio"), str(root / PROJECT / NAME)],
                        env=env, check=True, stdout=subprocess.DEVNULL)
         imported = time.monotonic() - t0
-        from importlib.metadata import version
-
-        port = free_port()
-        expr_proc, expr_url = start([str(EXPR), "serve", "--dir", str(root), "--port", "0"], env,
-                                    r"^(http://\S+)")
-        procs.append(expr_proc)
-        tk_proc, tk_url = start(
-            [sys.executable, "-c", "import sys; from trackio.cli import main; "
-             "sys.argv[0] = 'trackio'; main()", "show", "--project", PROJECT],
-            {**env, "GRADIO_SERVER_PORT": str(port)}, r"launched at: (http://\S+)")
-        procs.append(tk_proc)
-        pages = {"expr serve": (expr_url.rstrip("/") + f"/runs/{PROJECT}/{NAME}", "#chart canvas"),
-                 f"trackio show ({version('trackio')})": (tk_url, ".vega-embed canvas.marks")}
         load = os.getloadavg()
         print(f"expr serve vs trackio show: one synthetic run of {WORLD} ranks x {steps} steps "
               f"(rank 2 a straggler), {os.cpu_count()} cores, load average "
               f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1/5/15 min) at the start; "
-              f"trackio import of the rows {imported:.1f} s\n")
+              f"trackio import of the rows {imported:.1f} s; {rounds} rounds, each with both "
+              f"servers fresh, a first and a second visitor on each (who goes first alternates)\n")
         blocked: list[str] = []
-        results: dict[str, list[dict[str, float]]] = {k: [] for k in pages}
+        cold: dict[str, list[dict[str, float]]] = {}
+        warm: dict[str, list[dict[str, float]]] = {}
+        stops: dict[str, list[str]] = {}
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
             try:
-                for _ in range(rounds):
-                    for label, (url, canvas) in pages.items():
-                        results[label].append(visit(browser, url, canvas, blocked))
+                for n in range(rounds):
+                    pages = servers(root, env, tmp, n)
+                    try:
+                        order = list(pages) if n % 2 == 0 else list(pages)[::-1]
+                        for label in order:
+                            _, url, canvas = pages[label]
+                            cold.setdefault(label, []).append(visit(browser, url, canvas, blocked))
+                            warm.setdefault(label, []).append(visit(browser, url, canvas, blocked))
+                    finally:
+                        for label, (proc, _, _) in pages.items():
+                            t0 = time.monotonic()
+                            code = stop(proc)
+                            stops.setdefault(label, []).append(f"{code} ({time.monotonic() - t0:.1f} s)")
             finally:
                 browser.close()
-        print(f"| page | first chart, first visitor | first chart, later visitors (median of "
-              f"{rounds - 1}) | bytes to first chart (requests) | bytes in the next "
-              f"{IDLE:.0f} s idle, from {SETTLE:.0f} s after it (requests) |")
+        med = statistics.median
+        print(f"| page | first chart, first visitor (median; min-max) | first chart, second "
+              f"visitor | bytes to first chart (requests) | bytes in {IDLE:.0f} s idle, from "
+              f"{SETTLE:.0f} s after it (requests) |")
         print("| --- | ---: | ---: | ---: | ---: |")
-        for label, rs in results.items():
-            later = statistics.median(r["s"] for r in rs[1:]) if len(rs) > 1 else float("nan")
-            first = rs[0]
-            print(f"| {label} | {first['s']:.2f} s | {later:.2f} s | "
-                  f"{first['bytes'] / 1e3:,.0f} kB ({first['requests']:.0f}) | "
-                  f"{statistics.median(r['idle_bytes'] for r in rs) / 1e3:,.1f} kB "
-                  f"({statistics.median(r['idle_requests'] for r in rs):.0f}) |")
-        e, t = (results[k] for k in pages)
-        print(f"\nratio trackio/expr: first chart (first visitor) {t[0]['s'] / e[0]['s']:.1f}x, "
-              f"later visitors {statistics.median(r['s'] for r in t[1:]) / statistics.median(r['s'] for r in e[1:]):.1f}x, "
-              f"bytes to first chart {t[0]['bytes'] / e[0]['bytes']:.1f}x")
+        for label in cold:
+            c, w = cold[label], warm[label]
+            everyone = c + w
+            print(f"| {label} | {med(r['s'] for r in c):.2f} s ({min(r['s'] for r in c):.2f}-"
+                  f"{max(r['s'] for r in c):.2f}) | {med(r['s'] for r in w):.2f} s | "
+                  f"{med(r['bytes'] for r in everyone) / 1e3:,.0f} kB "
+                  f"({med(r['requests'] for r in everyone):.0f}) | "
+                  f"{med(r['idle_bytes'] for r in everyone) / 1e3:,.1f} kB "
+                  f"({med(r['idle_requests'] for r in everyone):.0f}) |")
+        (el, ec), (tl, tc) = list(cold.items())
+        print(f"\nratio {tl.split()[0]}/expr (medians): first visitor "
+              f"{med(r['s'] for r in tc) / med(r['s'] for r in ec):.1f}x, second visitor "
+              f"{med(r['s'] for r in warm[tl]) / med(r['s'] for r in warm[el]):.1f}x, bytes to "
+              f"first chart {med(r['bytes'] for r in tc) / med(r['bytes'] for r in ec):.1f}x")
         print(f"requests refused (not 127.0.0.1): {len(blocked)}"
               + (f" ({', '.join(sorted(set(blocked))[:5])})" if blocked else ""))
+        print("exit codes after Ctrl-C (-9: still running "
+              f"{STOP_WAIT:.0f} s later, killed): "
+              + "; ".join(f"{k} {', '.join(v)}" for k, v in stops.items()))
         load = os.getloadavg()
         print(f"load average {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} at the end")
     finally:
-        codes = []
-        for proc in procs:
-            t0 = time.monotonic()
-            codes.append(f"{stop(proc)} after {time.monotonic() - t0:.1f} s")
-        if codes:
-            print(f"exit codes after Ctrl-C (-9: still running {STOP_WAIT:.0f} s later, "
-                  f"killed): expr serve {codes[0]}"
-                  + (f", trackio show {codes[1]}" if len(codes) > 1 else ""))
-            if len(procs) > 1 and procs[1].stdout is not None:
-                tail = procs[1].stdout.read().strip().splitlines()[-2:]
-                print("trackio show's last lines: " + " / ".join(tail))
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -20,9 +20,10 @@ const [project, name] = [parts[1], parts[2]];
 const label = `${project}/${name}`;
 const base = runPath(project, name);
 const page = { metric: new URLSearchParams(window.location.search).get("metric"), busy: false, again: false,
-               drill: null, loaded: false, noisier: new Map() };
+               drill: null, loaded: false, noisier: new Map(), noisierKey: null, noisierAt: 0 };
 
 const RETRY_MS = 2000; // a run not there yet (the job is starting): look again this often
+const NOISIER_MS = 10000;
 
 function missing(message) {
   $("content").hidden = true;
@@ -83,8 +84,11 @@ async function load() {
     page.version = drawn.sort((a, b) => Number(a.split(".")[1]) - Number(b.split(".")[1]))[0] || null;
     page.loaded = true;
     document.body.dataset.loaded = "1";
-    // after the first render: is a rank noisier over the chart's steps? (one more summary)
-    if (one.keys && one.chart && one.chart.step.length >= 2 && m) {
+    // after the first render: is a rank noisier over the chart's steps? (one more summary,
+    // at most every NOISIER_MS: a live run changes every second, its variability slowly)
+    if (one.keys && one.chart && one.chart.step.length >= 2 && m
+        && (page.noisierKey !== m || Date.now() - page.noisierAt >= NOISIER_MS)) {
+      page.noisierKey = m; page.noisierAt = Date.now();
       const st = one.chart.step;
       const win = await get(`${base}/summary`, { metric: m, steps: `${st[0]}:${st[st.length - 1] + 1}` })
         .catch(() => null);
