@@ -58,7 +58,7 @@ def test_runs_are_the_cli_runs_with_their_open_incidents(cli: Any, client: TestC
                                                        tmp_path: Path) -> None:
     want = cli_json(cli, "runs", "--spool", str(tmp_path / "no-spool"))
     got = api(client, "/api/runs")
-    assert [r["open_incidents"] for r in got] == [0] * len(want)
+    assert [r["open_incidents"] for r in got] == [None] * len(want)  # no watcher
     assert [{k: v for k, v in r.items() if k != "open_incidents"} for r in got] == want
     assert "proj/four" in {f"{r['project']}/{r['name']}" for r in got}
 
@@ -135,6 +135,7 @@ def test_a_watcher_incident_shows_in_runs_and_top(root: Path, client: TestClient
     (root / "proj" / "four" / "incidents.jsonl").write_text(json.dumps(line) + "\n")
     runs = {f"{r['project']}/{r['name']}": r for r in api(client, "/api/runs")}
     assert runs["proj/four"]["open_incidents"] == 1
+    assert runs["proj/run-1"]["open_incidents"] is None  # not watched
     # an incident kind and fields this version does not know pass through untouched
     assert api(client, "/api/runs/proj/four/top")["history"] == [line]
 

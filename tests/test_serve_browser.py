@@ -97,6 +97,7 @@ def test_the_runs_list_shows_the_four_rank_run(site: Server, page: Any) -> None:
     row = page.wait_for_selector("tr[data-run='demo/sft-1']")
     cells = [c.inner_text() for c in row.query_selector_all("td")]
     assert cells[1] == "demo/sft-1" and cells[2] == "finished" and cells[4] == "4", cells
+    assert cells[3] == "not watched", cells  # no expr watch / exprd keeps its incidents
     assert page.query_selector("tr[data-run='demo/live-2']") is not None
 
 
@@ -243,6 +244,7 @@ def test_equal_weights_are_within_the_spread_and_no_rank_is_noisier(site: Server
     page.wait_for_selector("body[data-noisier='1']")
     assert "within the spread" in page.inner_text("#tile-means")
     assert page.inner_text("#noisier-none").startswith("no rank noisier (step_time, steps ")
+    assert page.query_selector("#rank-table td.noisier") is None  # no column for no one
 
 
 def test_a_page_opened_before_its_run_exists_shows_it_once_it_does(site: Server, page: Any) -> None:

@@ -2,7 +2,8 @@
 run, built by the same function (`expr_cli.data`), from the live state `live` keeps.
 
 Where a page needs more than a terminal, the answer is a superset, never a different
-shape: `runs` adds each run's `open_incidents`; `summary` adds `chart` (the first key's
+shape: `runs` adds each run's `open_incidents` (null for a run no watcher keeps
+incidents for); `summary` adds `chart` (the first key's
 reducers at each recent step); `summary`, `heatmap` and `top` add `version`, the version
 of the live state they were built from, unique to this server process (a page opens the event stream with it, which then
 stays quiet until the run moves on); `heatmap` keeps every rank's cells up to `PAGE_RANKS`
@@ -16,6 +17,7 @@ Every function takes the query parameters as a mapping of lists and raises `BadR
 
 from __future__ import annotations
 
+import os
 import secrets
 import threading
 import time
@@ -115,7 +117,11 @@ class Api:
         out = runs_json(rows, [])
         for row in out:
             ref = RunRef(Path(row["path"]), f"{row['project']}/{row['name']}")
-            row["open_incidents"] = _open_count(incident_lines(ref, limit=10_000))
+            # None: no watcher (expr watch, exprd) keeps incidents for this run; its page
+            # runs the detectors itself, the list does not (that is a pass per run)
+            watched = os.path.lexists(ref.path / "incidents.jsonl")
+            row["open_incidents"] = (_open_count(incident_lines(ref, limit=10_000))
+                                     if watched else None)
         return jsonable(out)
 
     def summary(self, project: str, name: str, params: Params) -> dict[str, Any]:
