@@ -20,6 +20,8 @@ class Server:
     """`expr serve ARGS` until `stop()`; `url` is what it printed (with any token)."""
 
     def __init__(self, root: Path, *args: str) -> None:
+        self.root = root
+        self._err = ""  # stderr read so far by status_line
         env = {k: v for k, v in os.environ.items() if not k.startswith("EXPR_")}
         self.proc = subprocess.Popen([str(EXPR), "serve", "--dir", str(root), "--port", "0", *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -32,6 +34,27 @@ class Server:
         self.url = line
         self.port = int(line.split(":")[2].split("/")[0])
         self.base = f"http://127.0.0.1:{self.port}"
+
+    def status_line(self, text: str, within: float = 5.0) -> str | None:
+        """The first line of its stderr holding `text` (the status lines come before the
+        URL on stdout), or None after `within` seconds of no such line. Reads the pipe's
+        bytes itself: nothing else reads this stderr while the server runs."""
+        import select
+
+        assert self.proc.stderr is not None
+        fd = self.proc.stderr.fileno()
+        deadline = time.monotonic() + within
+        while (left := deadline - time.monotonic()) > 0:
+            for line in self._err.splitlines(keepends=True):
+                if text in line and line.endswith("\n"):
+                    return line
+            if not select.select([fd], [], [], left)[0]:
+                break
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            self._err += chunk.decode(errors="replace")
+        return None
 
     def stop(self, sig: int = signal.SIGINT) -> int:
         """Stop it with `sig` (Ctrl-C by default); its exit code."""

@@ -29,24 +29,31 @@ def write_run(
     crashed: int | None = None,
     slow: float = 1.6,
     status: str = "running",
+    noisy: int | None = None,
+    weights: dict[int, float] | None = None,
 ) -> Path:
     """Write `world` shards of `steps` steps each into `run_dir`; rank `straggler` has a
-    `slow`x step time, rank `crashed` stopped half-way with an exception."""
+    `slow`x step time, rank `crashed` stopped half-way with an exception, rank `noisy` a
+    step time of the same mean that swings +-40% from step to step; `weights` gives some
+    ranks a `_weight` other than 1."""
     run_dir.mkdir(parents=True, exist_ok=True)
     name, project = run_dir.name, run_dir.parent.name
     for r in range(world):
         stem = "metrics" if r == 0 else f"metrics.rank{r}"
         last = steps // 2 if r == crashed else steps
         factor = slow if r == straggler else 1.0
+        weight = (weights or {}).get(r, 1.0)
         parts = []
         for s in range(last):
             t = T0 + s
             # step times agree to the millisecond among healthy ranks, as they do in practice
             st = round((0.5 + 0.001 * ((r * 7 + s) % 5)) * factor, 6)
+            if r == noisy:
+                st = round(st * (1.4 if s % 2 else 0.6), 6)
             loss = round(2.0 / (s + 1) + 0.3 + 0.0001 * (r % 13), 6)
             parts.append(f'{{"_step":{s},"_time":{t},"loss":{loss},"tokens":{4096 * (s + 1)}}}\n'
                          f'{{"_kind":"rank","_step":{s},"_time":{t + 0.5},"_rank":{r},'
-                         f'"_world_size":{world},"_local_rank":{r % PER_NODE},"_weight":1.0,'
+                         f'"_world_size":{world},"_local_rank":{r % PER_NODE},"_weight":{weight},'
                          f'"step_time":{st},"grad_norm":{round(1.0 + 0.01 * (r % 7), 6)}}}\n')
         body = "".join(parts).encode()
         shard = run_dir / f"{stem}.jsonl"

@@ -6,9 +6,11 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +58,7 @@ def test_runs_are_the_cli_runs_with_their_open_incidents(cli: Any, client: TestC
                                                        tmp_path: Path) -> None:
     want = cli_json(cli, "runs", "--spool", str(tmp_path / "no-spool"))
     got = api(client, "/api/runs")
-    assert [r["open_incidents"] for r in got] == [0] * len(want)
+    assert [r["open_incidents"] for r in got] == [None] * len(want)  # no watcher
     assert [{k: v for k, v in r.items() if k != "open_incidents"} for r in got] == want
     assert "proj/four" in {f"{r['project']}/{r['name']}" for r in got}
 
@@ -66,6 +68,7 @@ def test_summary_is_expr_summary_json(cli: Any, client: TestClient, run: str) ->
     want = cli_json(cli, "summary", f"proj/{run}")
     got = api(client, f"/api/runs/proj/{run}/summary")
     chart = got.pop("chart")
+    assert re.fullmatch(r"[0-9a-f]{8}\.[1-9][0-9]*", got.pop("version"))
     assert got == want
     first = want["keys"][0]
     assert chart["key"] == first["key"] and chart["step"][-1] == want["step"]
@@ -77,11 +80,13 @@ def test_summary_of_one_metric_at_a_step_and_over_a_window(cli: Any, client: Tes
     want = cli_json(cli, "summary", "proj/four", "-m", "step_time", "--step", "30")
     got = api(client, "/api/runs/proj/four/summary", metric="step_time", step=30)
     got.pop("chart")
+    got.pop("version")
     assert got == want
     assert [o["rank"] for o in got["keys"][0]["outliers"]] == [2]
     want = cli_json(cli, "summary", "proj/four", "-m", "step_time,grad_norm", "--steps", "10:20")
     got = api(client, "/api/runs/proj/four/summary", metric=["step_time", "grad_norm"], steps="10:20")
     got.pop("chart")
+    got.pop("version")
     assert got == want
 
 
@@ -92,6 +97,7 @@ def test_heatmap_is_expr_summary_heatmap_json(cli: Any, client: TestClient) -> N
     width = heatmap_buckets(100, 4)  # the CLI's under COLUMNS=100
     got = api(client, "/api/runs/proj/four/heatmap", metric="step_time", buckets=width)
     got.pop("chart", None)
+    got.pop("version")
     assert got == want
     assert len(got["heatmap"]["cells"]) == 4
 
@@ -100,6 +106,7 @@ def test_top_is_expr_top_once_json(cli: Any, client: TestClient) -> None:
     want = cli_json(cli, "top", "proj/four", "--once")
     got = api(client, "/api/runs/proj/four/top")
     assert got.pop("history") == []
+    got.pop("version")
     assert got == want
     assert [r["rank"] for r in got["ranks"]] == sorted(r["rank"] for r in got["ranks"])
 
@@ -128,6 +135,7 @@ def test_a_watcher_incident_shows_in_runs_and_top(root: Path, client: TestClient
     (root / "proj" / "four" / "incidents.jsonl").write_text(json.dumps(line) + "\n")
     runs = {f"{r['project']}/{r['name']}": r for r in api(client, "/api/runs")}
     assert runs["proj/four"]["open_incidents"] == 1
+    assert runs["proj/run-1"]["open_incidents"] is None  # not watched
     # an incident kind and fields this version does not know pass through untouched
     assert api(client, "/api/runs/proj/four/top")["history"] == [line]
 
@@ -264,7 +272,25 @@ def test_the_event_stream_says_the_run_changed(server: Server) -> None:
         conn.close()
     assert lines[0] == "event: change"
     data = json.loads(lines[1].removeprefix("data: "))
-    assert data["frontier"] == 59 and data["world_size"] == 4 and data["version"] >= 1
+    assert data["frontier"] == 59 and data["world_size"] == 4
+    # a page that drew this version: the stream stays quiet while the run does not move
+    drawn = json.loads(urllib.request.urlopen(
+        f"{server.base}/api/runs/proj/four/summary", timeout=10).read())["version"]
+    assert drawn == data["version"]
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=3)
+    try:
+        conn.request("GET", f"/api/runs/proj/four/events?version={drawn}")
+        resp = conn.getresponse()
+        assert resp.status == 200
+        with pytest.raises(TimeoutError):
+            resp.readline()  # no change event: the first pass found the version drawn
+        conn.close()
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        conn.request("GET", "/api/runs/proj/four/events?version=0badf00d.1")
+        resp = conn.getresponse()
+        assert resp.readline().decode().strip() == "event: change"  # another server's
+    finally:
+        conn.close()
 
 
 def test_another_host_needs_the_token(root: Path) -> None:
@@ -272,6 +298,9 @@ def test_another_host_needs_the_token(root: Path) -> None:
     try:
         assert srv.url.startswith("http://0.0.0.0:") and "/?token=" in srv.url
         token = srv.url.split("token=", 1)[1]
+        import socket
+        there = srv.url.replace("//0.0.0.0:", f"//{socket.gethostname()}:")
+        assert srv.status_line(f"from another machine: {there}")
         assert len(token) >= 16
         for path in ("/", "/api/runs", "/api/runs/proj/four/summary", "/static/run.js"):
             status, headers, body = _raw(srv.port, path)
@@ -325,6 +354,12 @@ def test_serve_refuses_a_missing_root_and_a_busy_port(tmp_path: Path, server: Se
     assert result.exit_code == 1 and "cannot listen" in result.output
     result = runner.invoke(build_app(), ["serve", "--dir", str(tmp_path), "--token", "short"])
     assert result.exit_code == 2 and "--token must be" in result.output
+    (tmp_path / "file").write_text("")
+    result = runner.invoke(build_app(), ["serve", "--dir", str(tmp_path / "file")])
+    assert result.exit_code == 1 and "is not a directory" in result.output
+    for port in ("-1", "65536"):
+        result = runner.invoke(build_app(), ["serve", "--dir", str(tmp_path), "--port", port])
+        assert result.exit_code == 2 and f"--port must be in 0..65535, got {port}" in result.output
 
 
 def test_past_256_ranks_the_heatmap_rows_are_nodes_and_a_node_drills_in(
@@ -353,3 +388,19 @@ def test_past_256_ranks_the_heatmap_rows_are_nodes_and_a_node_drills_in(
     assert len(top["ranks"]) == 5 and top["ranks_total"] == 264 and top["nodes_total"] == 33
     every = api(client, "/api/runs/proj/wide/top")
     assert top["ranks"] == every["ranks"][:5] and top["nodes"] == every["nodes"][:5]
+
+
+def test_ctrl_c_ends_the_server_with_event_streams_open(root: Path) -> None:
+    srv = Server(root)
+    conns = []
+    try:
+        for _ in range(3):  # three pages following the run
+            conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+            conn.request("GET", "/api/runs/proj/four/events")
+            resp = conn.getresponse()
+            assert resp.readline().decode().strip() == "event: change"
+            conns.append(conn)
+    finally:
+        assert srv.stop() == 130  # Ctrl-C, within stop()'s 10 s
+        for conn in conns:
+            conn.close()

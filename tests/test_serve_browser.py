@@ -25,9 +25,11 @@ pytest.importorskip("playwright.sync_api", reason="the browser tests need playwr
 pytest.importorskip("starlette", reason="expr serve needs the serve extra (starlette, uvicorn)")
 
 from .servers import Server, kill_all, train, wait_all  # noqa: E402
+from .synthetic import PER_NODE, host_of, write_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 _UPDATE = bool(os.environ.get("UPDATE_SCREENSHOT"))  # read before the env is cleaned
+WIDE, WIDE_SLOW = 320, 163  # past the page's 256 rows: one row per node
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run"]
 
@@ -35,8 +37,13 @@ ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """demo/sft-1 (4 ranks, rank 2 a straggler, finished), demo/sft-2 (2 ranks, finished),
-    demo/live-2 (2 ranks still training), served by `expr serve --port 0`."""
+    demo/live-2 (2 ranks still training), demo/wide (WIDE synthetic ranks on WIDE/8 nodes,
+    rank WIDE_SLOW a straggler), demo/mixed (4 synthetic ranks: rank 1 noisier, rank 2
+    slower and 20x heavier), served by `expr serve --port 0`."""
     root = tmp_path_factory.mktemp("serve-site") / "runs"
+    write_run(root / "demo" / "wide", WIDE, 30, straggler=WIDE_SLOW, status="finished")
+    write_run(root / "demo" / "mixed", 4, 40, straggler=2, noisy=1, weights={2: 20.0},
+              status="finished")
     done = [*train(root, "sft-1", range(4), 4, "--steps", "60", "--slow-rank", "2", "--sleep", "0.005"),
             *train(root, "sft-2", range(2), 2, "--steps", "40", "--sleep", "0.005")]
     live = train(root, "live-2", range(2), 2, "--steps", "100000", "--sleep", "0.2")
@@ -90,6 +97,7 @@ def test_the_runs_list_shows_the_four_rank_run(site: Server, page: Any) -> None:
     row = page.wait_for_selector("tr[data-run='demo/sft-1']")
     cells = [c.inner_text() for c in row.query_selector_all("td")]
     assert cells[1] == "demo/sft-1" and cells[2] == "finished" and cells[4] == "4", cells
+    assert cells[3] == "not watched", cells  # no expr watch / exprd keeps its incidents
     assert page.query_selector("tr[data-run='demo/live-2']") is not None
 
 
@@ -106,6 +114,9 @@ def test_the_run_page_shows_the_ranks_the_straggler_the_heatmap_and_the_chart(
     assert colours(page.locator("#heatmap").screenshot()) >= 8
     assert colours(page.locator("#chart").screenshot()) >= 8
     assert "rank 2" in page.inner_text("#rank-table")
+    page.wait_for_selector("body[data-noisier='1']")  # the last panel to arrive
+    ticks = page.evaluate("document.querySelector('#chart').__plot.axes[0]._splits")
+    assert len(ticks) >= 3 and all(t == int(t) for t in ticks), ticks  # whole steps
     shot = page.screenshot(full_page=True)
     (tmp_path / "serve.png").write_bytes(shot)
     if _UPDATE:
@@ -155,3 +166,97 @@ def test_a_run_that_does_not_exist_says_so(site: Server, page: Any) -> None:
     # the API's 404 is what the page reports; the browser logs it as a failed load
     page.errors_seen[:] = [e for e in page.errors_seen if "status of 404" not in e]
 
+
+
+def _rows(page: Any, canvas: str) -> list[str]:
+    """The labels of a heatmap canvas's rows (what it drew, kept on the element)."""
+    return page.evaluate(f"document.querySelector({canvas!r}).__rows.map((r) => r.label)")  # type: ignore[no-any-return]
+
+
+def test_past_256_ranks_the_heatmap_shows_nodes_and_a_click_drills_into_one(
+        site: Server, page: Any) -> None:
+    page.goto(site.base + "/runs/demo/wide?metric=step_time")
+    page.wait_for_selector("body[data-loaded='1']")
+    nodes = WIDE // PER_NODE
+    assert page.inner_text("#heatmap-note").startswith(f"step_time, {nodes} nodes (max)")
+    assert _rows(page, "#heatmap") == [host_of(r) for r in range(0, WIDE, PER_NODE)]
+    assert page.locator("#drill").is_hidden()
+    assert colours(page.locator("#heatmap").screenshot()) >= 8
+    # a click on the straggler's node row: that node's 8 ranks, one row each, named
+    slow_node = WIDE_SLOW // PER_NODE
+    box = page.locator("#heatmap").bounding_box()
+    rh = page.evaluate("document.querySelector('#heatmap').__rh")
+    page.mouse.click(box["x"] + 40, box["y"] + slow_node * rh + rh / 2)
+    page.wait_for_selector("#drill:not([hidden])")
+    assert page.inner_text("#drill-title") == f"node {host_of(WIDE_SLOW)}: {PER_NODE} ranks"
+    first = slow_node * PER_NODE
+    assert _rows(page, "#drill-canvas") == [f"rank {r}" for r in range(first, first + PER_NODE)]
+    assert colours(page.locator("#drill-canvas").screenshot()) >= 4
+    # the straggler's row is the brightest (viridis: its step time is the highest)
+    row = page.evaluate("""() => {
+      const c = document.querySelector('#drill-canvas'), ctx = c.getContext('2d');
+      const dpr = window.devicePixelRatio || 1, rh = c.__rh;
+      return c.__rows.map((_, i) => {
+        const d = ctx.getImageData(c.width - 20 * dpr, (i * rh + rh / 2) * dpr, 1, 1).data;
+        return d[0] + d[1] + d[2];
+      });
+    }""")
+    assert row.index(max(row)) == WIDE_SLOW - first, row
+    page.click("#drill-close")
+    page.wait_for_selector("#drill", state="hidden")
+    assert _rows(page, "#heatmap")[0] == host_of(0)
+
+
+def test_the_weighted_mean_flag_and_the_noisier_ranks_are_the_clis(site: Server, page: Any) -> None:
+    import json
+    import subprocess
+
+    from .servers import EXPR
+
+    page.goto(site.base + "/runs/demo/mixed?metric=step_time")
+    page.wait_for_selector("body[data-noisier='1']")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXPR_")}
+
+    def cli(*args: str) -> Any:
+        out = subprocess.run([str(EXPR), "summary", "demo/mixed", "-m", "step_time", "--json",
+                              "--dir", str(site.root), *args], env=env, capture_output=True,
+                             text=True, check=True)
+        return json.loads(out.stdout)["keys"][0]
+
+    at = cli()
+    assert at["weighted"]["differs"] is True
+    means = page.locator("#tile-means")
+    assert "differs: more than 2 x std/sqrt(n)" in means.inner_text()
+    assert "warn" in (means.get_attribute("class") or "")
+    # the window is the chart's: every step of this 40-step run
+    window = cli("--steps", "0:40")["variability"]
+    assert [o["rank"] for o in window["noisier"]] == [1]
+    noisier = page.inner_text("#noisier-list")
+    assert noisier == "rank 1 gpu-0000 noisier: CV 0.4 vs 0.0028 median", noisier
+    assert page.inner_text("#noisier h3") == "Noisier step_time, steps 0:40"
+    cells = {tr.query_selector("td").inner_text(): tr.query_selector("td.noisier").inner_text()
+             for tr in page.query_selector_all("#rank-table tbody tr")}
+    assert cells == {"rank 0": "", "rank 1": "CV 0.4 vs 0.0028 median", "rank 2": "", "rank 3": ""}
+
+
+def test_equal_weights_are_within_the_spread_and_no_rank_is_noisier(site: Server, page: Any) -> None:
+    page.goto(site.base + "/runs/demo/sft-1?metric=step_time")
+    page.wait_for_selector("body[data-noisier='1']")
+    assert "within the spread" in page.inner_text("#tile-means")
+    assert page.inner_text("#noisier-none").startswith("no rank noisier (step_time, steps ")
+    assert page.query_selector("#rank-table td.noisier") is None  # no column for no one
+
+
+def test_a_page_opened_before_its_run_exists_shows_it_once_it_does(site: Server, page: Any) -> None:
+    page.goto(site.base + "/runs/demo/later")
+    page.wait_for_selector("#missing:not([hidden])")
+    assert "no run demo/later" in page.inner_text("#missing")
+    assert page.inner_text("#live") == "checking again every 2 s"
+    page.evaluate("window.__same_page = true")
+    write_run(site.root / "demo" / "later", 4, 10, straggler=2)  # the job starts
+    page.wait_for_selector("body[data-loaded='1']", timeout=15_000)
+    assert page.locator("#missing").is_hidden()
+    assert page.inner_text("#tile-ranks").split("\n")[1] == "4/4"
+    assert re.search(r"\brank 2\b", page.inner_text("#outliers"))
+    assert page.evaluate("window.__same_page") is True
+    page.errors_seen[:] = [e for e in page.errors_seen if "status of 404" not in e]

@@ -18,6 +18,7 @@ from expr_cli.errors import CLIError
 from expr_cli.resolve import DIR_OPT, root_dir
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+WILDCARD = ("0.0.0.0", "::", "")
 DEFAULT_PORT = 8321
 
 
@@ -50,6 +51,8 @@ def serve_command(dir: str | None, host: str, port: int, token: str | None) -> i
     if token is not None and (len(token) < 8 or not token.isprintable() or " " in token):
         raise CLIError("--token must be at least 8 printable characters without spaces", 2)
     root = root_dir(dir)
+    if root.exists() and not root.is_dir():
+        raise CLIError(f"the run root {root} is not a directory (set --dir or $EXPR_DIR)")
     if not root.is_dir():
         raise CLIError(f"no run root at {root} (set --dir or $EXPR_DIR)")
     root = root.resolve()
@@ -63,6 +66,9 @@ def serve_command(dir: str | None, host: str, port: int, token: str | None) -> i
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{bound}/" + (f"?token={token}" if token else "")
     render.status(f"expr serve: {url}  (run root {root}; Ctrl-C stops)")
+    if host in WILDCARD:  # every address: the URL another machine opens names this one
+        there = url.replace(f"//{shown}:", f"//{socket.gethostname()}:", 1)
+        render.status(f"expr serve: from another machine: {there}")
     sys.stdout.write(url + "\n")
     sys.stdout.flush()
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",

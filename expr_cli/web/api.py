@@ -2,8 +2,11 @@
 run, built by the same function (`expr_cli.data`), from the live state `live` keeps.
 
 Where a page needs more than a terminal, the answer is a superset, never a different
-shape: `runs` adds each run's `open_incidents`; `summary` adds `chart` (the first key's
-reducers at each recent step); `heatmap` keeps every rank's cells up to `PAGE_RANKS`
+shape: `runs` adds each run's `open_incidents` (null for a run no watcher keeps
+incidents for); `summary` adds `chart` (the first key's
+reducers at each recent step); `summary`, `heatmap` and `top` add `version`, the version
+of the live state they were built from, unique to this server process (a page opens the event stream with it, which then
+stays quiet until the run moves on); `heatmap` keeps every rank's cells up to `PAGE_RANKS`
 ranks, and past that one combined row per node (`nodes`) and the cells of the ranks of
 `?node=` only (a page does not draw 16,384 rows); `top` adds `history`, the run's
 incident lines, resolved ones too.
@@ -14,6 +17,8 @@ Every function takes the query parameters as a mapping of lists and raises `BadR
 
 from __future__ import annotations
 
+import os
+import secrets
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -38,6 +43,12 @@ PAGE_RANKS = 256  # past this many ranks the heatmap's rows are nodes (a click d
 MAX_BUCKETS = 400
 MAX_COMPARE = 8
 RUNS_TTL = 5.0  # seconds the runs list is kept: it inspects every shard of every run
+BOOT = secrets.token_hex(4)  # a server restarted counts its versions from 1 again
+
+
+def version_tag(live: Any) -> str:
+    """The live state's version as the API and the event stream name it."""
+    return f"{BOOT}.{live.version}"
 
 
 def _one(params: Params, name: str) -> str | None:
@@ -106,7 +117,11 @@ class Api:
         out = runs_json(rows, [])
         for row in out:
             ref = RunRef(Path(row["path"]), f"{row['project']}/{row['name']}")
-            row["open_incidents"] = _open_count(incident_lines(ref, limit=10_000))
+            # None: no watcher (expr watch, exprd) keeps incidents for this run; its page
+            # runs the detectors itself, the list does not (that is a pass per run)
+            watched = os.path.lexists(ref.path / "incidents.jsonl")
+            row["open_incidents"] = (_open_count(incident_lines(ref, limit=10_000))
+                                     if watched else None)
         return jsonable(out)
 
     def summary(self, project: str, name: str, params: Params) -> dict[str, Any]:
@@ -126,6 +141,7 @@ class Api:
                 ref, stream, metrics, step, steps, None, False, lambda w: 1, state=state,
                 chart=chart, memo=live.memo), self.root)
             view.pop("stream_text", None)
+            view["version"] = version_tag(live)
             return jsonable(view)
 
         key = ("summary", tuple(metrics or ()), step, steps, chart)
@@ -166,6 +182,7 @@ class Api:
                     raise NotFound(f"no node {node!r} in run {ref.label}")
                 hm["cells"] = {r: hm["cells"][r] for r in mine}
                 hm["node"] = node
+            view["version"] = version_tag(live)
             return jsonable(view)
 
         return live.answer(("heatmap", key, steps, agg, width, node), build)  # type: ignore[no-any-return]
@@ -181,6 +198,7 @@ class Api:
             _cli(lambda: shards_of(ref, stream), self.root)
             frame = live.top(state)
             frame["history"] = incident_lines(ref)
+            frame["version"] = version_tag(live)
             return jsonable(frame)
 
         frame = live.answer(("top",), build, ttl=TOP_TTL)

@@ -26,7 +26,7 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from .api import Api
+from .api import Api, version_tag
 from .live import LiveRuns
 from .paths import BadRequest, NotFound
 
@@ -161,7 +161,8 @@ def make_app(root: Path, token: str | None = None, cfg: Any = None) -> ASGI:
             live = await run_in_threadpool(lambda: api.live(p, n, _params(request)))
         except (BadRequest, NotFound) as exc:
             return _error(400 if isinstance(exc, BadRequest) else 404, str(exc))
-        return StreamingResponse(_stream(request, live), media_type="text/event-stream",
+        since = request.query_params.get("version")
+        return StreamingResponse(_stream(request, live, since), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
     async def not_found(request: Request, exc: Exception) -> Response:
@@ -181,13 +182,14 @@ def make_app(root: Path, token: str | None = None, cfg: Any = None) -> ASGI:
     return Guard(app, token)
 
 
-async def _stream(request: Request, live: Any) -> Any:
-    """`change` events: one at once, then one each time the run's version moves."""
+async def _stream(request: Request, live: Any, since: str | None) -> Any:
+    """`change` events: one at once (unless the page says it drew version `since` and the
+    run is still there), then one each time the run's version moves."""
     import time
 
     import anyio
 
-    last = None
+    last = since
     quiet_since = time.monotonic()
     while not await request.is_disconnected():
         try:
@@ -195,8 +197,9 @@ async def _stream(request: Request, live: Any) -> Any:
         except Exception as exc:  # the run went away meanwhile: say so, end the stream
             yield f"event: gone\ndata: {json.dumps({'error': str(exc)})}\n\n"
             return
-        if live.version != last:
-            last = live.version
+        tag = version_tag(live)
+        if tag != last:
+            last = tag
             data = {"version": last, "frontier": state.frontier, "lead": state.lead,
                     "live": len(state.live), "world_size": state.world_size}
             yield f"event: change\ndata: {json.dumps(data)}\n\n"

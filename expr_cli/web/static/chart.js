@@ -7,6 +7,9 @@ let plot = null;
 
 function size(el) { return { width: Math.max(320, el.clientWidth || 800), height: 300 }; }
 
+// steps are integers: ticks at 1, 2, 5, 10, 20, 50, ... steps apart, never at 12.5
+export const STEP_INCRS = Array.from({ length: 16 }, (_, e) => [1, 2, 5].map((m) => m * 10 ** e)).flat();
+
 function nums(col) { return (col || []).map((v) => (typeof v === "number" ? v : null)); }
 
 export function drawChart(el, chart) {
@@ -17,7 +20,7 @@ export function drawChart(el, chart) {
   plot = new uPlot({
     ...size(el),
     scales: { x: { time: false } },
-    axes: [{ label: "step" }, { label: chart.key }],
+    axes: [{ label: "step", incrs: STEP_INCRS }, { label: chart.key }],
     series: [
       { label: "step" },
       { label: "p05", stroke: COLORS.edge, width: 1 },
@@ -29,6 +32,7 @@ export function drawChart(el, chart) {
     bands: [{ series: [2, 1], fill: COLORS.band }],
   }, data, el);
   plot.__key = chart.key;
+  el.__plot = plot; // for a test to read what it drew
 }
 
 export function resizeChart(el) { if (plot) plot.setSize(size(el)); }

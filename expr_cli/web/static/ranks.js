@@ -1,12 +1,15 @@
-// The per-rank snapshot, worst first (as `expr top`): status, step, behind, steps/s, last write.
+// The per-rank snapshot, worst first (as `expr top`): status, step, behind, steps/s, last
+// write, incident, and whether the rank is noisier than the others (issue 21).
 import { age, badge, h, num, replace } from "./dom.js";
 
 const SHOWN = 64;
 
-export function drawRanks(el, top) {
+// `noisier`: rank -> "CV 0.31 vs 0.04 median" (noisier.js), a last column when any is
+export function drawRanks(el, top, noisier = new Map()) {
   const rows = top.ranks || [];
   const table = h("table", { class: "grid", id: "rank-table" },
-    h("thead", {}, h("tr", {}, ["rank", "host", "status", "step", "behind", "steps/s", "last write", "incident"]
+    h("thead", {}, h("tr", {}, ["rank", "host", "status", "step", "behind", "steps/s", "last write", "incident",
+      ...(noisier.size ? ["noisier"] : [])]
       .map((c, i) => h("th", { class: i >= 3 && i <= 6 ? "num" : "" }, c)))),
     h("tbody", {}, rows.slice(0, SHOWN).map((r) => h("tr", {},
       h("td", {}, `rank ${r.rank}`), h("td", { class: "muted" }, r.host || ""),
@@ -14,7 +17,8 @@ export function drawRanks(el, top) {
       h("td", { class: "num" }, r.behind ? r.behind.toLocaleString("en-US") : "0"),
       h("td", { class: "num" }, num(r.steps_per_s, 3)),
       h("td", { class: "num" }, r.last_write_age === null ? "–" : `${age(r.last_write_age)} ago`),
-      h("td", {}, r.incident ? badge(r.incident) : "")))));
+      h("td", {}, r.incident ? badge(r.incident) : ""),
+      noisier.size ? h("td", { class: "noisier" }, noisier.get(r.rank) || "") : null))));
   const total = top.ranks_total ?? rows.length;
   const more = total > SHOWN
     ? h("p", { class: "muted" }, `and ${(total - SHOWN).toLocaleString("en-US")} more ranks on `

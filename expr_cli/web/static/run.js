@@ -1,5 +1,6 @@
 // The run page: fetches the summary (all keys and the picked one), the heatmap and top,
-// and hands each to its panel; the event stream triggers a refetch, never a reload.
+// and hands each to its panel, then the picked key's summary over the chart's steps (the
+// noisier ranks); the event stream triggers a refetch, never a reload.
 import { ApiError, get, runPath } from "./api.js";
 import { drawChart, resizeChart } from "./chart.js";
 import { drawCoverage } from "./coverage.js";
@@ -7,6 +8,7 @@ import { drawHeader, drawLive } from "./header.js";
 import { drawHeatmap, heatRows, rowAt } from "./heatmap.js";
 import { drawIncidents } from "./incidents.js";
 import { follow } from "./live.js";
+import { drawNoisier, noisierByRank } from "./noisier.js";
 import { drawOutliers } from "./outliers.js";
 import { drawPicker, metricKeys } from "./picker.js";
 import { drawRanks } from "./ranks.js";
@@ -18,7 +20,10 @@ const [project, name] = [parts[1], parts[2]];
 const label = `${project}/${name}`;
 const base = runPath(project, name);
 const page = { metric: new URLSearchParams(window.location.search).get("metric"), busy: false, again: false,
-               drill: null, loaded: false };
+               drill: null, loaded: false, noisier: new Map(), noisierKey: null, noisierAt: 0 };
+
+const RETRY_MS = 2000; // a run not there yet (the job is starting): look again this often
+const NOISIER_MS = 10000;
 
 function missing(message) {
   $("content").hidden = true;
@@ -26,6 +31,7 @@ function missing(message) {
   el.hidden = false;
   el.textContent = message;
   drawHeader(label, null, null);
+  drawLive(`checking again every ${RETRY_MS / 1000} s`);
 }
 
 async function load() {
@@ -40,7 +46,7 @@ async function load() {
       all = await get(`${base}/summary`, { chart: page.metric });
     }
     drawPicker($("metric"), keys, page.metric, (k) => {
-      page.metric = k; page.drill = null;
+      page.metric = k; page.drill = null; page.noisier = new Map();
       const q = new URLSearchParams(window.location.search); q.set("metric", k);
       history.replaceState(null, "", `${window.location.pathname}?${q}`);
       load();
@@ -64,7 +70,7 @@ async function load() {
     }
     drawOutliers($("outliers"), all.keys ? all : one);
     drawIncidents($("incidents"), top);
-    drawRanks($("ranks"), top);
+    drawRanks($("ranks"), top, page.noisier);
     if (hm && hm.heatmap) {
       const h = hm.heatmap;
       drawHeatmap($("heatmap"), heatRows(h), h.buckets, $("heatmap-legend"));
@@ -73,11 +79,31 @@ async function load() {
     } else if (hm && hm.error) {
       $("heatmap-note").textContent = hm.error;
     }
+    // the oldest version drawn: the event stream stays quiet until the run moves past it
+    const drawn = [all, one, hm, top].map((a) => a && a.version).filter(Boolean);
+    page.version = drawn.sort((a, b) => Number(a.split(".")[1]) - Number(b.split(".")[1]))[0] || null;
     page.loaded = true;
     document.body.dataset.loaded = "1";
+    // after the first render: is a rank noisier over the chart's steps? (one more summary,
+    // at most every NOISIER_MS: a live run changes every second, its variability slowly)
+    if (one.keys && one.chart && one.chart.step.length >= 2 && m
+        && (page.noisierKey !== m || Date.now() - page.noisierAt >= NOISIER_MS)) {
+      page.noisierKey = m; page.noisierAt = Date.now();
+      const st = one.chart.step;
+      const win = await get(`${base}/summary`, { metric: m, steps: `${st[0]}:${st[st.length - 1] + 1}` })
+        .catch(() => null);
+      if (win && page.metric === m) {
+        page.noisier = noisierByRank(win);
+        drawNoisier($("noisier"), win);
+        drawRanks($("ranks"), top, page.noisier);
+        document.body.dataset.noisier = "1";
+      }
+    }
   } catch (err) {
-    if (err instanceof ApiError && err.status === 404) missing(`${err.message}.`);
-    else drawLive(`error: ${err.message}`);
+    if (err instanceof ApiError && err.status === 404) {
+      missing(`${err.message}.`);
+      if (!page.loaded) setTimeout(start, RETRY_MS);
+    } else drawLive(`error: ${err.message}`);
   } finally {
     page.busy = false;
     if (page.again) { page.again = false; load(); }
@@ -103,8 +129,15 @@ $("heatmap").addEventListener("click", (ev) => {
 $("drill-close").addEventListener("click", () => { page.drill = null; $("drill").hidden = true; });
 window.addEventListener("resize", () => resizeChart($("chart")));
 
+// the first load, again every RETRY_MS while the run is not there; then the event stream
+function start() {
+  load().then(() => {
+    if (!page.loaded || page.following) return;
+    page.following = true;
+    follow(page.version ? `${base}/events?version=${encodeURIComponent(page.version)}` : `${base}/events`,
+      () => load(), (s) => drawLive(s));
+  });
+}
+
 drawHeader(label, null, null);
-load().then(() => {
-  if (!page.loaded) return;
-  follow(`${base}/events`, () => load(), (s) => drawLive(s));
-});
+start();

@@ -21,7 +21,9 @@ function row(run) {
     h("td", {}, box),
     h("td", {}, h("a", { href }, label)),
     h("td", {}, badge(run.status || "?")),
-    h("td", {}, run.open_incidents ? h("span", { class: "bad" }, `${run.open_incidents} open`) : "none"),
+    h("td", { class: "incidents" }, run.open_incidents ? h("span", { class: "bad" }, `${run.open_incidents} open`)
+      : run.open_incidents === 0 ? "none"
+      : h("span", { class: "muted", title: "no expr watch or exprd keeps incidents for this run; its page finds them itself" }, "not watched")),
     h("td", { class: "num" }, (run.ranks || []).length.toLocaleString("en-US")),
     h("td", { class: "num" }, run.last_step ?? "–"),
     h("td", { class: "num" }, run.last_write ? `${age(now - run.last_write)} ago` : "–"));

@@ -1,8 +1,9 @@
-// The tiles: ranks reporting n/world, weighted mean against mean, spread p05-p95, std.
+// The tiles: ranks reporting n/world, weighted mean against mean (and whether the gap is
+// more than the spread explains), spread p05-p95, std.
 import { h, num, replace } from "./dom.js";
 
-function tile(label, value, sub, id) {
-  return h("div", { class: "tile", id }, h("div", { class: "label" }, label),
+function tile(label, value, sub, id, cls) {
+  return h("div", { class: cls ? `tile ${cls}` : "tile", id }, h("div", { class: "label" }, label),
     h("div", { class: "value" }, value), h("div", { class: "sub" }, sub));
 }
 
@@ -16,11 +17,17 @@ export function drawTiles(el, summary, key) {
     : `steps ${(summary.steps || []).join(":")}`;
   const gap = s.mean && s.wmean !== null && s.wmean !== undefined && typeof s.mean === "number"
     ? `${(((s.wmean - s.mean) / Math.abs(s.mean)) * 100).toFixed(2)}% from the mean` : "";
+  // issue 21: does the gap exceed what the spread explains (z x std/sqrt(n))?
+  const w = item.weighted;
+  const verdict = !w ? "" : w.differs
+    ? `differs: more than ${num(w.z)} x std/sqrt(n) = ${num(w.z * w.se)}; the weights go with the values`
+    : `within the spread (${num(w.z)} x std/sqrt(n) = ${num(w.z * w.se)})`;
   replace(el,
     tile("ranks reporting", `${s.n ?? 0}/${world ?? "?"}`,
       [where, behind ? `${behind} behind` : "", missing ? `${missing} missing` : ""].filter(Boolean).join(" · "),
       "tile-ranks"),
-    tile("weighted mean vs mean", `${num(s.wmean)} vs ${num(s.mean)}`, gap, "tile-means"),
+    tile("weighted mean vs mean", `${num(s.wmean)} vs ${num(s.mean)}`,
+      [gap, verdict].filter(Boolean).join(" · "), "tile-means", w && w.differs ? "warn" : null),
     tile("spread p05-p95", `${num(s.p05)} – ${num(s.p95)}`, `p50 ${num(s.p50)}`, "tile-spread"),
     tile("std", num(s.std), `min ${num(s.min)} · max ${num(s.max)}`, "tile-std"));
 }
