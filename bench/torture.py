@@ -11,8 +11,9 @@ Every 50 steps each run's spool file also gets one line of a bad kind (issue 20:
 `_step` that is text, negative or past int64, a nested value, no `_time`, an empty or
 reserved key, a rank record out of its world, a `null` line), numbered like an event of
 the run: exprd must quarantine every one and apply none. Every 1-3 s a live spool file
-is rotated as logrotate without copytruncate does it (`mv f f.N`, then `cp f.N f`): the
-SDK goes on in a new session, and the copy repeats records exprd may have applied. At
+is rotated as logrotate without copytruncate does it (`mv f f.N`, then `cp f.N f` at once
+or up to 2.5 s later): the SDK goes on in a new session, and the copy repeats records
+exprd may have applied, maybe while the new session is live. At
 the end every shard must hold every step exactly once, and no bad line. Prints a
 markdown table.
 
@@ -154,7 +155,8 @@ class Rotator:
             moved = path.with_name(f"{path.name}.{self.rotations + 1}")
             try:
                 path.rename(moved)
-                time.sleep(self.rng.uniform(0.0, 0.05))
+                # at once, or after the SDK's next flush started its new session
+                time.sleep(self.rng.choice((0.0, self.rng.uniform(0.0, 2.5))))
                 shutil.copyfile(moved, path)
             except OSError:
                 continue  # a file that went away meanwhile
