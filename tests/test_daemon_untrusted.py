@@ -266,8 +266,12 @@ def test_a_corrupt_sidecar_and_a_world_size_the_records_deny_are_said(tmp_path: 
             et.log_rank_metrics({{"loss": 1.0 + k}}, step=k, world_size=4)
         et.finish()
     """
-    run_all([spawn(code, {"RANK": str(r), "WORLD_SIZE": "8"}) for r in range(3)])
+    # system metrics on, as a user has them: their samples carry the launcher's world size
+    # (the sidecars'), and must not hide what the user's records say
+    run_all([spawn(code, {"RANK": str(r), "WORLD_SIZE": "8", "EXPR_SYSTEM_METRICS": "1"})
+             for r in range(3)])
     run = root / "proj" / "w"
+    assert any("system/rss_mb" in line for line in (run / "metrics.jsonl").read_text().splitlines())
     (run / "metrics.rank2.meta.json").write_text('{"status": "running", "cursor": ')
     out = _expr("shards", str(run), "--json")
     rows = {r["rank"]: r for r in json.loads(out.stdout)}
