@@ -35,7 +35,7 @@ BAD_RECORDS: list[tuple[str, str]] = [
     ('{{"_step":"7","_time":1.0,"_seq":{seq},"k":-1}}', "bad record: _step must be an int, got str"),
     ('{{"_step":-1,"_time":1.0,"_seq":{seq},"k":-1}}', "bad record: _step must be >= 0, got -1"),
     ('{{"_step":1180591620717411303424,"_time":1.0,"_seq":{seq},"k":-1}}',
-     "bad record: _step must be an int, got float"),
+     "bad record: _step must be at most 2**53 (9007199254740992), got a number past 2**64"),
     ('{{"_step":9223372036854775808,"_time":1.0,"_seq":{seq},"k":-1}}',
      "bad record: _step must be at most 2**53 (9007199254740992), got 9223372036854775808"),
     ('{{"_step":51,"_time":1.0,"_seq":{seq},"k":9223372036854775808}}',
