@@ -10,8 +10,12 @@ run root, a small tmpfs in a private mount namespace, is filled up and freed aga
 Every 50 steps each run's spool file also gets one line of a bad kind (issue 20: a
 `_step` that is text, negative or past int64, a nested value, no `_time`, an empty or
 reserved key, a rank record out of its world, a `null` line), numbered like an event of
-the run: exprd must quarantine every one and apply none. At the end every shard must
-hold every step exactly once, and no bad line. Prints a markdown table.
+the run: exprd must quarantine every one and apply none. Every 1-3 s a live spool file
+is rotated as logrotate without copytruncate does it (`mv f f.N`, then `cp f.N f` at once
+or up to 2.5 s later): the SDK goes on in a new session, and the copy repeats records
+exprd may have applied, maybe while the new session is live. At
+the end every shard must hold every step exactly once, and no bad line. Prints a
+markdown table.
 
 Runs as root (it mounts a tmpfs); it re-runs itself under `unshare -m`.
 """
@@ -126,6 +130,65 @@ class Filler:
         self.path.unlink(missing_ok=True)
 
 
+class Rotator:
+    """Rotates a random live spool file every 1-3 s: `mv f f.N`, then `cp f.N f`.
+
+    Rows the SDK wrote into the moved file after the copy was taken (it stats its path
+    before each flush, and a move between that stat and its write misses it) reach no
+    file exprd reads: logrotate's own race, counted apart in `raced` (steps per run).
+    """
+
+    def __init__(self, spool: Path, rng: random.Random) -> None:
+        self.spool = spool
+        self.rng = rng
+        self.stop = threading.Event()
+        self.rotations = 0
+        self.moved: list[tuple[Path, int]] = []  # (moved file, bytes its copy got)
+        self.thread = threading.Thread(target=self.loop, daemon=True)
+
+    def loop(self) -> None:
+        while not self.stop.wait(self.rng.uniform(1.0, 3.0)):
+            files = sorted(self.spool.glob("torture/*/metrics.*.jsonl"))
+            if not files:
+                continue
+            path = self.rng.choice(files)
+            moved = path.with_name(f"{path.name}.{self.rotations + 1}")
+            try:
+                path.rename(moved)
+                # at once, or after the SDK's next flush started its new session
+                time.sleep(self.rng.choice((0.0, self.rng.uniform(0.0, 2.5))))
+                shutil.copyfile(moved, path)
+            except OSError:
+                continue  # a file that went away meanwhile
+            self.moved.append((moved, os.path.getsize(path)))
+            self.rotations += 1
+
+    def raced(self) -> tuple[dict[str, set[int]], int]:
+        """Per run name, the steps written into a moved file after its copy; and the bad
+        lines written there."""
+        out: dict[str, set[int]] = {}
+        bad = 0
+        for moved, copied in self.moved:
+            with open(moved, "rb") as fh:
+                fh.seek(copied)
+                late = fh.read()
+            for line in late.splitlines():
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if rec is None or (isinstance(rec, dict) and rec.get("k") == -1):
+                    bad += 1
+                elif isinstance(rec, dict) and isinstance(rec.get("_step"), int) \
+                        and "_kind" not in rec:
+                    out.setdefault(moved.parent.name, set()).add(rec["_step"])
+        return out, bad
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
 def shards_done(root: Path, names: list[str], steps: int) -> bool:
     for name in names:
         run = root / "torture" / name
@@ -138,8 +201,10 @@ def shards_done(root: Path, names: list[str], steps: int) -> bool:
     return True
 
 
-def check(root: Path, names: list[str], steps: int) -> tuple[int, int, int, int]:
-    """(rows, lost, duplicated, bad lines that landed) over every shard."""
+def check(root: Path, names: list[str], steps: int,
+          raced: dict[str, set[int]]) -> tuple[int, int, int, int]:
+    """(rows, lost, duplicated, bad lines that landed) over every shard; a step lost to
+    the rotation race (`Rotator.raced`) is not counted as lost by exprd."""
     rows = lost = dup = landed = 0
     for name in names:
         seen: dict[int, int] = {}
@@ -149,10 +214,13 @@ def check(root: Path, names: list[str], steps: int) -> tuple[int, int, int, int]
                 if rec.get("k") == -1:
                     landed += 1
                     continue
+                if "_kind" in rec:
+                    continue  # the SDK's system metrics (a rank record), not a step row
                 k = rec["_step"]
                 seen[k] = seen.get(k, 0) + 1
                 rows += 1
-        lost += sum(1 for k in range(steps) if k not in seen)
+        excused = raced.get(name, set())
+        lost += sum(1 for k in range(steps) if k not in seen and k not in excused)
         dup += sum(n - 1 for n in seen.values() if n > 1)
     return rows, lost, dup, landed
 
@@ -199,6 +267,8 @@ def main() -> None:
                  for w in range(writers)]
         filler = Filler(root, rng)
         filler.thread.start()
+        rotator = Rotator(spool, random.Random(rng.random()))
+        rotator.thread.start()
         kills = 0
         d = start_exprd(cfg, log)
         t0 = time.monotonic()
@@ -209,6 +279,7 @@ def main() -> None:
             kills += 1
             d = start_exprd(cfg, log)
         assert all(p.wait() == 0 for p in procs)
+        rotator.finish()
         filler.finish()
         names = [f"w{w}-r{i}" for w in range(writers) for i in range(per)]
         deadline = time.monotonic() + 120
@@ -221,13 +292,15 @@ def main() -> None:
         d.send_signal(signal.SIGTERM)
         d.wait(15)
         elapsed = time.monotonic() - t0
-        rows, lost, dup, landed = check(root, names, steps)
+        raced, raced_bad = rotator.raced()
+        rows, lost, dup, landed = check(root, names, steps, raced)
+        late = sum(len(v) for v in raced.values())
         caught = quarantined(state)
-        bad = writers * per * len(range(0, steps, 50))
+        bad = writers * per * len(range(0, steps, 50)) - raced_bad
         text = log.read_text(errors="replace")
         # each exprd logs a cause once: these count the exprd lives that met it
         enospc, emfile = text.count("No space left on device"), text.count("Too many open files")
-        ok = not lost and not dup and rows == writers * per * steps and not landed \
+        ok = not lost and not dup and rows == writers * per * steps - late and not landed \
             and caught == bad
     finally:
         for p in [*procs, *([d] if d is not None else [])]:
@@ -248,6 +321,8 @@ def main() -> None:
         ("events logged", f"{events:,}"),
         ("exprd kill -9", str(kills)),
         ("run root filled to ENOSPC", f"{filler.fills} times"),
+        ("spool files rotated (mv, then cp back)", str(rotator.rotations)),
+        ("rows the SDK wrote into a moved file after its copy", str(late)),
         ("exprd lives that met ENOSPC / EMFILE", f"{enospc} / {emfile}"),
         ("rows in shards", f"{rows:,}"),
         ("rows lost", str(lost)),
@@ -258,7 +333,7 @@ def main() -> None:
     print("| --- | --- |")
     for k, v in table:
         print(f"| {k} | {v} |")
-    if lost or dup or rows != events or landed or caught != bad:
+    if lost or dup or rows != events - late or landed or caught != bad:
         raise SystemExit(f"FAILED: {lost} rows lost, {dup} duplicates, {landed} bad lines in "
                          f"shards, {caught} of {bad} bad lines quarantined")
 

@@ -58,6 +58,26 @@ class ShardSlot:
         self.newest = self.first_time = spec.time
         self.sidecar_dirty = False
         self.last_sidecar = 0.0
+        # (status, end_time, exit) of a newer session's sidecar, which older ones leave alone
+        self.kept: tuple[str, Any, Any] | None = None
+        if spec.rank_aware:
+            self._newer_sidecar(spec)
+
+    def _newer_sidecar(self, spec: RunSpec) -> None:
+        """The sidecar was written for a session newer than `spec` (a stale copy of an older
+        spool file, read after its run went on in a new session): that session's identity
+        and status stay; the older session's rows are still applied."""
+        try:
+            side = self.writer.read_hint() or {}
+        except OSError:
+            return
+        when = side.get("session_time")
+        if when.__class__ not in (int, float) or when <= spec.time:
+            return
+        self.newest = float(when)
+        keys = (*spec.writer_identity(), "summary")
+        self.writer.identity = {k: side[k] for k in keys if k in side}
+        self.kept = (str(side.get("status") or "running"), side.get("end_time"), side.get("exit"))
 
     def scan(self) -> bool:
         """Read which spool seqs the shard holds (read-only, nothing created); False if the
@@ -84,9 +104,8 @@ class ShardSlot:
         self.opened = True
         if not cursor.rows and self.first_time:
             self.writer.start_time = self.first_time  # the run's start, not exprd's
-        self.writer.status = "running"
-        self.writer.end_time = None
-        self.writer.exit = None
+        self.writer.status, self.writer.end_time, self.writer.exit = \
+            self.kept if self.kept is not None else ("running", None, None)
         return True
 
     def flush(self) -> bool:
@@ -102,6 +121,9 @@ class ShardSlot:
         self.blocked = ""
         if self.pending:
             self.writer.cursor.applied.update(self.pending)
+            if self.applied is not None:
+                for session, seq in self.pending.items():
+                    self.applied[session] = max(seq, self.applied.get(session, -1))
             self.pending.clear()
             self.sidecar_dirty = True
         return True
@@ -143,9 +165,10 @@ class ShardSlot:
         if side.get("session") == session and isinstance(config, dict):
             self.writer.identity["config"] = config
 
-    def running(self) -> None:
-        """A record arrived: the shard is running again (a resumed session)."""
-        if self.writer.status != "running":
+    def running(self, when: float) -> None:
+        """A record of the session that started at `when` arrived: the shard is running again
+        (a resumed session), unless a newer session's status stands (a stale copy)."""
+        if self.writer.status != "running" and when >= self.newest:
             self.writer.status, self.writer.end_time, self.writer.exit = "running", None, None
 
     def write_sidecar(self) -> bool:
@@ -201,7 +224,7 @@ class ShardPool:
         if slot is None:
             slot = self.slots[spec.paths.shard] = ShardSlot(spec, self.warn)
         if spec.time >= slot.newest:
-            slot.newest = spec.time
+            slot.newest, slot.kept = spec.time, None
             slot.writer.identity = spec.writer_identity()
             slot.adopt_config(spec.session)
         slot.refs += 1
@@ -286,10 +309,20 @@ class RunPipeline:
 
     @property
     def skip_upto(self) -> int:
-        """The last seq of this session the shard held when exprd first looked (its events
-        up to there are skipped). Read only while the slot is not blocked."""
-        applied = self.slot.applied
-        return applied.get(self.spec.session, -1) if applied is not None else -1
+        """The last seq of this session the shard holds: what it held when exprd first
+        looked, plus what exprd applied since (flushed or not). Its events up to there are
+        skipped, whatever file they come in (a spool file copied back after a rotation
+        repeats them). Read only while the slot is not blocked."""
+        slot = self.slot
+        if slot.applied is None:
+            return -1
+        session = self.spec.session
+        return max(slot.applied.get(session, -1), slot.pending.get(session, -1))
+
+    @property
+    def newest(self) -> bool:
+        """This session is the shard's newest (its finish or crash sets the status)."""
+        return self.spec.time >= self.slot.newest
 
     # -- what the tailer asks ---------------------------------------------------------
     @property
@@ -345,7 +378,7 @@ class RunPipeline:
         """Open the shard for the plain case (once this session has an event to add)."""
         slot = self.slot
         slot.open()  # on failure the lines wait in the writer's buffer (slot.blocked)
-        slot.running()
+        slot.running(self.spec.time)
         return slot.writer.append
 
     def appended(self, count: int, last_seq: int) -> None:
@@ -423,7 +456,7 @@ class RunPipeline:
         slot = self.slot
         if not slot.opened:
             slot.open()
-        slot.running()
+        slot.running(self.spec.time)
         # the spool line verbatim, plus the session (the tailer took out any `_sid` the
         # line had): no re-encoding on the hot path
         self.pipeline.apply(ev, line=line.rstrip()[:-1] + self.suffix)

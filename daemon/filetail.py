@@ -34,6 +34,11 @@ class FileTail:
     quarantined: int = 0
     applied: int = 0  # record events written to the shard by this process
     skipped: int = 0  # record events the shard already held
+    # ("rotated" | "new", applied, skipped) when the file is read from its start (a new file
+    # took the name, or a file without checkpoint): what it brought is reported once, when
+    # it is read to its end
+    replaced: tuple[str, int, int] | None = None
+    replaced_told: bool = False
     drained: bool = False  # the last pump read every complete line there was
     read_error: str = ""  # why the last read failed (EMFILE...): retried, never "torn"
     # the keys of the last step row and of the last rank record that passed the full check

@@ -46,9 +46,16 @@ def check_crash(tailer: Tailer, tail: FileTail, now: float) -> None:
     if tail.size > tail.offset:
         tailer.log_bad(tail, tail.offset, tail.size, "torn tail: its writer is gone")
         tail.offset = tail.size
-    log.warning("%s: no finish and %s; %s %s crashed", tail.path, why,
-                "would mark" if tailer.dry_run else "marking",
-                tail.run.spec.paths.shard if tail.run else "its shard")
+    if tail.run is not None and not tail.run.newest:
+        # a stale copy of an older session (a rotated file copied back): no finish is
+        # expected in it, and the shard's status is its newer session's
+        log.info("%s: no finish and %s; %s keeps its status (a newer session %s wrote it)",
+                 tail.path, why, tail.run.spec.paths.shard,
+                 tail.run.slot.writer.identity.get("session"))
+    else:
+        log.warning("%s: no finish and %s; %s %s crashed", tail.path, why,
+                    "would mark" if tailer.dry_run else "marking",
+                    tail.run.spec.paths.shard if tail.run else "its shard")
     if tail.run is not None:
         tail.run.finish("crashed", now)
     tail.state = "crashed"

@@ -50,8 +50,9 @@ class RunSpec:
     backends: list[Any] = field(default_factory=list)
 
     def writer_identity(self) -> dict[str, Any]:
+        # session_time: which session is the shard's newest, for a stale copy read later
         return {**self.identity, "source": "spool", "origin_host": self.host,
-                "origin_pid": self.pid}
+                "origin_pid": self.pid, "session_time": self.time}
 
 
 def _opt_rank(ev: Mapping[str, Any], key: str) -> int | None:

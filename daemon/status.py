@@ -46,6 +46,10 @@ def build(tailer: Tailer, *, started: float, mode: str, dispatcher: Any = None,
         }
         if tail.reason:
             entry["reason"] = tail.reason
+        if tail.replaced is not None and tail.replaced[0] == "rotated":
+            # a new file took the name: what it brought (a copy repeats what was applied)
+            entry["replaced"] = {"applied": tail.applied - tail.replaced[1],
+                                 "skipped": tail.skipped - tail.replaced[2]}
         run = tail.run
         if run is not None and run.blocked:
             # rows the shard could not take yet: they stay in the spool, retried

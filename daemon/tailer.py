@@ -109,6 +109,9 @@ class Tailer:
             self._lost(tail, "rotated", f"replaced by a new file while exprd was stopped (the "
                        f"old one was applied up to _seq {cp.get('seq')}, offset {cp.get('shard')}); "
                        "reading the new one from its start")
+            tail.replaced = ("rotated", 0, 0)
+        elif not cp:
+            tail.replaced = ("new", 0, 0)  # read from its start: is some of it applied?
         self.tails[key] = tail
         return tail
 
@@ -150,6 +153,7 @@ class Tailer:
                 tail.run = None
             tail.offset = tail.committed = 0
             tail.seq, tail.state, tail.reason, tail.backends = -1, "new", "", {}
+            tail.replaced, tail.replaced_told = ("rotated", tail.applied, tail.skipped), False
         elif st.st_size < tail.offset:
             unread = max(tail.size - tail.offset, 0)
             self._lost(tail, "truncated", f"truncated to {st.st_size} bytes, below offset "
@@ -289,6 +293,20 @@ class Tailer:
         tail.size = reader.size
         tail.drained = not reader.more and not paused
         return reader.more or paused or forwarding
+
+    @staticmethod
+    def _tell_repeat(tail: FileTail, run: RunPipeline) -> None:
+        """A file read from its start (a new file, or one that took a rotated file's name)
+        holds a record its shard has: said once per file, with the mark below which its
+        records are skipped (the counts are in status.json)."""
+        tail.replaced_told = True
+        # a copy that took a rotated file's name is news; a file without a checkpoint read
+        # again after a kill is not
+        how = tail.replaced[0] if tail.replaced is not None else "new"
+        log.log(logging.WARNING if how == "rotated" else logging.INFO,
+                "%s: its records of session %s up to _seq %d are in the shard already (a copy "
+                "of a rotated spool file, or read again after a restart): skipped, each record "
+                "is applied once", tail.path, run.spec.session, run.skip_upto)
 
     def _read(self, tail: FileTail, reader: SpoolReader, budget: int) -> bool:
         """Apply the complete lines from `tail.offset` (about `budget` bytes); True if it
@@ -459,6 +477,8 @@ class Tailer:
                 tail.applied += 1
             else:
                 tail.skipped += 1
+                if tail.replaced is not None and not tail.replaced_told:
+                    self._tell_repeat(tail, run)
         elif kind == "alert":
             run.alert(ev, seq)
         elif kind == "rules":

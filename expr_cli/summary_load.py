@@ -84,7 +84,10 @@ def load_table(
     def noting(recs: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         for rec in recs:
             r, ws = rec.get("_rank"), rec.get("_world_size")
-            if type(r) is int and type(ws) is int and ws > worlds.get(r, 0):
+            # not the SDK's system samples: they carry the launcher's world size (the
+            # sidecars'), which would hide a world size the user's records deny
+            if type(r) is int and type(ws) is int and ws > worlds.get(r, 0) and any(
+                    k[:1] != "_" and not k.startswith("system/") for k in rec):
                 worlds[r] = ws
             yield rec
 

@@ -147,18 +147,25 @@ def test_kill9_exprd_repeatedly_every_event_once_in_order(tmp_path: Path) -> Non
     n, kills = 20_000, 20  # the numbers: about 5 s here
     spool, state, root = tmp_path / "spool", tmp_path / "state", tmp_path / "runs"
     cfg = write_config(tmp_path / "exprd.toml", spool, state, [root])
+    shards = [root / "proj" / "kill" / ("metrics.jsonl" if r == 0 else f"metrics.rank{r}.jsonl")
+              for r in range(4)]
+    # the first exprd serves before the writers start, and is killed once it has applied
+    # rows: on a loaded machine a kill at a random moment may land before exprd applied
+    # anything, and the writers (at least 4 s of pauses) are far from done by then
+    d = start_exprd(cfg)
+    wait_ready(state, d, 60)
     writers = [
         spawn(writer_code(spool, root, "kill", n, chunk=250, pause=0.05),
               {"RANK": str(r), "WORLD_SIZE": "4"})
         for r in range(4)
     ]
-    shards = [root / "proj" / "kill" / ("metrics.jsonl" if r == 0 else f"metrics.rank{r}.jsonl")
-              for r in range(4)]
+    wait_for(lambda: sum(count_lines(s) for s in shards) > 0, 60, "the first rows applied")
     rng = random.Random(20251129)
     progress = []
-    for _ in range(kills):
-        d = start_exprd(cfg)
-        time.sleep(rng.uniform(0.05, 0.35))
+    for i in range(kills):
+        if i:
+            d = start_exprd(cfg)
+            time.sleep(rng.uniform(0.05, 0.35))
         d.kill()  # SIGKILL: no drain, no checkpoint, maybe half a write
         d.wait()
         progress.append(sum(count_lines(s) for s in shards))
@@ -167,7 +174,7 @@ def test_kill9_exprd_repeatedly_every_event_once_in_order(tmp_path: Path) -> Non
     assert any(0 < p < 4 * n for p in progress), progress
     d = start_exprd(cfg)
     try:
-        wait_ready(state, d)
+        wait_ready(state, d, 60)  # ready once it has caught up with up to 80,000 rows
         wait_for(lambda: all(sidecar(s.with_name(s.name.replace(".jsonl", ".meta.json")))
                              .get("status") == "finished" for s in shards), 60, "finished shards")
     finally:

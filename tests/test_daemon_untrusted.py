@@ -35,7 +35,7 @@ BAD_RECORDS: list[tuple[str, str]] = [
     ('{{"_step":"7","_time":1.0,"_seq":{seq},"k":-1}}', "bad record: _step must be an int, got str"),
     ('{{"_step":-1,"_time":1.0,"_seq":{seq},"k":-1}}', "bad record: _step must be >= 0, got -1"),
     ('{{"_step":1180591620717411303424,"_time":1.0,"_seq":{seq},"k":-1}}',
-     "bad record: _step must be an int, got float"),
+     "bad record: _step must be at most 2**53 (9007199254740992), got a number past 2**64"),
     ('{{"_step":9223372036854775808,"_time":1.0,"_seq":{seq},"k":-1}}',
      "bad record: _step must be at most 2**53 (9007199254740992), got 9223372036854775808"),
     ('{{"_step":51,"_time":1.0,"_seq":{seq},"k":9223372036854775808}}',
@@ -266,8 +266,12 @@ def test_a_corrupt_sidecar_and_a_world_size_the_records_deny_are_said(tmp_path: 
             et.log_rank_metrics({{"loss": 1.0 + k}}, step=k, world_size=4)
         et.finish()
     """
-    run_all([spawn(code, {"RANK": str(r), "WORLD_SIZE": "8"}) for r in range(3)])
+    # system metrics on, as a user has them: their samples carry the launcher's world size
+    # (the sidecars'), and must not hide what the user's records say
+    run_all([spawn(code, {"RANK": str(r), "WORLD_SIZE": "8", "EXPR_SYSTEM_METRICS": "1"})
+             for r in range(3)])
     run = root / "proj" / "w"
+    assert any("system/rss_mb" in line for line in (run / "metrics.jsonl").read_text().splitlines())
     (run / "metrics.rank2.meta.json").write_text('{"status": "running", "cursor": ')
     out = _expr("shards", str(run), "--json")
     rows = {r["rank"]: r for r in json.loads(out.stdout)}

@@ -65,8 +65,11 @@ def inspect_run(found: list[ShardRef], run_path: Any) -> list[dict[str, Any]]:
                 row["status"] = "stale"  # the writer is gone without a finish
             row["exit"] = rs.exit if rs is not None else None
             recs = state.rank_records.get(row["rank"])
-            # the world size this rank's latest rank record names (vs the sidecar's)
-            row["records_world_size"] = recs[-1].get("_world_size") if recs else None
+            # the world size this rank's latest rank record names (vs the sidecar's), not
+            # counting the SDK's system samples (they carry the sidecar's own)
+            row["records_world_size"] = next(
+                (r.get("_world_size") for r in reversed(recs or ())
+                 if any(k[:1] != "_" and not k.startswith("system/") for k in r)), None)
             last = row["last_step"]
             row["behind"] = front - last if front is not None and last is not None else None
             row["attention"] = _attention(row, slow.get(row["rank"]))

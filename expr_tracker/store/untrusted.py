@@ -58,7 +58,12 @@ def check_record(rec: Mapping[str, Any]) -> None:
         user[key] = value
     if "_step" not in rec:
         raise ValueError("_step is missing")
-    check_step(rec["_step"], "_step")  # log()'s own bounds (records.MAX_STEP)
+    step = rec["_step"]
+    if step.__class__ is float and abs(step) >= 2.0**64:
+        # orjson reads an integer past 64 bits as a float: say what the line held
+        raise ValueError(f"_step must be at most 2**53 ({MAX_STEP}), got a number past 2**64 "
+                         f"({step:.6g})")
+    check_step(step, "_step")  # log()'s own bounds (records.MAX_STEP)
     when = rec.get("_time")
     if when is None:
         raise ValueError("_time is missing" if "_time" not in rec else "_time must be a number, got null")
