@@ -95,8 +95,9 @@ def measure(tmp: str, calls: int, rounds: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in out.items()}
 
 
-def import_ms(env: dict[str, str] | None = None, runs: int = 7) -> float:
-    """Median self+children time of `import expr_tracker` over `runs` fresh processes."""
+def import_ms(env: dict[str, str] | None = None, runs: int = 7) -> list[float]:
+    """Self+children time of `import expr_tracker` in `runs` fresh processes (ms; wall
+    time, so on a busy machine the fastest says more than the median)."""
     best = []
     for _ in range(runs):
         out = subprocess.run(
@@ -105,7 +106,7 @@ def import_ms(env: dict[str, str] | None = None, runs: int = 7) -> float:
         ).stderr
         line = [x for x in out.splitlines() if re.search(r"\|\s+expr_tracker$", x)][-1]
         best.append(int(line.split("|")[1]) / 1000)
-    return statistics.median(best)
+    return best
 
 
 def compile_tree(root: Path) -> None:
@@ -131,17 +132,22 @@ def child(root: Path, calls: int, rounds: int) -> dict[str, float]:
 
 def ratios(m: dict[str, float]) -> dict[str, float]:
     return {"direct": m["direct"] / m["floor"], "spool": m["spool"] / m["floor"],
-            "rules": m["rules"] / m["direct"]}
+            "rules": m["rules"] / m["direct"], "rules_floor": m["rules"] / m["floor"]}
 
 
-def table_one(m: dict[str, float], imp: float) -> None:
+def import_cell(times: list[float]) -> str:
+    return f"{statistics.median(times):.1f} ms (fastest {min(times):.1f})"
+
+
+def table_one(m: dict[str, float], imp: list[float]) -> None:
     r = ratios(m)
     print("| measure | value | target |\n|---|---|---|")
     print(f"| floor: orjson.dumps + buffered append | {m['floor']:.0f} ns/call | |")
     print(f"| et.log, direct, no rules | {m['direct']:.0f} ns/call ({r['direct']:.2f}x floor) | <= 2x |")
     print(f"| et.log, spool mode | {m['spool']:.0f} ns/call ({r['spool']:.2f}x floor) | <= 2.5x |")
-    print(f"| et.log, direct, 5 rules | {m['rules']:.0f} ns/call ({r['rules']:.2f}x no rules) | <= 3x |")
-    print(f"| import expr_tracker, with bytecode | {imp:.1f} ms | <= 60 ms |")
+    print(f"| et.log, direct, 5 rules | {m['rules']:.0f} ns/call ({r['rules']:.2f}x no rules, "
+          f"{r['rules_floor']:.2f}x floor) | <= 3x no rules |")
+    print(f"| import expr_tracker, with bytecode | {import_cell(imp)} | <= 60 ms |")
 
 
 def side_by_side(before: Path, calls: int, rounds: int) -> None:
@@ -153,7 +159,7 @@ def side_by_side(before: Path, calls: int, rounds: int) -> None:
     for _ in range(PAIRS):
         for name, root in trees.items():
             runs[name].append(child(root, calls, rounds))
-            imports[name].append(import_ms(tree_env(root), runs=3))
+            imports[name].extend(import_ms(tree_env(root), runs=3))
     print(f"{PAIRS} child processes per tree, taken in turn; each {rounds} rounds of "
           f"{calls:,} calls; medians; load average {os.getloadavg()[0]:.1f}\n")
     print("| measure | after | before | target |\n|---|---|---|---|")
@@ -168,11 +174,13 @@ def side_by_side(before: Path, calls: int, rounds: int) -> None:
           f"{med('before', 'floor'):.0f} ns | |")
     for key, label, target in (("direct", "et.log, direct, no rules / floor", "<= 2x"),
                                ("spool", "et.log, spool mode / floor", "<= 2.5x"),
-                               ("rules", "et.log, 5 rules / no rules", "<= 3x")):
-        print(f"| {label} | {rat('after', key):.2f}x ({med('after', key):.0f} ns) | "
-              f"{rat('before', key):.2f}x ({med('before', key):.0f} ns) | {target} |")
-    print(f"| import expr_tracker, with bytecode | {statistics.median(imports['after']):.1f} ms | "
-          f"{statistics.median(imports['before']):.1f} ms | <= 60 ms |")
+                               ("rules", "et.log, 5 rules / no rules", "<= 3x"),
+                               ("rules_floor", "et.log, 5 rules / floor", "")):
+        ns = "rules" if key == "rules_floor" else key
+        print(f"| {label} | {rat('after', key):.2f}x ({med('after', ns):.0f} ns) | "
+              f"{rat('before', key):.2f}x ({med('before', ns):.0f} ns) | {target} |")
+    print(f"| import expr_tracker, with bytecode | {import_cell(imports['after'])} | "
+          f"{import_cell(imports['before'])} | <= 60 ms |")
 
 
 def main() -> None:

@@ -1,6 +1,8 @@
 """Run: the lifecycle of one process's tracking, the step cursor, and handing records on.
 
-The hot path is `Run.log`: validate, merge into the open row, and on commit hand one
+The hot path is `Run.log`: a row of known keys and finite numbers, committed at once,
+is encoded and queued on the writer under the lock in a few dozen bytecodes; anything
+else goes through `Run._log`: validate, merge into the open row, and on commit hand one
 record to the sink (the pipeline in direct mode, the spool writer in spool mode).
 Everything that can fail later (disk, network) happens behind the sink and is
 reported once per cause, counted, and never raised into the training loop.
