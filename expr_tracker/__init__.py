@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from types import MethodType
+from typing import TYPE_CHECKING, Any
 
 from expr_tracker import _state
 from expr_tracker.errors import RuleError, RunNotFoundError, TrackerError, UsageError
@@ -108,13 +109,14 @@ def get_run() -> Run | None:
     return run
 
 
-def log(data: Mapping[str, Any], step: int | None = None, commit: bool | None = None) -> None:
-    """Log metrics to the current run with wandb's step semantics."""
-    run = _state.current
-    if run is None:
-        _state.get()  # raises the usage error
-    else:
-        run.log(data, step, commit)
+if TYPE_CHECKING:
+    def log(data: Mapping[str, Any], step: int | None = None, commit: bool | None = None) -> None:
+        """Log metrics to the current run with wandb's step semantics."""
+else:
+    # `Run.log` bound to the holder of the current run (see `_state.Current`): a call costs
+    # no wrapper, and `from expr_tracker import log` taken at any time logs to the run
+    # current at each call, or raises the usage error without one
+    log = MethodType(Run.log, _state.CURRENT)
 
 
 def log_rank_metrics(

@@ -14,6 +14,27 @@ from expr_tracker.errors import UsageError
 _lock = threading.Lock()
 # the current Run; typed loosely because this module sits below run.py and never imports it
 current: Any = None
+NO_RUN = "no active run: call expr_tracker.init() first"
+
+
+class Current:
+    """What `expr_tracker.log` logs to: it is `Run.log` bound to CURRENT (one call, no
+    wrapper), and `Run.log` logs to `self._target`, which here is the current run, or
+    CURRENT itself without one. Then the class attributes below keep `Run.log`'s hot
+    path closed and its full path raises the usage error, as every other call does."""
+
+    _keys_ok: frozenset[str] = frozenset()
+    _lock = threading.Lock()
+    _append = None
+
+    def __init__(self) -> None:
+        self._target: Any = self
+
+    def _log(self, data: Any, step: Any, commit: Any) -> None:
+        raise UsageError(NO_RUN)
+
+
+CURRENT = Current()
 
 
 def set_current(run: Any) -> None:
@@ -24,7 +45,7 @@ def set_current(run: Any) -> None:
                 f"expr_tracker.init() was already called for {current.project}/{current.name} "
                 "in this process; call finish() first"
             )
-        current = run
+        current = CURRENT._target = run
     _install_sigterm()
     _install_excepthooks()
 
@@ -98,12 +119,13 @@ def forget(run: Any) -> None:
     with _lock:
         if current is run:
             current = None
+            CURRENT._target = CURRENT
 
 
 def get() -> Any:
     run = current
     if run is None:
-        raise UsageError("no active run: call expr_tracker.init() first")
+        raise UsageError(NO_RUN)
     return run
 
 

@@ -15,7 +15,7 @@ in " [user]". The probe is rewritten every few seconds while the process stays s
 and removed once it logs again.
 
 Nothing here runs on the `log()` hot path: the background thread notices activity by
-`Run._rows_committed` (the hot path's own counter) and `Run._last_log` changing between
+`Run._rows_committed` (derived from the hot path's one counter, `_step`) and `Run._last_log` changing between
 its ticks, so `since` is known to within a tick. A process whose tracker thread cannot
 run (C code holding the GIL, SIGSTOP) writes no probe at all; watchers read that
 absence as evidence too.

@@ -1,6 +1,8 @@
 """Run: the lifecycle of one process's tracking, the step cursor, and handing records on.
 
-The hot path is `Run.log`: validate, merge into the open row, and on commit hand one
+The hot path is `Run.log`: a row of known keys and finite numbers, committed at once,
+is encoded and queued on the writer under the lock in a few dozen bytecodes; anything
+else goes through `Run._log`: validate, merge into the open row, and on commit hand one
 record to the sink (the pipeline in direct mode, the spool writer in spool mode).
 Everything that can fail later (disk, network) happens behind the sink and is
 reported once per cause, counted, and never raised into the training loop.
@@ -31,14 +33,12 @@ from expr_tracker.store.layout import (
 )
 
 _time = time.time
-_dumps = records.dumps
 _orjson_dumps = orjson.dumps
-_NL = orjson.OPT_APPEND_NEWLINE
-_INT_MIN = records.INT_MIN
-_INT_MAX = records.INT_MAX
+_HOT = orjson.OPT_APPEND_NEWLINE | orjson.OPT_STRICT_INTEGER
 _drain = _spans.drain
 
 SIDECAR_EVERY = 5.0
+KEYS_OK = 4096  # keys remembered as accepted; past that the cache restarts from the new row's
 TICK = 1.0
 
 
@@ -119,6 +119,7 @@ class Run:
         self.session = os.urandom(6).hex()
 
         # -- state ----------------------------------------------------------
+        self._target = self  # what `log` logs to (see there)
         self.dropped: dict[str, int] = {}
         self._warned: set[str] = set()
         self._lock = threading.Lock()
@@ -127,18 +128,22 @@ class Run:
         self._last_log = time.monotonic()
         self._finished = False
         self._detached = False  # a forked child: never write the parent's data
-        self._rows_committed = 0
-        self._fast_ok = True  # no open row, not finished, not detached: log() may take the hot path
-        self._last_step: int | None = None
+        # rows and last committed step as of `_mark`; the hot path only advances `_step`,
+        # so both are derived (`_rows_committed`, `_last_step`) and `_settle` folds them in
+        self._rows = 0
+        self._last: int | None = None
+        self._append: Any = None  # the sink's `fast_append` while log() may take the hot path
+        self._keys_ok: frozenset[str] = frozenset()  # keys log() accepted: the hot path's screen
         self._pid = os.getpid()
         self._exit: dict[str, Any] | None = None  # the uncaught exception that ends the process
         self._sidecar_due = False  # update_config: write the sidecar at the next tick
         self._system = sysmetrics.make_sampler(o.system_metrics, o.system_interval, o.local_rank)
         self._sink = self._make_sink()
-        self._step = self._sink.next_step
+        self._reopen()
+        self._step = self._mark = self._sink.next_step
         self._rows_base = self._sink.rows
-        self._last_step = self._sink.last_step
-        if self._last_step is not None:
+        self._last = self._sink.last_step
+        if self._last is not None:
             # once, on stderr: a job restarted from a checkpoint continues its shards (a
             # fresh rank joining a rank_aware=False file that others wrote resumes nothing)
             print(f"resuming {self.name} rank {self.rank} at step {self._step}", file=sys.stderr,
@@ -203,59 +208,81 @@ class Run:
     # -- logging -----------------------------------------------------------
     def log(self, data: Mapping[str, Any], step: int | None = None, commit: bool | None = None) -> None:
         """Log metrics with wandb's step semantics (see the module docs of expr_tracker)."""
-        fast = self._sink.fast_append
-        if fast is not None and step is None and commit is None and data.__class__ is dict:
-            # The hot path: a plain dict of floats/ints, committed at once. Anything unusual
-            # (explicit step, commit=False, other value types) takes the full path below.
-            nonfinite = False
-            for key, value in data.items():
-                cls = value.__class__
-                if cls is float:
-                    if value - value != 0.0:
-                        nonfinite = True
-                elif cls is not int or not _INT_MIN <= value <= _INT_MAX:
+        # `expr_tracker.log` is this method bound to `_state.CURRENT`, whose `_target` is the
+        # current run (a run's own `_target` is itself): one call, no wrapper in between
+        run = self._target
+        if type(data) is dict and step is None and commit is None:
+            # The hot path: a plain dict of finite floats and ints whose keys were all
+            # accepted before (`_keys_ok`: whether a key is valid depends on the key
+            # alone), committed at once; orjson checks the int64 bound (STRICT_INTEGER
+            # refuses past 2**53, and the full path decides). Anything else (a new key,
+            # NaN, an explicit step, commit=False, other values, an open row) takes `_log`,
+            # which writes the same bytes (tests/test_log_fastpath.py).
+            keys_ok = run._keys_ok
+            for key in data:
+                if key not in keys_ok:
                     break
-                if key.__class__ is not str or not key or key[0] == "_":
+                value = data[key]
+                if type(value) is float:
+                    if value - value:  # NaN or an infinity: NaN is true
+                        break
+                elif type(value) is not int:
                     break
             else:
-                with self._lock:
-                    if self._fast_ok and data:
-                        at = self._step
-                        sink = self._sink
+                lock = run._lock
+                lock.acquire()  # not `with`: its __exit__ call costs more than the rest here
+                try:
+                    append = run._append  # None while the hot path is closed (see `_reopen`)
+                    if append is not None and data:
+                        at = run._step
+                        sink = run._sink
+                        record = {"_step": at, "_time": _time(), **data}
+                        if run._spans.pending:
+                            _drain(run._spans, record)
                         seq = sink.seq
-                        if seq is None:
-                            record = {"_step": at, "_time": _time(), **data}
-                        else:  # spool mode: every event is numbered
-                            record = {"_step": at, "_time": _time(), "_seq": seq, **data}
-                        if self._spans.pending:
-                            _drain(self._spans, record)
+                        if seq is not None:  # spool mode: every event is numbered, last
+                            record["_seq"] = seq  # (where SpoolSink.apply puts it)
                         try:
-                            line = _dumps(record, nonfinite) if nonfinite else _orjson_dumps(record, option=_NL)
+                            line = _orjson_dumps(record, option=_HOT)
                         except TypeError:
-                            # a key orjson cannot encode (a lone surrogate): nothing has
-                            # changed yet; the full path below refuses it naming the key
-                            fast = None
+                            # an int past 2**53, or a key orjson cannot encode that passed
+                            # the screen (an object equal to an accepted key): nothing has
+                            # changed yet; `_log` decides, naming the key if it refuses
+                            append = None
                         else:
-                            self._step = at + 1
-                            self._last_step = at
+                            # one counter: the rows and the last step of the hot path are
+                            # derived from `_step` and `_mark` (see `_settle`)
+                            run._step = at + 1
                             if seq is not None:
                                 sink.seq = seq + 1
-                            fast(line)
+                            append(line)
                             after = sink.after_write
                             if after is not None:
                                 after(record)
-                            n = self._rows_committed = self._rows_committed + 1
                             # every 256 rows: has the buffer reached the flush size?
+                            if at & 255 != 255:
+                                return
                             writer = sink.writer
-                            if n & 255 or writer.buffered() < writer.flush_bytes:
+                            if writer.buffered() < writer.flush_bytes:
                                 return
                     else:
-                        fast = None
-                if fast is not None:
+                        append = None
+                finally:
+                    lock.release()
+                if append is not None:
                     # a flush's worth is buffered: write now unless a flush is running
-                    self._sink.writer.flush_nowait()
+                    writer.flush_nowait()
                     return
+        run._log(data, step, commit)
+
+    def _log(self, data: Mapping[str, Any], step: int | None, commit: bool | None) -> None:
+        """`log` in full: every check, an explicit step, commit=False, the open row."""
         row, nonfinite = records.encode_row(data)
+        if not row.keys() <= self._keys_ok:
+            # every key of `row` passed `check_key`: rows of known keys may take the hot path
+            # (a new set each time, swapped whole: readers need no lock; bounded by KEYS_OK)
+            known = self._keys_ok
+            self._keys_ok = (known if len(known) < KEYS_OK else frozenset()).union(row)
         if step is not None:
             step = records.check_step(step)
         if commit is not None and not isinstance(commit, bool):
@@ -272,7 +299,7 @@ class Run:
                     record = {"_step": step, "_time": time.time(), **row}
                     if not self.rank_aware:
                         record["_rank"] = self.rank
-                    self._rows_committed += 1
+                    self._rows += 1
                     self._sink.apply(record, nonfinite)
                     return
                 if step < self._step:
@@ -286,12 +313,13 @@ class Run:
                 if step > self._step:
                     if self._open:
                         self._commit()
-                    self._step = step
+                    self._settle()
+                    self._step = self._mark = step
                 if commit is None:
                     commit = False  # an explicit step stays open until the step advances
             if self._open is None:
                 self._open = row
-                self._fast_ok = False
+                self._append = None
                 self._open_nonfinite = nonfinite
             else:
                 records.check_merged(self._open, row)  # the merged row must fit a line too
@@ -300,13 +328,39 @@ class Run:
             if commit is not False:
                 self._commit()
 
+    def _reopen(self) -> None:
+        """Open log()'s hot path unless a row is open, the run is over or the sink has
+        none (rank_aware=False rows carry `_rank`). Caller holds the lock."""
+        closed = self._open is not None or self._finished or self._detached
+        self._append = None if closed else self._sink.fast_append
+
+    def _settle(self) -> None:
+        """Fold the hot path's rows (each one step past `_mark`) into `_rows` and `_last`.
+        Caller holds the lock and calls it before changing `_step` any other way."""
+        n = self._step - self._mark
+        if n:
+            self._mark = self._step  # first: an unlocked reader may see too few, never too many
+            self._last = self._step - 1
+            self._rows += n
+
+    @property
+    def _rows_committed(self) -> int:
+        """Rows committed by this process (the probe watches it change, without the lock)."""
+        return self._rows + self._step - self._mark
+
+    @property
+    def _last_step(self) -> int | None:
+        """The step of the last committed row, None before the first."""
+        return self._step - 1 if self._step != self._mark else self._last
+
     def _commit(self) -> None:
         """Hand the open row to the sink and advance the step. Caller holds the lock."""
+        self._settle()
         step = self._step
-        self._step = step + 1
+        self._step = self._mark = step + 1
         row = self._open
         self._open = None
-        self._fast_ok = not (self._finished or self._detached)
+        self._reopen()
         if not row and not self._spans.pending:
             return
         record = {"_step": step, "_time": time.time()}
@@ -316,8 +370,8 @@ class Run:
             record.update(row)
         if self._spans.pending:
             _drain(self._spans, record)
-        self._rows_committed += 1
-        self._last_step = step
+        self._rows += 1
+        self._last = step
         self._sink.apply(record, self._open_nonfinite)
 
     def log_rank_metrics(
@@ -343,7 +397,7 @@ class Run:
                 raise UsageError("this run is finished; call expr_tracker.init() to start another")
             if self._detached:
                 return
-            self._rows_committed += 1
+            self._rows += 1
             self._sink.apply(record, nonfinite)
 
     # -- alerts ------------------------------------------------------------
@@ -370,6 +424,7 @@ class Run:
                 self._ruleset = RuleSet((), context=self._context(), start_time=time.time())
             self._ruleset.add(parsed)
             self._sink.rules_changed(self._ruleset)
+            self._reopen()
         return parsed.name
 
     def remove_alert_rule(self, name: str) -> bool:
@@ -377,6 +432,7 @@ class Run:
         with self._lock:
             removed = self._ruleset.remove(name) if self._ruleset is not None else False
             self._sink.rules_changed(self._ruleset)
+            self._reopen()
         return bool(removed)
 
     # -- config ------------------------------------------------------------
@@ -442,10 +498,11 @@ class Run:
             with self._lock:
                 if self._detached:
                     return
-                step = self._last_step if self._last_step is not None else self._step
+                last = self._last_step
+                step = last if last is not None else self._step
                 record, nonfinite = records.rank_record(
                     metrics, step, self.rank, self.world_size, self.local_rank, 1.0)
-                self._rows_committed += 1
+                self._rows += 1
                 self._prober.own_row()  # same thread as its tick: not the loop's activity
                 self._sink.apply(record, nonfinite)
         except Exception as exc:  # the tracker must never take the process down
@@ -480,7 +537,7 @@ class Run:
             if self._finished:
                 return
             self._finished = True
-            self._fast_ok = False
+            self._append = None
             if self._detached:
                 return
             _spans.deactivate(self._spans)
@@ -522,7 +579,7 @@ class Run:
                 if self._open and not self._finished and not self._detached:
                     self._commit()
                 self._finished = True
-                self._fast_ok = False
+                self._append = None
             finally:
                 self._lock.release()
         self._stop.set()
@@ -548,7 +605,7 @@ class Run:
     def _after_fork_in_child(self) -> None:
         """A forked child (a dataloader worker) must never write the parent's buffered rows."""
         self._detached = True
-        self._fast_ok = False
+        self._append = None
         _spans.deactivate(self._spans)  # a worker's spans would pile up unread
         self._lock = threading.Lock()
         self._sink.detach()
