@@ -47,7 +47,7 @@ import duckdb, sys
 from expr_tracker.store.runread import ALL_STREAMS, run_shards
 from expr_tracker.views.sql import _shard_views
 con = duckdb.connect()
-for stmt in _shard_views(con, [str(s.path) for s in run_shards(sys.argv[1], ALL_STREAMS)]):
+for stmt in _shard_views(con, run_shards(sys.argv[1], ALL_STREAMS)):
     con.execute(stmt)
 con.execute("COPY (SELECT * FROM metrics) TO '" + sys.argv[2] + "' (FORMAT parquet)")
 """
