@@ -90,9 +90,12 @@ def arrow_batch(batch: list[dict[str, Any]], columns: dict[str, str], schema: An
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
-def iter_arrow(reader: RunReader, batch_rows: int = BATCH_ROWS) -> tuple[Any, Iterator[Any]]:
-    """(schema, iterator of RecordBatches) of the run; two passes over the files."""
-    columns = reader.columns()
+def iter_arrow(reader: RunReader, batch_rows: int = BATCH_ROWS,
+               columns: dict[str, str] | None = None) -> tuple[Any, Iterator[Any]]:
+    """(schema, iterator of RecordBatches) of the run; two passes over the files (one
+    when `columns`, the first pass's answer, is given)."""
+    if columns is None:
+        columns = reader.columns()
     schema = arrow_schema(columns)
     return schema, (arrow_batch(b, columns, schema) for b in reader.batches(batch_rows))
 
@@ -114,13 +117,43 @@ def _atomic_output(out: Path, binary: bool) -> Iterator[tuple[Path, IO[Any]]]:
         raise
 
 
-def write_parquet(reader: RunReader, out: str | os.PathLike[str], batch_rows: int = BATCH_ROWS) -> int:
-    """Write the run as one parquet file (a row group per batch); the number of rows."""
+def write_parquet(reader: RunReader, out: str | os.PathLike[str], batch_rows: int = BATCH_ROWS,
+                  engine: str = "auto") -> int:
+    """Write the run as one parquet file (row groups of at most `batch_rows`); the number
+    of rows.
+
+    `engine` "auto": when DuckDB is installed, it scans the shards that it reads exactly
+    as `RunReader` does (see `duckcopy`), `RunReader` the others; "python": `RunReader`
+    all of them. Both give the same rows, columns and types.
+    """
+    if engine not in ("auto", "python"):
+        raise ValueError(f"engine must be 'auto' or 'python', not {engine!r}")
     need_pyarrow()
+    columns = None
+    if engine == "auto":
+        from expr_tracker.views import duckcopy
+
+        if duckcopy.available() is not None:
+            first = duckcopy.scan(reader)
+            columns = first.columns
+            groups = duckcopy.plan(reader, first)
+            if groups is not None:
+                n = _write_parquet_duck(reader, Path(out), batch_rows, columns, groups)
+                if n is not None:
+                    reader.garbage = first.garbage
+                    return n
+    if columns is None:
+        columns = reader.columns()
+    schema = arrow_schema(columns)
+    batches = (arrow_batch(b, columns, schema) for b in reader.batches(batch_rows))
+    return _write_batches(Path(out), schema, batches)
+
+
+def _write_batches(out: Path, schema: Any, batches: Iterator[Any]) -> int:
     import pyarrow.parquet as pq
-    schema, batches = iter_arrow(reader, batch_rows)
+
     n = 0
-    with _atomic_output(Path(out), binary=True) as (_, fh):
+    with _atomic_output(out, binary=True) as (_, fh):
         writer = pq.ParquetWriter(fh, schema)
         try:
             for batch in batches:
@@ -129,6 +162,44 @@ def write_parquet(reader: RunReader, out: str | os.PathLike[str], batch_rows: in
         finally:
             writer.close()
     return n
+
+
+def _write_parquet_duck(reader: RunReader, out: Path, batch_rows: int, columns: dict[str, str],
+                        groups: list[tuple[bool, list[Any]]]) -> int | None:
+    """The parquet file with DuckDB reading the groups it can; None (and no file) when
+    DuckDB refused one, as it does a line with a duplicate key or a value that does not
+    cast (in a record that is not exported)."""
+    from expr_tracker.views import duckcopy
+
+    pa = need_pyarrow()
+    duckdb = duckcopy.available()
+    schema = arrow_schema(columns)
+
+    def python_batches(shards: list[Any]) -> Iterator[Any]:
+        batch: list[dict[str, Any]] = []
+        for shard in shards:
+            for row in reader._rows_of(shard):
+                batch.append(row)
+                if len(batch) >= batch_rows:
+                    yield arrow_batch(batch, columns, schema)
+                    batch = []
+        if batch:
+            yield arrow_batch(batch, columns, schema)
+
+    def batches(con: Any) -> Iterator[Any]:
+        for duck, shards in groups:
+            if not duck:
+                yield from python_batches(shards)
+                continue
+            for batch in duckcopy.duck_batches(con, reader, shards, columns, batch_rows):
+                if batch.num_rows:
+                    yield pa.Table.from_batches([batch]).cast(schema).to_batches()[0]
+
+    try:
+        with duckcopy.connect() as con:
+            return _write_batches(out, schema, batches(con))
+    except (duckdb.Error, duckcopy.Refused):
+        return None
 
 
 def _csv_cell(v: Any) -> Any:
