@@ -151,8 +151,9 @@ def ratios(root: Path, run: Path, ranks: int) -> None:
     envs: dict[str, dict[str, str] | None] = dict.fromkeys(cases)
     before = os.environ.get("EXPR_BENCH_BEFORE")  # another checkout: its export, same rounds
     if before:
-        cases["export parquet (before)"] = cases["export parquet"]
-        envs["export parquet (before)"] = {**os.environ, "PYTHONPATH": before}
+        for label in ("query", "export parquet"):
+            cases[f"{label} (before)"] = cases[label]
+            envs[f"{label} (before)"] = {**os.environ, "PYTHONPATH": before}
     best = dict.fromkeys(cases, float("inf"))
     for _ in range(ROUNDS):
         for label, (argv0, args) in cases.items():
@@ -168,8 +169,11 @@ def ratios(root: Path, run: Path, ranks: int) -> None:
     print("|---|---|---|---|---|")
     print(f"| `expr query` count per rank, {ranks:,} ranks | {q:.2f} s | {qf:.2f} s | "
           f"{q / qf:.2f}x | <= 1 s: {'yes' if q <= 1 else 'NO'} |")
+    if before:
+        qb = best["query (before)"]
+        print(f"| same, from {before} (before) | {qb:.2f} s | {qf:.2f} s | {qb / qf:.2f}x | |")
     old = best["query, detection over every shard (before)"]
-    print(f"| same, detection over every shard (before) | {old:.2f} s | {qf:.2f} s | "
+    print(f"| same, detection over every shard (issue 24's start) | {old:.2f} s | {qf:.2f} s | "
           f"{old / qf:.2f}x | |")
     print(f"| `expr export --format parquet` | {e:.2f} s | {ef:.2f} s (DuckDB COPY) | "
           f"{e / ef:.2f}x | <= 2x: {'yes' if e <= 2 * ef else 'NO'} |")

@@ -67,14 +67,20 @@ def _norm(table) -> list[tuple]:
 def duck_rows(monkeypatch):
     """The rows DuckDB gave in the latest export (the rest came from the Python path)."""
     seen = [0]
-    real = duckcopy.duck_batches
+    real_batches, real_copy = duckcopy.duck_batches, duckcopy.copy_parquet
 
     def counting(*args, **kw):
-        for batch in real(*args, **kw):
+        for batch in real_batches(*args, **kw):
             seen[0] += batch.num_rows
             yield batch
 
+    def copying(*args, **kw):  # every shard through DuckDB: its own COPY
+        n = real_copy(*args, **kw)
+        seen[0] += n
+        return n
+
     monkeypatch.setattr(duckcopy, "duck_batches", counting)
+    monkeypatch.setattr(duckcopy, "copy_parquet", copying)
     return seen
 
 
@@ -201,3 +207,24 @@ def test_an_empty_result_has_the_columns(tmp_path):
     _write(run / shard_name(0), [{"_step": 0, "_time": T0, "loss": 1.0}])
     a, _, _ = _both(run, tmp_path, rank_records=True)
     assert a.num_rows == 0
+
+
+@pytest.mark.parametrize("helper", [True, False])
+def test_a_second_process_reading_half_the_shards_gives_the_same_scan(tmp_path, monkeypatch,
+                                                                      helper):
+    run = make_run(tmp_path / "run", tail={1: b'{"_step":99,"lo'})
+    with open(run / shard_name(4, "eval"), "ab") as fh:
+        fh.write(b'{"_step":30,"_time":1.0,"loss":NaN}\n')
+    alone = duckcopy.scan(open_run(run))
+    monkeypatch.setattr(duckcopy, "PARALLEL_SHARDS", 2)
+    if not helper:  # a helper that cannot start: this process reads both halves
+        monkeypatch.setattr(duckcopy, "_start_part", lambda *a: None)
+    parts = []
+    real = duckcopy._finish_part
+    monkeypatch.setattr(duckcopy, "_finish_part", lambda proc: parts.append(real(proc)) or parts[-1])
+    both = duckcopy.scan(open_run(run))
+    assert (parts[0] is not None) == helper  # the helper process's own answer, or none
+    assert (both.columns, both.rows, both.garbage, both.python, both.problem) == (
+        alone.columns, alone.rows, alone.garbage, alone.python, alone.problem)
+    assert set(both.python) == {1, RANKS + 4}  # the torn shard, the eval shard's bare NaN
+    _both(run, tmp_path)

@@ -31,13 +31,17 @@ rows but not in the column types, as on the Python path.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from functools import partial
 from itertools import chain, repeat
 from operator import is_not
+from pathlib import Path
 from typing import Any
+
+import orjson
 
 from expr_tracker.store import records
 from expr_tracker.store.reader import ShardReader
@@ -116,7 +120,7 @@ def _block_records(reader: ShardReader, fh: Any, scan: Scan) -> Any:
         scan.flag("an unterminated last line (a writer mid-append, or a torn tail)")
 
 
-def _kept(recs: list[dict[str, Any]], want: str | None, reader: RunReader,
+def _kept(recs: list[dict[str, Any]], want: str | None, metrics: list[str] | None,
           flag: Callable[[str], Any]) -> list[dict[str, Any]]:
     """The records of `recs` that make rows (`RunReader._records_of`), calling `flag`
     for a reserved field that DuckDB would read differently."""
@@ -152,7 +156,6 @@ def _kept(recs: list[dict[str, Any]], want: str | None, reader: RunReader,
     for key in ("_time", "_weight") if want is not None else ("_time",):
         if not _types(kept, key) <= {_NONE, int, float}:
             flag(f"a {key} that is not a number")
-    metrics = reader.metrics
     if metrics is not None:
         kept = [r for r in kept if any(k in r for k in metrics)]
         if any(r.get(k, 0) is None for k in metrics for r in kept):
@@ -199,32 +202,25 @@ def _merge_block(kept: list[dict[str, Any]], metrics: list[str] | None, scan: Sc
             kinds[key] = merge_kinds(kinds[key], kind)
 
 
-def scan(reader: RunReader) -> Scan:
-    """One pass over the run: its columns (as `reader.columns()`), and whether DuckDB can
-    write its rows exactly. Sets `reader.garbage` as a pass of the reader does."""
+def _scan_part(shards: list[RunShard], offset: int, want: str | None,
+               metrics: list[str] | None) -> Scan:
+    """The first pass over `shards` (the run's from index `offset` on)."""
     out = Scan()
-    if reader.ranks is not None or reader.step_range != (None, None):
-        out.flag_run("a rank or step filter")
-        out.columns = reader.columns()
-        return out
-    want = "rank" if reader.rank_records else None
-    if reader.metrics is not None and any(k[:1] == "_" for k in reader.metrics):
-        out.flag_run("a --metric that is a reserved field")
     group: list[tuple[int, list[dict[str, Any]]]] = []
     size = 0
 
     def flush() -> None:
         # the shards of a group are checked together; a flag is then found its shard
         flags: list[str] = []
-        kept = _kept(list(chain.from_iterable(r for _, r in group)), want, reader, flags.append)
+        kept = _kept(list(chain.from_iterable(r for _, r in group)), want, metrics, flags.append)
         if flags:
             for i, recs in group:
-                _kept(recs, want, reader, partial(out.python.setdefault, i))
+                _kept(recs, want, metrics, partial(out.python.setdefault, i))
         out.rows += len(kept)
-        _merge_block(kept, reader.metrics, out)
+        _merge_block(kept, metrics, out)
         group.clear()
 
-    for i, shard in enumerate(reader.shards):
+    for i, shard in enumerate(shards, offset):
         out.shard = i
         sr = ShardReader(shard.path)
         with open(shard.path, "rb") as fh:
@@ -237,6 +233,121 @@ def scan(reader: RunReader) -> Scan:
         out.garbage += sr.garbage
     if group:
         flush()
+    return out
+
+
+def _merge_parts(a: Scan, b: Scan) -> Scan:
+    """`a` then `b` as one pass over both would have found them."""
+    for key, kind in b.kinds.items():
+        if key not in a.kinds:
+            a.kinds[key] = kind
+        elif kind is not None and a.kinds[key] != kind:
+            a.kinds[key] = merge_kinds(a.kinds[key], kind)
+    a.rows += b.rows
+    a.garbage += b.garbage
+    for i, why in b.python.items():
+        a.python.setdefault(i, why)
+    return a
+
+
+PARALLEL_SHARDS = 512  # from this many shards a second process reads the second half
+
+
+def _start_part(shards: list[RunShard], offset: int, want: str | None,
+                metrics: list[str] | None) -> Any:
+    """A `python -c` process scanning `shards` (a plain child, not multiprocessing: that
+    would import the caller's __main__ again); None when it cannot start."""
+    import subprocess
+    import sys
+
+    job = orjson.dumps({"shards": [[str(s.path), s.stream, s.rank] for s in shards],
+                        "offset": offset, "want": want, "metrics": metrics})
+    root = str(Path(__file__).resolve().parents[2])  # where this expr_tracker is imported from
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "from expr_tracker.views.duckcopy import _part_main; _part_main()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    except OSError:
+        return None
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(job)
+        proc.stdin.close()
+    except OSError:
+        proc.kill()
+        proc.wait()
+        return None
+    return proc
+
+
+def _finish_part(proc: Any) -> Scan | None:
+    """The helper's Scan, or None when it failed (the caller reads that half itself)."""
+    if proc is None:
+        return None
+    try:
+        data = proc.stdout.read()
+    finally:
+        proc.stdout.close()
+        code = proc.wait()
+    if code != 0:
+        return None
+    try:
+        got = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    part = Scan()
+    part.kinds = dict(got["kinds"])
+    part.rows, part.garbage = got["rows"], got["garbage"]
+    part.python = {int(i): why for i, why in got["python"]}
+    return part
+
+
+def _part_main() -> None:
+    """The helper process: a job on stdin, its Scan on stdout (JSON)."""
+    import sys
+
+    job = orjson.loads(sys.stdin.buffer.read())
+    shards = [RunShard(Path(p), stream, rank) for p, stream, rank in job["shards"]]
+    part = _scan_part(shards, job["offset"], job["want"], job["metrics"])
+    sys.stdout.buffer.write(orjson.dumps({
+        "kinds": list(part.kinds.items()), "rows": part.rows, "garbage": part.garbage,
+        "python": list(part.python.items())}))
+
+
+def _helpers() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return cores - 1
+
+
+def scan(reader: RunReader) -> Scan:
+    """One pass over the run: its columns (as `reader.columns()`), and whether DuckDB can
+    write its rows exactly. Sets `reader.garbage` as a pass of the reader does. A run of
+    PARALLEL_SHARDS shards or more is read by this process and a spawned one, a half
+    each, when there is a second core (only the small answers cross between them)."""
+    if reader.ranks is not None or reader.step_range != (None, None):
+        out = Scan()
+        out.flag_run("a rank or step filter")
+        out.columns = reader.columns()
+        return out
+    want = "rank" if reader.rank_records else None
+    shards = reader.shards
+    if len(shards) >= PARALLEL_SHARDS and _helpers() > 0:
+        half = len(shards) // 2
+        child = _start_part(shards[half:], half, want, reader.metrics)
+        out = _scan_part(shards[:half], 0, want, reader.metrics)
+        second = _finish_part(child)
+        if second is None:  # the helper failed: this process reads its half too
+            second = _scan_part(shards[half:], half, want, reader.metrics)
+        out = _merge_parts(out, second)
+    else:
+        out = _scan_part(shards, 0, want, reader.metrics)
+    if reader.metrics is not None and any(k[:1] == "_" for k in reader.metrics):
+        out.flag_run("a --metric that is a reserved field")
     reader.garbage = out.garbage
     kinds = out.kinds
     if reader.metrics is not None:
@@ -363,7 +474,7 @@ def duck_batches(con: Any, reader: RunReader, shards: list[RunShard], columns: d
     try:
         rel = con.sql(select_sql(reader, shards, columns))
         stream = (rel.to_arrow_reader(batch_rows) if hasattr(rel, "to_arrow_reader")
-                  else rel.fetch_arrow_reader(batch_rows))
+                  else rel.fetch_arrow_reader(batch_rows))  # DuckDB < 1.4
         it = iter(stream)
         while True:
             try:
@@ -375,6 +486,24 @@ def duck_batches(con: Any, reader: RunReader, shards: list[RunShard], columns: d
         raise Refused(str(exc)) from None
     except OSError as exc:  # DuckDB's error, through the Arrow stream
         raise Refused(str(exc)) from None
+
+
+def copy_parquet(con: Any, reader: RunReader, columns: dict[str, str], out: Path,
+                 row_group: int) -> int:
+    """Every row written by DuckDB's own `COPY ... TO` (parallel, no Arrow in between),
+    when DuckDB reads every shard: the number of rows. Refused when DuckDB refuses."""
+    duckdb = available()
+    shards = reader.shards
+    try:
+        con.execute("SET VARIABLE expr_export_files = ?", [[str(s.path) for s in shards]])
+        con.execute("SET VARIABLE expr_export_ranks = ?", [[s.rank for s in shards]])
+        con.execute("SET VARIABLE expr_export_streams = ?::VARCHAR[]",
+                    [[s.stream for s in shards]])
+        row = con.execute(f"COPY ({select_sql(reader, shards, columns)}) TO {_literal(str(out))} "
+                          f"(FORMAT parquet, ROW_GROUP_SIZE {int(row_group)})").fetchone()
+    except duckdb.Error as exc:
+        raise Refused(str(exc)) from None
+    return int(row[0]) if row else 0
 
 
 class Refused(Exception):

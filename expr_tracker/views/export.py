@@ -186,17 +186,34 @@ def _write_parquet_duck(reader: RunReader, out: Path, batch_rows: int, columns: 
         if batch:
             yield arrow_batch(batch, columns, schema)
 
+    def duck_rows(con: Any, shards: list[Any]) -> Iterator[Any]:
+        # DuckDB streams a small batch per file: gathered into batches of batch_rows
+        # rows (a row group each, as on the Python path), cast to the schema once each
+        held: list[Any] = []
+        rows = 0
+        for batch in duckcopy.duck_batches(con, reader, shards, columns, batch_rows):
+            held.append(batch)
+            rows += batch.num_rows
+            if rows >= batch_rows:
+                table = pa.Table.from_batches(held).cast(schema).combine_chunks()
+                for start in range(0, rows - batch_rows + 1, batch_rows):
+                    yield from table.slice(start, batch_rows).to_batches()
+                done = rows - rows % batch_rows
+                held = table.slice(done).to_batches() if done < rows else []
+                rows -= done
+        if rows:
+            yield from pa.Table.from_batches(held).cast(schema).combine_chunks().to_batches()
+
     def batches(con: Any) -> Iterator[Any]:
         for duck, shards in groups:
-            if not duck:
-                yield from python_batches(shards)
-                continue
-            for batch in duckcopy.duck_batches(con, reader, shards, columns, batch_rows):
-                if batch.num_rows:
-                    yield pa.Table.from_batches([batch]).cast(schema).to_batches()[0]
+            yield from duck_rows(con, shards) if duck else python_batches(shards)
 
     try:
         with duckcopy.connect() as con:
+            if len(groups) == 1 and groups[0][0]:
+                with _atomic_output(out, binary=True) as (tmp, fh):
+                    fh.close()  # DuckDB writes the file itself
+                    return duckcopy.copy_parquet(con, reader, columns, tmp, batch_rows)
             return _write_batches(out, schema, batches(con))
     except (duckdb.Error, duckcopy.Refused):
         return None
