@@ -393,15 +393,18 @@ def _segments(shards: list[RunShard]) -> list[tuple[int, int, int, str | None]]:
 MAX_SEGMENTS = 32  # beyond, each row looks its file's rank and stream up in a list
 
 
-def file_exprs(shards: list[RunShard]) -> tuple[str, str]:
+def file_exprs(shards: list[RunShard], prefix: str = "expr_export") -> tuple[str, str]:
     """SQL for the rank and the stream of a row's shard, from DuckDB's `file_index` (the
     position of the row's file in the list): arithmetic over a few CASE branches, not a
-    join (a hash join loses the rows' order) nor a regex over every row's path."""
+    join (a hash join loses the rows' order) nor a regex over every row's path. With
+    many segments, a lookup in the lists `{prefix}_ranks` and `{prefix}_streams`
+    (DuckDB variables the caller sets). A key named file_index hides the column: the
+    caller does not use this then."""
     segs = _segments(shards)
     idx = "file_index::BIGINT"
     if len(segs) > MAX_SEGMENTS:
-        return (f"getvariable('expr_export_ranks')[{idx} + 1]",
-                f"getvariable('expr_export_streams')[{idx} + 1]")
+        return (f"getvariable('{prefix}_ranks')[{idx} + 1]",
+                f"getvariable('{prefix}_streams')[{idx} + 1]")
 
     def stream_sql(stream: str | None) -> str:
         return "NULL::VARCHAR" if stream is None else _literal(stream)
@@ -446,7 +449,7 @@ def select_sql(reader: RunReader, shards: list[RunShard], columns: dict[str, str
 def plan(reader: RunReader, first: Scan) -> list[tuple[bool, list[RunShard]]] | None:
     """(by DuckDB, shards) groups of consecutive shards, in order; None when the Python
     path is to write every row (a problem of the whole run, or too many groups)."""
-    if first.problem is not None or available() is None:
+    if first.problem is not None or available() is None or "file_index" in first.columns:
         return None
     groups: list[tuple[bool, list[RunShard]]] = []
     for i, shard in enumerate(reader.shards):
@@ -468,7 +471,7 @@ def duck_batches(con: Any, reader: RunReader, shards: list[RunShard], columns: d
                  batch_rows: int) -> Any:
     """Arrow RecordBatches of the rows of `shards`, read by DuckDB on `con`."""
     con.execute("SET VARIABLE expr_export_files = ?", [[str(s.path) for s in shards]])
-    con.execute("SET VARIABLE expr_export_ranks = ?", [[s.rank for s in shards]])
+    con.execute("SET VARIABLE expr_export_ranks = ?::BIGINT[]", [[s.rank for s in shards]])
     con.execute("SET VARIABLE expr_export_streams = ?::VARCHAR[]", [[s.stream for s in shards]])
     duckdb = available()
     try:
@@ -496,7 +499,7 @@ def copy_parquet(con: Any, reader: RunReader, columns: dict[str, str], out: Path
     shards = reader.shards
     try:
         con.execute("SET VARIABLE expr_export_files = ?", [[str(s.path) for s in shards]])
-        con.execute("SET VARIABLE expr_export_ranks = ?", [[s.rank for s in shards]])
+        con.execute("SET VARIABLE expr_export_ranks = ?::BIGINT[]", [[s.rank for s in shards]])
         con.execute("SET VARIABLE expr_export_streams = ?::VARCHAR[]",
                     [[s.stream for s in shards]])
         row = con.execute(f"COPY ({select_sql(reader, shards, columns)}) TO {_literal(str(out))} "

@@ -5,8 +5,10 @@ Views (DESIGN 15):
 - `metrics`: the step rows of every shard of every stream, with `_rank` (the row's own
   `_rank` in a shared `rank_aware=False` file, else the rank in the file name), `_stream`
   (from the file name, NULL for the default stream), `_step`, `_time` and one column per key.
-  The rank and stream of a file come from a small table (`_expr_shards`: file, rank,
-  stream) joined to each row by its file, not from regexes over every row's path.
+  The rank and stream of a row come from its file's position in the file list
+  (DuckDB's `file_index`, arithmetic over a CASE branch per run of consecutive ranks),
+  or, on a DuckDB without `file_index`, from a join of its path to a small table
+  (`_expr_shards`: file, rank, stream); not from regexes over every row's path.
 - `ranks`: the rank records (`log_rank_metrics`), with `_rank` (the record's own),
   `_stream`, `_step`, `_time`, `_world_size`, `_local_rank`, `_weight` and the keys.
 - `alerts`: every `alerts[.rankN].jsonl` line; `incidents`: `incidents.jsonl` (DESIGN 13),
@@ -51,6 +53,7 @@ from expr_tracker.errors import TrackerError
 from expr_tracker.store import records
 from expr_tracker.store.layout import parse_shard_name
 from expr_tracker.store.runread import ALL_STREAMS, RunShard, run_shards
+from expr_tracker.views import duckcopy
 
 SAMPLE_SHARDS = 64
 EXACT_SHARDS = 256  # up to this many shards DuckDB detects the columns over every one
@@ -252,6 +255,8 @@ def _shard_table(con: Any, shards: list[RunShard], shard_files: list[str]) -> No
                 [list(first), [s.rank for s in first.values()],
                  [s.stream for s in first.values()]])
     con.execute(f"SET VARIABLE {SHARD_VAR} = ?", [shard_files])
+    con.execute("SET VARIABLE expr_shard_ranks = ?::BIGINT[]", [[s.rank for s in shards]])
+    con.execute("SET VARIABLE expr_shard_streams = ?::VARCHAR[]", [[s.stream for s in shards]])
 
 
 def _shard_views(con: Any, shards: list[RunShard], shard_files: list[str] | None = None
@@ -278,16 +283,24 @@ def _shard_views(con: Any, shards: list[RunShard], shard_files: list[str] | None
     else:
         source = (f"read_json(getvariable({literal(SHARD_VAR)}), format='newline_delimited', "
                   f"union_by_name=true, {options})")
-    source += f" AS j JOIN {SHARD_TABLE} AS f ON j._file = f._file"
     sample = sample_keys([Path(p) for p in shard_files])
     keys = [k for k in have if k[:1] != "_"]
-    rank = "coalesce(TRY_CAST(j._rank AS BIGINT), f._rank)" if "_rank" in have else "f._rank"
     kind_is = "j._kind IS NULL" if "_kind" in have else "true"
     rank_kind = "j._kind = 'rank'" if "_kind" in have else "false"
     step_ok = "j._step IS NOT NULL" if "_step" in have else "false"
+    # each row's shard: its position in the file list (DuckDB >= 1.3), else a join by path
+    file_rank, file_stream = duckcopy.file_exprs(shards, "expr_shard")
+    by_index = "file_index" not in have and _has_file_index(con, shard_files[0])
+    if not by_index:
+        source += f" AS j JOIN {SHARD_TABLE} AS f ON j._file = f._file"
+        file_rank, file_stream = "f._rank", "f._stream"
+    else:
+        source += " AS j"
+    rank = (f"coalesce(TRY_CAST(j._rank AS BIGINT), {file_rank})" if "_rank" in have
+            else file_rank)
 
     def select(where: str, meta: tuple[str, ...], drop: str) -> str:
-        cols = [f"{rank} AS _rank", "f._stream AS _stream"]
+        cols = [f"{rank} AS _rank", f"{file_stream} AS _stream"]
         cols += [_meta_expr(m, have) for m in meta]
         for k in keys:
             info = sample.get(k)
@@ -300,6 +313,17 @@ def _shard_views(con: Any, shards: list[RunShard], shard_files: list[str] | None
         f"CREATE VIEW metrics AS {select(kind_is, _ROW_META, 'rank')}",
         f"CREATE VIEW ranks AS {select(rank_kind, _ROW_META + _RANK_META, 'step')}",
     ]
+
+
+def _has_file_index(con: Any, path: str) -> bool:
+    """Whether this DuckDB's file readers have the `file_index` column (1.3 on)."""
+    duckdb = need_duckdb()
+    try:
+        con.execute(f"SELECT file_index FROM read_json({literal(path)}, "
+                    "columns={'_step': 'BIGINT'}) LIMIT 0")
+    except duckdb.Error:
+        return False
+    return True
 
 
 def _fixed_view(name: str, files: list[str], columns: dict[str, str], first: str) -> str:
