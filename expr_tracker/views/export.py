@@ -3,7 +3,9 @@
 Every writer streams `RunReader` batches (memory bounded by the batch size) into a temp
 file beside the output and renames it into place at the end, so a failure never leaves a
 half-written file under the output's name. Parquet and CSV need the columns first:
-`RunReader.columns()` is a first pass over the run, the rows are the second.
+`RunReader.columns()` is a first pass over the run, the rows are the second. Parquet,
+when DuckDB is installed, takes its first pass from `duckcopy.scan` (the same columns)
+and lets DuckDB read the rows of every shard it reads exactly as `RunReader` does.
 
 Column types (parquet, Arrow, pandas): `_rank`, `_step`, `_world_size`, `_local_rank` int64;
 `_time`, `_weight` float64; `_stream` string; a metric key is int64 when every value is an

@@ -239,13 +239,13 @@ def _meta_expr(name: str, have: dict[str, str]) -> str:
 
 
 def _shard_table(con: Any, shards: list[RunShard], shard_files: list[str]) -> None:
-    """The table SHARD_TABLE (file -> rank, stream) that the views join each row to by
-    its file, and the variable SHARD_VAR (the file list the views read).
+    """The variables the views read: SHARD_VAR (the file list), `expr_shard_ranks` and
+    `expr_shard_streams` (each file's, for a lookup by `file_index`), and the table
+    SHARD_TABLE (file -> rank, stream) that a DuckDB without `file_index` joins each
+    row to by its path (two symlinks to one file: read twice, with the first's rank).
 
-    A join to a 4,096-row table costs a fraction of two regexes over every row's path;
-    a variable instead of a list literal in each view saves DuckDB binding thousands of
-    constants at every query. Two symlinks to one file: the file is read twice, as
-    before, with the rank of the first.
+    A variable instead of a list literal in each view saves DuckDB binding thousands of
+    constants at every query.
     """
     first: dict[str, RunShard] = {}
     for shard, path in zip(shards, shard_files, strict=True):
