@@ -31,7 +31,7 @@ EXPR = [sys.executable, "-c", "from expr_cli.main import entry; entry()"]
 # the path before issue 24: DuckDB detects the columns over every shard
 EXPR_EXACT = [sys.executable, "-c", "import expr_tracker.views.sql as s; s.EXACT_SHARDS = 1 << 40\n"
               "from expr_cli.main import entry; entry()"]
-ROUNDS = 3
+ROUNDS = int(os.environ.get("EXPR_BENCH_ROUNDS", "3"))
 FLOOR_QUERY = """
 import duckdb, sys, glob
 files = sorted(glob.glob(sys.argv[1] + '/metrics*.jsonl'))
@@ -47,7 +47,7 @@ import duckdb, sys
 from expr_tracker.store.runread import ALL_STREAMS, run_shards
 from expr_tracker.views.sql import _shard_views
 con = duckdb.connect()
-for stmt in _shard_views(con, [str(s.path) for s in run_shards(sys.argv[1], ALL_STREAMS)]):
+for stmt in _shard_views(con, run_shards(sys.argv[1], ALL_STREAMS)):
     con.execute(stmt)
 con.execute("COPY (SELECT * FROM metrics) TO '" + sys.argv[2] + "' (FORMAT parquet)")
 """
@@ -74,8 +74,9 @@ def make_run(run: Path, ranks: int, steps: int) -> int:
 
 
 def measure(args: list[str], cwd: Path, argv0: list[str] = EXPR,
-            env: dict[str, str] | None = None) -> tuple[float, float, str]:
-    """(seconds, peak RSS MiB, stdout) of one child process."""
+            env: dict[str, str] | None = None) -> tuple[float, float, str, float]:
+    """(seconds, peak RSS MiB, stdout, CPU seconds: user + system, every thread) of one
+    child process."""
     t0 = time.perf_counter()
     proc = subprocess.Popen([*argv0, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             cwd=cwd, env=env)
@@ -86,7 +87,7 @@ def measure(args: list[str], cwd: Path, argv0: list[str] = EXPR,
     dt = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"{args}: exit {proc.returncode}: {err.decode()}")
-    return dt, usage.ru_maxrss / 1024, out.decode()
+    return dt, usage.ru_maxrss / 1024, out.decode(), usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:
@@ -122,7 +123,7 @@ def main() -> None:
         print("| command | wall time | peak RSS |")
         print("|---|---|---|")
         for label, args in cases:
-            dt, rss, out = measure(args, root)
+            dt, rss, out, _ = measure(args, root)
             if "count per rank" in label:
                 assert out.count("\n") == ranks + 1, out[:200]
             print(f"| {label} | {dt:.1f} s | {rss:.0f} MiB |")
@@ -151,15 +152,18 @@ def ratios(root: Path, run: Path, ranks: int) -> None:
     envs: dict[str, dict[str, str] | None] = dict.fromkeys(cases)
     before = os.environ.get("EXPR_BENCH_BEFORE")  # another checkout: its export, same rounds
     if before:
-        cases["export parquet (before)"] = cases["export parquet"]
-        envs["export parquet (before)"] = {**os.environ, "PYTHONPATH": before}
+        for label in ("query", "export parquet"):
+            cases[f"{label} (before)"] = cases[label]
+            envs[f"{label} (before)"] = {**os.environ, "PYTHONPATH": before}
     best = dict.fromkeys(cases, float("inf"))
+    cpu = dict.fromkeys(cases, float("inf"))  # less bent by other jobs than wall time
     for _ in range(ROUNDS):
         for label, (argv0, args) in cases.items():
-            dt, _, out = measure(args, root, argv0, envs[label])
+            dt, _, out, used = measure(args, root, argv0, envs[label])
             if argv0 is not py and args is count:
                 assert out.count("\n") == ranks + 1, out[:200]
             best[label] = min(best[label], dt)
+            cpu[label] = min(cpu[label], used)
     q, qf, e, ef = (best["query"], best["query floor: DuckDB, schema given"],
                     best["export parquet"], best["export floor: DuckDB COPY over the views"])
     print(f"\nissue 24, best of {ROUNDS} interleaved rounds ({os.cpu_count()} cores, "
@@ -168,14 +172,24 @@ def ratios(root: Path, run: Path, ranks: int) -> None:
     print("|---|---|---|---|---|")
     print(f"| `expr query` count per rank, {ranks:,} ranks | {q:.2f} s | {qf:.2f} s | "
           f"{q / qf:.2f}x | <= 1 s: {'yes' if q <= 1 else 'NO'} |")
+    if before:
+        qb = best["query (before)"]
+        print(f"| same, from {before} (before) | {qb:.2f} s | {qf:.2f} s | {qb / qf:.2f}x | |")
     old = best["query, detection over every shard (before)"]
-    print(f"| same, detection over every shard (before) | {old:.2f} s | {qf:.2f} s | "
+    print(f"| same, detection over every shard (issue 24's start) | {old:.2f} s | {qf:.2f} s | "
           f"{old / qf:.2f}x | |")
     print(f"| `expr export --format parquet` | {e:.2f} s | {ef:.2f} s (DuckDB COPY) | "
           f"{e / ef:.2f}x | <= 2x: {'yes' if e <= 2 * ef else 'NO'} |")
     if before:
         eb = best["export parquet (before)"]
         print(f"| same, from {before} (before) | {eb:.2f} s | {ef:.2f} s | {eb / ef:.2f}x | |")
+    print(f"\nCPU time (user + system of every thread of the child, best of {ROUNDS}):\n")
+    print("| measure | CPU | ratio to its floor's CPU |")
+    print("|---|---|---|")
+    for label in cases:
+        floor = cpu["query floor: DuckDB, schema given"] if label.startswith("query") else \
+            cpu["export floor: DuckDB COPY over the views"]
+        print(f"| {label} | {cpu[label]:.2f} s | {cpu[label] / floor:.2f}x |")
 
 
 if __name__ == "__main__":

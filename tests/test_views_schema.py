@@ -93,3 +93,22 @@ def test_a_symlinked_shard_is_read_through_its_real_path(tmp_path):
         allowed = con.execute("SELECT current_setting('allowed_paths')").fetchone()[0]
     assert rows == [(0, 1.0), (1, 2.0)]
     assert str(elsewhere.resolve()) in str(allowed) and str(run / "metrics.rank1.jsonl") not in str(allowed)
+
+
+@pytest.mark.parametrize("how", ["join", "list"])
+def test_each_rows_rank_and_stream_the_same_whichever_way_its_file_is_found(tmp_path, monkeypatch,
+                                                                            how):
+    """By file_index and a few CASE branches (the default), by a lookup in a list (many
+    rank gaps), or by a join on the path (a DuckDB without file_index): one answer."""
+    run = _run(tmp_path / "run")
+    (run / shard_name(5)).unlink()  # a gap in the ranks: two segments for the default stream
+    by_index = _answers(run)
+    from expr_tracker.views import duckcopy
+
+    if how == "join":
+        monkeypatch.setattr(sql, "_has_file_index", lambda con, path: False)
+    else:
+        monkeypatch.setattr(duckcopy, "MAX_SEGMENTS", 1)
+    assert _answers(run) == by_index
+    assert {row[0] for row in by_index["metrics"] if row[1] is None} == set(range(RANKS)) - {5}
+    assert {row[0] for row in by_index["metrics"] if row[1] == "eval"} == set(range(RANKS))

@@ -3,7 +3,9 @@
 Every writer streams `RunReader` batches (memory bounded by the batch size) into a temp
 file beside the output and renames it into place at the end, so a failure never leaves a
 half-written file under the output's name. Parquet and CSV need the columns first:
-`RunReader.columns()` is a first pass over the run, the rows are the second.
+`RunReader.columns()` is a first pass over the run, the rows are the second. Parquet,
+when DuckDB is installed, takes its first pass from `duckcopy.scan` (the same columns)
+and lets DuckDB read the rows of every shard it reads exactly as `RunReader` does.
 
 Column types (parquet, Arrow, pandas): `_rank`, `_step`, `_world_size`, `_local_rank` int64;
 `_time`, `_weight` float64; `_stream` string; a metric key is int64 when every value is an
@@ -90,9 +92,12 @@ def arrow_batch(batch: list[dict[str, Any]], columns: dict[str, str], schema: An
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
-def iter_arrow(reader: RunReader, batch_rows: int = BATCH_ROWS) -> tuple[Any, Iterator[Any]]:
-    """(schema, iterator of RecordBatches) of the run; two passes over the files."""
-    columns = reader.columns()
+def iter_arrow(reader: RunReader, batch_rows: int = BATCH_ROWS,
+               columns: dict[str, str] | None = None) -> tuple[Any, Iterator[Any]]:
+    """(schema, iterator of RecordBatches) of the run; two passes over the files (one
+    when `columns`, the first pass's answer, is given)."""
+    if columns is None:
+        columns = reader.columns()
     schema = arrow_schema(columns)
     return schema, (arrow_batch(b, columns, schema) for b in reader.batches(batch_rows))
 
@@ -114,13 +119,43 @@ def _atomic_output(out: Path, binary: bool) -> Iterator[tuple[Path, IO[Any]]]:
         raise
 
 
-def write_parquet(reader: RunReader, out: str | os.PathLike[str], batch_rows: int = BATCH_ROWS) -> int:
-    """Write the run as one parquet file (a row group per batch); the number of rows."""
+def write_parquet(reader: RunReader, out: str | os.PathLike[str], batch_rows: int = BATCH_ROWS,
+                  engine: str = "auto") -> int:
+    """Write the run as one parquet file (row groups of at most `batch_rows`); the number
+    of rows.
+
+    `engine` "auto": when DuckDB is installed, it scans the shards that it reads exactly
+    as `RunReader` does (see `duckcopy`), `RunReader` the others; "python": `RunReader`
+    all of them. Both give the same rows, columns and types.
+    """
+    if engine not in ("auto", "python"):
+        raise ValueError(f"engine must be 'auto' or 'python', not {engine!r}")
     need_pyarrow()
+    columns = None
+    if engine == "auto":
+        from expr_tracker.views import duckcopy
+
+        if duckcopy.available() is not None:
+            first = duckcopy.scan(reader)
+            columns = first.columns
+            groups = duckcopy.plan(reader, first)
+            if groups is not None:
+                n = _write_parquet_duck(reader, Path(out), batch_rows, columns, groups)
+                if n is not None:
+                    reader.garbage = first.garbage
+                    return n
+    if columns is None:
+        columns = reader.columns()
+    schema = arrow_schema(columns)
+    batches = (arrow_batch(b, columns, schema) for b in reader.batches(batch_rows))
+    return _write_batches(Path(out), schema, batches)
+
+
+def _write_batches(out: Path, schema: Any, batches: Iterator[Any]) -> int:
     import pyarrow.parquet as pq
-    schema, batches = iter_arrow(reader, batch_rows)
+
     n = 0
-    with _atomic_output(Path(out), binary=True) as (_, fh):
+    with _atomic_output(out, binary=True) as (_, fh):
         writer = pq.ParquetWriter(fh, schema)
         try:
             for batch in batches:
@@ -129,6 +164,61 @@ def write_parquet(reader: RunReader, out: str | os.PathLike[str], batch_rows: in
         finally:
             writer.close()
     return n
+
+
+def _write_parquet_duck(reader: RunReader, out: Path, batch_rows: int, columns: dict[str, str],
+                        groups: list[tuple[bool, list[Any]]]) -> int | None:
+    """The parquet file with DuckDB reading the groups it can; None (and no file) when
+    DuckDB refused one, as it does a line with a duplicate key or a value that does not
+    cast (in a record that is not exported)."""
+    from expr_tracker.views import duckcopy
+
+    pa = need_pyarrow()
+    duckdb = duckcopy.available()
+    schema = arrow_schema(columns)
+
+    def python_batches(shards: list[Any]) -> Iterator[Any]:
+        batch: list[dict[str, Any]] = []
+        for shard in shards:
+            for row in reader._rows_of(shard):
+                batch.append(row)
+                if len(batch) >= batch_rows:
+                    yield arrow_batch(batch, columns, schema)
+                    batch = []
+        if batch:
+            yield arrow_batch(batch, columns, schema)
+
+    def duck_rows(con: Any, shards: list[Any]) -> Iterator[Any]:
+        # DuckDB streams a small batch per file: gathered into batches of batch_rows
+        # rows (a row group each, as on the Python path), cast to the schema once each
+        held: list[Any] = []
+        rows = 0
+        for batch in duckcopy.duck_batches(con, reader, shards, columns, batch_rows):
+            held.append(batch)
+            rows += batch.num_rows
+            if rows >= batch_rows:
+                table = pa.Table.from_batches(held).cast(schema).combine_chunks()
+                for start in range(0, rows - batch_rows + 1, batch_rows):
+                    yield from table.slice(start, batch_rows).to_batches()
+                done = rows - rows % batch_rows
+                held = table.slice(done).to_batches() if done < rows else []
+                rows -= done
+        if rows:
+            yield from pa.Table.from_batches(held).cast(schema).combine_chunks().to_batches()
+
+    def batches(con: Any) -> Iterator[Any]:
+        for duck, shards in groups:
+            yield from duck_rows(con, shards) if duck else python_batches(shards)
+
+    try:
+        with duckcopy.connect() as con:
+            if len(groups) == 1 and groups[0][0]:
+                with _atomic_output(out, binary=True) as (tmp, fh):
+                    fh.close()  # DuckDB writes the file itself
+                    return duckcopy.copy_parquet(con, reader, columns, tmp, batch_rows)
+            return _write_batches(out, schema, batches(con))
+    except (duckdb.Error, duckcopy.Refused):
+        return None
 
 
 def _csv_cell(v: Any) -> Any:

@@ -5,6 +5,10 @@ Views (DESIGN 15):
 - `metrics`: the step rows of every shard of every stream, with `_rank` (the row's own
   `_rank` in a shared `rank_aware=False` file, else the rank in the file name), `_stream`
   (from the file name, NULL for the default stream), `_step`, `_time` and one column per key.
+  The rank and stream of a row come from its file's position in the file list
+  (DuckDB's `file_index`, arithmetic over a CASE branch per run of consecutive ranks),
+  or, on a DuckDB without `file_index`, from a join of its path to a small table
+  (`_expr_shards`: file, rank, stream); not from regexes over every row's path.
 - `ranks`: the rank records (`log_rank_metrics`), with `_rank` (the record's own),
   `_stream`, `_step`, `_time`, `_world_size`, `_local_rank`, `_weight` and the keys.
 - `alerts`: every `alerts[.rankN].jsonl` line; `incidents`: `incidents.jsonl` (DESIGN 13),
@@ -48,7 +52,8 @@ from typing import Any
 from expr_tracker.errors import TrackerError
 from expr_tracker.store import records
 from expr_tracker.store.layout import parse_shard_name
-from expr_tracker.store.runread import ALL_STREAMS, run_shards
+from expr_tracker.store.runread import ALL_STREAMS, RunShard, run_shards
+from expr_tracker.views import duckcopy
 
 SAMPLE_SHARDS = 64
 EXACT_SHARDS = 256  # up to this many shards DuckDB detects the columns over every one
@@ -74,10 +79,10 @@ _NUMERIC_TYPES = frozenset({"DOUBLE", "FLOAT", "BIGINT", "INTEGER", "SMALLINT", 
                             "HUGEINT", "UBIGINT", "UINTEGER", "USMALLINT", "UTINYINT"})
 # not EXPLAIN: `EXPLAIN ANALYZE COPY ... TO` runs the COPY
 READ_ONLY_TYPES = ("SELECT",)
-# the rank and the stream of a row, from the path of its shard (DuckDB's `_file` column)
-_FILE_RANK = r"coalesce(TRY_CAST(regexp_extract(_file, '\.rank([0-9]+)\.jsonl$', 1) AS BIGINT), 0)"
-_FILE_STREAM = (r"NULLIF(regexp_extract(regexp_replace(_file, '(\.rank[0-9]+)?\.jsonl$', ''), "
-                r"'/metrics\.?([^/]*)$', 1), '')")
+# each shard's file -> its rank and stream (from its name), joined to every row by the
+# row's file (DuckDB's `_file` column); the variable holds the files the views read
+SHARD_TABLE = "_expr_shards"
+SHARD_VAR = "expr_shard_files"
 
 
 class QueryError(TrackerError):
@@ -162,16 +167,19 @@ def _spread(paths: list[Any]) -> list[Any]:
     return paths
 
 
-def detect_sample(shard_files: list[str]) -> list[str]:
+def detect_sample(shard_files: list[str], streams: list[str | None] | None = None) -> list[str]:
     """The shards DuckDB detects the columns over: every one in a run of at most
-    EXACT_SHARDS shards, else each stream's first shard and the key sample's shards."""
+    EXACT_SHARDS shards, else each stream's first shard and the key sample's shards
+    (`streams`: each file's stream, default from its name)."""
     if len(shard_files) <= EXACT_SHARDS:
         return shard_files
+    if streams is None:
+        parsed = [parse_shard_name(Path(p).name) for p in shard_files]
+        streams = [p.stream if p is not None else None for p in parsed]
     picked = dict.fromkeys(_spread(shard_files))
     seen: set[str | None] = set()
-    for p in shard_files:  # sorted by stream then rank: the first of a stream is its lowest rank
-        parsed = parse_shard_name(Path(p).name)
-        stream = parsed.stream if parsed is not None else None
+    # sorted by stream then rank: the first of a stream is its lowest rank
+    for p, stream in zip(shard_files, streams, strict=True):
         if stream not in seen:
             seen.add(stream)
             picked[p] = None
@@ -210,50 +218,89 @@ def sample_keys(paths: list[Path]) -> dict[str, dict[str, Any]]:
 
 def _column_expr(name: str, dtype: str, sample: dict[str, Any] | None) -> str:
     col = ident(name)
+    src = "j." + col
     numeric = sample is not None and sample["seen"] and sample["numeric"]
     if numeric and dtype == "JSON":
-        return f"TRY_CAST({col} ->> '$' AS DOUBLE) AS {col}"
+        return f"TRY_CAST({src} ->> '$' AS DOUBLE) AS {col}"
     if numeric and dtype not in _NUMERIC_TYPES:
         # VARCHAR, or a type DuckDB guessed from the strings alone: a key that is only
         # ever "Infinity" reads as DATE 'infinity' (9999-12-31 in Python); its text is
         # "infinity", which casts to the float
-        cast = col if dtype == "VARCHAR" else f"CAST({col} AS VARCHAR)"
+        cast = src if dtype == "VARCHAR" else f"CAST({src} AS VARCHAR)"
         return f"TRY_CAST({cast} AS DOUBLE) AS {col}"
-    return col
+    return f"{src} AS {col}"
 
 
 def _meta_expr(name: str, have: dict[str, str]) -> str:
     t = _META_TYPES[name]
     if name not in have:
         return f"NULL::{t} AS {ident(name)}"
-    return f"TRY_CAST({ident(name)} AS {t}) AS {ident(name)}"
+    return f"TRY_CAST(j.{ident(name)} AS {t}) AS {ident(name)}"
 
 
-def _shard_views(con: Any, shard_files: list[str]) -> list[str]:
-    """CREATE VIEW statements for `metrics` and `ranks`."""
-    if not shard_files:
+def _shard_table(con: Any, shards: list[RunShard], shard_files: list[str]) -> None:
+    """The variables the views read: SHARD_VAR (the file list), `expr_shard_ranks` and
+    `expr_shard_streams` (each file's, for a lookup by `file_index`), and the table
+    SHARD_TABLE (file -> rank, stream) that a DuckDB without `file_index` joins each
+    row to by its path (two symlinks to one file: read twice, with the first's rank).
+
+    A variable instead of a list literal in each view saves DuckDB binding thousands of
+    constants at every query.
+    """
+    first: dict[str, RunShard] = {}
+    for shard, path in zip(shards, shard_files, strict=True):
+        first.setdefault(path, shard)
+    con.execute(f"CREATE TABLE {SHARD_TABLE} (_file VARCHAR, _rank BIGINT, _stream VARCHAR)")
+    con.execute(f"INSERT INTO {SHARD_TABLE} SELECT unnest(?), unnest(?), unnest(?)",
+                [list(first), [s.rank for s in first.values()],
+                 [s.stream for s in first.values()]])
+    con.execute(f"SET VARIABLE {SHARD_VAR} = ?", [shard_files])
+    con.execute("SET VARIABLE expr_shard_ranks = ?::BIGINT[]", [[s.rank for s in shards]])
+    con.execute("SET VARIABLE expr_shard_streams = ?::VARCHAR[]", [[s.stream for s in shards]])
+
+
+def _shard_views(con: Any, shards: list[RunShard], shard_files: list[str] | None = None
+                 ) -> list[str]:
+    """CREATE VIEW statements for `metrics` and `ranks` over `shards` (read through
+    `shard_files`, their paths as DuckDB opens them; default each shard's own path)."""
+    if not shards:
         empty = ", ".join(f"NULL::{_META_TYPES[c]} AS {c}" for c in ("_rank", *_ROW_META))
         return [f"CREATE VIEW metrics AS SELECT {empty}, NULL::VARCHAR AS _stream LIMIT 0",
                 f"CREATE VIEW ranks AS SELECT {empty}, NULL::VARCHAR AS _stream LIMIT 0"]
+    if shard_files is None:
+        shard_files = [str(s.path) for s in shards]
+    _shard_table(con, shards, shard_files)
     options = f"filename='_file', ignore_errors=true, maximum_object_size={MAX_OBJECT}"
-    detect = detect_sample(shard_files)
+    detect = detect_sample(shard_files, [s.stream for s in shards])
     source = (f"read_json({_file_list(detect)}, format='newline_delimited', "
               f"union_by_name=true, {options})")
     described = con.execute(f"DESCRIBE SELECT * FROM {source}").fetchall()
     have = {row[0]: row[1] for row in described}
     if len(detect) < len(shard_files):
         spec = ", ".join(f"{literal(c)}: {literal(t)}" for c, t in have.items() if c != "_file")
-        source = (f"read_json({_file_list(shard_files)}, format='newline_delimited', "
+        source = (f"read_json(getvariable({literal(SHARD_VAR)}), format='newline_delimited', "
                   f"columns={{{spec}}}, {options})")
+    else:
+        source = (f"read_json(getvariable({literal(SHARD_VAR)}), format='newline_delimited', "
+                  f"union_by_name=true, {options})")
     sample = sample_keys([Path(p) for p in shard_files])
     keys = [k for k in have if k[:1] != "_"]
-    own_rank = "coalesce(TRY_CAST(_rank AS BIGINT), {f})" if "_rank" in have else "{f}"
-    kind_is = "_kind IS NULL" if "_kind" in have else "true"
-    rank_kind = "_kind = 'rank'" if "_kind" in have else "false"
-    step_ok = "_step IS NOT NULL" if "_step" in have else "false"
+    kind_is = "j._kind IS NULL" if "_kind" in have else "true"
+    rank_kind = "j._kind = 'rank'" if "_kind" in have else "false"
+    step_ok = "j._step IS NOT NULL" if "_step" in have else "false"
+    # each row's shard: its position in the file list (DuckDB >= 1.3), else a join by path
+    file_rank, file_stream = duckcopy.file_exprs(shards, "expr_shard")
+    by_index = "file_index" not in have and _has_file_index(con, shard_files[0])
+    if not by_index:
+        source += f" AS j JOIN {SHARD_TABLE} AS f ON j._file = f._file"
+        file_rank, file_stream = "f._rank", "f._stream"
+    else:
+        source += " AS j"
+    rank = (f"coalesce(TRY_CAST(j._rank AS BIGINT), {file_rank})" if "_rank" in have
+            else file_rank)
 
     def select(where: str, meta: tuple[str, ...], drop: str) -> str:
-        cols = [own_rank.format(f=_FILE_RANK) + " AS _rank", f"{_FILE_STREAM} AS _stream"]
+        cols = [f"{rank} AS _rank", f"{file_stream} AS _stream"]
         cols += [_meta_expr(m, have) for m in meta]
         for k in keys:
             info = sample.get(k)
@@ -266,6 +313,17 @@ def _shard_views(con: Any, shard_files: list[str]) -> list[str]:
         f"CREATE VIEW metrics AS {select(kind_is, _ROW_META, 'rank')}",
         f"CREATE VIEW ranks AS {select(rank_kind, _ROW_META + _RANK_META, 'step')}",
     ]
+
+
+def _has_file_index(con: Any, path: str) -> bool:
+    """Whether this DuckDB's file readers have the `file_index` column (1.3 on)."""
+    duckdb = need_duckdb()
+    try:
+        con.execute(f"SELECT file_index FROM read_json({literal(path)}, "
+                    "columns={'_step': 'BIGINT'}) LIMIT 0")
+    except duckdb.Error:
+        return False
+    return True
 
 
 def _fixed_view(name: str, files: list[str], columns: dict[str, str], first: str) -> str:
@@ -288,8 +346,8 @@ def connect(run_dir: str | os.PathLike[str], memory_limit: str = DEFAULT_MEMORY)
     run = Path(run_dir).resolve()
     # `run` is resolved: a shard's own path is its real one unless it is a symlink (and
     # resolving 4,096 paths costs more than the views' 64-shard detection)
-    shard_files = [str(s.path.resolve() if s.path.is_symlink() else s.path)
-                   for s in run_shards(run, ALL_STREAMS)]
+    shards = run_shards(run, ALL_STREAMS)
+    shard_files = [str(s.path.resolve() if s.path.is_symlink() else s.path) for s in shards]
     alert_files = sorted(str(p.resolve()) for p in run.iterdir()
                          if _ALERTS_RE.match(p.name) and p.is_file())
     incidents = run / "incidents.jsonl"
@@ -303,11 +361,13 @@ def connect(run_dir: str | os.PathLike[str], memory_limit: str = DEFAULT_MEMORY)
         con.execute("SET autoinstall_known_extensions = false")
         con.execute("SET autoload_known_extensions = false")
         allowed = [*shard_files, *alert_files, *incident_files]
-        con.execute(f"SET allowed_paths = {_file_list(allowed)}")
+        # through a variable: a list literal of thousands of paths costs DuckDB ~0.1 s to bind
+        con.execute("SET VARIABLE expr_allowed_paths = ?", [allowed])
+        con.execute("SET allowed_paths = getvariable('expr_allowed_paths')")
         con.execute("SET enable_external_access = false")
         con.execute("SET lock_configuration = true")
         try:
-            statements = _shard_views(con, shard_files)
+            statements = _shard_views(con, shards, shard_files)
             statements.append(_fixed_view("alerts", alert_files, ALERT_COLUMNS, "time"))
             statements.append(_fixed_view("incidents", incident_files, INCIDENT_COLUMNS, "kind"))
             for sql in statements:

@@ -1,0 +1,534 @@
+"""`expr export --format parquet` through DuckDB: export's own columns, DuckDB's scan and writer.
+
+Parquet export needs each column's type before the first row, decided over the whole run
+(`RunReader.columns()`: int64 only when every value is an integer, float64 for numbers with
+"NaN"/"Infinity" strings, a mixed key as JSON text, strings never sniffed as dates).
+DuckDB's own detection differs on each of these, so the first pass stays in Python:
+`scan` finds the same columns as `RunReader.columns()` (a test compares them), a block
+of records at a time (a set of the value types of each key over the block, in C, instead
+of a loop over every value), and notes anything DuckDB would read differently from
+`RunReader`:
+
+- a block that orjson does not take as whole objects (a torn, blank or foreign line, a
+  bare NaN token: `RunReader` goes line by line there) or an unterminated last line;
+- a `_step`, `_rank`, `_time` (or a rank record's `_world_size`, `_local_rank`, `_weight`)
+  of a type `RunReader` does not take, or a non-text `_kind`: DuckDB would cast 3.0 or
+  "3" to a step where the reader skips the row;
+- a key whose values mix types (a JSON-text column), an integer beyond int64;
+- a metric filter (`--metric`) over a key present with null (DuckDB cannot tell it from
+  absent), a rank or step filter.
+
+When there is none, DuckDB reads every shard with exactly those columns given
+(`read_json(columns=...)`, no detection), each row's rank and stream come from its
+file's position in the list (`file_index`, DuckDB 1.3 on), and `COPY ... TO` writes the
+parquet file, in the shards' order. Any DuckDB error (a
+duplicate key in a line, a value that does not cast in a record that is not exported, a
+file that changed meanwhile) drops its output and the rows are written by the Python
+path, with the columns already found. A line appended between the two passes is in the
+rows but not in the column types, as on the Python path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from functools import partial
+from itertools import chain, repeat
+from operator import is_not
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from expr_tracker.store import records
+from expr_tracker.store.reader import ShardReader
+from expr_tracker.store.runread import RESERVED_KINDS, RunReader, RunShard, merge_kinds
+
+BLOCK = 1024 * 1024
+GROUP_RECORDS = 8192  # records checked and typed together (small shards, fewer passes)
+MAX_OBJECT = 16 * 1024 * 1024  # the longest line DuckDB reads (maximum_object_size)
+_INT_MAX = 2**63 - 1
+_INT_MIN = -(2**63)
+_NONE = type(None)
+_DECODE = records.DECODE_NONFINITE
+_KIND_OF = {int: "int", float: "float", bool: "bool", str: "str"}  # any other type: json
+_SQL_TYPES = {"int": "BIGINT", "float": "DOUBLE", "bool": "BOOLEAN", "str": "VARCHAR"}
+
+
+class Scan:
+    """The first pass: `columns` as `RunReader.columns()` gives them, the rows it would
+    give, why DuckDB cannot write any row exactly (`problem`, None when it can), and the
+    shards whose rows it cannot (`python`: index -> why; the Python path writes those)."""
+
+    def __init__(self) -> None:
+        self.kinds: dict[str, str | None] = {}
+        self.rows = 0
+        self.garbage = 0
+        self.problem: str | None = None
+        self.python: dict[int, str] = {}
+        self.columns: dict[str, str] = {}
+        self.shard = -1  # the shard being read
+
+    def flag(self, why: str) -> None:
+        """Something in the current shard that DuckDB would read differently."""
+        self.python.setdefault(self.shard, why)
+
+    def flag_run(self, why: str) -> None:
+        """Something that keeps DuckDB from writing any of the rows."""
+        if self.problem is None:
+            self.problem = why
+
+
+def _values(recs: list[dict[str, Any]], key: str) -> list[Any]:
+    """Each record's value of `key` (None when absent), looked up in C."""
+    return list(map(dict.get, recs, repeat(key)))
+
+
+def _types(recs: list[dict[str, Any]], key: str) -> set[type]:
+    return set(map(type, map(dict.get, recs, repeat(key))))
+
+
+def _int_range(values: list[Any]) -> tuple[int, int]:
+    """(min, max) of the integers among `values` (all ints, or ints and None)."""
+    ints = list(filter(partial(is_not, None), values))
+    return min(ints), max(ints)
+
+
+def _block_records(reader: ShardReader, fh: Any, scan: Scan) -> Any:
+    """The records of each block of complete lines, as `ShardReader.iter_all` reads and
+    decodes them (its garbage counted in `reader`)."""
+    done = 0
+    for _, data in records.complete_blocks(fh, BLOCK):
+        done += len(data)
+        if len(data) > MAX_OBJECT:
+            scan.flag("a line longer than DuckDB reads")
+        recs = records.loads_block(data)
+        if recs is None:
+            scan.flag("a line orjson does not read as one JSON object (torn, blank, foreign)")
+            recs = []
+            for _, line in records.iter_lines(data):
+                rec = reader._parse(line) if line.strip() else None
+                if rec is not None:
+                    recs.append(rec)
+        elif b'"NaN"' in data or b'Infinity"' in data:
+            _decode(recs)
+        yield recs
+    if fh.tell() != done:
+        scan.flag("an unterminated last line (a writer mid-append, or a torn tail)")
+
+
+def _kept(recs: list[dict[str, Any]], want: str | None, metrics: list[str] | None,
+          flag: Callable[[str], Any]) -> list[dict[str, Any]]:
+    """The records of `recs` that make rows (`RunReader._records_of`), calling `flag`
+    for a reserved field that DuckDB would read differently."""
+    kinds = _types(recs, "_kind")
+    if kinds == {_NONE}:
+        kept = recs if want is None else []
+    else:
+        if not kinds <= {_NONE, str}:
+            flag("a _kind that is not text")
+        kept = ([r for r in recs if r.get("_kind") is None] if want is None
+                else [r for r in recs if r.get("_kind") == want])
+    if not kept:
+        return kept
+    steps = _types(kept, "_step")
+    if steps != {int}:
+        if not steps <= {int, _NONE}:
+            flag("a _step that is not an integer")
+        kept = [r for r in kept if type(r.get("_step")) is int]
+        if not kept:
+            return kept
+    lo, hi = _int_range(_values(kept, "_step"))
+    if lo < _INT_MIN or hi > _INT_MAX:
+        flag("a _step beyond int64")
+    ints = ["_rank", "_world_size", "_local_rank"] if want is not None else ["_rank"]
+    for key in ints:
+        seen = _types(kept, key)
+        if not seen <= {_NONE, int}:
+            flag(f"a {key} that is not an integer")
+        elif int in seen:
+            lo, hi = _int_range(_values(kept, key))
+            if lo < _INT_MIN or hi > _INT_MAX:
+                flag(f"a {key} beyond int64")
+    for key in ("_time", "_weight") if want is not None else ("_time",):
+        if not _types(kept, key) <= {_NONE, int, float}:
+            flag(f"a {key} that is not a number")
+    if metrics is not None:
+        kept = [r for r in kept if any(k in r for k in metrics)]
+        if any(r.get(k, 0) is None for k in metrics for r in kept):
+            flag("a --metric key present with null (DuckDB reads it as absent)")
+    return kept
+
+
+def _decode(recs: list[dict[str, Any]]) -> None:
+    """`records.decode_nonfinite` of every record, a key at a time (only the keys with
+    text values loop in Python)."""
+    for key in dict.fromkeys(chain.from_iterable(recs)):
+        if key[:1] == "_":
+            continue
+        values = _values(recs, key)
+        if str in set(map(type, values)):
+            for rec, v in zip(recs, values):  # noqa: B905 (same length)
+                if v.__class__ is str and v in _DECODE:
+                    rec[key] = _DECODE[v]
+
+
+def _merge_block(kept: list[dict[str, Any]], metrics: list[str] | None, scan: Scan) -> None:
+    """Each key's kind over a block, merged into `scan.kinds` (first appearance first), as
+    `value_kind` and `merge_kinds` give it value by value."""
+    if metrics is None:
+        keys = [k for k in dict.fromkeys(chain.from_iterable(kept)) if k[:1] != "_"]
+    else:
+        keys = [k for k in metrics if k[:1] != "_" and any(k in r for r in kept)]
+    kinds = scan.kinds
+    for key in keys:
+        values = _values(kept, key)
+        types = set(map(type, values))
+        types.discard(_NONE)
+        kind: str | None = None
+        for t in types:
+            k = _KIND_OF.get(t, "json")
+            if t is int:  # beyond int64, value_kind says float
+                lo, hi = _int_range(values) if types == {int} else (0, 0)
+                if types == {int} and (lo < _INT_MIN or hi > _INT_MAX):
+                    k = "float"
+            kind = merge_kinds(kind, k)
+        if key not in kinds:
+            kinds[key] = kind
+        elif kind is not None and kinds[key] != kind:
+            kinds[key] = merge_kinds(kinds[key], kind)
+
+
+def _scan_part(shards: list[RunShard], offset: int, want: str | None,
+               metrics: list[str] | None) -> Scan:
+    """The first pass over `shards` (the run's from index `offset` on)."""
+    out = Scan()
+    group: list[tuple[int, list[dict[str, Any]]]] = []
+    size = 0
+
+    def flush() -> None:
+        # the shards of a group are checked together; a flag is then found its shard
+        flags: list[str] = []
+        kept = _kept(list(chain.from_iterable(r for _, r in group)), want, metrics, flags.append)
+        if flags:
+            for i, recs in group:
+                _kept(recs, want, metrics, partial(out.python.setdefault, i))
+        out.rows += len(kept)
+        _merge_block(kept, metrics, out)
+        group.clear()
+
+    for i, shard in enumerate(shards, offset):
+        out.shard = i
+        sr = ShardReader(shard.path)
+        with open(shard.path, "rb") as fh:
+            for recs in _block_records(sr, fh, out):
+                group.append((i, recs))
+                size += len(recs)
+                if size >= GROUP_RECORDS:
+                    flush()
+                    size = 0
+        out.garbage += sr.garbage
+    if group:
+        flush()
+    return out
+
+
+def _merge_parts(a: Scan, b: Scan) -> Scan:
+    """`a` then `b` as one pass over both would have found them."""
+    for key, kind in b.kinds.items():
+        if key not in a.kinds:
+            a.kinds[key] = kind
+        elif kind is not None and a.kinds[key] != kind:
+            a.kinds[key] = merge_kinds(a.kinds[key], kind)
+    a.rows += b.rows
+    a.garbage += b.garbage
+    for i, why in b.python.items():
+        a.python.setdefault(i, why)
+    return a
+
+
+PARALLEL_SHARDS = 512  # from this many shards a second process reads the second half
+
+
+def _start_part(shards: list[RunShard], offset: int, want: str | None,
+                metrics: list[str] | None) -> Any:
+    """A `python -c` process scanning `shards` (a plain child, not multiprocessing: that
+    would import the caller's __main__ again); None when it cannot start."""
+    import subprocess
+    import sys
+
+    job = orjson.dumps({"shards": [[str(s.path), s.stream, s.rank] for s in shards],
+                        "offset": offset, "want": want, "metrics": metrics})
+    root = str(Path(__file__).resolve().parents[2])  # where this expr_tracker is imported from
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "from expr_tracker.views.duckcopy import _part_main; _part_main()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    except OSError:
+        return None
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(job)
+        proc.stdin.close()
+    except OSError:
+        proc.kill()
+        proc.wait()
+        return None
+    return proc
+
+
+def _finish_part(proc: Any) -> Scan | None:
+    """The helper's Scan, or None when it failed (the caller reads that half itself)."""
+    if proc is None:
+        return None
+    try:
+        data = proc.stdout.read()
+    finally:
+        proc.stdout.close()
+        code = proc.wait()
+    if code != 0:
+        return None
+    try:
+        got = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    part = Scan()
+    part.kinds = dict(got["kinds"])
+    part.rows, part.garbage = got["rows"], got["garbage"]
+    part.python = {int(i): why for i, why in got["python"]}
+    return part
+
+
+def _part_main() -> None:
+    """The helper process: a job on stdin, its Scan on stdout (JSON)."""
+    import sys
+
+    job = orjson.loads(sys.stdin.buffer.read())
+    shards = [RunShard(Path(p), stream, rank) for p, stream, rank in job["shards"]]
+    part = _scan_part(shards, job["offset"], job["want"], job["metrics"])
+    sys.stdout.buffer.write(orjson.dumps({
+        "kinds": list(part.kinds.items()), "rows": part.rows, "garbage": part.garbage,
+        "python": list(part.python.items())}))
+
+
+def _helpers() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return cores - 1
+
+
+def scan(reader: RunReader) -> Scan:
+    """One pass over the run: its columns (as `reader.columns()`), and whether DuckDB can
+    write its rows exactly. Sets `reader.garbage` as a pass of the reader does. A run of
+    PARALLEL_SHARDS shards or more is read by this process and a spawned one, a half
+    each, when there is a second core (only the small answers cross between them)."""
+    if reader.ranks is not None or reader.step_range != (None, None):
+        out = Scan()
+        out.flag_run("a rank or step filter")
+        out.columns = reader.columns()
+        return out
+    want = "rank" if reader.rank_records else None
+    shards = reader.shards
+    if len(shards) >= PARALLEL_SHARDS and _helpers() > 0:
+        half = len(shards) // 2
+        child = _start_part(shards[half:], half, want, reader.metrics)
+        out = _scan_part(shards[:half], 0, want, reader.metrics)
+        second = _finish_part(child)
+        if second is None:  # the helper failed: this process reads its half too
+            second = _scan_part(shards[half:], half, want, reader.metrics)
+        out = _merge_parts(out, second)
+    else:
+        out = _scan_part(shards, 0, want, reader.metrics)
+    if reader.metrics is not None and any(k[:1] == "_" for k in reader.metrics):
+        out.flag_run("a --metric that is a reserved field")
+    reader.garbage = out.garbage
+    kinds = out.kinds
+    if reader.metrics is not None:
+        kinds = {k: kinds[k] for k in reader.metrics if k in kinds}
+    if any(v == "json" for v in kinds.values()):
+        out.flag_run("a key whose values mix types (JSON text)")
+    out.columns = {k: RESERVED_KINDS[k] for k in reader.reserved}
+    out.columns.update((k, v or "str") for k, v in kinds.items())
+    return out
+
+
+def available() -> Any:
+    """`duckdb`, or None when it is not installed (the Python path writes then)."""
+    try:
+        import duckdb
+    except ImportError:
+        return None
+    return duckdb
+
+
+def _ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _segments(shards: list[RunShard]) -> list[tuple[int, int, int, str | None]]:
+    """(first file index, last + 1, rank of the first, stream) of each run of shards whose
+    ranks go up by one in one stream: one for each stream of a run with every rank."""
+    segs: list[tuple[int, int, int, str | None]] = []
+    for i, shard in enumerate(shards):
+        if segs:
+            start, end, rank, stream = segs[-1]
+            if stream == shard.stream and shard.rank == rank + (end - start):
+                segs[-1] = (start, end + 1, rank, stream)
+                continue
+        segs.append((i, i + 1, shard.rank, shard.stream))
+    return segs
+
+
+MAX_SEGMENTS = 32  # beyond, each row looks its file's rank and stream up in a list
+
+
+def file_exprs(shards: list[RunShard], prefix: str = "expr_export") -> tuple[str, str]:
+    """SQL for the rank and the stream of a row's shard, from DuckDB's `file_index` (the
+    position of the row's file in the list): arithmetic over a few CASE branches, not a
+    join (a hash join loses the rows' order) nor a regex over every row's path. With
+    many segments, a lookup in the lists `{prefix}_ranks` and `{prefix}_streams`
+    (DuckDB variables the caller sets). A key named file_index hides the column: the
+    caller does not use this then."""
+    segs = _segments(shards)
+    idx = "file_index::BIGINT"
+    if len(segs) > MAX_SEGMENTS:
+        return (f"getvariable('{prefix}_ranks')[{idx} + 1]",
+                f"getvariable('{prefix}_streams')[{idx} + 1]")
+
+    def stream_sql(stream: str | None) -> str:
+        return "NULL::VARCHAR" if stream is None else _literal(stream)
+
+    if len(segs) == 1:
+        start, _, rank, stream = segs[0]
+        return f"({idx} + {rank - start})", stream_sql(stream)
+    ranks = " ".join(f"WHEN {idx} < {end} THEN {idx} + {rank - start}"
+                     for start, end, rank, _ in segs[:-1])
+    streams = " ".join(f"WHEN {idx} < {end} THEN {stream_sql(stream)}"
+                       for _, end, _, stream in segs[:-1])
+    last = segs[-1]
+    return (f"(CASE {ranks} ELSE {idx} + {last[2] - last[0]} END)",
+            f"(CASE {streams} ELSE {stream_sql(last[3])} END)")
+
+
+def select_sql(reader: RunReader, shards: list[RunShard], columns: dict[str, str]) -> str:
+    """The SELECT of the rows of `shards` with `columns`, in their order, reading the
+    files of the variable `expr_export_files` (set by `duck_batches`)."""
+    rank_records = reader.rank_records
+    spec = {"_kind": "VARCHAR", "_step": "BIGINT", "_rank": "BIGINT", "_time": "DOUBLE"}
+    if rank_records:
+        spec.update(_world_size="BIGINT", _local_rank="BIGINT", _weight="DOUBLE")
+    keys = [k for k in columns if k not in RESERVED_KINDS]
+    spec.update((k, _SQL_TYPES[columns[k]]) for k in keys)
+    struct = "{" + ", ".join(f"{_literal(k)}: {_literal(t)}" for k, t in spec.items()) + "}"
+    file_rank, file_stream = file_exprs(shards)
+    cols = [f'CASE WHEN "_rank" >= 0 THEN "_rank" ELSE {file_rank} END AS "_rank"',
+            f'{file_stream} AS "_stream"', '"_step"', '"_time"']
+    if rank_records:
+        cols += ['"_world_size"', '"_local_rank"', '"_weight"']
+    cols += [_ident(k) for k in keys]
+    where = ["_kind = 'rank'" if rank_records else "_kind IS NULL", "_step IS NOT NULL"]
+    if reader.metrics is not None:
+        present = [f"{_ident(k)} IS NOT NULL" for k in dict.fromkeys(reader.metrics) if k in keys]
+        where.append("(" + (" OR ".join(present) or "false") + ")")
+    source = (f"read_json(getvariable('expr_export_files'), format='newline_delimited', "
+              f"columns={struct}, maximum_object_size={MAX_OBJECT})")
+    return f"SELECT {', '.join(cols)} FROM {source} WHERE {' AND '.join(where)}"
+
+
+def plan(reader: RunReader, first: Scan) -> list[tuple[bool, list[RunShard]]] | None:
+    """(by DuckDB, shards) groups of consecutive shards, in order; None when the Python
+    path is to write every row (a problem of the whole run, or too many groups)."""
+    if first.problem is not None or available() is None or "file_index" in first.columns:
+        return None
+    groups: list[tuple[bool, list[RunShard]]] = []
+    for i, shard in enumerate(reader.shards):
+        duck = i not in first.python
+        if groups and groups[-1][0] == duck:
+            groups[-1][1].append(shard)
+        else:
+            groups.append((duck, [shard]))
+    if sum(1 for duck, _ in groups if duck) > MAX_GROUPS or not any(d for d, _ in groups):
+        return None
+    return groups
+
+
+MAX_GROUPS = 16  # DuckDB queries per export: more (shards to read in Python between) and
+# the Python path writes it all
+
+
+def duck_batches(con: Any, reader: RunReader, shards: list[RunShard], columns: dict[str, str],
+                 batch_rows: int) -> Any:
+    """Arrow RecordBatches of the rows of `shards`, read by DuckDB on `con`."""
+    con.execute("SET VARIABLE expr_export_files = ?", [[str(s.path) for s in shards]])
+    con.execute("SET VARIABLE expr_export_ranks = ?::BIGINT[]", [[s.rank for s in shards]])
+    con.execute("SET VARIABLE expr_export_streams = ?::VARCHAR[]", [[s.stream for s in shards]])
+    duckdb = available()
+    try:
+        rel = con.sql(select_sql(reader, shards, columns))
+        stream = (rel.to_arrow_reader(batch_rows) if hasattr(rel, "to_arrow_reader")
+                  else rel.fetch_arrow_reader(batch_rows))  # DuckDB < 1.4
+        it = iter(stream)
+        while True:
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            yield batch
+    except duckdb.Error as exc:
+        raise Refused(str(exc)) from None
+    except OSError as exc:  # DuckDB's error, through the Arrow stream
+        raise Refused(str(exc)) from None
+
+
+def copy_parquet(con: Any, reader: RunReader, columns: dict[str, str], out: Path,
+                 row_group: int) -> int:
+    """Every row written by DuckDB's own `COPY ... TO` (parallel, no Arrow in between),
+    when DuckDB reads every shard: the number of rows. Refused when DuckDB refuses."""
+    duckdb = available()
+    shards = reader.shards
+    try:
+        con.execute("SET VARIABLE expr_export_files = ?", [[str(s.path) for s in shards]])
+        con.execute("SET VARIABLE expr_export_ranks = ?::BIGINT[]", [[s.rank for s in shards]])
+        con.execute("SET VARIABLE expr_export_streams = ?::VARCHAR[]",
+                    [[s.stream for s in shards]])
+        row = con.execute(f"COPY ({select_sql(reader, shards, columns)}) TO {_literal(str(out))} "
+                          f"(FORMAT parquet, ROW_GROUP_SIZE {int(row_group)})").fetchone()
+    except duckdb.Error as exc:
+        raise Refused(str(exc)) from None
+    return int(row[0]) if row else 0
+
+
+class Refused(Exception):
+    """DuckDB would not read the rows (a line with a duplicate key, a value that does
+    not cast); the Python path writes them instead."""
+
+
+@contextlib.contextmanager
+def connect(memory_limit: str = "25%") -> Iterator[Any]:
+    """An in-memory DuckDB connection for the scan: rows in file order, a bounded memory
+    and a spill directory of its own, no extension loaded."""
+    duckdb = available()
+    spill = tempfile.mkdtemp(prefix="expr-export-")
+    con = duckdb.connect(":memory:")
+    try:
+        con.execute(f"SET temp_directory = {_literal(spill)}")
+        con.execute(f"SET memory_limit = {_literal(memory_limit)}")
+        con.execute("SET enable_progress_bar = false")
+        con.execute("SET autoinstall_known_extensions = false")
+        con.execute("SET autoload_known_extensions = false")
+        con.execute("SET preserve_insertion_order = true")  # rows in the shards' order
+        yield con
+    finally:
+        con.close()
+        shutil.rmtree(spill, ignore_errors=True)
