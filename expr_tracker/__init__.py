@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from types import MethodType
-from typing import TYPE_CHECKING, Any
+from types import MethodType as _MethodType
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any
 
 from expr_tracker import _state
 from expr_tracker.errors import RuleError, RunNotFoundError, TrackerError, UsageError
@@ -109,14 +110,14 @@ def get_run() -> Run | None:
     return run
 
 
-if TYPE_CHECKING:
+if _TYPE_CHECKING:
     def log(data: Mapping[str, Any], step: int | None = None, commit: bool | None = None) -> None:
         """Log metrics to the current run with wandb's step semantics."""
 else:
     # `Run.log` bound to the holder of the current run (see `_state.Current`): a call costs
     # no wrapper, and `from expr_tracker import log` taken at any time logs to the run
     # current at each call, or raises the usage error without one
-    log = MethodType(Run.log, _state.CURRENT)
+    log = _MethodType(Run.log, _state.CURRENT)
 
 
 def log_rank_metrics(
