@@ -160,7 +160,7 @@ def read_window(
     (ranks far ahead of the frontier) are read again. `state`: the live state when the
     caller keeps one (a `RunReader` between calls); else it is read here.
     """
-    from expr_tracker.health.state import read_run
+    from expr_tracker.health.state import RunReader, read_run
     from expr_tracker.stats import parallel, scan
 
     paths = [s.path for s in shards]
@@ -170,10 +170,14 @@ def read_window(
             state = read_run(run_dir, stream, window=2)
         lo = window_lo(step, window, state.frontier)
         return state, lo, parallel.ScanJob(paths, lo, expected_bytes=expected if lo else 1 << 62).result()
-    job = parallel.ScanJob(paths, recent=RECENT, expected_bytes=expected)
     if state is None:
-        state = read_run(run_dir, stream, window=2)
-    scans = job.result()
+        # one read of each tail for both: the state's few lines and the scan's recent
+        # steps come from the same bytes, in the reader's forked workers (DESIGN 14)
+        reader = RunReader(run_dir, stream, window=2, scan_recent=RECENT)
+        state = reader.read()
+        scans = _in_order(paths, reader.take_scans(), parallel)
+    else:
+        scans = parallel.ScanJob(paths, recent=RECENT, expected_bytes=expected).result()
     lo = window_lo(None, None, state.frontier)
     if lo is not None:
         for i, sc in enumerate(scans):
@@ -181,6 +185,20 @@ def read_window(
             if firsts and min(firsts) > lo:
                 scans[i] = scan.scan_shard(paths[i], lo)
     return state, lo, scans
+
+
+def _in_order(paths: list[Any], got: dict[str, Any], parallel: Any) -> list[Any]:
+    """The scans of `paths`, in order: those a reader took with the live state, and the
+    others (shards that appeared after its listing, or that it could not read) read now."""
+    import os
+
+    names = [os.fspath(p) for p in paths]
+    rest = [n for n in names if n not in got]
+    if rest:
+        got.update(zip(rest, parallel.ScanJob(rest, recent=RECENT,
+                                              expected_bytes=len(rest) * RECENT * _TAIL_GUESS
+                                              ).result(), strict=True))
+    return [got[n] for n in names]
 
 
 def window_lo(step: int | None, window: tuple[int | None, int | None] | None,

@@ -22,8 +22,8 @@ from bisect import bisect_left
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 from itertools import islice, repeat
-from operator import lt
-from typing import Any, cast
+from operator import itemgetter, lt
+from typing import Any, BinaryIO, cast
 
 import orjson
 
@@ -80,9 +80,15 @@ def _clean_weight(w: Any) -> float:
     return float(w) if ok else 1.0
 
 
-def parse_rank_lines(body: bytes) -> tuple[list[dict[str, Any]], int]:
+def parse_rank_lines(body: bytes, only: bool = False) -> tuple[list[dict[str, Any]], int]:
     """The rank records among the lines of `body` (each ending in a newline), and how many
-    lines were garbage."""
+    lines were garbage. `only`: return the records of the lines that can hold a rank record
+    (those with `"rank"`; the caller keeps those of `_kind` "rank"), parsing only them: half
+    the lines of a shard of step rows and rank records. The garbage count is the same."""
+    if only and _RANK_MARK in body and b"\\u" not in body:  # (an escaped "rank" would hide)
+        got = _parse_marked(body)
+        if got is not None:
+            return got
     if _RANK_MARK in body:
         # Rank records here (alone, or between step rows): parse all lines as one JSON
         # array, in C. If every line is one object there is no garbage, and step rows
@@ -94,6 +100,29 @@ def parse_rank_lines(body: bytes) -> tuple[list[dict[str, Any]], int]:
     lines = body.split(b"\n")
     lines.pop()
     return _parse_lines(lines)
+
+
+def _parse_marked(body: bytes) -> tuple[list[dict[str, Any]], int] | None:
+    """`parse_rank_lines(only=True)` when the lines with `"rank"` parse as one block: those
+    records, and the other lines that are not `{...}` (what `_parse_lines` counts of
+    them); None otherwise (the caller parses as before)."""
+    lines = body.split(b"\n")
+    lines.pop()
+    marked = [x for x in lines if _RANK_MARK in x]
+    bad = 0
+    if len(marked) < len(lines):
+        for x in lines:
+            if x[:1] != b"{" or x[-1:] != b"}":
+                stripped = x.strip()
+                if stripped and not (stripped[:1] == b"{" and stripped[-1:] == b"}") \
+                        and _RANK_MARK not in x:
+                    bad += 1
+    if not marked:
+        return [], bad
+    recs = records.loads_block(b"\n".join(marked) + b"\n")
+    if recs is None:
+        return None
+    return recs, bad
 
 
 def _parse_lines(lines: list[bytes]) -> tuple[list[dict[str, Any]], int]:
@@ -135,7 +164,23 @@ class _Acc:
     def add(self, recs: list[dict[str, Any]]) -> None:
         """Append the records of this rank (file order); _Irregular if they don't fit."""
         n = len(recs)
-        steps = cast("list[int]", list(map(_get, recs, repeat("_step"))))
+        keys = tuple(recs[0])
+        if self.keys is None:
+            self.keys = keys
+        elif set(keys) != set(self.keys):
+            raise _Irregular
+        if n > 1 and set(map(len, recs)) != {len(keys)}:
+            raise _Irregular
+        try:
+            # the records as columns, in C: a record without one of the first's keys
+            # (with as many keys, so other keys) raises KeyError
+            table = list(zip(*map(itemgetter(*keys), recs), strict=True)) if len(keys) > 1 else None
+        except KeyError:
+            raise _Irregular from None
+        if table is None:  # ({"_kind": ...} alone: no step)
+            raise _Irregular
+        by_key = dict(zip(keys, table, strict=True))
+        steps = cast("tuple[int, ...]", by_key.get("_step", (None,)))
         if set(map(type, steps)) != {int}:
             raise _Irregular
         try:
@@ -146,25 +191,12 @@ class _Acc:
             map(lt, steps, islice(steps, 1, None))
         ):
             raise _Irregular  # a repeated step: the later record wins, per key
-        keys = tuple(recs[0])
-        if self.keys is None:
-            self.keys = keys
-        elif set(keys) != set(self.keys):
-            raise _Irregular
-        if n > 1 and set(map(len, recs)) != {len(keys)}:
-            raise _Irregular
         cols: dict[str, array[float]] = {}
-        for key in keys:
-            if key in ("_kind", "_step", "_rank"):
-                continue  # present in every record: checked by the caller and above
+        col: Sequence[Any]
+        for key, col in by_key.items():
             if key[:1] == "_" and key not in ("_weight", "_world_size"):
-                if sum(map(dict.__contains__, recs, repeat(key))) != n:
-                    raise _Irregular  # the same number of keys, but other keys
-                continue
-            col = list(map(_get, recs, repeat(key), repeat(_ABSENT)))
+                continue  # (`_kind`, `_step`, `_rank`: checked by the caller and above)
             types = set(map(type, col))
-            if _Absent in types:
-                raise _Irregular  # the same number of keys, but other keys
             if key[:1] == "_":
                 if key == "_weight":
                     self._add_weights(col, types)
@@ -191,7 +223,7 @@ class _Acc:
             self.columns.setdefault(key, array("d")).extend(values)
         self.steps.extend(step_array)
 
-    def _add_weights(self, col: list[Any], types: set[type]) -> None:
+    def _add_weights(self, col: Sequence[Any], types: set[type]) -> None:
         distinct = set(col) if types <= _NUMBER else None  # (a JSON list is not hashable)
         one = _clean_weight(col[0]) if distinct is not None and len(distinct) == 1 else None
         if self.weights is None and one is not None:
@@ -234,28 +266,32 @@ def _add_chunk(accs: dict[int, _Acc], recs: list[dict[str, Any]]) -> None:
 
 
 def scan_shard(
-    path: str | os.PathLike[str], lo: int | None = None, recent: int | None = None
+    path: str | os.PathLike[str], lo: int | None = None, recent: int | None = None,
+    fh: BinaryIO | None = None,
 ) -> ShardScan:
     """Read one shard's rank records as blocks (an unterminated last line is ignored); with
     `lo`, only the shard's tail from about step `lo` on (see `window_start`); with
-    `recent`, only its last `recent` steps."""
+    `recent`, only its last `recent` steps. `fh`: the shard already open (or its tail
+    read, `window.TailBytes`), read as the file would be."""
+    if fh is None:
+        with open(path, "rb") as own:
+            return scan_shard(path, lo, recent, own)
     accs: dict[int, _Acc] = {}
     garbage = 0
     regular = True
-    with open(path, "rb") as fh:
-        if recent is not None and lo is None:
-            top = last_step(fh)
-            lo = None if top is None else top - recent + 1
-        start = window_start(fh, lo) if lo is not None else 0
-        for _, data in records.complete_blocks(fh, _CHUNK, start):
-            recs, bad = parse_rank_lines(data)
-            garbage += bad
-            if regular:
-                try:
-                    _add_chunk(accs, recs)
-                except _Irregular:
-                    regular = False
-                    accs.clear()
+    if recent is not None and lo is None:
+        top = last_step(fh)
+        lo = None if top is None else top - recent + 1
+    start = window_start(fh, lo) if lo is not None else 0
+    for _, data in records.complete_blocks(fh, _CHUNK, start):
+        recs, bad = parse_rank_lines(data, only=True)
+        garbage += bad
+        if regular:
+            try:
+                _add_chunk(accs, recs)
+            except _Irregular:
+                regular = False
+                accs.clear()
     blocks = [acc.block() for acc in accs.values()] if regular else None
     return ShardScan(os.fspath(path), blocks, garbage)
 

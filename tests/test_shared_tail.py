@@ -1,0 +1,265 @@
+"""One read of each shard's tail shared by the live state and the summary's scan (issue 24):
+the answers are those of the reads before, shard by shard and for the whole summary, on
+the same synthetic runs (every rank, every step, NaNs, text values, garbage, torn tails,
+long shards and shards of several ranks included)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from array import array
+from itertools import islice, repeat
+from operator import lt
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from expr_tracker.health import tail
+from expr_tracker.health.state import RunReader, read_run
+from expr_tracker.stats import scan
+from expr_tracker.stats.scan import (
+    _ABSENT,
+    _MAX_RANKS,
+    _NONFINITE,
+    _NUMBER,
+    _Absent,
+    _get,
+    _Irregular,
+)
+from expr_tracker.store import records
+from expr_tracker.store.window import last_step, window_start
+from tests.synthetic import write_run
+
+RECENT = 66
+
+
+class _OldAcc(scan._Acc):
+    """`scan._Acc` as it was before issue 24 (one `map` per key), the reference."""
+
+    def add(self, recs: list[dict[str, Any]]) -> None:
+        """Append the records of this rank (file order); _Irregular if they don't fit."""
+        n = len(recs)
+        steps = cast("list[int]", list(map(_get, recs, repeat("_step"))))
+        if set(map(type, steps)) != {int}:
+            raise _Irregular
+        try:
+            step_array = array("q", steps)
+        except OverflowError:
+            raise _Irregular from None
+        if (self.steps and steps[0] <= self.steps[-1]) or not all(
+            map(lt, steps, islice(steps, 1, None))
+        ):
+            raise _Irregular  # a repeated step: the later record wins, per key
+        keys = tuple(recs[0])
+        if self.keys is None:
+            self.keys = keys
+        elif set(keys) != set(self.keys):
+            raise _Irregular
+        if n > 1 and set(map(len, recs)) != {len(keys)}:
+            raise _Irregular
+        cols: dict[str, array[float]] = {}
+        for key in keys:
+            if key in ("_kind", "_step", "_rank"):
+                continue  # present in every record: checked by the caller and above
+            if key[:1] == "_" and key not in ("_weight", "_world_size"):
+                if sum(map(dict.__contains__, recs, repeat(key))) != n:
+                    raise _Irregular  # the same number of keys, but other keys
+                continue
+            col = list(map(_get, recs, repeat(key), repeat(_ABSENT)))
+            types = set(map(type, col))
+            if _Absent in types:
+                raise _Irregular  # the same number of keys, but other keys
+            if key[:1] == "_":
+                if key == "_weight":
+                    self._add_weights(col, types)
+                elif key == "_world_size":
+                    sizes = [w for w in col if w.__class__ is int and w <= _MAX_RANKS]
+                    self.world = max([self.world, *sizes])
+                continue
+            if str in types:
+                # non-finite values are written as "NaN", "Infinity", "-Infinity"
+                col = [_NONFINITE.get(x, x) if x.__class__ is str else x for x in col]
+                types = set(map(type, col))
+            if types <= _NUMBER:
+                try:
+                    cols[key] = array("d", col)
+                except OverflowError:
+                    raise _Irregular from None
+            elif types & _NUMBER:
+                raise _Irregular  # a number at some steps only
+        if "_weight" not in keys:
+            self._add_weights([1.0] * n, {float})
+        if self.steps and set(cols) != set(self.columns):
+            raise _Irregular
+        for key, values in cols.items():
+            self.columns.setdefault(key, array("d")).extend(values)
+        self.steps.extend(step_array)
+
+
+def _old_scan(path: Path, recent: int) -> scan.ShardScan:
+    """`scan.scan_shard(path, recent=recent)` before issue 24: its own reads of the file,
+    every line parsed (`parse_rank_lines` without `only`), the old accumulator."""
+    accs: dict[int, Any] = {}
+    garbage, regular = 0, True
+    saved = scan._Acc
+    scan._Acc = _OldAcc  # type: ignore[misc]
+    try:
+        with open(path, "rb") as fh:
+            top = last_step(fh)
+            lo = None if top is None else top - recent + 1
+            start = window_start(fh, lo) if lo is not None else 0
+            for _, data in records.complete_blocks(fh, 4 << 20, start):
+                recs, bad = scan.parse_rank_lines(data)
+                garbage += bad
+                if regular:
+                    try:
+                        scan._add_chunk(accs, recs)
+                    except _Irregular:
+                        regular, accs = False, {}
+    finally:
+        scan._Acc = saved  # type: ignore[misc]
+    return scan.ShardScan(os.fspath(path), [a.block() for a in accs.values()] if regular else None,
+                          garbage)
+
+
+def _same(v: Any) -> Any:
+    """A value to compare (NaN equal to NaN, arrays as lists, text as it is)."""
+    if isinstance(v, float):
+        return "nan" if math.isnan(v) else v
+    if isinstance(v, array):
+        return [_same(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _same(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_same(x) for x in v]
+    return v
+
+
+def _scan_view(sc: scan.ShardScan) -> Any:
+    blocks = None if sc.blocks is None else [
+        (b.rank, b.world, list(b.steps), _same(b.weights), _same(b.columns)) for b in sc.blocks]
+    return blocks, sc.garbage
+
+
+def _tail_view(t: tail.ShardTail) -> Any:
+    return {k: _same(v) if not isinstance(v, Path) else str(v) for k, v in vars(t).items()
+            if k not in ("version", "scan", "scan_recent", "read_now", "side_read_now", "rank_recs",
+                         "series")} | {
+        "rank_recs": {r: [_same(x) for x in q] for r, q in t.rank_recs.items()},
+        "series": {r: (list(s.steps), _same(s.values), _same(s.latest)) for r, s in t.series.items()}}
+
+
+def _line(rec: dict[str, Any]) -> str:
+    return json.dumps(rec) + "\n"
+
+
+def _odd_run(root: Path) -> Path:
+    """A synthetic run (24 ranks, 150 steps) and shards that are anything but regular."""
+    run = write_run(root / "p" / "odd", 24, 150, straggler=13, crashed=17)
+    rr = {"_kind": "rank", "_world_size": 24, "_weight": 1.0}
+
+    def add(rank: int, text: str) -> None:
+        with open(run / f"metrics.rank{rank}.jsonl", "a") as fh:
+            fh.write(text)
+
+    # NaN, infinities and text among rank records and step rows
+    add(3, "".join(_line({**rr, "_step": s, "_rank": 3, "_time": 1e9 + s,
+                          "step_time": ("NaN", "Infinity", "-Infinity", "slow", 0.5)[s % 5],
+                          "grad_norm": 1.0}) + _line({"_step": s, "_time": 1e9 + s, "loss": "NaN"})
+                   for s in range(150, 170)))
+    # garbage lines inside the window, and a torn tail
+    add(4, "not json\n{\"_step\": 151, broken}\n" + _line({**rr, "_step": 150, "_rank": 4,
+        "step_time": 0.5, "grad_norm": 1.0}) + '{"_kind":"rank","_step":15')
+    # longer than any first read (a long text value per record): the file itself is read
+    add(5, "".join(_line({**rr, "_step": s, "_rank": 5, "step_time": 0.5, "grad_norm": 1.0,
+                          "note": "x" * 3000}) for s in range(150, 190)))
+    # an escaped kind, a bare NaN token, a braced line that does not parse
+    add(6, '{"_kind":"r\\u0061nk","_step":150,"_rank":6,"step_time":0.5,"grad_norm":1.0}\n')
+    add(8, '{"_kind":"rank","_step":150,"_rank":8,"step_time":NaN,"grad_norm":1.0}\n')
+    add(12, '{"_step": 150, "rank": }\n')
+    # several ranks in one shard (an all-gather), with a repeated step
+    add(7, "".join(_line({**rr, "_step": s, "_rank": r, "step_time": 0.5 + r, "grad_norm": 1.0})
+                   for s in range(150, 160) for r in (7, 30, 31)) + _line(
+        {**rr, "_step": 159, "_rank": 30, "step_time": 9.0, "grad_norm": 1.0}))
+    # keys that come and go; a weight that varies; a string weight
+    add(9, "".join(_line({**rr, "_step": s, "_rank": 9, "_weight": (1.0, 2.0, "NaN")[s % 3],
+                          "step_time": 0.5, **({"extra": 1.0} if s % 4 == 0 else {})})
+                   for s in range(150, 160)))
+    add(10, "".join(_line({**rr, "_step": s, "_rank": 10, "_weight": float(s % 3 + 1),
+                           "step_time": 0.5, "grad_norm": 1.0}) for s in range(150, 160)))
+    (run / "metrics.rank14.jsonl").write_bytes(b"")  # empty
+    (run / "metrics.rank15.meta.json").unlink()  # no sidecar
+    (run / "metrics.rank16.meta.json").write_text("{not json")  # a corrupt one
+    (run / "metrics.rank18.meta.json").write_text("[1, 2]")  # not an object
+    return run
+
+
+@pytest.mark.parametrize("window", [2, 64])
+def test_each_shard_reads_the_same_tail_and_scan(tmp_path: Path, window: int) -> None:
+    run = _odd_run(tmp_path)
+    shards = sorted(run.glob("metrics*.jsonl"))
+    assert len(shards) == 24
+    for i, path in enumerate(shards):
+        new = tail.ShardTail(path, i, None, window, scan_recent=RECENT)
+        assert new.refresh()
+        old = tail.ShardTail(path, i, None, window)
+        old.ino = -1  # the path before issue 24: stat, then the file's own reads
+        assert old.refresh()
+        old.ino = new.ino
+        assert _tail_view(new) == _tail_view(old), path.name
+        assert new.scan is not None
+        assert _scan_view(new.scan) == _scan_view(_old_scan(path, RECENT)), path.name
+    # the odd shards are what they should be: the reference is not vacuous
+    by_name = {Path(s).name: i for i, s in enumerate(shards)}
+    t = tail.ShardTail(shards[by_name["metrics.rank7.jsonl"]], 7, None, window, scan_recent=RECENT)
+    t.refresh()
+    assert t.scan.blocks is None  # a repeated step of rank 30: irregular
+    t = tail.ShardTail(shards[by_name["metrics.rank4.jsonl"]], 4, None, window, scan_recent=RECENT)
+    t.refresh()
+    assert t.scan.garbage == 1
+    t = tail.ShardTail(shards[by_name["metrics.rank3.jsonl"]], 3, None, window, scan_recent=RECENT)
+    t.refresh()
+    cols = t.scan.blocks[0].columns if t.scan.blocks else {}
+    assert "step_time" not in cols or any(math.isnan(x) for x in cols["step_time"])
+
+
+@pytest.mark.parametrize("series", [None, "step_time"])
+def test_series_reader_reads_the_same_state(tmp_path: Path, series: str | None) -> None:
+    run = _odd_run(tmp_path)
+    reader = RunReader(run, window=64, series=series, scan_recent=RECENT)
+    shared = reader.read()
+    assert len(reader.take_scans()) == 24 and not reader.take_scans()  # each handed out once
+    plain = RunReader(run, window=64, series=series).read()
+    assert _same(shared.rank_records) == _same(plain.rank_records)
+    assert {r: _same(v) for r, v in shared.series.items()} == {r: _same(v) for r, v in plain.series.items()}
+    assert shared.frontier == plain.frontier and shared.world_size == plain.world_size
+
+
+def _summary(run_root: Path, shared: bool, **kw: Any) -> Any:
+    from expr_cli.data.summary import summary_data
+    from expr_cli.resolve import resolve_run
+
+    ref = resolve_run("p/odd" if (run_root / "p" / "odd").exists() else "p/big", run_root)
+    state = None if shared else read_run(ref.path, window=2)
+    view, warnings, full = summary_data(ref, None, kw.get("metrics"), None, None,
+                                        kw.get("heatmap"), True, lambda w: 8, state=state)
+    return json.loads(json.dumps(_same(view), sort_keys=True, default=str)), warnings, full
+
+
+@pytest.mark.parametrize("odd", [False, True])
+def test_summary_is_the_same_from_the_shared_read(tmp_path: Path, odd: bool) -> None:
+    """`summary_data` without a state (one read of each tail for the state and the scan)
+    against the read before: the state first, then the scan of every tail (ScanJob)."""
+    if odd:
+        _odd_run(tmp_path)
+    else:
+        run = write_run(tmp_path / "p" / "big", 300, 80, straggler=151, crashed=17)
+        with open(run / "metrics.rank40.jsonl", "a") as fh:  # NaN at the frontier
+            fh.write(_line({"_kind": "rank", "_step": 79, "_rank": 40, "_world_size": 300,
+                            "step_time": "NaN", "grad_norm": 1.0}))
+    for kw in ({}, {"heatmap": "step_time"}, {"metrics": ["step_time", "loss"]}):
+        assert _summary(tmp_path, True, **kw) == _summary(tmp_path, False, **kw)
+    view = _summary(tmp_path, True)[0]
+    assert view["world_size"] in (32, 300)  # (ranks 30 and 31 in rank 7's shard)
