@@ -150,6 +150,7 @@ def last_rows(shards: list[ShardRef], garbage: dict[str, int]) -> list[dict[str,
 def read_window(
     run_dir: Any, stream: str | None, shards: list[ShardRef], step: int | None,
     window: tuple[int | None, int | None] | None, state: RunState | None = None,
+    scans: dict[str, Any] | None = None,
 ) -> tuple[RunState, int | None, list[Any]]:
     """The run's live state (sidecars and a few tail lines per shard: status, host, last
     step, the frontier) and the scans of the shards' tails from step `lo` on.
@@ -158,7 +159,9 @@ def read_window(
     tails are scanned meanwhile, in worker processes, for each shard's own last
     `RECENT` steps, and the few shards whose tail does not reach back to the window
     (ranks far ahead of the frontier) are read again. `state`: the live state when the
-    caller keeps one (a `RunReader` between calls); else it is read here.
+    caller keeps one (a `RunReader` between calls); else it is read here. `scans`: the
+    scans of the shards' last `RECENT` steps the caller's reader took with that state
+    (`RunReader(scan_recent=RECENT).take_scans()`), by path; those shards are not read again.
     """
     from expr_tracker.health.state import RunReader, read_run
     from expr_tracker.stats import parallel, scan
@@ -175,16 +178,18 @@ def read_window(
         # steps come from the same bytes, in the reader's forked workers (DESIGN 14)
         reader = RunReader(run_dir, stream, window=2, scan_recent=RECENT)
         state = reader.read()
-        scans = _in_order(paths, reader.take_scans(), parallel)
+        got = _in_order(paths, reader.take_scans(), parallel)
+    elif scans:
+        got = _in_order(paths, dict(scans), parallel)
     else:
-        scans = parallel.ScanJob(paths, recent=RECENT, expected_bytes=expected).result()
+        got = parallel.ScanJob(paths, recent=RECENT, expected_bytes=expected).result()
     lo = window_lo(None, None, state.frontier)
     if lo is not None:
-        for i, sc in enumerate(scans):
+        for i, sc in enumerate(got):
             firsts = [b.steps[0] for b in sc.blocks or () if len(b.steps)]
             if firsts and min(firsts) > lo:
-                scans[i] = scan.scan_shard(paths[i], lo)
-    return state, lo, scans
+                got[i] = scan.scan_shard(paths[i], lo)
+    return state, lo, got
 
 
 def _in_order(paths: list[Any], got: dict[str, Any], parallel: Any) -> list[Any]:

@@ -263,3 +263,55 @@ def test_summary_is_the_same_from_the_shared_read(tmp_path: Path, odd: bool) -> 
         assert _summary(tmp_path, True, **kw) == _summary(tmp_path, False, **kw)
     view = _summary(tmp_path, True)[0]
     assert view["world_size"] in (32, 300)  # (ranks 30 and 31 in rank 7's shard)
+
+
+def test_chart_reducers_are_those_of_each_step(tmp_path: Path) -> None:
+    """`ColumnTable.reduce_steps` (the chart's 50 steps at once) against `reduce_step` at
+    each step: blocks of the same steps (NaN, infinities, weights per step or one per
+    rank) and the odd run's blocks, whose steps differ."""
+    steps = array("q", range(100, 150))
+    blocks = []
+    for r in range(40):
+        vals = array("d", [0.5 + 0.01 * ((r * 7 + s) % 5) for s in steps])
+        if r == 3:
+            vals[10], vals[20], vals[30] = math.nan, math.inf, -math.inf
+        weights: float | array[float] = (array("d", [1.0 + (s % 3) for s in steps]) if r == 5
+                                         else float(1 + r % 2))
+        blocks.append(scan.Block(r, 48, steps, weights, {"step_time": vals,
+                                                          "loss": array("d", [1.0] * len(steps))}))
+    run = _odd_run(tmp_path)
+    odd = {}
+    for p in sorted(run.glob("metrics*.jsonl")):
+        for b in scan.scan_shard(p, recent=RECENT).blocks or ():
+            odd[b.rank] = b
+    for table in (scan.ColumnTable(blocks), scan.ColumnTable([b for b in blocks if b.rank != 5]),
+                  scan.ColumnTable(odd.values())):
+        for key in table.keys:
+            ks = table.key_steps(key)
+            assert len(ks) >= 50
+            got = [_same(st.as_dict()) for st in table.reduce_steps(key, ks)]
+            assert got == [_same(table.reduce_step(key, s).as_dict()) for s in ks], key
+
+
+def test_serve_summary_from_the_first_pass_is_the_same(tmp_path: Path) -> None:
+    """`expr serve`'s first pass hands its tails' scans to the summary (`TAIL_SCANS`): the
+    answer is the one read from the files again."""
+    from expr_cli.data.summary import TAIL_SCANS, summary_data
+    from expr_cli.resolve import resolve_run
+    from expr_cli.web.live import LiveRun
+    from expr_tracker.health.config import HealthConfig
+
+    _odd_run(tmp_path)
+    ref = resolve_run("p/odd", tmp_path)
+    live = LiveRun(ref, None, HealthConfig())
+    state = live.refresh()
+    assert len(live.memo[TAIL_SCANS]) == 24
+
+    def view(memo: Any) -> Any:
+        got = summary_data(ref, None, None, None, None, None, True, lambda w: 8, state=state,
+                           chart="step_time", memo=memo)
+        return json.loads(json.dumps(_same(got), default=str))
+
+    shared = view(live.memo)
+    assert shared == view(None)
+    assert shared[0]["chart"]["step"]

@@ -31,6 +31,7 @@ SYSTEM = "system/"  # system metrics (DESIGN 19): samples in time, logged at wha
 THRESHOLD = 3.5  # DESIGN 10: robust score above which a rank may be flagged
 MIN_REL = 0.05  # DESIGN 10: ... if it is also this far from the median, relatively
 AGGS = ("max", "min", "mean")
+TAIL_SCANS = "tail scans"  # `memo` key: the scans of the state's own tail reads
 
 
 def _key_steps(table: Table, key: str) -> list[int]:
@@ -185,11 +186,16 @@ def _chart(table: Table, key: str, steps: list[int]) -> dict[str, Any]:
     """The reducers of `key` at each of `steps` (where any rank reported it), as columns."""
     cols: dict[str, list[Any]] = {"step": [], "n": [], "mean": [], "wmean": [], "p05": [],
                                   "p50": [], "p95": [], "min": [], "max": []}
+    from expr_tracker.stats.scan import ColumnTable
+
     have = set(table.key_steps(key))
-    for s in steps:
-        if s not in have:
-            continue
-        st = _stats(table, key, s, None)[0].as_dict()
+    steps = [s for s in steps if s in have]
+    if isinstance(table, ColumnTable) and not is_system(key):
+        every = table.reduce_steps(key, steps)  # (`_stats` per step, in one pass)
+    else:
+        every = [_stats(table, key, s, None)[0] for s in steps]
+    for s, stats in zip(steps, every, strict=True):
+        st = stats.as_dict()
         cols["step"].append(s)
         for name in ("n", "mean", "wmean", "p05", "p50", "p95", "min", "max"):
             cols[name].append(st.get(name))
@@ -340,7 +346,8 @@ def summary_data(
     `buckets(world)` is the heatmap's width in step buckets (a terminal's, a page's);
     `state` is the run's live state when the caller keeps it between calls (`expr serve`),
     and `memo` a dict it keeps while that state does not change: the rank records read for
-    one step or window are read once for every answer about them.
+    one step or window are read once for every answer about them, and under `TAIL_SCANS`
+    the scans its reader took with that state (`summary_load.read_window`'s `scans`).
     """
     shards = shards_of(ref, stream)
     wanted = parse_metrics(metrics)
@@ -349,7 +356,8 @@ def summary_data(
         lo, table, garbage, worlds = hit
         garbage = dict(garbage)
     else:
-        state, lo, scans = read_window(ref.path, stream, shards, step, window, state)
+        tails = memo.get(TAIL_SCANS) if memo is not None else None
+        state, lo, scans = read_window(ref.path, stream, shards, step, window, state, tails)
         table, garbage, worlds = load_table(shards, lo, scans)
         if lo is not None and not table.steps and state.frontier is not None:
             table, garbage, worlds = load_table(shards, None)  # sparse rank records: read it all

@@ -80,15 +80,9 @@ def _clean_weight(w: Any) -> float:
     return float(w) if ok else 1.0
 
 
-def parse_rank_lines(body: bytes, only: bool = False) -> tuple[list[dict[str, Any]], int]:
+def parse_rank_lines(body: bytes) -> tuple[list[dict[str, Any]], int]:
     """The rank records among the lines of `body` (each ending in a newline), and how many
-    lines were garbage. `only`: return the records of the lines that can hold a rank record
-    (those with `"rank"`; the caller keeps those of `_kind` "rank"), parsing only them: half
-    the lines of a shard of step rows and rank records. The garbage count is the same."""
-    if only and _RANK_MARK in body and b"\\u" not in body:  # (an escaped "rank" would hide)
-        got = _parse_marked(body)
-        if got is not None:
-            return got
+    lines were garbage."""
     if _RANK_MARK in body:
         # Rank records here (alone, or between step rows): parse all lines as one JSON
         # array, in C. If every line is one object there is no garbage, and step rows
@@ -100,29 +94,6 @@ def parse_rank_lines(body: bytes, only: bool = False) -> tuple[list[dict[str, An
     lines = body.split(b"\n")
     lines.pop()
     return _parse_lines(lines)
-
-
-def _parse_marked(body: bytes) -> tuple[list[dict[str, Any]], int] | None:
-    """`parse_rank_lines(only=True)` when the lines with `"rank"` parse as one block: those
-    records, and the other lines that are not `{...}` (what `_parse_lines` counts of
-    them); None otherwise (the caller parses as before)."""
-    lines = body.split(b"\n")
-    lines.pop()
-    marked = [x for x in lines if _RANK_MARK in x]
-    bad = 0
-    if len(marked) < len(lines):
-        for x in lines:
-            if x[:1] != b"{" or x[-1:] != b"}":
-                stripped = x.strip()
-                if stripped and not (stripped[:1] == b"{" and stripped[-1:] == b"}") \
-                        and _RANK_MARK not in x:
-                    bad += 1
-    if not marked:
-        return [], bad
-    recs = records.loads_block(b"\n".join(marked) + b"\n")
-    if recs is None:
-        return None
-    return recs, bad
 
 
 def _parse_lines(lines: list[bytes]) -> tuple[list[dict[str, Any]], int]:
@@ -284,7 +255,7 @@ def scan_shard(
         lo = None if top is None else top - recent + 1
     start = window_start(fh, lo) if lo is not None else 0
     for _, data in records.complete_blocks(fh, _CHUNK, start):
-        recs, bad = parse_rank_lines(data, only=True)
+        recs, bad = parse_rank_lines(data)
         garbage += bad
         if regular:
             try:
@@ -378,6 +349,33 @@ class ColumnTable(TableShape):
             b.rank: b.weights if isinstance(b.weights, float) else b.weights[i] for b, i in at
         }
         return reduce_values(values, self._world, weights)
+
+    def reduce_steps(self, key: str, steps: Sequence[int]) -> list[Stats]:
+        """`reduce_step` of `key` at each of `steps` (a chart of the recent steps): when
+        every block of the key has the same steps (the usual case) each step's values are
+        gathered in C, one `itemgetter` over the columns, instead of a bisection per rank
+        and step; the same values in the same (rank) order, so the same stats."""
+        mine = [b for b in self._blocks if key in b.columns]
+        first = mine[0].steps if mine else None
+        if first is None or any(b.steps != first for b in mine):
+            return [self.reduce_step(key, s) for s in steps]
+        where = {s: i for i, s in enumerate(first)}
+        ranks = [b.rank for b in mine]
+        cols = [b.columns[key] for b in mine]
+        const = all(isinstance(b.weights, float) for b in mine)
+        fixed = {b.rank: cast(float, b.weights) for b in mine} if const else None
+        out = []
+        for s in steps:
+            i = where.get(s)
+            if i is None:
+                out.append(reduce_values({}, self._world, {}))
+                continue
+            get = itemgetter(i)
+            values = dict(zip(ranks, map(get, cols), strict=True))
+            weights = fixed if fixed is not None else {
+                b.rank: b.weights if isinstance(b.weights, float) else b.weights[i] for b in mine}
+            out.append(reduce_values(values, self._world, weights))
+        return out
 
     def _window(
         self, key: str, lo: int, hi: int
