@@ -279,16 +279,20 @@ def test_chart_reducers_are_those_of_each_step(tmp_path: Path) -> None:
                                          else float(1 + r % 2))
         blocks.append(scan.Block(r, 48, steps, weights, {"step_time": vals,
                                                           "loss": array("d", [1.0] * len(steps))}))
+    # a late rank and a crashed one in the middle, with other steps and another weight
+    mixed = [b if b.rank not in (7, 30) else scan.Block(
+        b.rank, 48, array("q", range(90 + b.rank, 140 + b.rank, 2)), 3.0,
+        {k: array("d", v[:25]) for k, v in b.columns.items()}) for b in blocks]
     run = _odd_run(tmp_path)
     odd = {}
     for p in sorted(run.glob("metrics*.jsonl")):
         for b in scan.scan_shard(p, recent=RECENT).blocks or ():
             odd[b.rank] = b
     for table in (scan.ColumnTable(blocks), scan.ColumnTable([b for b in blocks if b.rank != 5]),
-                  scan.ColumnTable(odd.values())):
+                  scan.ColumnTable(mixed), scan.ColumnTable(odd.values())):
         for key in table.keys:
             ks = table.key_steps(key)
-            assert len(ks) >= 50
+            assert len(ks) >= 25
             got = [_same(st.as_dict()) for st in table.reduce_steps(key, ks)]
             assert got == [_same(table.reduce_step(key, s).as_dict()) for s in ks], key
 

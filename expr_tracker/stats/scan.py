@@ -351,29 +351,55 @@ class ColumnTable(TableShape):
         return reduce_values(values, self._world, weights)
 
     def reduce_steps(self, key: str, steps: Sequence[int]) -> list[Stats]:
-        """`reduce_step` of `key` at each of `steps` (a chart of the recent steps): when
-        every block of the key has the same steps (the usual case) each step's values are
-        gathered in C, one `itemgetter` over the columns, instead of a bisection per rank
-        and step; the same values in the same (rank) order, so the same stats."""
+        """`reduce_step` of `key` at each of `steps` (a chart of the recent steps). Blocks
+        with the usual steps (those of the middle rank's block: every rank but a crashed
+        or late one) give each step's values in C, one `itemgetter` over their columns;
+        the others are looked up per step as `_at` does. The same values and weights in
+        the same (rank) order as `reduce_step`'s, so the same stats."""
         mine = [b for b in self._blocks if key in b.columns]
-        first = mine[0].steps if mine else None
-        if first is None or any(b.steps != first for b in mine):
+        if not mine:
             return [self.reduce_step(key, s) for s in steps]
-        where = {s: i for i, s in enumerate(first)}
-        ranks = [b.rank for b in mine]
-        cols = [b.columns[key] for b in mine]
-        const = all(isinstance(b.weights, float) for b in mine)
-        fixed = {b.rank: cast(float, b.weights) for b in mine} if const else None
+        usual = mine[len(mine) // 2].steps
+        where = {s: i for i, s in enumerate(usual)}
+        runs: list[Any] = []  # in rank order: lists of blocks with the usual steps, or a block
+        for blk in mine:
+            if blk.steps == usual:
+                if runs and isinstance(runs[-1], list):
+                    runs[-1].append(blk)
+                else:
+                    runs.append([blk])
+            else:
+                runs.append(blk)
+        parts: list[Any] = []
+        for run in runs:
+            if isinstance(run, list):
+                fixed = ({b.rank: cast(float, b.weights) for b in run}
+                         if all(isinstance(b.weights, float) for b in run) else None)
+                parts.append(([b.rank for b in run], [b.columns[key] for b in run], fixed, run))
+            else:
+                parts.append(run)
         out = []
         for s in steps:
             i = where.get(s)
-            if i is None:
-                out.append(reduce_values({}, self._world, {}))
-                continue
-            get = itemgetter(i)
-            values = dict(zip(ranks, map(get, cols), strict=True))
-            weights = fixed if fixed is not None else {
-                b.rank: b.weights if isinstance(b.weights, float) else b.weights[i] for b in mine}
+            values: dict[int, float] = {}
+            weights: dict[int, float] = {}
+            for part in parts:
+                if isinstance(part, Block):
+                    j = bisect_left(part.steps, s)
+                    if j < len(part.steps) and part.steps[j] == s:
+                        values[part.rank] = part.columns[key][j]
+                        w = part.weights
+                        weights[part.rank] = w if isinstance(w, float) else w[j]
+                    continue
+                if i is None:
+                    continue
+                ranks, cols, fixed, run = part
+                values.update(zip(ranks, map(itemgetter(i), cols), strict=True))
+                if fixed is not None:
+                    weights.update(fixed)
+                else:
+                    weights.update({b.rank: b.weights if isinstance(b.weights, float)
+                                    else b.weights[i] for b in run})
             out.append(reduce_values(values, self._world, weights))
         return out
 
