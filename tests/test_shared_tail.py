@@ -319,3 +319,35 @@ def test_serve_summary_from_the_first_pass_is_the_same(tmp_path: Path) -> None:
     shared = view(live.memo)
     assert shared == view(None)
     assert shared[0]["chart"]["step"]
+
+
+def test_heatmap_cells_are_those_of_the_rank_table(tmp_path: Path) -> None:
+    """`ColumnTable.heatmap` against `reduce.heatmap` of its `rank_table([key])` (the path
+    before): a bucket per step (read in C) and buckets of several steps, NaN, infinities,
+    -0.0, a late and a crashed rank, the odd run's blocks."""
+    from expr_tracker.stats import reduce
+
+    steps = array("q", range(100, 150))
+    blocks = []
+    for r in range(40):
+        vals = array("d", [0.5 + 0.01 * ((r * 7 + s) % 5) for s in steps])
+        if r == 3:
+            vals[10], vals[20], vals[30], vals[40] = math.nan, math.inf, -math.inf, -0.0
+        if r == 4:
+            vals[5] = -0.0
+        blocks.append(scan.Block(r, 48, steps, 1.0, {"step_time": vals}))
+    mixed = [b if b.rank not in (7, 30) else scan.Block(
+        b.rank, 48, array("q", range(90 + b.rank, 140 + b.rank, 2)), 1.0,
+        {k: array("d", v[:25]) for k, v in b.columns.items()}) for b in blocks]
+    run = _odd_run(tmp_path)
+    odd = {}
+    for p in sorted(run.glob("metrics*.jsonl")):
+        for b in scan.scan_shard(p, recent=RECENT).blocks or ():
+            odd[b.rank] = b
+    for table in (scan.ColumnTable(blocks), scan.ColumnTable(mixed), scan.ColumnTable(odd.values())):
+        for key in table.keys:
+            ks = table.key_steps(key)
+            for width, hsteps in ((60, ks[-50:]), (50, None), (7, ks[-50:]), (1, None)):
+                got = table.heatmap(key, width, steps=hsteps)
+                want = reduce.heatmap(table.rank_table([key]), key, width, steps=hsteps)
+                assert json.dumps(_same(got)) == json.dumps(_same(want)), (key, width)

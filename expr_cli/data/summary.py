@@ -310,10 +310,11 @@ def build_view(
         from expr_tracker.stats.scan import ColumnTable
 
         table = tables[heatmap_key]
-        # the heatmap reads one key at every step: a RankTable of that key alone
-        ht = table.rank_table([heatmap_key]) if isinstance(table, ColumnTable) else table
         hsteps = chosen if window is not None else recent
-        buckets, cells = reduce.heatmap(ht, heatmap_key, heatmap_width, steps=hsteps)
+        if isinstance(table, ColumnTable):  # (`reduce.heatmap` of its RankTable, read in C)
+            buckets, cells = table.heatmap(heatmap_key, heatmap_width, steps=hsteps)
+        else:
+            buckets, cells = reduce.heatmap(table, heatmap_key, heatmap_width, steps=hsteps)
         grid = {r: cells.get(r, [None] * len(buckets)) for r in range(world)}
         view["heatmap"] = {"key": heatmap_key, "agg": agg, "buckets": [list(b) for b in buckets],
                            "cells": grid,

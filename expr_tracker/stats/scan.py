@@ -403,6 +403,43 @@ class ColumnTable(TableShape):
             out.append(reduce_values(values, self._world, weights))
         return out
 
+    def heatmap(self, key: str, n_buckets: int, steps: Sequence[int] | None = None) -> tuple[
+            list[tuple[int, int]], dict[int, list[float | None]]]:
+        """`reduce.heatmap` over `rank_table([key])`, without building that table: with a
+        bucket per step (a page's 60 columns over the 50 recent steps) a cell is the rank's
+        value there (NaN when not finite), read in C for the blocks of the usual steps;
+        buckets of several steps go through `reduce.heatmap` itself."""
+        from expr_tracker.stats import reduce
+
+        chosen = self.key_steps(key) if steps is None else sorted(set(steps))
+        if n_buckets < 1 or min(n_buckets, len(chosen)) != len(chosen) or not chosen:
+            return reduce.heatmap(self.rank_table([key]), key, n_buckets, steps)
+        nb = len(chosen)
+        grid: dict[int, list[float | None]] = {r: [None] * nb for r in range(self._world)}
+        mine = [b for b in self._blocks if key in b.columns]
+        usual = mine[len(mine) // 2].steps if mine else array("q")
+        where = {s: i for i, s in enumerate(usual)}
+        pos = [where.get(s) for s in chosen]
+        get = itemgetter(*pos) if nb > 1 and None not in pos else None
+        for b in mine:
+            col = b.columns[key]
+            if get is not None and b.steps == usual:
+                vals = get(col)
+                try:
+                    total = math.fsum(vals)
+                except (OverflowError, ValueError):
+                    total = math.nan
+                if total - total == 0.0 and 0.0 not in vals:  # finite, no -0.0: as they are
+                    grid[b.rank] = list(vals)
+                    continue
+            row = grid[b.rank]
+            for k, s in enumerate(chosen):
+                i = bisect_left(b.steps, s)
+                if i < len(b.steps) and b.steps[i] == s:
+                    v = col[i]
+                    row[k] = v + 0.0 if v - v == 0.0 else math.nan  # (`_mean` of one value)
+        return [(s, s) for s in chosen], grid
+
     def _window(
         self, key: str, lo: int, hi: int
     ) -> tuple[dict[int, float], dict[int, float], list[int], int, list[int]]:
