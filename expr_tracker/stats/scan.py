@@ -21,8 +21,8 @@ from array import array
 from bisect import bisect_left
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
-from itertools import islice, repeat
-from operator import itemgetter, lt
+from itertools import compress, islice, repeat
+from operator import eq, itemgetter, lt
 from typing import Any, BinaryIO, cast
 
 import orjson
@@ -172,8 +172,12 @@ class _Acc:
                 if key == "_weight":
                     self._add_weights(col, types)
                 elif key == "_world_size":
-                    sizes = [w for w in col if w.__class__ is int and w <= _MAX_RANKS]
-                    self.world = max([self.world, *sizes])
+                    top = max(col) if types == {int} else None  # (ints: one C call)
+                    if top is not None and top <= _MAX_RANKS:
+                        self.world = max(self.world, top)
+                    else:
+                        sizes = [w for w in col if w.__class__ is int and w <= _MAX_RANKS]
+                        self.world = max([self.world, *sizes])
                 continue
             if str in types:
                 # non-finite values are written as "NaN", "Infinity", "-Infinity"
@@ -216,7 +220,7 @@ class _Acc:
 def _add_chunk(accs: dict[int, _Acc], recs: list[dict[str, Any]]) -> None:
     kinds = list(map(_get, recs, repeat("_kind")))
     if kinds.count("rank") != len(recs):
-        recs = [r for r, k in zip(recs, kinds, strict=True) if k == "rank"]
+        recs = list(compress(recs, map(eq, kinds, repeat("rank"))))  # (in C)
     if not recs:
         return
     ranks = cast("list[int]", list(map(_get, recs, repeat("_rank"))))
@@ -320,6 +324,7 @@ class ColumnTable(TableShape):
         # one weight on every record, as `RankTable` finds it: the statistics then ignore weights
         self._wconst = next(iter(distinct)) if len(distinct) == 1 else None
         self._last_window: tuple[Any, Any] = (None, None)
+        self._last_at: tuple[Any, list[tuple[Block, int]]] = (None, [])
 
     def key_steps(self, key: str) -> list[int]:
         """Sorted steps at which some rank reported `key`."""
@@ -330,11 +335,15 @@ class ColumnTable(TableShape):
         return max((b.steps[-1] for b in self._blocks if key in b.columns and b.steps), default=None)
 
     def _at(self, step: int) -> list[tuple[Block, int]]:
+        # a summary asks for the stats and then the values of each key at one step
+        if self._last_at[0] == step:
+            return self._last_at[1]
         out = []
         for b in self._blocks:
             i = bisect_left(b.steps, step)
             if i < len(b.steps) and b.steps[i] == step:
                 out.append((b, i))
+        self._last_at = (step, out)
         return out
 
     def values(self, key: str, step: int) -> dict[int, float]:

@@ -71,11 +71,9 @@ def last_step(fh: BinaryIO, block: int = 4096) -> int | None:
         start = max(0, end - block)
         fh.seek(start)
         data = fh.read(end - start)
-        found = None
-        for m in _STEP_RE.finditer(data):
-            found = m
-        if found is not None:
-            return int(found.group(1))
+        found = _STEP_RE.findall(data)  # (the last match's group, without a match object each)
+        if found:
+            return int(found[-1])
         end = start
         block *= 4
     return None
