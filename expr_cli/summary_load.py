@@ -150,7 +150,6 @@ def last_rows(shards: list[ShardRef], garbage: dict[str, int]) -> list[dict[str,
 def read_window(
     run_dir: Any, stream: str | None, shards: list[ShardRef], step: int | None,
     window: tuple[int | None, int | None] | None, state: RunState | None = None,
-    scans: dict[str, Any] | None = None,
 ) -> tuple[RunState, int | None, list[Any]]:
     """The run's live state (sidecars and a few tail lines per shard: status, host, last
     step, the frontier) and the scans of the shards' tails from step `lo` on.
@@ -159,11 +158,9 @@ def read_window(
     tails are scanned meanwhile, in worker processes, for each shard's own last
     `RECENT` steps, and the few shards whose tail does not reach back to the window
     (ranks far ahead of the frontier) are read again. `state`: the live state when the
-    caller keeps one (a `RunReader` between calls); else it is read here. `scans`: the
-    scans of the shards' last `RECENT` steps the caller's reader took with that state
-    (`RunReader(scan_recent=RECENT).take_scans()`), by path; those shards are not read again.
+    caller keeps one (a `RunReader` between calls); else it is read here.
     """
-    from expr_tracker.health.state import RunReader, read_run
+    from expr_tracker.health.state import read_run
     from expr_tracker.stats import parallel, scan
 
     paths = [s.path for s in shards]
@@ -173,37 +170,17 @@ def read_window(
             state = read_run(run_dir, stream, window=2)
         lo = window_lo(step, window, state.frontier)
         return state, lo, parallel.ScanJob(paths, lo, expected_bytes=expected if lo else 1 << 62).result()
+    job = parallel.ScanJob(paths, recent=RECENT, expected_bytes=expected)
     if state is None:
-        # one read of each tail for both: the state's few lines and the scan's recent
-        # steps come from the same bytes, in the reader's forked workers (DESIGN 14)
-        reader = RunReader(run_dir, stream, window=2, scan_recent=RECENT)
-        state = reader.read()
-        got = _in_order(paths, reader.take_scans(), parallel)
-    elif scans:
-        got = _in_order(paths, dict(scans), parallel)
-    else:
-        got = parallel.ScanJob(paths, recent=RECENT, expected_bytes=expected).result()
+        state = read_run(run_dir, stream, window=2)
+    scans = job.result()
     lo = window_lo(None, None, state.frontier)
     if lo is not None:
-        for i, sc in enumerate(got):
+        for i, sc in enumerate(scans):
             firsts = [b.steps[0] for b in sc.blocks or () if len(b.steps)]
             if firsts and min(firsts) > lo:
-                got[i] = scan.scan_shard(paths[i], lo)
-    return state, lo, got
-
-
-def _in_order(paths: list[Any], got: dict[str, Any], parallel: Any) -> list[Any]:
-    """The scans of `paths`, in order: those a reader took with the live state, and the
-    others (shards that appeared after its listing, or that it could not read) read now."""
-    import os
-
-    names = [os.fspath(p) for p in paths]
-    rest = [n for n in names if n not in got]
-    if rest:
-        got.update(zip(rest, parallel.ScanJob(rest, recent=RECENT,
-                                              expected_bytes=len(rest) * RECENT * _TAIL_GUESS
-                                              ).result(), strict=True))
-    return [got[n] for n in names]
+                scans[i] = scan.scan_shard(paths[i], lo)
+    return state, lo, scans
 
 
 def window_lo(step: int | None, window: tuple[int | None, int | None] | None,

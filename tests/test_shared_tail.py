@@ -1,7 +1,7 @@
-"""One read of each shard's tail shared by the live state and the summary's scan (issue 24):
-the answers are those of the reads before, shard by shard and for the whole summary, on
-the same synthetic runs (every rank, every step, NaNs, text values, garbage, torn tails,
-long shards and shards of several ranks included)."""
+"""The readers changed for issue 24 give the answers of the reads before, on the same
+synthetic runs (every rank, every step, NaNs, text values, garbage, torn tails, long
+shards and shards of several ranks included): a shard's first tail read (one `pread`),
+the scan's accumulator, the chart's reducers of many steps and the heatmap's cells."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from typing import Any, cast
 import pytest
 
 from expr_tracker.health import tail
-from expr_tracker.health.state import RunReader, read_run
 from expr_tracker.stats import scan
 from expr_tracker.stats.scan import (
     _ABSENT,
@@ -189,6 +188,8 @@ def _odd_run(root: Path) -> Path:
                    for s in range(150, 160)))
     add(10, "".join(_line({**rr, "_step": s, "_rank": 10, "_weight": float(s % 3 + 1),
                            "step_time": 0.5, "grad_norm": 1.0}) for s in range(150, 160)))
+    add(11, "".join(_line({**rr, "_step": s, "_rank": 11, "_time": 1e9 + s, "_local_rank": 3, "step_time": (
+        "NaN", "Infinity", 0.5)[s % 3], "grad_norm": 1.0}) for s in range(150, 160)))
     (run / "metrics.rank14.jsonl").write_bytes(b"")  # empty
     (run / "metrics.rank15.meta.json").unlink()  # no sidecar
     (run / "metrics.rank16.meta.json").write_text("{not json")  # a corrupt one
@@ -202,67 +203,26 @@ def test_each_shard_reads_the_same_tail_and_scan(tmp_path: Path, window: int) ->
     shards = sorted(run.glob("metrics*.jsonl"))
     assert len(shards) == 24
     for i, path in enumerate(shards):
-        new = tail.ShardTail(path, i, None, window, scan_recent=RECENT)
+        new = tail.ShardTail(path, i, None, window)
         assert new.refresh()
         old = tail.ShardTail(path, i, None, window)
         old.ino = -1  # the path before issue 24: stat, then the file's own reads
         assert old.refresh()
         old.ino = new.ino
         assert _tail_view(new) == _tail_view(old), path.name
-        assert new.scan is not None
-        assert _scan_view(new.scan) == _scan_view(_old_scan(path, RECENT)), path.name
+        assert _scan_view(scan.scan_shard(path, recent=RECENT)) == _scan_view(
+            _old_scan(path, RECENT)), path.name
     # the odd shards are what they should be: the reference is not vacuous
-    by_name = {Path(s).name: i for i, s in enumerate(shards)}
-    t = tail.ShardTail(shards[by_name["metrics.rank7.jsonl"]], 7, None, window, scan_recent=RECENT)
-    t.refresh()
-    assert t.scan.blocks is None  # a repeated step of rank 30: irregular
-    t = tail.ShardTail(shards[by_name["metrics.rank4.jsonl"]], 4, None, window, scan_recent=RECENT)
-    t.refresh()
-    assert t.scan.garbage == 1
-    t = tail.ShardTail(shards[by_name["metrics.rank3.jsonl"]], 3, None, window, scan_recent=RECENT)
-    t.refresh()
-    cols = t.scan.blocks[0].columns if t.scan.blocks else {}
-    assert "step_time" not in cols or any(math.isnan(x) for x in cols["step_time"])
-
-
-@pytest.mark.parametrize("series", [None, "step_time"])
-def test_series_reader_reads_the_same_state(tmp_path: Path, series: str | None) -> None:
-    run = _odd_run(tmp_path)
-    reader = RunReader(run, window=64, series=series, scan_recent=RECENT)
-    shared = reader.read()
-    assert len(reader.take_scans()) == 24 and not reader.take_scans()  # each handed out once
-    plain = RunReader(run, window=64, series=series).read()
-    assert _same(shared.rank_records) == _same(plain.rank_records)
-    assert {r: _same(v) for r, v in shared.series.items()} == {r: _same(v) for r, v in plain.series.items()}
-    assert shared.frontier == plain.frontier and shared.world_size == plain.world_size
-
-
-def _summary(run_root: Path, shared: bool, **kw: Any) -> Any:
-    from expr_cli.data.summary import summary_data
-    from expr_cli.resolve import resolve_run
-
-    ref = resolve_run("p/odd" if (run_root / "p" / "odd").exists() else "p/big", run_root)
-    state = None if shared else read_run(ref.path, window=2)
-    view, warnings, full = summary_data(ref, None, kw.get("metrics"), None, None,
-                                        kw.get("heatmap"), True, lambda w: 8, state=state)
-    return json.loads(json.dumps(_same(view), sort_keys=True, default=str)), warnings, full
-
-
-@pytest.mark.parametrize("odd", [False, True])
-def test_summary_is_the_same_from_the_shared_read(tmp_path: Path, odd: bool) -> None:
-    """`summary_data` without a state (one read of each tail for the state and the scan)
-    against the read before: the state first, then the scan of every tail (ScanJob)."""
-    if odd:
-        _odd_run(tmp_path)
-    else:
-        run = write_run(tmp_path / "p" / "big", 300, 80, straggler=151, crashed=17)
-        with open(run / "metrics.rank40.jsonl", "a") as fh:  # NaN at the frontier
-            fh.write(_line({"_kind": "rank", "_step": 79, "_rank": 40, "_world_size": 300,
-                            "step_time": "NaN", "grad_norm": 1.0}))
-    for kw in ({}, {"heatmap": "step_time"}, {"metrics": ["step_time", "loss"]}):
-        assert _summary(tmp_path, True, **kw) == _summary(tmp_path, False, **kw)
-    view = _summary(tmp_path, True)[0]
-    assert view["world_size"] in (32, 300)  # (ranks 30 and 31 in rank 7's shard)
+    by_name = {Path(s).name: s for s in shards}
+    assert scan.scan_shard(by_name["metrics.rank7.jsonl"], recent=RECENT).blocks is None  # repeated step
+    assert scan.scan_shard(by_name["metrics.rank4.jsonl"], recent=RECENT).garbage == 1
+    nan = scan.scan_shard(by_name["metrics.rank11.jsonl"], recent=RECENT).blocks
+    assert nan is not None and sum(map(math.isnan, nan[0].columns["step_time"])) == 4
+    # text among the numbers of step_time: irregular (the general reader's)
+    assert scan.scan_shard(by_name["metrics.rank3.jsonl"], recent=RECENT).blocks is None
+    big = tail.ShardTail(by_name["metrics.rank5.jsonl"], 5, None, window)
+    assert os.path.getsize(big.path) > big._tail_bytes()  # read past the pread: the file itself
+    assert big.refresh() and big.last_step == 189
 
 
 def test_chart_reducers_are_those_of_each_step(tmp_path: Path) -> None:
@@ -295,30 +255,6 @@ def test_chart_reducers_are_those_of_each_step(tmp_path: Path) -> None:
             assert len(ks) >= 25
             got = [_same(st.as_dict()) for st in table.reduce_steps(key, ks)]
             assert got == [_same(table.reduce_step(key, s).as_dict()) for s in ks], key
-
-
-def test_serve_summary_from_the_first_pass_is_the_same(tmp_path: Path) -> None:
-    """`expr serve`'s first pass hands its tails' scans to the summary (`TAIL_SCANS`): the
-    answer is the one read from the files again."""
-    from expr_cli.data.summary import TAIL_SCANS, summary_data
-    from expr_cli.resolve import resolve_run
-    from expr_cli.web.live import LiveRun
-    from expr_tracker.health.config import HealthConfig
-
-    _odd_run(tmp_path)
-    ref = resolve_run("p/odd", tmp_path)
-    live = LiveRun(ref, None, HealthConfig())
-    state = live.refresh()
-    assert len(live.memo[TAIL_SCANS]) == 24
-
-    def view(memo: Any) -> Any:
-        got = summary_data(ref, None, None, None, None, None, True, lambda w: 8, state=state,
-                           chart="step_time", memo=memo)
-        return json.loads(json.dumps(_same(got), default=str))
-
-    shared = view(live.memo)
-    assert shared == view(None)
-    assert shared[0]["chart"]["step"]
 
 
 def test_heatmap_cells_are_those_of_the_rank_table(tmp_path: Path) -> None:

@@ -31,7 +31,6 @@ SYSTEM = "system/"  # system metrics (DESIGN 19): samples in time, logged at wha
 THRESHOLD = 3.5  # DESIGN 10: robust score above which a rank may be flagged
 MIN_REL = 0.05  # DESIGN 10: ... if it is also this far from the median, relatively
 AGGS = ("max", "min", "mean")
-TAIL_SCANS = "tail scans"  # `memo` key: the scans of the state's own tail reads
 
 
 def _key_steps(table: Table, key: str) -> list[int]:
@@ -347,8 +346,7 @@ def summary_data(
     `buckets(world)` is the heatmap's width in step buckets (a terminal's, a page's);
     `state` is the run's live state when the caller keeps it between calls (`expr serve`),
     and `memo` a dict it keeps while that state does not change: the rank records read for
-    one step or window are read once for every answer about them, and under `TAIL_SCANS`
-    the scans its reader took with that state (`summary_load.read_window`'s `scans`).
+    one step or window are read once for every answer about them.
     """
     shards = shards_of(ref, stream)
     wanted = parse_metrics(metrics)
@@ -357,8 +355,7 @@ def summary_data(
         lo, table, garbage, worlds = hit
         garbage = dict(garbage)
     else:
-        tails = memo.get(TAIL_SCANS) if memo is not None else None
-        state, lo, scans = read_window(ref.path, stream, shards, step, window, state, tails)
+        state, lo, scans = read_window(ref.path, stream, shards, step, window, state)
         table, garbage, worlds = load_table(shards, lo, scans)
         if lo is not None and not table.steps and state.frontier is not None:
             table, garbage, worlds = load_table(shards, None)  # sparse rank records: read it all

@@ -17,10 +17,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from expr_cli.data.summary import TAIL_SCANS
 from expr_cli.data.top import TopView
 from expr_cli.resolve import RunRef
-from expr_cli.summary_load import RECENT
 
 from .paths import no_links
 
@@ -38,9 +36,6 @@ class LiveRun:
         self.ref = ref
         self.stream = stream
         self.top = TopView(ref, stream, None, cfg)
-        # the first pass reads every shard's tail: the summary's scan of the recent rank
-        # records comes from the same bytes (issue 24), not from a second read of them all
-        self.top.reader.scan_recent = RECENT
         self.lock = threading.RLock()
         self.version = 0
         self.state: Any = None
@@ -57,7 +52,6 @@ class LiveRun:
             if self.state is not None and t - self.pass_at < max_age:
                 return self.state
             state = self.top.reader.read()
-            scans = self.top.reader.take_scans()
             mark = (state.frontier, state.lead, state.world_size,
                     tuple(sorted(Counter(rs.status for rs in state.ranks.values()).items())),
                     _incidents_key(self.ref))
@@ -65,8 +59,7 @@ class LiveRun:
                 no_links(self.ref)  # files appeared: none may be a symlink
                 self.version += 1
                 self._answers.clear()
-                # the scans hold the tails as this pass read them: for this version only
-                self.memo = {TAIL_SCANS: scans} if scans else {}
+                self.memo = {}
             self._mark = mark
             self.state = state
             self.pass_at = time.monotonic()

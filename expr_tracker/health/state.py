@@ -252,13 +252,11 @@ class RunReader:
 
     def __init__(
         self, run_dir: str | os.PathLike[str], stream: str | None = None, *,
-        window: int = DEFAULT_WINDOW, series: str | None = None, scan_recent: int | None = None,
+        window: int = DEFAULT_WINDOW, series: str | None = None,
     ) -> None:
         """`series`: keep of the rank records only that key's values and the latest value
         of each key (`RunState.series`), not whole records: what a watcher of thousands
-        of ranks needs, in bounded memory. `scan_recent`: the first read of each shard
-        also scans its rank records of its last that many steps, from the same bytes
-        (`ShardTail`), for `take_scans` (`expr summary`: one read of each tail)."""
+        of ranks needs, in bounded memory."""
         if isinstance(window, bool) or not isinstance(window, int) or window < 2:
             raise ValueError(f"window must be an int >= 2, got {window!r}")
         if series is not None and (not isinstance(series, str) or not series):
@@ -267,7 +265,6 @@ class RunReader:
         self.stream = stream
         self.window = window
         self.series = series
-        self.scan_recent = scan_recent
         self._tails: dict[int, ShardTail] = {}
         self._here = socket.gethostname()
         self.names: list[str] = []  # the run directory's entries at the last pass
@@ -347,8 +344,7 @@ class RunReader:
                 del tails[rank]
             for rank, path in found.items():
                 if rank not in tails:
-                    tails[rank] = ShardTail(path, rank, self.stream, self.window, self.series,
-                                            self.scan_recent)
+                    tails[rank] = ShardTail(path, rank, self.stream, self.window, self.series)
         live = []
         # never read: a whole tail each (none on a quiet pass: no shard appeared)
         fresh = [t for t in tails.values() if t.ino is None] if full else []
@@ -390,16 +386,6 @@ class RunReader:
         sizes = [ws for ws, n in self._sizes.items() if n > 0]
         state.__dict__["world_size"] = max(sizes) if sizes else None  # (the cached property)
         return state
-
-    def take_scans(self) -> dict[str, Any]:
-        """The scans of the tails read since the last call (`scan_recent`), by shard path
-        (as a string); each is handed out once and not kept."""
-        out = {}
-        for t in self._tails.values():
-            if t.scan is not None:
-                out[t.shard_name] = t.scan
-                t.scan = None
-        return out
 
     def _update(self, live: list[ShardTail], at: float) -> list[int]:
         """Bring the derived state up to date with this pass's tails; returns the shard

@@ -24,7 +24,7 @@ import orjson
 
 from expr_tracker.store import records
 from expr_tracker.store.cursor import read_sidecar
-from expr_tracker.store.window import WINDOW_BLOCK, Short, TailBytes
+from expr_tracker.store.window import Short, TailBytes
 
 MAX_CATCHUP = 4 << 20  # bytes read forward per shard and pass; beyond it, re-read the tail
 MAX_TAIL_LINES = 100_000  # records parsed by one tail read
@@ -120,11 +120,7 @@ class ShardTail:
     """What a reader keeps of one shard between passes: offsets and bounded recent rows."""
 
     def __init__(self, path: Path, rank: int, stream: str | None, window: int,
-                 series: str | None = None, scan_recent: int | None = None) -> None:
-        """`scan_recent`: a reader of the recent rank records (`expr summary`) reads the
-        same tails: the first read of the tail also scans its rank records of the shard's last
-        that many steps (`stats.scan.scan_shard(recent=...)`) into `self.scan`, from the
-        bytes read once, for the caller to take."""
+                 series: str | None = None) -> None:
         self.path = path
         self.rank = rank
         self.stream = stream
@@ -141,8 +137,6 @@ class ShardTail:
         self.last_row: dict[str, Any] | None = None
         self.rank_recs: dict[int, deque[dict[str, Any]]] = {}  # by `_rank` (no series key)
         self.series: dict[int, Series] = {}  # by `_rank` (with a series key)
-        self.scan_recent = scan_recent
-        self.scan: Any = None  # a `stats.scan.ShardScan` of the last tail read (scan_recent)
         # by `_rank`: its latest system-metrics sample read (whatever the window keeps)
         self.system: dict[int, dict[str, Any]] = {}
         self.sidecar: dict[str, Any] | None = None
@@ -155,11 +149,6 @@ class ShardTail:
         self.ok = False  # the last refresh found the shard (and could read it)
         self.read_now = False  # the last refresh read shard data ...
         self.side_read_now = False  # ... or the sidecar
-
-    @property
-    def shard_name(self) -> str:
-        """The shard's path as a string."""
-        return self._shard_name
 
     # -- records -----------------------------------------------------------
     def _take(self, recs: list[dict[str, Any]]) -> None:
@@ -346,9 +335,9 @@ class ShardTail:
 
     def _first_read(self) -> bool:
         """The first refresh: one open, `fstat` and `pread` of the shard's tail, which the
-        reverse read (and the scan, with `scan_recent`) then read from memory; the file
-        itself only when they reach back further (`window.Short`). What `refresh` does
-        for a shard never read, in fewer system calls: at 16,384 shards they add up."""
+        reverse read then reads from memory; the file itself only when it reaches back
+        further (`window.Short`). What `refresh` does for a shard never read, in fewer
+        system calls (and no file object per read): at 16,384 shards they add up."""
         try:
             fd = os.open(self._shard_name, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
@@ -369,13 +358,6 @@ class ShardTail:
                     self._read_tail(records.complete_end(held, self._first_block()), held)
                 except Short:
                     self._read_tail(records.complete_end(fh, self._first_block()), fh)
-                if self.scan_recent is not None:
-                    from expr_tracker.stats.scan import scan_shard
-
-                    try:
-                        self.scan = scan_shard(self._shard_name, recent=self.scan_recent, fh=held)
-                    except Short:
-                        self.scan = scan_shard(self._shard_name, recent=self.scan_recent, fh=fh)
         except OSError:
             return False
         finally:
@@ -385,9 +367,8 @@ class ShardTail:
 
     def _tail_bytes(self) -> int:
         """How much of the end of a shard a first read takes in one `pread`: the last line's
-        end and the first reverse block (a scan: `window_start`'s first block too)."""
-        want = 2 * self._first_block() if self.window <= SMALL_WINDOW else 4 * TAIL_BLOCK
-        return max(want, WINDOW_BLOCK + 4096) if self.scan_recent is not None else want
+        end and the first reverse block (and, for a long window, the next ones)."""
+        return 2 * self._first_block() if self.window <= SMALL_WINDOW else 4 * TAIL_BLOCK
 
     def _refresh_sidecar(self, first: bool = False) -> bool:
         """Read the sidecar again if it changed (it is rewritten by a rename: a new inode);

@@ -23,7 +23,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 from itertools import compress, islice, repeat
 from operator import eq, itemgetter, lt
-from typing import Any, BinaryIO, cast
+from typing import Any, cast
 
 import orjson
 
@@ -241,32 +241,28 @@ def _add_chunk(accs: dict[int, _Acc], recs: list[dict[str, Any]]) -> None:
 
 
 def scan_shard(
-    path: str | os.PathLike[str], lo: int | None = None, recent: int | None = None,
-    fh: BinaryIO | None = None,
+    path: str | os.PathLike[str], lo: int | None = None, recent: int | None = None
 ) -> ShardScan:
     """Read one shard's rank records as blocks (an unterminated last line is ignored); with
     `lo`, only the shard's tail from about step `lo` on (see `window_start`); with
-    `recent`, only its last `recent` steps. `fh`: the shard already open (or its tail
-    read, `window.TailBytes`), read as the file would be."""
-    if fh is None:
-        with open(path, "rb") as own:
-            return scan_shard(path, lo, recent, own)
+    `recent`, only its last `recent` steps."""
     accs: dict[int, _Acc] = {}
     garbage = 0
     regular = True
-    if recent is not None and lo is None:
-        top = last_step(fh)
-        lo = None if top is None else top - recent + 1
-    start = window_start(fh, lo) if lo is not None else 0
-    for _, data in records.complete_blocks(fh, _CHUNK, start):
-        recs, bad = parse_rank_lines(data)
-        garbage += bad
-        if regular:
-            try:
-                _add_chunk(accs, recs)
-            except _Irregular:
-                regular = False
-                accs.clear()
+    with open(path, "rb") as fh:
+        if recent is not None and lo is None:
+            top = last_step(fh)
+            lo = None if top is None else top - recent + 1
+        start = window_start(fh, lo) if lo is not None else 0
+        for _, data in records.complete_blocks(fh, _CHUNK, start):
+            recs, bad = parse_rank_lines(data)
+            garbage += bad
+            if regular:
+                try:
+                    _add_chunk(accs, recs)
+                except _Irregular:
+                    regular = False
+                    accs.clear()
     blocks = [acc.block() for acc in accs.values()] if regular else None
     return ShardScan(os.fspath(path), blocks, garbage)
 
