@@ -22,7 +22,7 @@ from bisect import bisect_left
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 from itertools import compress, islice, repeat
-from operator import eq, itemgetter, lt
+from operator import eq, lt
 from typing import Any, cast
 
 import orjson
@@ -135,23 +135,7 @@ class _Acc:
     def add(self, recs: list[dict[str, Any]]) -> None:
         """Append the records of this rank (file order); _Irregular if they don't fit."""
         n = len(recs)
-        keys = tuple(recs[0])
-        if self.keys is None:
-            self.keys = keys
-        elif set(keys) != set(self.keys):
-            raise _Irregular
-        if n > 1 and set(map(len, recs)) != {len(keys)}:
-            raise _Irregular
-        try:
-            # the records as columns, in C: a record without one of the first's keys
-            # (with as many keys, so other keys) raises KeyError
-            table = list(zip(*map(itemgetter(*keys), recs), strict=True)) if len(keys) > 1 else None
-        except KeyError:
-            raise _Irregular from None
-        if table is None:  # ({"_kind": ...} alone: no step)
-            raise _Irregular
-        by_key = dict(zip(keys, table, strict=True))
-        steps = cast("tuple[int, ...]", by_key.get("_step", (None,)))
+        steps = cast("list[int]", list(map(_get, recs, repeat("_step"))))
         if set(map(type, steps)) != {int}:
             raise _Irregular
         try:
@@ -162,22 +146,31 @@ class _Acc:
             map(lt, steps, islice(steps, 1, None))
         ):
             raise _Irregular  # a repeated step: the later record wins, per key
+        keys = tuple(recs[0])
+        if self.keys is None:
+            self.keys = keys
+        elif set(keys) != set(self.keys):
+            raise _Irregular
+        if n > 1 and set(map(len, recs)) != {len(keys)}:
+            raise _Irregular
         cols: dict[str, array[float]] = {}
-        col: Sequence[Any]
-        for key, col in by_key.items():
+        for key in keys:
+            if key in ("_kind", "_step", "_rank"):
+                continue  # present in every record: checked by the caller and above
             if key[:1] == "_" and key not in ("_weight", "_world_size"):
-                continue  # (`_kind`, `_step`, `_rank`: checked by the caller and above)
+                if sum(map(dict.__contains__, recs, repeat(key))) != n:
+                    raise _Irregular  # the same number of keys, but other keys
+                continue
+            col = list(map(_get, recs, repeat(key), repeat(_ABSENT)))
             types = set(map(type, col))
+            if _Absent in types:
+                raise _Irregular  # the same number of keys, but other keys
             if key[:1] == "_":
                 if key == "_weight":
                     self._add_weights(col, types)
                 elif key == "_world_size":
-                    top = max(col) if types == {int} else None  # (ints: one C call)
-                    if top is not None and top <= _MAX_RANKS:
-                        self.world = max(self.world, top)
-                    else:
-                        sizes = [w for w in col if w.__class__ is int and w <= _MAX_RANKS]
-                        self.world = max([self.world, *sizes])
+                    sizes = [w for w in col if w.__class__ is int and w <= _MAX_RANKS]
+                    self.world = max([self.world, *sizes])
                 continue
             if str in types:
                 # non-finite values are written as "NaN", "Infinity", "-Infinity"
@@ -198,7 +191,7 @@ class _Acc:
             self.columns.setdefault(key, array("d")).extend(values)
         self.steps.extend(step_array)
 
-    def _add_weights(self, col: Sequence[Any], types: set[type]) -> None:
+    def _add_weights(self, col: list[Any], types: set[type]) -> None:
         distinct = set(col) if types <= _NUMBER else None  # (a JSON list is not hashable)
         one = _clean_weight(col[0]) if distinct is not None and len(distinct) == 1 else None
         if self.weights is None and one is not None:
@@ -355,95 +348,25 @@ class ColumnTable(TableShape):
         }
         return reduce_values(values, self._world, weights)
 
+    @property
+    def blocks(self) -> list[Block]:
+        """The blocks, by rank."""
+        return self._blocks
+
     def reduce_steps(self, key: str, steps: Sequence[int]) -> list[Stats]:
-        """`reduce_step` of `key` at each of `steps` (a chart of the recent steps). Blocks
-        with the usual steps (those of the middle rank's block: every rank but a crashed
-        or late one) give each step's values in C, one `itemgetter` over their columns;
-        the others are looked up per step as `_at` does. The same values and weights in
-        the same (rank) order as `reduce_step`'s, so the same stats."""
-        mine = [b for b in self._blocks if key in b.columns]
-        if not mine:
-            return [self.reduce_step(key, s) for s in steps]
-        usual = mine[len(mine) // 2].steps
-        where = {s: i for i, s in enumerate(usual)}
-        runs: list[Any] = []  # in rank order: lists of blocks with the usual steps, or a block
-        for blk in mine:
-            if blk.steps == usual:
-                if runs and isinstance(runs[-1], list):
-                    runs[-1].append(blk)
-                else:
-                    runs.append([blk])
-            else:
-                runs.append(blk)
-        parts: list[Any] = []
-        for run in runs:
-            if isinstance(run, list):
-                fixed = ({b.rank: cast(float, b.weights) for b in run}
-                         if all(isinstance(b.weights, float) for b in run) else None)
-                parts.append(([b.rank for b in run], [b.columns[key] for b in run], fixed, run))
-            else:
-                parts.append(run)
-        out = []
-        for s in steps:
-            i = where.get(s)
-            values: dict[int, float] = {}
-            weights: dict[int, float] = {}
-            for part in parts:
-                if isinstance(part, Block):
-                    j = bisect_left(part.steps, s)
-                    if j < len(part.steps) and part.steps[j] == s:
-                        values[part.rank] = part.columns[key][j]
-                        w = part.weights
-                        weights[part.rank] = w if isinstance(w, float) else w[j]
-                    continue
-                if i is None:
-                    continue
-                ranks, cols, fixed, run = part
-                values.update(zip(ranks, map(itemgetter(i), cols), strict=True))
-                if fixed is not None:
-                    weights.update(fixed)
-                else:
-                    weights.update({b.rank: b.weights if isinstance(b.weights, float)
-                                    else b.weights[i] for b in run})
-            out.append(reduce_values(values, self._world, weights))
-        return out
+        """`reduce_step` of `key` at each of `steps` (a chart's recent steps), the same
+        stats, gathered in C where blocks share their steps (`stats.columns`)."""
+        from expr_tracker.stats.columns import reduce_steps
+
+        return reduce_steps(self, key, steps)
 
     def heatmap(self, key: str, n_buckets: int, steps: Sequence[int] | None = None) -> tuple[
             list[tuple[int, int]], dict[int, list[float | None]]]:
-        """`reduce.heatmap` over `rank_table([key])`, without building that table: with a
-        bucket per step (a page's 60 columns over the 50 recent steps) a cell is the rank's
-        value there (NaN when not finite), read in C for the blocks of the usual steps;
-        buckets of several steps go through `reduce.heatmap` itself."""
-        from expr_tracker.stats import reduce
+        """`reduce.heatmap` of `rank_table([key])`, the same cells, without building that
+        table (`stats.columns`)."""
+        from expr_tracker.stats.columns import heatmap
 
-        chosen = self.key_steps(key) if steps is None else sorted(set(steps))
-        if n_buckets < 1 or min(n_buckets, len(chosen)) != len(chosen) or not chosen:
-            return reduce.heatmap(self.rank_table([key]), key, n_buckets, steps)
-        nb = len(chosen)
-        grid: dict[int, list[float | None]] = {r: [None] * nb for r in range(self._world)}
-        mine = [b for b in self._blocks if key in b.columns]
-        usual = mine[len(mine) // 2].steps if mine else array("q")
-        where = {s: i for i, s in enumerate(usual)}
-        pos = [where.get(s) for s in chosen]
-        get = itemgetter(*pos) if nb > 1 and None not in pos else None
-        for b in mine:
-            col = b.columns[key]
-            if get is not None and b.steps == usual:
-                vals = get(col)
-                try:
-                    total = math.fsum(vals)
-                except (OverflowError, ValueError):
-                    total = math.nan
-                if total - total == 0.0 and 0.0 not in vals:  # finite, no -0.0: as they are
-                    grid[b.rank] = list(vals)
-                    continue
-            row = grid[b.rank]
-            for k, s in enumerate(chosen):
-                i = bisect_left(b.steps, s)
-                if i < len(b.steps) and b.steps[i] == s:
-                    v = col[i]
-                    row[k] = v + 0.0 if v - v == 0.0 else math.nan  # (`_mean` of one value)
-        return [(s, s) for s in chosen], grid
+        return heatmap(self, key, n_buckets, steps)
 
     def _window(
         self, key: str, lo: int, hi: int
