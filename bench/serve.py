@@ -10,6 +10,14 @@ and, in this process, the server time of a refresh with nothing new (the page's 
 requests: summary, heatmap, top) against `expr summary --json` of the same run (which
 reads it all again each time). Runs come from bench/scale.py's cache
 ($EXPR_SCALE_CACHE, default /tmp/expr-scale-cache; 200 steps per rank).
+
+    python bench/serve.py 16384 --server-only
+
+The scale part alone (issue 19 item 4, issue 24), without a browser: in a fresh process
+per round, the server's first build of the run page's three answers (the watcher's first
+pass, summary with its chart, heatmap, top) and then the no-change refresh, wall time and
+CPU time (the process and its forked workers). With EXPR_BENCH_BEFORE=<another checkout>
+the same from that tree (PYTHONPATH), in the same rounds: before and after side by side.
 """
 
 from __future__ import annotations
@@ -87,7 +95,73 @@ def refresh_cost(root: Path) -> tuple[float, float, float]:
     return statistics.median(times), first, cli
 
 
+SERVER = """
+import json, os, statistics, sys, time
+from pathlib import Path
+from expr_cli.web.api import Api
+from expr_cli.web.live import MIN_PASS, LiveRuns
+from expr_tracker.health.config import HealthConfig
+
+api = Api(Path(sys.argv[1]), LiveRuns(HealthConfig()))
+run = ("bench", "big")
+cpu = lambda: sum(os.times()[:4])  # this process and its reaped (forked) workers
+out = {}
+t0, c0 = time.monotonic(), cpu()
+for name, call in [("summary", lambda: api.summary(*run, {"chart": ["step_time"]})),
+                   ("heatmap", lambda: api.heatmap(*run, {"metric": ["step_time"], "buckets": ["60"]})),
+                   ("top", lambda: api.top(*run, {"limit": ["64"]}))]:
+    t, c = time.monotonic(), cpu()
+    call()
+    out[name] = time.monotonic() - t
+out["first"], out["first_cpu"] = time.monotonic() - t0, cpu() - c0
+times = []
+for _ in range(int(sys.argv[2])):
+    time.sleep(MIN_PASS + 0.05)
+    t = time.monotonic()
+    api.summary(*run, {"chart": ["step_time"]})
+    api.heatmap(*run, {"metric": ["step_time"], "buckets": ["60"]})
+    api.top(*run, {"limit": ["64"]})
+    times.append(time.monotonic() - t)
+out["refresh"] = statistics.median(times)
+print(json.dumps(out))
+"""
+
+
+def server_only(worlds: list[int], rounds: int = 2) -> None:
+    """The server's first build and no-change refresh, before and after, interleaved."""
+    import json
+
+    before = os.environ.get("EXPR_BENCH_BEFORE")
+    trees = {"after": {**os.environ}}
+    if before:
+        trees["before"] = {**os.environ, "PYTHONPATH": before}
+    print(f"expr serve, server side, {os.cpu_count()} cores, load average "
+          f"{os.getloadavg()[0]:.1f} at the start; best of {rounds} rounds (first build)\n")
+    print("| ranks | tree | first build | CPU (with workers) | summary (first pass in it) | "
+          "heatmap | top | no-change refresh |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
+    for world in worlds:
+        root = cached_run(world, STEPS)
+        best: dict[str, dict[str, float]] = {}
+        for _ in range(rounds):
+            for tree, env in trees.items():
+                res = subprocess.run([sys.executable, "-c", SERVER, str(root), str(REFRESHES)],
+                                     env=env, capture_output=True, text=True, check=True)
+                got = json.loads(res.stdout)
+                if tree not in best or got["first"] < best[tree]["first"]:
+                    best[tree] = got
+        for tree, got in best.items():
+            print(f"| {world:,} | {tree} | {got['first']:.1f} s | {got['first_cpu']:.1f} s | "
+                  f"{got['summary']:.1f} s | {got['heatmap']:.1f} s | {got['top']:.1f} s | "
+                  f"{got['refresh']:.3f} s |", flush=True)
+    print(f"\nload average {os.getloadavg()[0]:.1f} at the end")
+
+
 def main() -> None:
+    if "--server-only" in sys.argv:
+        args = [a for a in sys.argv[1:] if not a.startswith("--")]
+        server_only([int(w) for w in (args[0] if args else "4096,16384").split(",")])
+        return
     from playwright.sync_api import sync_playwright
 
     worlds = [int(w) for w in (sys.argv[1] if len(sys.argv) > 1 else "4096,16384").split(",")]

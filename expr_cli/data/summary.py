@@ -185,11 +185,16 @@ def _chart(table: Table, key: str, steps: list[int]) -> dict[str, Any]:
     """The reducers of `key` at each of `steps` (where any rank reported it), as columns."""
     cols: dict[str, list[Any]] = {"step": [], "n": [], "mean": [], "wmean": [], "p05": [],
                                   "p50": [], "p95": [], "min": [], "max": []}
+    from expr_tracker.stats.scan import ColumnTable
+
     have = set(table.key_steps(key))
-    for s in steps:
-        if s not in have:
-            continue
-        st = _stats(table, key, s, None)[0].as_dict()
+    steps = [s for s in steps if s in have]
+    if isinstance(table, ColumnTable) and not is_system(key):
+        every = table.reduce_steps(key, steps)  # (`_stats` per step, in one pass)
+    else:
+        every = [_stats(table, key, s, None)[0] for s in steps]
+    for s, stats in zip(steps, every, strict=True):
+        st = stats.as_dict()
         cols["step"].append(s)
         for name in ("n", "mean", "wmean", "p05", "p50", "p95", "min", "max"):
             cols[name].append(st.get(name))
@@ -304,10 +309,11 @@ def build_view(
         from expr_tracker.stats.scan import ColumnTable
 
         table = tables[heatmap_key]
-        # the heatmap reads one key at every step: a RankTable of that key alone
-        ht = table.rank_table([heatmap_key]) if isinstance(table, ColumnTable) else table
         hsteps = chosen if window is not None else recent
-        buckets, cells = reduce.heatmap(ht, heatmap_key, heatmap_width, steps=hsteps)
+        if isinstance(table, ColumnTable):  # (`reduce.heatmap` of its RankTable, read in C)
+            buckets, cells = table.heatmap(heatmap_key, heatmap_width, steps=hsteps)
+        else:
+            buckets, cells = reduce.heatmap(table, heatmap_key, heatmap_width, steps=hsteps)
         grid = {r: cells.get(r, [None] * len(buckets)) for r in range(world)}
         view["heatmap"] = {"key": heatmap_key, "agg": agg, "buckets": [list(b) for b in buckets],
                            "cells": grid,

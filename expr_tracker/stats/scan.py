@@ -21,8 +21,8 @@ from array import array
 from bisect import bisect_left
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
-from itertools import islice, repeat
-from operator import lt
+from itertools import compress, islice, repeat
+from operator import eq, lt
 from typing import Any, cast
 
 import orjson
@@ -213,7 +213,7 @@ class _Acc:
 def _add_chunk(accs: dict[int, _Acc], recs: list[dict[str, Any]]) -> None:
     kinds = list(map(_get, recs, repeat("_kind")))
     if kinds.count("rank") != len(recs):
-        recs = [r for r, k in zip(recs, kinds, strict=True) if k == "rank"]
+        recs = list(compress(recs, map(eq, kinds, repeat("rank"))))  # (in C)
     if not recs:
         return
     ranks = cast("list[int]", list(map(_get, recs, repeat("_rank"))))
@@ -313,6 +313,7 @@ class ColumnTable(TableShape):
         # one weight on every record, as `RankTable` finds it: the statistics then ignore weights
         self._wconst = next(iter(distinct)) if len(distinct) == 1 else None
         self._last_window: tuple[Any, Any] = (None, None)
+        self._last_at: tuple[Any, list[tuple[Block, int]]] = (None, [])
 
     def key_steps(self, key: str) -> list[int]:
         """Sorted steps at which some rank reported `key`."""
@@ -323,11 +324,15 @@ class ColumnTable(TableShape):
         return max((b.steps[-1] for b in self._blocks if key in b.columns and b.steps), default=None)
 
     def _at(self, step: int) -> list[tuple[Block, int]]:
+        # a summary asks for the stats and then the values of each key at one step
+        if self._last_at[0] == step:
+            return self._last_at[1]
         out = []
         for b in self._blocks:
             i = bisect_left(b.steps, step)
             if i < len(b.steps) and b.steps[i] == step:
                 out.append((b, i))
+        self._last_at = (step, out)
         return out
 
     def values(self, key: str, step: int) -> dict[int, float]:
@@ -342,6 +347,26 @@ class ColumnTable(TableShape):
             b.rank: b.weights if isinstance(b.weights, float) else b.weights[i] for b, i in at
         }
         return reduce_values(values, self._world, weights)
+
+    @property
+    def blocks(self) -> list[Block]:
+        """The blocks, by rank."""
+        return self._blocks
+
+    def reduce_steps(self, key: str, steps: Sequence[int]) -> list[Stats]:
+        """`reduce_step` of `key` at each of `steps` (a chart's recent steps), the same
+        stats, gathered in C where blocks share their steps (`stats.columns`)."""
+        from expr_tracker.stats.columns import reduce_steps
+
+        return reduce_steps(self, key, steps)
+
+    def heatmap(self, key: str, n_buckets: int, steps: Sequence[int] | None = None) -> tuple[
+            list[tuple[int, int]], dict[int, list[float | None]]]:
+        """`reduce.heatmap` of `rank_table([key])`, the same cells, without building that
+        table (`stats.columns`)."""
+        from expr_tracker.stats.columns import heatmap
+
+        return heatmap(self, key, n_buckets, steps)
 
     def _window(
         self, key: str, lo: int, hi: int

@@ -71,11 +71,45 @@ def last_step(fh: BinaryIO, block: int = 4096) -> int | None:
         start = max(0, end - block)
         fh.seek(start)
         data = fh.read(end - start)
-        found = None
-        for m in _STEP_RE.finditer(data):
-            found = m
-        if found is not None:
-            return int(found.group(1))
+        found = _STEP_RE.findall(data)  # (the last match's group, without a match object each)
+        if found:
+            return int(found[-1])
         end = start
         block *= 4
     return None
+
+
+class Short(Exception):
+    """A `TailBytes` was asked for bytes before those it holds: read the file itself."""
+
+
+class TailBytes:
+    """The last bytes of a file, read once (one `pread`), as a read-only binary file: the
+    readers above, `records.complete_end` and `ShardTail`'s reverse read all seek from
+    the end, and several of them share one read of each shard's tail instead of opening
+    it each (16,384 shards: three opens and a dozen reads each). A read that reaches
+    before the bytes held raises `Short`; the caller then reads the file, and gets the
+    same answer, since these are the file's bytes at their own offsets."""
+
+    __slots__ = ("base", "data", "pos", "size")
+
+    def __init__(self, data: bytes, base: int) -> None:
+        self.data, self.base = data, base
+        self.size = self.pos = base + len(data)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = offset if whence == 0 else (self.pos if whence == 1 else self.size) + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        pos = self.pos
+        if pos < self.base:
+            raise Short
+        end = self.size if n is None or n < 0 else min(self.size, pos + n)
+        if end <= pos:
+            return b""
+        self.pos = end
+        return self.data[pos - self.base:end - self.base]
