@@ -149,6 +149,8 @@ def check(root: Path, names: list[str], steps: int) -> tuple[int, int, int, int]
                 if rec.get("k") == -1:
                     landed += 1
                     continue
+                if "_kind" in rec:
+                    continue  # a rank record (the SDK's system metrics), not a step row
                 k = rec["_step"]
                 seen[k] = seen.get(k, 0) + 1
                 rows += 1

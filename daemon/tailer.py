@@ -27,6 +27,7 @@ from expr_tracker.store.spoolfile import SpoolReader
 
 from .applier import RunPipeline, ShardPool, forget_file
 from .config import Config
+from .durable import Durable
 from .filetail import FileTail
 from .spec import InitError, check_init
 from .state import Checkpoints, Quarantine, StateDir
@@ -55,19 +56,21 @@ class Tailer:
 
     def __init__(self, cfg: Config, spool_root: Path, state: Path, *, dispatcher: Any = None,
                  dry_run: bool = False, live: bool = True, state_dir: StateDir | None = None,
-                 max_open: int = 256) -> None:
+                 max_open: int = 256, durable: Durable | None = None) -> None:
         self.cfg = cfg
         self.spool_root = spool_root
         self.state = state
         self.dispatcher = dispatcher
         self.dry_run = dry_run
         self.live = live  # a daemon (time rules, retention) rather than a one-shot replay
-        self.pool = ShardPool(self.warn, max_open)
+        # checkpoints and sidecars are stored on `durable`'s thread when there is one
+        self.durable = durable
+        self.pool = ShardPool(self.warn, max_open, durable)
         sdir = state_dir or StateDir(state, readonly=dry_run)
         self.tails: dict[str, FileTail] = {}
         self.errors: dict[str, int] = {}
         self._logged: dict[str, float] = {}
-        self.checkpoints = Checkpoints(sdir, self.warn)
+        self.checkpoints = Checkpoints(sdir, self.warn, durable)
         self.quarantine = Quarantine(sdir, self.warn)
 
     def warn(self, cause: str, message: str) -> None:
@@ -481,7 +484,12 @@ class Tailer:
 
     # -- committing ----------------------------------------------------------------------
     def commit(self, *, force: bool = False, sidecar_interval: float = 2.0) -> None:
-        """Flush shards, then record the offsets they cover; retire finished files."""
+        """Flush shards, then record the offsets they cover; retire finished files.
+
+        With a writer thread, sidecars and the checkpoint are stored there (what the last
+        ones did is collected first); `force` waits until they are on disk."""
+        if self.durable is not None:
+            self.durable.collect()
         slots_ok = self.pool.flush()
         now = time.monotonic()
         for tail in list(self.tails.values()):
@@ -506,11 +514,25 @@ class Tailer:
             self.checkpoints.put(tail.key, tail.checkpoint())
         self.pool.sidecars(0.0 if force else sidecar_interval)
         if force or now - self.checkpoints.saved_at >= self.cfg.checkpoint_interval:
-            self.checkpoints.save()
-            if not self.checkpoints.dirty and not self.checkpoints.readonly:
-                for tail in self.tails.values():
-                    if tail.run is not None:
-                        tail.run.checkpointed()
+            # the backends' journals forget only what the checkpoint taken now holds
+            marks = [(run, run.checkpoint_marks()) for run in
+                     (tail.run for tail in self.tails.values()) if run is not None]
+
+            def on_disk() -> None:
+                for run, held in marks:
+                    if not run.closed:
+                        run.checkpointed(held)
+
+            self._save(on_disk, wait=force)
+
+    def _save(self, on_disk: Any = None, *, wait: bool = False) -> None:
+        """Save the checkpoints; `wait`: until they are on disk (a snapshot still on its
+        way is waited for first, as it would keep this one from being taken)."""
+        if wait and self.durable is not None:
+            self.durable.wait()
+        self.checkpoints.save(on_disk)
+        if wait and self.durable is not None:
+            self.durable.wait()
 
     @staticmethod
     def _settle(tail: FileTail, run: RunPipeline) -> None:
@@ -562,4 +584,4 @@ class Tailer:
                 tail.run.close()
                 tail.run = None
             self.checkpoints.put(tail.key, tail.checkpoint())
-        self.checkpoints.save()
+        self._save(wait=True)

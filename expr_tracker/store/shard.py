@@ -433,16 +433,27 @@ class ShardWriter:
         if not self.sidecar_enabled:
             return True
         try:
-            dfd = self._run_dir_fd()
-            try:
-                write_atomic_at(dfd, self.paths.sidecar.name,
-                                orjson.dumps(self.sidecar(), option=orjson.OPT_INDENT_2))
-            finally:
-                os.close(dfd)
+            self.store_sidecar(self.sidecar_bytes())
         except OSError as exc:
-            self._fail("sidecar", exc)
+            self.sidecar_failed(exc)
             return False
         return True
+
+    def sidecar_bytes(self) -> bytes:
+        return orjson.dumps(self.sidecar(), option=orjson.OPT_INDENT_2)
+
+    def store_sidecar(self, data: bytes) -> None:
+        """Replace the sidecar with `data` (from `sidecar_bytes`), raising OSError: exprd
+        builds the bytes on its loop and stores them on its writer thread, which reports
+        a failure back through `sidecar_failed`."""
+        dfd = self._run_dir_fd()
+        try:
+            write_atomic_at(dfd, self.paths.sidecar.name, data)
+        finally:
+            os.close(dfd)
+
+    def sidecar_failed(self, exc: OSError) -> None:
+        self._fail("sidecar", exc)
 
     def append_file(self, name: str, data: bytes) -> bool:
         """Append whole lines to file `name` of the run directory (the span trace): opened
