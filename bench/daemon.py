@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -108,12 +109,13 @@ def ingest_spool(tmp: Path, n: int) -> tuple[Path, Path, int]:
     return spool, root, events
 
 
-def floor_rate(tmp: Path, spool: Path, events: int) -> float:
-    """The floor: the same lines read, parsed and written out, nothing else."""
+def floor_rate(tmp: Path, spool: Path, events: int) -> tuple[float, float]:
+    """The floor: the same lines read, parsed and written out, nothing else. Events per
+    second of wall time and of CPU time (this process's)."""
     out = tmp / "floor"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for f in sorted(spool.rglob("*.jsonl")):
         with open(f, "rb") as fin, open(out / f.name, "wb") as fout:
             buf = []
@@ -124,21 +126,26 @@ def floor_rate(tmp: Path, spool: Path, events: int) -> float:
                     fout.write(b"".join(buf))
                     buf.clear()
             fout.write(b"".join(buf))
-    return events / (time.perf_counter() - t0)
+    return events / (time.perf_counter() - t0), events / (time.process_time() - c0)
 
 
-def ingest(tmp: Path, spool: Path, root: Path, events: int, rows: int) -> float:
-    """`exprd --once` over the spool into fresh run and state directories: events/s."""
+def ingest(tmp: Path, spool: Path, root: Path, events: int, rows: int) -> tuple[float, float]:
+    """`exprd --once` over the spool into fresh run and state directories: events per
+    second of wall time and of exprd's CPU time (user + system, start-up included)."""
     state = tmp / "state-ingest"
     shutil.rmtree(root, ignore_errors=True)  # the run directory the init lines name
     shutil.rmtree(state, ignore_errors=True)
-    t0 = time.perf_counter()
+    t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     assert exprd(["--config", str(config(tmp, spool, state, root)), "--once"], tmp,
                  stderr=subprocess.DEVNULL).wait() == 0
     rate = events / (time.perf_counter() - t0)
-    shard_lines = sum(p.read_bytes().count(b"\n") for p in root.rglob("metrics*.jsonl"))
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = events / ((r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime))
+    # the step rows (the SDK adds a rank record of system metrics now and then)
+    shard_lines = sum(p.read_bytes().count(b"\n") - p.read_bytes().count(b'"_kind":"rank"')
+                      for p in root.rglob("metrics*.jsonl"))
     assert shard_lines == rows, (shard_lines, rows)
-    return rate
+    return rate, cpu
 
 
 # -- 2. latency -----------------------------------------------------------------------------
@@ -276,10 +283,12 @@ def main() -> None:
                 sub = tmp / f"{tree}-{r}"
                 sub.mkdir()
                 if spool is not None and root is not None:
-                    floor = floor_rate(tmp, spool, events)
-                    rate = ingest(tmp, spool, root, events, 8 * n)
+                    floor, floor_cpu = floor_rate(tmp, spool, events)
+                    rate, cpu = ingest(tmp, spool, root, events, 8 * n)
                     if rate / floor > got.get("ratio", 0.0):
                         got.update(rate=rate, floor=floor, ratio=rate / floor)
+                    if cpu / floor_cpu > got.get("cpu_ratio", 0.0):
+                        got.update(rate_cpu=cpu, floor_cpu=floor_cpu, cpu_ratio=cpu / floor_cpu)
                 if "latency" in only:
                     p50, p99, count = latency(sub)
                     if p99 < got.get("p99", float("inf")):
@@ -305,6 +314,10 @@ def main() -> None:
     row(f"ingest, 8 writers x {n:,} events", "{:,.0f} events/s", "rate")
     row("floor (read + orjson.loads + write)", "{:,.0f} events/s", "floor")
     row("exprd / floor", "{:.0%}", "ratio", ">= 50%", after.get("ratio", 0) >= 0.5)
+    # on a loaded machine wall time mostly measures the wait for a core: the same in CPU time
+    row("ingest per CPU second of exprd (start-up included)", "{:,.0f} events/s", "rate_cpu")
+    row("floor per CPU second", "{:,.0f} events/s", "floor_cpu")
+    row("exprd / floor, CPU time", "{:.0%}", "cpu_ratio", ">= 50%", after.get("cpu_ratio", 0) >= 0.5)
     row("append->shard p50, 8 x 1,000 events/s", "{:.1f} ms", "p50")
     row("append->shard p99", "{:.1f} ms", "p99", "< 50 ms", after.get("p99", 1e9) < 50)
     row("events seen by the latency watcher", "{:,}", "count")

@@ -17,6 +17,7 @@ import errno
 import logging
 import os
 import time
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,14 @@ TOO_LONG = object()  # the parse of a line over the spool's line limit (never re
 
 def _cause(exc: OSError) -> str:
     return errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+
+
+def _index(flags: list[bool], value: bool, start: int) -> int:
+    """The first index from `start` where `flags` holds `value` (its length if none)."""
+    try:
+        return flags.index(value, start)
+    except ValueError:
+        return len(flags)
 
 
 def _json_type(value: Any) -> str:
@@ -298,6 +307,7 @@ class Tailer:
         stopped early because the shard or a backend cannot take more now."""
         loads, decode_error = orjson.loads, orjson.JSONDecodeError
         screen, block, max_step = untrusted.screen, untrusted.screen_block, untrusted.MAX_STEP
+        plain = untrusted.plain_rows
         max_line = reader.max_line
         run = tail.run
         shapes, row = tail.shapes, self._row_shape(tail)
@@ -316,7 +326,33 @@ class Tailer:
                 # the block parsed and screened at once (for the fast case: the first
                 # block of a file holds its init, after which the run only appends)
                 evs, clean = block(parts, max_line)
-                for i, line in enumerate(parts):
+                # runs of step rows made of keys the full check passed are taken at once
+                # (untrusted.plain_rows: no Python loop per row); `at` is the next start
+                keys = tail.row_keys
+                mask = list(map(keys.issuperset, evs)) if clean and keys and evs else []
+                at = _index(mask, True, 0) if mask else -1
+                rows = iter(range(len(parts)))
+                for i in rows:
+                    line = parts[i]
+                    if i == at:
+                        j = _index(mask, False, i)
+                        at = _index(mask, True, j)
+                        data = plain(parts[i:j], evs[i:j], seq + 1, suffix) \
+                            if fast and seq >= skip and evs is not None else None
+                        if data is not None:
+                            if append is None:
+                                assert run is not None and evs is not None
+                                if not run.started and self._overlaps(tail, run, evs[i]):
+                                    done = reader.size
+                                    return False
+                                append = run.prepare()
+                            append(data)  # the spool lines verbatim, each plus `_sid`
+                            seq = last = seq + j - i
+                            applied += j - i
+                            # each line gave its "}" and newline for the suffix
+                            pos = done = pos + len(data) - (j - i) * (len(suffix) - 2)
+                            next(islice(rows, j - i - 1, j - i - 1), None)  # on at j
+                            continue
                     end = pos + len(line) + 1
                     ev: Any = TOO_LONG
                     if evs is not None:
@@ -331,6 +367,7 @@ class Tailer:
                     # block is clean): the keys of a record that passed the full check
                     # (so no `_event`, `_sid` or a `_kind` other than "rank")
                     if (fast and ev.__class__ is dict and ev.get("_seq") == seq + 1
+                            and ev["_seq"].__class__ is int  # not 5.0, which _line refuses
                             and seq >= skip and line[-1:] == b"}"
                             and ((clean and ev.keys() == row and ev["_time"].__class__ is float
                                   and (step := ev["_step"]).__class__ is int
@@ -350,6 +387,9 @@ class Tailer:
                     tail.seq = seq
                     self._line(tail, pos, end, line, ev)
                     seq, shapes, row = tail.seq, tail.shapes, self._row_shape(tail)
+                    if not mask and clean and keys and evs:  # the first row of a file passed
+                        mask = list(map(keys.issuperset, evs))
+                        at = _index(mask, True, i + 1)
                     pos = done = end
                     if tail.state == "refused":
                         done = reader.size
@@ -454,6 +494,9 @@ class Tailer:
                 shapes = list(tail.shapes)
                 shapes[rkind is not None] = frozenset(ev)
                 tail.shapes = (shapes[0], shapes[1])
+                if rkind is None:
+                    tail.row_keys.update(ev)
+                    tail.row_keys.discard("_rank")  # its value is for the full check
                 # what was checked is what lands (not a repeated key readers would trip on)
                 line = orjson.dumps(ev)
             if not run.started and self._overlaps(tail, run, ev):
