@@ -17,7 +17,8 @@ import errno
 import logging
 import os
 import time
-from itertools import islice
+from itertools import islice, repeat
+from operator import eq
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,27 @@ def _index(flags: list[bool], value: bool, start: int) -> int:
         return flags.index(value, start)
     except ValueError:
         return len(flags)
+
+
+def _masks(tail: FileTail, evs: list[Any] | None
+           ) -> tuple[list[bool], list[bool], frozenset[str] | None]:
+    """Of a clean block's records: which have only keys of checked step rows (without
+    `_rank`), and which have the key set of the last checked rank record (returned too)."""
+    if not evs:
+        return [], [], None
+    keys, ranks = tail.row_keys, tail.shapes[1]
+    mask = list(map(keys.issuperset, evs)) if keys else []
+    rmask = list(map(eq, repeat(ranks), map(dict.keys, evs))) \
+        if ranks is not None and not all(mask or [False]) else []
+    return mask, rmask, ranks
+
+
+def _next_run(mask: list[bool], rmask: list[bool], start: int) -> int:
+    """Where the next run of either kind starts (-1 if none)."""
+    if not mask and not rmask:
+        return -1
+    return min(_index(mask, True, start) if mask else len(rmask),
+               _index(rmask, True, start) if rmask else len(mask))
 
 
 def _json_type(value: Any) -> str:
@@ -307,7 +329,7 @@ class Tailer:
         stopped early because the shard or a backend cannot take more now."""
         loads, decode_error = orjson.loads, orjson.JSONDecodeError
         screen, block, max_step = untrusted.screen, untrusted.screen_block, untrusted.MAX_STEP
-        plain = untrusted.plain_rows
+        plain, plain_ranks = untrusted.plain_rows, untrusted.plain_ranks
         max_line = reader.max_line
         run = tail.run
         shapes, row = tail.shapes, self._row_shape(tail)
@@ -326,19 +348,26 @@ class Tailer:
                 # the block parsed and screened at once (for the fast case: the first
                 # block of a file holds its init, after which the run only appends)
                 evs, clean = block(parts, max_line)
-                # runs of step rows made of keys the full check passed are taken at once
-                # (untrusted.plain_rows: no Python loop per row); `at` is the next start
-                keys = tail.row_keys
-                mask = list(map(keys.issuperset, evs)) if clean and keys and evs else []
-                at = _index(mask, True, 0) if mask else -1
+                # runs of step rows made of keys the full check passed, and of rank
+                # records of a checked shape, are taken at once (untrusted.plain_rows,
+                # plain_ranks: no Python loop per record); `at` is the next run's start
+                mask, rmask, rshape = _masks(tail, evs) if clean else ([], [], None)
+                at, remask = _next_run(mask, rmask, 0), 2
                 rows = iter(range(len(parts)))
                 for i in rows:
                     line = parts[i]
                     if i == at:
-                        j = _index(mask, False, i)
-                        at = _index(mask, True, j)
-                        data = plain(parts[i:j], evs[i:j], seq + 1, suffix) \
-                            if fast and seq >= skip and evs is not None else None
+                        data = None
+                        if mask and mask[i]:
+                            j = _index(mask, False, i)
+                            if fast and seq >= skip and evs is not None:
+                                data = plain(parts[i:j], evs[i:j], seq + 1, suffix)
+                        else:
+                            j = _index(rmask, False, i)
+                            if fast and seq >= skip and evs is not None and rshape:
+                                data = plain_ranks(parts[i:j], evs[i:j], seq + 1, suffix,
+                                                   rshape)  # the shape `rmask` compared
+                        at = _next_run(mask, rmask, j)
                         if data is not None:
                             if append is None:
                                 assert run is not None and evs is not None
@@ -387,9 +416,12 @@ class Tailer:
                     tail.seq = seq
                     self._line(tail, pos, end, line, ev)
                     seq, shapes, row = tail.seq, tail.shapes, self._row_shape(tail)
-                    if not mask and clean and keys and evs:  # the first row of a file passed
-                        mask = list(map(keys.issuperset, evs))
-                        at = _index(mask, True, i + 1)
+                    if clean and remask and ((not mask and tail.row_keys)
+                                             or (not rmask and tail.shapes[1])):
+                        # the first record of its kind in the file passed the full check
+                        remask -= 1
+                        mask, rmask, rshape = _masks(tail, evs)
+                        at = _next_run(mask, rmask, i + 1)
                     pos = done = end
                     if tail.state == "refused":
                         done = reader.size

@@ -66,3 +66,15 @@ def test_whatever_the_screens_pass_the_full_check_passes(value: int | float, sep
     if one or clean:
         untrusted.check_record(rec)
         assert type(rec["k"]) is type(json.loads(line)["k"])  # what another reader sees
+
+
+def test_a_record_of_the_rank_shape_but_another_kind_is_not_screened_through() -> None:
+    line = b'{"_kind":"rank","_step":3,"_time":1.5,"_seq":4,"_rank":0,"_world_size":2,"loss":0.5}'
+    shape = frozenset(orjson.loads(line))
+    assert untrusted.screen(orjson.loads(line), line, (_SHAPE, shape))
+    for kind in (b'"span"', b"null", b"1"):
+        other = line.replace(b'"rank"', kind, 1)
+        rec = orjson.loads(other)
+        assert not untrusted.screen(rec, other, (_SHAPE, shape)), other
+        assert untrusted.plain_ranks([other], [rec], 4, b"}\n", shape) is None
+    assert untrusted.plain_ranks([line], [orjson.loads(line)], 4, b"}\n", shape) == line + b"\n"

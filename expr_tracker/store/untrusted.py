@@ -123,6 +123,8 @@ def screen(rec: dict[str, Any], line: bytes, shapes: Sequence[frozenset[str] | N
         rank = rec.get("_rank", 0)
         return rank.__class__ is int and 0 <= rank < MAX_WORLD
     # a rank record as log_rank_metrics writes it: weight a float, metrics numbers
+    if rec["_kind"] != "rank":
+        return False  # the shape's keys, another kind (or null)
     rank, world, local = rec["_rank"], rec.get("_world_size"), rec.get("_local_rank")
     weight = rec.get("_weight", 1.0)
     if not ((world is None or (world.__class__ is int and world <= MAX_WORLD))
@@ -171,6 +173,7 @@ def screen_block(parts: list[bytes], max_line: int) -> tuple[list[Any] | None, b
 
 _SEQ, _STEP, _TIME = itemgetter("_seq"), itemgetter("_step"), itemgetter("_time")
 _LAST, _BUT_LAST = itemgetter(-1), itemgetter(slice(None, -1))
+_NUMBERS = frozenset((int, float))
 
 
 def plain_rows(parts: list[bytes], recs: list[Any], first_seq: int, end: bytes) -> bytes | None:
@@ -184,16 +187,61 @@ def plain_rows(parts: list[bytes], recs: list[Any], first_seq: int, end: bytes) 
     left of `screen` is an int `_step` in range and a float `_time`, here for all of them
     at once, without a Python loop; and each line must end in "}".
     """
-    if not recs:
+    if not _numbered(parts, recs, first_seq):
+        return None
+    return end.join(map(_BUT_LAST, parts)) + end
+
+
+def plain_ranks(parts: list[bytes], recs: list[Any], first_seq: int, end: bytes,
+                shape: frozenset[str]) -> bytes | None:
+    """`plain_rows` for a run of rank records, each with the key set `shape` (that of a
+    rank record that passed `check_record`): what is left of `screen` is `_kind`, the rank
+    fields and numbers as metrics, for all of them at once. A run whose world size
+    changes (or that none of its records' own bounds fit) goes record by record."""
+    if not _numbered(parts, recs, first_seq):
         return None
     try:
+        if set(map(itemgetter("_kind"), recs)) != {"rank"}:
+            return None
+        worlds = set(map(itemgetter("_world_size"), recs)) if "_world_size" in shape else {None}
+        if len(worlds) != 1:
+            return None
+        (world,) = worlds
+        if world is None:
+            world = MAX_WORLD
+        elif world.__class__ is not int or not 1 <= world <= MAX_WORLD:
+            return None
+        ranks = list(map(itemgetter("_rank"), recs))
+        if set(map(type, ranks)) != {int} or min(ranks) < 0 or max(ranks) >= world:
+            return None
+        if "_local_rank" in shape:
+            local = set(map(itemgetter("_local_rank"), recs))
+            local.discard(None)
+            if not all(v.__class__ is int and v >= 0 for v in local):  # a few distinct values
+                return None
+        if "_weight" in shape:
+            weights = list(map(itemgetter("_weight"), recs))
+            if set(map(type, weights)) != {float} or min(weights) < 0.0:  # no inf or nan
+                return None
+        for key in shape:
+            if key[0] != "_" and not set(map(type, map(itemgetter(key), recs))) <= _NUMBERS:
+                return None
+    except (KeyError, TypeError):
+        return None
+    return end.join(map(_BUT_LAST, parts)) + end
+
+
+def _numbered(parts: list[bytes], recs: list[Any], first_seq: int) -> bool:
+    """Each record numbered `first_seq`, `first_seq + 1`... (ints), an int `_step` in range,
+    a float `_time`; each line ending in "}"."""
+    if not recs:
+        return False
+    try:
         seqs, steps = list(map(_SEQ, recs)), list(map(_STEP, recs))
-        if not (seqs == list(range(first_seq, first_seq + len(recs)))
+        return (seqs == list(range(first_seq, first_seq + len(recs)))
                 and set(map(type, seqs)) == {int} and set(map(type, steps)) == {int}
                 and set(map(type, map(_TIME, recs))) == {float}
                 and min(steps) >= 0 and max(steps) <= MAX_STEP
-                and bytes(map(_LAST, parts)) == b"}" * len(parts)):
-            return None
+                and bytes(map(_LAST, parts)) == b"}" * len(parts))
     except (KeyError, IndexError):
-        return None
-    return end.join(map(_BUT_LAST, parts)) + end
+        return False
