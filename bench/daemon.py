@@ -1,14 +1,17 @@
 """exprd benchmarks: ingest vs a floor, append->shard latency, idle CPU, RSS with many files.
 
-    python bench/daemon.py [EVENTS_PER_WRITER] [IDLE_SECONDS] [--only ingest,latency,idle,rss]
+    python bench/daemon.py [EVENTS_PER_WRITER] [IDLE_SECONDS] [--only=ingest,latency,idle,rss,many]
 
 defaults 200000 and 60. Prints a markdown table. With EXPR_BENCH_BEFORE=<another checkout
 of the project> the same measures also run the exprd of that tree (PYTHONPATH; the
 writers are this tree's SDK), alternately in the same rounds (EXPR_BENCH_ROUNDS, 2 by
-default): a table of before and after side by side, the best round of each. Targets (issue 24): ingest at least 50%
-of the floor (read the same spool lines, orjson.loads, write them out), p99 append->shard
-latency under 50 ms at 8 x 1,000 events/s, idle CPU under 0.5% of a core with 64 idle
-spool files; RSS under 150 MB with 512 spool files.
+default): a table of before and after side by side, the best round of each.
+
+Targets (issue 24): ingest at least 50% of the floor (read the same spool lines,
+orjson.loads, write them out), p99 append->shard latency under 50 ms at 8 x 1,000
+events/s, idle CPU under 0.5% of a core with 64 idle spool files, RSS under 150 MB with
+512 spool files, and a live exprd catching up with 2,048 live spool files at least half
+as fast as with the same events in 8 (`bench/scale.py` measures that too, once).
 """
 
 from __future__ import annotations
@@ -239,6 +242,29 @@ def idle_cpu(tmp: Path, seconds: float) -> float:
     return used * 100
 
 
+def many_rate(tmp: Path, count: int, events: int) -> float:
+    """Events per second of a live exprd catching up with `count` live spool files of
+    `events` events each, from its start until status.json counts them all applied (as
+    `bench/scale.py` measures the 2,048-file rate)."""
+    spool, root, state = many_files(tmp, f"many{count}", count, events)
+    d = exprd(["--config", str(config(tmp, spool, state, root))], tmp, stderr=subprocess.DEVNULL)
+    try:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 600:
+            try:
+                st = json.loads((state / "status.json").read_text())
+                if st["totals"]["applied"] >= count * events and st["totals"]["files"] >= count:
+                    break
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.02)
+        wall = time.monotonic() - t0
+    finally:
+        d.send_signal(signal.SIGTERM)
+        d.wait(60)
+    return count * events / wall
+
+
 def rss_many(tmp: Path) -> tuple[float, int]:
     spool, root, state = many_files(tmp, "rss", 512)
     d = exprd(["--config", str(config(tmp, spool, state, root))], tmp, stderr=subprocess.DEVNULL)
@@ -253,7 +279,7 @@ def rss_many(tmp: Path) -> tuple[float, int]:
 
 def main() -> None:
     global EXPRD_ENV
-    only = {"ingest", "latency", "idle", "rss"}
+    only = {"ingest", "latency", "idle", "rss", "many"}
     args = []
     for arg in sys.argv[1:]:
         if arg.startswith("--only"):
@@ -298,6 +324,10 @@ def main() -> None:
                 if "rss" in only:
                     rss, tracked = rss_many(sub)
                     got["rss"], got["tracked"] = min(got.get("rss", float("inf")), rss), tracked
+                if "many" in only:
+                    few, many = many_rate(sub, 8, 25_600), many_rate(sub, 2048, 100)
+                    if few / many < got.get("many_x", float("inf")):
+                        got.update(few=few, many=many, many_x=few / many)
                 shutil.rmtree(sub, ignore_errors=True)
     head = " | ".join(f"{tree} (best of {rounds})" if before else "value" for tree in trees)
     print(f"| measure | {head} | target | met |")
@@ -325,6 +355,9 @@ def main() -> None:
         after.get("cpu", 1e9) < 0.5)
     row("RSS with 512 spool files", "{:.0f} MB", "rss", "< 150 MB", after.get("rss", 1e9) < 150)
     row("spool files tracked (of 512)", "{}", "tracked")
+    row("catch-up, 8 live spool files x 25,600 events", "{:,.0f} events/s", "few")
+    row("catch-up, 2,048 live spool files x 100 events", "{:,.0f} events/s", "many")
+    row("8-file rate / 2,048-file rate", "{:.2f}x", "many_x", "<= 2x", after.get("many_x", 1e9) <= 2)
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f} (this 2-core box is shared)")
 
 

@@ -259,14 +259,22 @@ class Daemon:
             # an idle daemon must stay idle: rewrite only what changed, plus a heartbeat
             same = {k: v for k, v in doc.items() if k != "updated"}
             now = time.monotonic()
+            key = str(self.sdir.path / status_mod.STATUS_FILE)
             if same != self._last_status or now - self._status_written >= STATUS_HEARTBEAT:
                 self._last_status, self._status_written = same, now
                 data, sdir = status_mod.encode(doc), self.sdir
-                self.durable.submit(str(self.sdir.path / status_mod.STATUS_FILE),
-                                    lambda: sdir.write_atomic(status_mod.STATUS_FILE, data),
-                                    self._status_stored)
+                if wait and not self.durable.pending(key):
+                    # here, not behind the sidecars queued on the writer thread (nothing
+                    # orders the two)
+                    try:
+                        sdir.write_atomic(status_mod.STATUS_FILE, data)
+                    except OSError as exc:
+                        self._status_stored(exc)
+                else:
+                    self.durable.submit(key, lambda: sdir.write_atomic(status_mod.STATUS_FILE,
+                                                                       data), self._status_stored)
             if wait:
-                self.durable.wait()
+                self.durable.wait(key)
         return doc
 
     def _status_stored(self, exc: BaseException | None) -> None:
@@ -316,7 +324,9 @@ class Daemon:
             self.tailer.commit()
             self._ping()
         self.check_crashes()
-        self.tailer.commit(force=True)
+        # every sidecar and the checkpoint on their way, not waited for: a restart before
+        # they land reads again what they cover (2,048 sidecars are seconds of fsyncs)
+        self.tailer.commit(force=True, wait=False)
         self.presence.beat(force=True)  # before the first status: ready means both are there
         self.status(wait=True)
         self.notifier.ready(f"tailing {len(self.tailer.tails)} spool files")

@@ -558,11 +558,13 @@ class Tailer:
             self.log_bad(tail, start, end, f"unknown event {kind!r}")
 
     # -- committing ----------------------------------------------------------------------
-    def commit(self, *, force: bool = False, sidecar_interval: float = 2.0) -> None:
+    def commit(self, *, force: bool = False, sidecar_interval: float = 2.0,
+               wait: bool | None = None) -> None:
         """Flush shards, then record the offsets they cover; retire finished files.
 
         With a writer thread, sidecars and the checkpoint are stored there (what the last
-        ones did is collected first); `force` waits until they are on disk."""
+        ones did is collected first); `force` writes them all now and waits until they
+        are on disk (unless `wait` is False)."""
         if self.durable is not None:
             self.durable.collect()
         slots_ok = self.pool.flush()
@@ -598,7 +600,7 @@ class Tailer:
                     if not run.closed:
                         run.checkpointed(held)
 
-            self._save(on_disk, wait=force)
+            self._save(on_disk, wait=force if wait is None else wait)
 
     def _save(self, on_disk: Any = None, *, wait: bool = False) -> None:
         """Save the checkpoints; `wait`: until they are on disk (a snapshot still on its
