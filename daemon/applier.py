@@ -244,11 +244,12 @@ class ShardPool:
         self._lru.move_to_end(key)
         if len(self._lru) <= self.max_open:
             return
-        for old_key, old in list(self._lru.items()):
-            if len(self._lru) <= self.max_open:
-                break
+        while len(self._lru) > self.max_open:
+            # the oldest first (`slot` is the newest: never given back here); a walk over
+            # a copy of the whole dict at each touch was O(open shards) per touch
+            old_key, old = next(iter(self._lru.items()))
             if old is slot:
-                continue
+                break
             # flushed first when it can be; a shard that cannot be written keeps its rows
             # in memory and gives its descriptor back all the same (reopened to retry)
             old.flush()
