@@ -317,6 +317,7 @@ def main() -> None:
                         got.update(rate_cpu=cpu, floor_cpu=floor_cpu, cpu_ratio=cpu / floor_cpu)
                 if "latency" in only:
                     p50, p99, count = latency(sub)
+                    got.setdefault("p99s", []).append(p99)
                     if p99 < got.get("p99", float("inf")):
                         got.update(p50=p50, p99=p99, count=count)
                 if "idle" in only:
@@ -358,6 +359,10 @@ def main() -> None:
     row("catch-up, 8 live spool files x 25,600 events", "{:,.0f} events/s", "few")
     row("catch-up, 2,048 live spool files x 100 events", "{:,.0f} events/s", "many")
     row("8-file rate / 2,048-file rate", "{:.2f}x", "many_x", "<= 2x", after.get("many_x", 1e9) <= 2)
+    for tree in trees:
+        if "p99s" in best[tree]:
+            print(f"\n{tree}: append->shard p99 of each round: "
+                  + ", ".join(f"{v:.1f} ms" for v in best[tree]["p99s"]))
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f} (this 2-core box is shared)")
 
 
