@@ -56,7 +56,8 @@ def write_spool(tmp: Path, name: str, body: str, n: int) -> tuple[Path, Path, in
     spool, root = tmp / f"spool-{name}", tmp / "runs"
     code = f"""
         import expr_tracker as et
-        et.init("bench", {name!r}, dir={str(root)!r}, upload_mode="spool", spool_dir={str(spool)!r})
+        et.init("bench", {name!r}, dir={str(root)!r}, upload_mode="spool", spool_dir={str(spool)!r},
+                system_metrics=False)
         for k in range({n}):
             {body}
         et.finish()
@@ -79,8 +80,9 @@ def once(tmp: Path, spool: Path, env: dict[str, str], tag: str, rows: int) -> fl
     shutil.rmtree(state, ignore_errors=True)
     cfg = config(tmp, spool, state, root)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # in `tmp`: `-m` puts the working directory first on the path, before PYTHONPATH's tree
     subprocess.run([sys.executable, "-m", "exprd.main", "--allow-root", "--config", str(cfg), "--once"],
-                   check=True, stderr=subprocess.DEVNULL, env=env)
+                   check=True, stderr=subprocess.DEVNULL, env=env, cwd=tmp)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     # CPU seconds, not wall time: on a machine other jobs load, waiting for a core is noise
     took = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -97,7 +99,7 @@ def instructions(tmp: Path, spool: Path, env: dict[str, str], tag: str) -> int:
     cfg = config(tmp, spool, state, root)
     out = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
                           sys.executable, "-m", "exprd.main", "--allow-root", "--config", str(cfg),
-                          "--once"], env=env, capture_output=True, text=True, check=True)
+                          "--once"], env=env, capture_output=True, text=True, check=True, cwd=tmp)
     return int(re.search(r"Collected : (\d+)", out.stderr).group(1))  # type: ignore[union-attr]
 
 
@@ -106,7 +108,8 @@ def write_one(tmp: Path, name: str, body: str, n: int) -> Path:
     spool, root = tmp / f"spool-{name}", tmp / "runs"
     code = f"""
         import expr_tracker as et
-        et.init("bench", {name!r}, dir={str(root)!r}, upload_mode="spool", spool_dir={str(spool)!r})
+        et.init("bench", {name!r}, dir={str(root)!r}, upload_mode="spool", spool_dir={str(spool)!r},
+                system_metrics=False)
         for k in range({n}):
             {body}
         et.finish()

@@ -25,6 +25,7 @@ from expr_tracker.store.shard import ShardWriter
 from expr_tracker.store.spoolfile import session_of, spool_files_of
 
 from .config import Config
+from .durable import Durable
 from .forwarder import Forwarder, drop_journals
 from .spec import RunSpec
 
@@ -41,8 +42,11 @@ class ShardSlot:
     sets `writer.unsafe`, and the run is refused.
     """
 
-    def __init__(self, spec: RunSpec, warn: Callable[[str, str], None]) -> None:
+    def __init__(self, spec: RunSpec, warn: Callable[[str, str], None],
+                 durable: Durable | None = None) -> None:
         self.paths = spec.paths
+        self.durable = durable  # the writer thread the sidecar is stored on (None: here)
+        self.sidecar_key = str(spec.paths.sidecar)
         self.writer = ShardWriter(
             spec.paths, spec.writer_identity(), shared=not spec.rank_aware,
             write_sidecar=spec.rank_aware or spec.rank == 0, warn=warn, dropped={},
@@ -174,15 +178,27 @@ class ShardSlot:
     def write_sidecar(self) -> bool:
         """Rewrite the sidecar if it changed, and never while rows wait to be written: it
         would call the shard finished (or count rows) ahead of the file. True once the
-        sidecar on disk is up to date (a failed write is retried)."""
+        sidecar on disk is up to date (a failed write is retried). With a writer thread
+        the bytes are built here and stored there: True only once that is done."""
+        durable = self.durable
         if not self.sidecar_dirty:
-            return True
+            return durable is None or not durable.pending(self.sidecar_key)
         if self.writer.buffered() or not self.open():
             return False
         self.last_sidecar = time.monotonic()
-        if self.writer.write_sidecar():
-            self.sidecar_dirty = False
-        return not self.sidecar_dirty
+        if durable is None or not self.writer.sidecar_enabled:
+            if self.writer.write_sidecar():
+                self.sidecar_dirty = False
+            return not self.sidecar_dirty
+        self.sidecar_dirty = False
+        data, store = self.writer.sidecar_bytes(), self.writer.store_sidecar
+        durable.submit(self.sidecar_key, lambda: store(data), self._sidecar_stored)
+        return False
+
+    def _sidecar_stored(self, exc: BaseException | None) -> None:
+        if exc is not None:
+            self.sidecar_dirty = True  # retried at the next commit
+            self.writer.sidecar_failed(exc if isinstance(exc, OSError) else OSError(str(exc)))
 
     def close(self) -> None:
         """Flush, write the sidecar if it changed, close the descriptor.
@@ -190,6 +206,8 @@ class ShardSlot:
         Rows that still cannot be written are let go: their spool file keeps them and its
         checkpoint is behind them, so the next exprd applies them.
         """
+        if self.durable is not None and self.durable.pending(self.sidecar_key):
+            self.durable.wait(self.sidecar_key)  # the writer thread's copy must not land last
         if self.writer.unsafe or not self.flush():
             lost = self.writer.discard()
             if lost and not self.writer.unsafe:
@@ -213,16 +231,18 @@ class ShardPool:
     reopened at its next write. EMFILE and ENFILE are temporary: the rows wait in memory.
     """
 
-    def __init__(self, warn: Callable[[str, str], None], max_open: int = 256) -> None:
+    def __init__(self, warn: Callable[[str, str], None], max_open: int = 256,
+                 durable: Durable | None = None) -> None:
         self.slots: dict[Path, ShardSlot] = {}
         self.warn = warn
+        self.durable = durable
         self.max_open = max(1, max_open)
         self._lru: OrderedDict[Path, ShardSlot] = OrderedDict()  # slots with an open fd
 
     def acquire(self, spec: RunSpec) -> ShardSlot:
         slot = self.slots.get(spec.paths.shard)
         if slot is None:
-            slot = self.slots[spec.paths.shard] = ShardSlot(spec, self.warn)
+            slot = self.slots[spec.paths.shard] = ShardSlot(spec, self.warn, self.durable)
         if spec.time >= slot.newest:
             slot.newest, slot.kept = spec.time, None
             slot.writer.identity = spec.writer_identity()
@@ -247,11 +267,12 @@ class ShardPool:
         self._lru.move_to_end(key)
         if len(self._lru) <= self.max_open:
             return
-        for old_key, old in list(self._lru.items()):
-            if len(self._lru) <= self.max_open:
-                break
+        while len(self._lru) > self.max_open:
+            # the oldest first (`slot` is the newest: never given back here); a walk over
+            # a copy of the whole dict at each touch was O(open shards) per touch
+            old_key, old = next(iter(self._lru.items()))
             if old is slot:
-                continue
+                break
             # flushed first when it can be; a shard that cannot be written keeps its rows
             # in memory and gives its descriptor back all the same (reopened to retry)
             old.flush()
@@ -405,9 +426,14 @@ class RunPipeline:
         file may be checkpointed as finished and its run closed."""
         return self.slot.flush() and self.slot.write_sidecar()
 
-    def checkpointed(self) -> None:
-        """The checkpoint is on disk: the backends' journals may forget what it covers."""
-        self.forwarder.checkpointed()
+    def checkpoint_marks(self) -> dict[str, int]:
+        """What the checkpoint being taken now holds of the backends (see `checkpointed`)."""
+        return self.forwarder.marks()
+
+    def checkpointed(self, marks: dict[str, int] | None = None) -> None:
+        """The checkpoint is on disk: the backends' journals may forget what it covers
+        (`marks`, from `checkpoint_marks` when it was taken; by default what is settled now)."""
+        self.forwarder.checkpointed(marks)
 
     def drain(self, timeout: float) -> None:
         """Shutdown: let the backends send what they hold (on their own threads)."""

@@ -43,6 +43,8 @@ class FileTail:
     read_error: str = ""  # why the last read failed (EMFILE...): retried, never "torn"
     # the keys of the last step row and of the last rank record that passed the full check
     shapes: tuple[frozenset[str] | None, frozenset[str] | None] = (None, None)
+    # every key of the step rows (without `_rank`) that passed the full check
+    row_keys: set[str] = field(default_factory=set)
 
     @property
     def key(self) -> str:

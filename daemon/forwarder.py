@@ -286,11 +286,18 @@ class Forwarder:
                     if at is not None:
                         self._settled[name] = at
 
-    def checkpointed(self) -> None:
-        """The checkpoint holding `committed` is on disk: journals forget the batches
-        before it (they are never submitted again)."""
+    def marks(self) -> dict[str, int]:
+        """Per backend, the seq at its committed offset: what a checkpoint taken now holds."""
+        return dict(self._settled)
+
+    def checkpointed(self, settled: dict[str, int] | None = None) -> None:
+        """The checkpoint holding `committed` (or `settled`, from `marks` when that
+        checkpoint was taken) is on disk: journals forget the batches before it (they are
+        never submitted again)."""
+        if settled is None:
+            settled = self._settled
         for name, worker in self._workers.items():
-            seq = self._settled.get(name)
+            seq = settled.get(name)
             if worker.journal is None or seq is None:
                 continue
             try:

@@ -37,6 +37,7 @@ from . import config as config_mod
 from . import retire
 from . import status as status_mod
 from .config import Config, ConfigError
+from .durable import Durable
 from .filetail import FileTail
 from .health import DaemonHealth, HealthConfig
 from .notify import Notifier
@@ -100,12 +101,16 @@ class Daemon:
                 log.info("created the spool root %s", self.spool)
             self.presence.claim()
         self.dispatcher = None if dry_run else build_dispatcher(cfg)
+        self.wake = Waker()  # set from signal handlers too: never a threading.Event
+        # checkpoints, sidecars, status.json and the heartbeat are stored (fsync) on this
+        # thread: the loop goes on reading meanwhile (see durable)
+        self.durable = Durable(self.wake.set)
+        self.presence.durable = self.durable
         self.tailer = Tailer(cfg, self.spool, self.state, dispatcher=self.dispatcher,
                              dry_run=dry_run, live=not replay, state_dir=self.sdir,
-                             max_open=cfg.open_files_bound())
+                             max_open=cfg.open_files_bound(), durable=self.durable)
         self.health = None if replay or dry_run else DaemonHealth(
             cfg.health or HealthConfig(), self.dispatcher, cfg.watch_roots)
-        self.wake = Waker()  # set from signal handlers too: never a threading.Event
         self.stopping = False
         self.reload_requested = False
         self.started = time.time()
@@ -237,12 +242,15 @@ class Daemon:
             todo = lagging
         self.check_crashes()
         self.tailer.close()
-        doc = self.status()
+        doc = self.status(wait=True)
+        self.durable.close()
         if self.dispatcher is not None:
             self.dispatcher.close(5.0)
         return doc
 
-    def status(self) -> dict[str, Any]:
+    def status(self, *, wait: bool = False) -> dict[str, Any]:
+        """Build the status document and store it if it changed (on the writer thread;
+        `wait`: until it is on disk)."""
         mode = "replay" if self.replay else ("poll" if self.poll else "inotify")
         doc = status_mod.build(self.tailer, started=self.started, mode=mode,
                                dispatcher=self.dispatcher,
@@ -251,17 +259,35 @@ class Daemon:
             # an idle daemon must stay idle: rewrite only what changed, plus a heartbeat
             same = {k: v for k, v in doc.items() if k != "updated"}
             now = time.monotonic()
+            key = str(self.sdir.path / status_mod.STATUS_FILE)
             if same != self._last_status or now - self._status_written >= STATUS_HEARTBEAT:
-                try:
-                    status_mod.write(self.sdir, doc)
-                    self._last_status, self._status_written = same, now
-                except OSError as exc:
-                    # a read-only or full state dir: retried each round, logged once per
-                    # cause (and hourly with its count), counted in `errors`
-                    cause = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
-                    self.tailer.warn(f"status:{cause}", "cannot write status.json in "
-                                     f"{self.sdir.path}: {exc.strerror or exc}")
+                self._last_status, self._status_written = same, now
+                data, sdir = status_mod.encode(doc), self.sdir
+                if wait and not self.durable.pending(key):
+                    # here, not behind the sidecars queued on the writer thread (nothing
+                    # orders the two)
+                    try:
+                        sdir.write_atomic(status_mod.STATUS_FILE, data)
+                    except OSError as exc:
+                        self._status_stored(exc)
+                else:
+                    self.durable.submit(key, lambda: sdir.write_atomic(status_mod.STATUS_FILE,
+                                                                       data), self._status_stored)
+            if wait:
+                self.durable.wait(key)
         return doc
+
+    def _status_stored(self, exc: BaseException | None) -> None:
+        if exc is None:
+            return
+        # a read-only or full state dir: retried each round, logged once per cause (and
+        # hourly with its count), counted in `errors`
+        self._last_status = None
+        if isinstance(exc, OSError):
+            cause, why = errno.errorcode.get(exc.errno or 0, type(exc).__name__), exc.strerror or exc
+        else:
+            cause, why = type(exc).__name__, exc
+        self.tailer.warn(f"status:{cause}", f"cannot write status.json in {self.sdir.path}: {why}")
 
     _last_status: dict[str, Any] | None = None
     _status_written = float("-inf")
@@ -298,9 +324,11 @@ class Daemon:
             self.tailer.commit()
             self._ping()
         self.check_crashes()
-        self.tailer.commit(force=True)
+        # every sidecar and the checkpoint on their way, not waited for: a restart before
+        # they land reads again what they cover (2,048 sidecars are seconds of fsyncs)
+        self.tailer.commit(force=True, wait=False)
         self.presence.beat(force=True)  # before the first status: ready means both are there
-        self.status()
+        self.status(wait=True)
         self.notifier.ready(f"tailing {len(self.tailer.tails)} spool files")
         self._ping()
         log.info("ready: %s (%d files, %s)", self.spool, len(self.tailer.tails),
@@ -320,6 +348,7 @@ class Daemon:
             if not busy:
                 self.wake.wait(max(0.0, min(due - now, LAGGING_POLL if lagging else due - now)))
             self.wake.clear()
+            self.durable.collect()  # what the writer thread stored (or failed to) meanwhile
             if self.reload_requested:
                 self.reload()
             dirty, dir_changed = self.watcher.take()
@@ -389,7 +418,8 @@ class Daemon:
         self.tailer.close(timeout=DRAIN_SECONDS / 2)
         if self.dispatcher is not None:
             self.dispatcher.close(DRAIN_SECONDS / 3)
-        self.status()
+        self.status(wait=True)
+        self.durable.close()
         self.notifier.close()
         return code
 

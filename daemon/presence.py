@@ -18,6 +18,8 @@ import orjson
 
 from expr_tracker.store.safedir import write_atomic_at
 
+from .durable import Durable
+
 log = logging.getLogger("exprd")
 HEARTBEAT_FILE = ".exprd.json"
 HEARTBEAT_EVERY = 5.0  # seconds between heartbeat rewrites
@@ -75,6 +77,9 @@ class Presence:
         self.fd: int | None = None
         self.next_beat = 0.0
         self.warned = False
+        # exprd's writer thread: a heartbeat that is not forced is stored there (its
+        # fsync never holds the loop); None writes it here
+        self.durable: Durable | None = None
 
     def claim(self) -> bool:
         """Lock the spool root if not yet done; False if it does not exist yet.
@@ -105,17 +110,28 @@ class Presence:
         doc: dict[str, object] = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}
         if self.state is not None:
             doc["state"] = str(self.state.absolute())
+        data = orjson.dumps(doc)
+        if self.durable is not None and not force:
+            self.durable.submit(str(self.spool / HEARTBEAT_FILE), lambda: self._store(data),
+                                self._stored)
+            return
         try:
-            dfd = os.open(self.spool, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                write_atomic_at(dfd, HEARTBEAT_FILE, orjson.dumps(doc), mode=0o644)
-            finally:
-                os.close(dfd)
+            self._store(data)
         except OSError as exc:
-            if not self.warned:
-                self.warned = True
-                log.warning("cannot write the heartbeat in %s: %s", self.spool,
-                            exc.strerror or exc)
+            self._stored(exc)
+
+    def _store(self, data: bytes) -> None:
+        dfd = os.open(self.spool, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            write_atomic_at(dfd, HEARTBEAT_FILE, data, mode=0o644)
+        finally:
+            os.close(dfd)
+
+    def _stored(self, exc: BaseException | None) -> None:
+        if exc is not None and not self.warned:
+            self.warned = True
+            log.warning("cannot write the heartbeat in %s: %s", self.spool,
+                        getattr(exc, "strerror", None) or exc)
 
     def release(self) -> None:
         if self.fd is not None:

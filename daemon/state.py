@@ -19,6 +19,8 @@ import orjson
 
 from expr_tracker.store.safedir import open_below, open_file, write_all, write_atomic_at
 
+from .durable import Durable
+
 log = logging.getLogger("exprd")
 Warn = Callable[[str, str], None]
 QUARANTINE_COPY = 64 * 1024  # bytes of a bad line kept; the index has its full length
@@ -65,7 +67,8 @@ class Checkpoints:
 
     NAME = "checkpoints.json"
 
-    def __init__(self, sdir: StateDir, warn: Warn = _log_warn) -> None:
+    def __init__(self, sdir: StateDir, warn: Warn = _log_warn,
+                 durable: Durable | None = None) -> None:
         self.sdir = sdir
         self.warn = warn
         self.path = sdir.path / self.NAME
@@ -73,6 +76,8 @@ class Checkpoints:
         self.files: dict[str, dict[str, Any]] = {}
         self.dirty = False
         self.saved_at = 0.0
+        self.durable = durable  # the writer thread that stores it (None: written here)
+        self.writing = False  # a snapshot is on its way to the disk
         try:
             data = orjson.loads(self.path.read_bytes())
             files = data.get("files") if isinstance(data, dict) else None
@@ -93,17 +98,48 @@ class Checkpoints:
         if self.files.pop(key, None) is not None:
             self.dirty = True
 
-    def save(self) -> None:
-        """Atomically rewrite the file if something changed."""
-        if not self.dirty or self.readonly:
+    def save(self, on_disk: Callable[[], None] | None = None) -> None:
+        """Atomically rewrite the file if something changed; `on_disk()` once what is in
+        `files` now is on disk (at once if nothing changed).
+
+        With a writer thread the bytes are taken here and written there: the snapshot
+        counts as saved (`saved_at`, `on_disk`) only once it is durable, a failed write
+        leaves the state dirty (retried at the next save), and a new snapshot waits until
+        the last one is done, so that a checkpoint never overtakes a sidecar it covers
+        (see `durable`). Until then a restart reads from the last one on disk: the
+        shard's `_sid`/`_seq` make that re-read harmless."""
+        if self.readonly or self.writing:
             return
-        try:
-            self.sdir.write_atomic(self.NAME, orjson.dumps({"version": 1, "files": self.files}))
-            self.dirty = False
-            self.saved_at = time.monotonic()
-        except OSError as exc:
-            self.warn(f"checkpoints:{_cause(exc)}",
-                      f"cannot write checkpoints {self.path}: {exc.strerror or exc}")
+        if not self.dirty:
+            if on_disk is not None:
+                on_disk()
+            return
+        data = orjson.dumps({"version": 1, "files": self.files})
+        self.dirty = False
+        if self.durable is None:
+            try:
+                self.sdir.write_atomic(self.NAME, data)
+            except OSError as exc:
+                self._stored(exc, on_disk)
+                return
+            self._stored(None, on_disk)
+            return
+        self.writing = True
+        sdir, name = self.sdir, self.NAME
+        self.durable.submit(str(self.path), lambda: sdir.write_atomic(name, data),
+                            lambda exc: self._stored(exc, on_disk))
+
+    def _stored(self, exc: BaseException | None, on_disk: Callable[[], None] | None) -> None:
+        self.writing = False
+        if exc is not None:
+            self.dirty = True
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            self.warn(f"checkpoints:{_cause(exc) if isinstance(exc, OSError) else 'error'}",
+                      f"cannot write checkpoints {self.path}: {why}")
+            return
+        self.saved_at = time.monotonic()
+        if on_disk is not None:
+            on_disk()
 
 
 def quarantine_name(src: Path, start: int) -> str:

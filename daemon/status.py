@@ -92,9 +92,13 @@ def build(tailer: Tailer, *, started: float, mode: str, dispatcher: Any = None,
     return out
 
 
+def encode(doc: dict[str, Any]) -> bytes:
+    return orjson.dumps(doc, option=orjson.OPT_INDENT_2)
+
+
 def write(sdir: StateDir, doc: dict[str, Any]) -> None:
     """Atomically replace `{state}/status.json`."""
-    sdir.write_atomic(STATUS_FILE, orjson.dumps(doc, option=orjson.OPT_INDENT_2))
+    sdir.write_atomic(STATUS_FILE, encode(doc))
 
 
 def read(state: Path) -> dict[str, Any]:

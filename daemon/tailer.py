@@ -17,6 +17,8 @@ import errno
 import logging
 import os
 import time
+from itertools import islice, repeat
+from operator import eq
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from expr_tracker.store.spoolfile import SpoolReader
 
 from .applier import RunPipeline, ShardPool, forget_file
 from .config import Config
+from .durable import Durable
 from .filetail import FileTail
 from .spec import InitError, check_init
 from .state import Checkpoints, Quarantine, StateDir
@@ -39,6 +42,35 @@ TOO_LONG = object()  # the parse of a line over the spool's line limit (never re
 
 def _cause(exc: OSError) -> str:
     return errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+
+
+def _index(flags: list[bool], value: bool, start: int) -> int:
+    """The first index from `start` where `flags` holds `value` (its length if none)."""
+    try:
+        return flags.index(value, start)
+    except ValueError:
+        return len(flags)
+
+
+def _masks(tail: FileTail, evs: list[Any] | None
+           ) -> tuple[list[bool], list[bool], frozenset[str] | None]:
+    """Of a clean block's records: which have only keys of checked step rows (without
+    `_rank`), and which have the key set of the last checked rank record (returned too)."""
+    if not evs:
+        return [], [], None
+    keys, ranks = tail.row_keys, tail.shapes[1]
+    mask = list(map(keys.issuperset, evs)) if keys else []
+    rmask = list(map(eq, repeat(ranks), map(dict.keys, evs))) \
+        if ranks is not None and not all(mask or [False]) else []
+    return mask, rmask, ranks
+
+
+def _next_run(mask: list[bool], rmask: list[bool], start: int) -> int:
+    """Where the next run of either kind starts (-1 if none)."""
+    if not mask and not rmask:
+        return -1
+    return min(_index(mask, True, start) if mask else len(rmask),
+               _index(rmask, True, start) if rmask else len(mask))
 
 
 def _json_type(value: Any) -> str:
@@ -55,19 +87,21 @@ class Tailer:
 
     def __init__(self, cfg: Config, spool_root: Path, state: Path, *, dispatcher: Any = None,
                  dry_run: bool = False, live: bool = True, state_dir: StateDir | None = None,
-                 max_open: int = 256) -> None:
+                 max_open: int = 256, durable: Durable | None = None) -> None:
         self.cfg = cfg
         self.spool_root = spool_root
         self.state = state
         self.dispatcher = dispatcher
         self.dry_run = dry_run
         self.live = live  # a daemon (time rules, retention) rather than a one-shot replay
-        self.pool = ShardPool(self.warn, max_open)
+        # checkpoints and sidecars are stored on `durable`'s thread when there is one
+        self.durable = durable
+        self.pool = ShardPool(self.warn, max_open, durable)
         sdir = state_dir or StateDir(state, readonly=dry_run)
         self.tails: dict[str, FileTail] = {}
         self.errors: dict[str, int] = {}
         self._logged: dict[str, float] = {}
-        self.checkpoints = Checkpoints(sdir, self.warn)
+        self.checkpoints = Checkpoints(sdir, self.warn, durable)
         self.quarantine = Quarantine(sdir, self.warn)
 
     def warn(self, cause: str, message: str) -> None:
@@ -313,6 +347,7 @@ class Tailer:
         stopped early because the shard or a backend cannot take more now."""
         loads, decode_error = orjson.loads, orjson.JSONDecodeError
         screen, block, max_step = untrusted.screen, untrusted.screen_block, untrusted.MAX_STEP
+        plain, plain_ranks = untrusted.plain_rows, untrusted.plain_ranks
         max_line = reader.max_line
         run = tail.run
         shapes, row = tail.shapes, self._row_shape(tail)
@@ -331,7 +366,40 @@ class Tailer:
                 # the block parsed and screened at once (for the fast case: the first
                 # block of a file holds its init, after which the run only appends)
                 evs, clean = block(parts, max_line)
-                for i, line in enumerate(parts):
+                # runs of step rows made of keys the full check passed, and of rank
+                # records of a checked shape, are taken at once (untrusted.plain_rows,
+                # plain_ranks: no Python loop per record); `at` is the next run's start
+                mask, rmask, rshape = _masks(tail, evs) if clean else ([], [], None)
+                at, remask = _next_run(mask, rmask, 0), 2
+                rows = iter(range(len(parts)))
+                for i in rows:
+                    line = parts[i]
+                    if i == at:
+                        data = None
+                        if mask and mask[i]:
+                            j = _index(mask, False, i)
+                            if fast and seq >= skip and evs is not None:
+                                data = plain(parts[i:j], evs[i:j], seq + 1, suffix)
+                        else:
+                            j = _index(rmask, False, i)
+                            if fast and seq >= skip and evs is not None and rshape:
+                                data = plain_ranks(parts[i:j], evs[i:j], seq + 1, suffix,
+                                                   rshape)  # the shape `rmask` compared
+                        at = _next_run(mask, rmask, j)
+                        if data is not None:
+                            if append is None:
+                                assert run is not None and evs is not None
+                                if not run.started and self._overlaps(tail, run, evs[i]):
+                                    done = reader.size
+                                    return False
+                                append = run.prepare()
+                            append(data)  # the spool lines verbatim, each plus `_sid`
+                            seq = last = seq + j - i
+                            applied += j - i
+                            # each line gave its "}" and newline for the suffix
+                            pos = done = pos + len(data) - (j - i) * (len(suffix) - 2)
+                            next(islice(rows, j - i - 1, j - i - 1), None)  # on at j
+                            continue
                     end = pos + len(line) + 1
                     ev: Any = TOO_LONG
                     if evs is not None:
@@ -346,6 +414,7 @@ class Tailer:
                     # block is clean): the keys of a record that passed the full check
                     # (so no `_event`, `_sid` or a `_kind` other than "rank")
                     if (fast and ev.__class__ is dict and ev.get("_seq") == seq + 1
+                            and ev["_seq"].__class__ is int  # not 5.0, which _line refuses
                             and seq >= skip and line[-1:] == b"}"
                             and ((clean and ev.keys() == row and ev["_time"].__class__ is float
                                   and (step := ev["_step"]).__class__ is int
@@ -365,6 +434,12 @@ class Tailer:
                     tail.seq = seq
                     self._line(tail, pos, end, line, ev)
                     seq, shapes, row = tail.seq, tail.shapes, self._row_shape(tail)
+                    if clean and remask and ((not mask and tail.row_keys)
+                                             or (not rmask and tail.shapes[1])):
+                        # the first record of its kind in the file passed the full check
+                        remask -= 1
+                        mask, rmask, rshape = _masks(tail, evs)
+                        at = _next_run(mask, rmask, i + 1)
                     pos = done = end
                     if tail.state == "refused":
                         done = reader.size
@@ -469,6 +544,9 @@ class Tailer:
                 shapes = list(tail.shapes)
                 shapes[rkind is not None] = frozenset(ev)
                 tail.shapes = (shapes[0], shapes[1])
+                if rkind is None:
+                    tail.row_keys.update(ev)
+                    tail.row_keys.discard("_rank")  # its value is for the full check
                 # what was checked is what lands (not a repeated key readers would trip on)
                 line = orjson.dumps(ev)
             if not run.started and self._overlaps(tail, run, ev):
@@ -500,8 +578,15 @@ class Tailer:
             self.log_bad(tail, start, end, f"unknown event {kind!r}")
 
     # -- committing ----------------------------------------------------------------------
-    def commit(self, *, force: bool = False, sidecar_interval: float = 2.0) -> None:
-        """Flush shards, then record the offsets they cover; retire finished files."""
+    def commit(self, *, force: bool = False, sidecar_interval: float = 2.0,
+               wait: bool | None = None) -> None:
+        """Flush shards, then record the offsets they cover; retire finished files.
+
+        With a writer thread, sidecars and the checkpoint are stored there (what the last
+        ones did is collected first); `force` writes them all now and waits until they
+        are on disk (unless `wait` is False)."""
+        if self.durable is not None:
+            self.durable.collect()
         slots_ok = self.pool.flush()
         now = time.monotonic()
         for tail in list(self.tails.values()):
@@ -526,11 +611,25 @@ class Tailer:
             self.checkpoints.put(tail.key, tail.checkpoint())
         self.pool.sidecars(0.0 if force else sidecar_interval)
         if force or now - self.checkpoints.saved_at >= self.cfg.checkpoint_interval:
-            self.checkpoints.save()
-            if not self.checkpoints.dirty and not self.checkpoints.readonly:
-                for tail in self.tails.values():
-                    if tail.run is not None:
-                        tail.run.checkpointed()
+            # the backends' journals forget only what the checkpoint taken now holds
+            marks = [(run, run.checkpoint_marks()) for run in
+                     (tail.run for tail in self.tails.values()) if run is not None]
+
+            def on_disk() -> None:
+                for run, held in marks:
+                    if not run.closed:
+                        run.checkpointed(held)
+
+            self._save(on_disk, wait=force if wait is None else wait)
+
+    def _save(self, on_disk: Any = None, *, wait: bool = False) -> None:
+        """Save the checkpoints; `wait`: until they are on disk (a snapshot still on its
+        way is waited for first, as it would keep this one from being taken)."""
+        if wait and self.durable is not None:
+            self.durable.wait()
+        self.checkpoints.save(on_disk)
+        if wait and self.durable is not None:
+            self.durable.wait()
 
     @staticmethod
     def _settle(tail: FileTail, run: RunPipeline) -> None:
@@ -582,4 +681,4 @@ class Tailer:
                 tail.run.close()
                 tail.run = None
             self.checkpoints.put(tail.key, tail.checkpoint())
-        self.checkpoints.save()
+        self._save(wait=True)

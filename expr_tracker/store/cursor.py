@@ -147,6 +147,9 @@ def cursor_from(fd: int, size: int, hint: Mapping[str, Any] | None) -> Cursor:
 
 def last_row_step(data: bytes) -> int | None:
     """`_step` of the last step row (not a `_kind` record) in `data`, parsing just that line."""
+    kind = b'{"_kind"'
+    if kind in data and data.count(b"\n" + kind) + data.startswith(kind) == data.count(b"\n"):
+        return None  # rank records only (exprd appends a block of them at once)
     end = len(data) - 1
     while end > 0:
         start = data.rfind(b"\n", 0, end) + 1

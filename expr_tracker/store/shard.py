@@ -100,6 +100,7 @@ class ShardWriter:
         self._pending_rows = 0
         self._io_lock = threading.Lock()
         self._fd: int | None = None
+        self._held_dir: tuple[int, int] | None = None  # (descriptor, thread) during `open`
         # hooks of the spool writer (None for shards): `on_deleted()` when the file was
         # deleted (or `is_current(fd)` says moved) under us, before a new one is opened at
         # `self.paths` (it may change them); `transform(data, offset)` rewrites what is
@@ -115,6 +116,10 @@ class ShardWriter:
         Failures are reported and retried at the next flush; they never raise.
         """
         try:
+            if self.anchor is not None:
+                # exprd: the run directory walked to once for the files `open` touches
+                # (the sidecar, the shard, its torn file...), not once per file
+                self._held_dir = (self._run_dir_fd(create=True), threading.get_ident())
             hint = self.read_hint()
             if self.exclusive:
                 # the SDK's own shard (never exprd's, which has an anchor): the lock file
@@ -130,6 +135,10 @@ class ShardWriter:
             self._open_fd()
         except OSError as exc:
             self._fail("open", exc)
+        finally:
+            held, self._held_dir = self._held_dir, None
+            if held is not None:
+                os.close(held[0])
         return self.cursor
 
     def forget_lock(self) -> None:
@@ -169,6 +178,9 @@ class ShardWriter:
         without following a symlink; without one (the SDK) the run directory is the path
         the user gave. Files in it are never opened through a symlink either way.
         """
+        held = self._held_dir
+        if held is not None and held[1] == threading.get_ident():
+            return os.dup(held[0])  # within `open`, on its thread (see there)
         run_dir = self.paths.run_dir
         if self.anchor is None:
             if create:
@@ -433,16 +445,27 @@ class ShardWriter:
         if not self.sidecar_enabled:
             return True
         try:
-            dfd = self._run_dir_fd()
-            try:
-                write_atomic_at(dfd, self.paths.sidecar.name,
-                                orjson.dumps(self.sidecar(), option=orjson.OPT_INDENT_2))
-            finally:
-                os.close(dfd)
+            self.store_sidecar(self.sidecar_bytes())
         except OSError as exc:
-            self._fail("sidecar", exc)
+            self.sidecar_failed(exc)
             return False
         return True
+
+    def sidecar_bytes(self) -> bytes:
+        return orjson.dumps(self.sidecar(), option=orjson.OPT_INDENT_2)
+
+    def store_sidecar(self, data: bytes) -> None:
+        """Replace the sidecar with `data` (from `sidecar_bytes`), raising OSError: exprd
+        builds the bytes on its loop and stores them on its writer thread, which reports
+        a failure back through `sidecar_failed`."""
+        dfd = self._run_dir_fd()
+        try:
+            write_atomic_at(dfd, self.paths.sidecar.name, data)
+        finally:
+            os.close(dfd)
+
+    def sidecar_failed(self, exc: OSError) -> None:
+        self._fail("sidecar", exc)
 
     def append_file(self, name: str, data: bytes) -> bool:
         """Append whole lines to file `name` of the run directory (the span trace): opened

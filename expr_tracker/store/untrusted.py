@@ -10,8 +10,8 @@ line through at a small fraction of their cost.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
+from operator import itemgetter
 from typing import Any
 
 import orjson
@@ -32,9 +32,23 @@ RANK_FIELDS = frozenset(("_kind", "_step", "_time", "_seq", "_rank", "_world_siz
 _RANK_NAMES = ("_rank", "_world_size", "_local_rank", "_weight")
 
 
-# 19 digits in a row: maybe an int outside int64, which the screens leave to `check_record`
-# (int64 holds 19 digits, so a few of its own largest values take the full check too)
-_LONG_DIGITS = re.compile(rb"\d{19}")
+# an int of 19 digits or more: maybe outside int64 (orjson parses up to 2**64-1 as an int,
+# and a longer one as a float that other readers take for an int), which the screens leave
+# to `check_record` (int64 holds 19 digits, so a few of its own largest values take the
+# full check too). Where the screens look, every ":" is a key's (one per key, no nested
+# object, no list), so every value follows a ":" and some whitespace, and an int value is
+# the digits (and "-") right after it: all digits read as "0", whitespace and "-" dropped,
+# a ":" then 19 "0" is such an int, or a float with 19 digits before its "." (sent to the
+# full check all the same). The digits of a float's fraction never follow a ":" (1 / 8191
+# is 0.00012208521548040532: a run of 20 after its "0."), nor do those of text.
+_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"0" * 9)
+_WHITE_OR_MINUS = b" \t\r\n-"
+_LONG_INT = b":" + b"0" * 19
+
+
+def _long_int(data: bytes) -> bool:
+    """True if `data` (lines whose every ":" is a key's) may hold an int of 19 digits."""
+    return _LONG_INT in data.translate(_DIGITS_AS_ZERO, _WHITE_OR_MINUS)
 
 
 def check_record(rec: Mapping[str, Any]) -> None:
@@ -97,8 +111,8 @@ def screen(rec: dict[str, Any], line: bytes, shapes: Sequence[frozenset[str] | N
     `shapes` are the key sets of the last step row and the last rank record that passed
     `check_record`: the same keys mean no empty, reserved or unknown `_` key. One colon
     per key means no repeated or nested key (and no colon in text), no `[` no list, no
-    second `{` no empty object, a line under MAX_STR no text over the limits, no run of
-    19 digits no int outside int64 (records.INT_MIN..INT_MAX: orjson parses up to 2**64-1);
+    second `{` no empty object, a line under MAX_STR no text over the limits, no int of 19
+    digits no int outside int64 (records.INT_MIN..INT_MAX: orjson parses up to 2**64-1);
     orjson parses only valid UTF-8.
     """
     kind = "_kind" in rec
@@ -108,12 +122,14 @@ def screen(rec: dict[str, Any], line: bytes, shapes: Sequence[frozenset[str] | N
     if (step.__class__ is not int or not 0 <= step <= MAX_STEP or rec["_time"].__class__ is not float
             or line.count(58) != len(rec) or 91 in line or len(line) > MAX_STR
             or line.find(123, 1) >= 0  # 58 ":", 91 "[", 123 "{" (an empty `{}` has no colon)
-            or _LONG_DIGITS.search(line) is not None):
+            or _long_int(line)):
         return False
     if not kind:
         rank = rec.get("_rank", 0)
         return rank.__class__ is int and 0 <= rank < MAX_WORLD
     # a rank record as log_rank_metrics writes it: weight a float, metrics numbers
+    if rec["_kind"] != "rank":
+        return False  # the shape's keys, another kind (or null)
     rank, world, local = rec["_rank"], rec.get("_world_size"), rec.get("_local_rank")
     weight = rec.get("_weight", 1.0)
     if not ((world is None or (world.__class__ is int and world <= MAX_WORLD))
@@ -156,5 +172,81 @@ def screen_block(parts: list[bytes], max_line: int) -> tuple[list[Any] | None, b
     # 58 ":", 91 "[", 123 "{": a colon per key, no list, one brace per line (no `{}` value)
     clean = (longest <= MAX_STR and set(map(type, rows)) <= {dict} and 91 not in data
              and data.count(58) == sum(map(len, rows)) and data.count(123) == len(rows)
-             and _LONG_DIGITS.search(data) is None)
+             and not _long_int(data))
     return recs, clean
+
+
+_SEQ, _STEP, _TIME = itemgetter("_seq"), itemgetter("_step"), itemgetter("_time")
+_LAST, _BUT_LAST = itemgetter(-1), itemgetter(slice(None, -1))
+_NUMBERS = frozenset((int, float))
+
+
+def plain_rows(parts: list[bytes], recs: list[Any], first_seq: int, end: bytes) -> bytes | None:
+    """The lines of a run of step rows as they land: each without its closing "}", then
+    `end` (the caller's `,"_sid":"...."}` and a newline), if every one passes `screen` and
+    they are numbered `first_seq`, `first_seq + 1`...; else None (the caller goes record
+    by record).
+
+    For the records of a clean block (`screen_block`) whose keys are all keys of step rows
+    that passed `check_record` (not `_rank`, whose value is not looked at here): what is
+    left of `screen` is an int `_step` in range and a float `_time`, here for all of them
+    at once, without a Python loop; and each line must end in "}".
+    """
+    if not _numbered(parts, recs, first_seq):
+        return None
+    return end.join(map(_BUT_LAST, parts)) + end
+
+
+def plain_ranks(parts: list[bytes], recs: list[Any], first_seq: int, end: bytes,
+                shape: frozenset[str]) -> bytes | None:
+    """`plain_rows` for a run of rank records, each with the key set `shape` (that of a
+    rank record that passed `check_record`): what is left of `screen` is `_kind`, the rank
+    fields and numbers as metrics, for all of them at once. A run whose world size
+    changes (or that none of its records' own bounds fit) goes record by record."""
+    if not _numbered(parts, recs, first_seq):
+        return None
+    try:
+        if set(map(itemgetter("_kind"), recs)) != {"rank"}:
+            return None
+        worlds = set(map(itemgetter("_world_size"), recs)) if "_world_size" in shape else {None}
+        if len(worlds) != 1:
+            return None
+        (world,) = worlds
+        if world is None:
+            world = MAX_WORLD
+        elif world.__class__ is not int or not 1 <= world <= MAX_WORLD:
+            return None
+        ranks = list(map(itemgetter("_rank"), recs))
+        if set(map(type, ranks)) != {int} or min(ranks) < 0 or max(ranks) >= world:
+            return None
+        if "_local_rank" in shape:
+            local = set(map(itemgetter("_local_rank"), recs))
+            local.discard(None)
+            if not all(v.__class__ is int and v >= 0 for v in local):  # a few distinct values
+                return None
+        if "_weight" in shape:
+            weights = list(map(itemgetter("_weight"), recs))
+            if set(map(type, weights)) != {float} or min(weights) < 0.0:  # no inf or nan
+                return None
+        for key in shape:
+            if key[0] != "_" and not set(map(type, map(itemgetter(key), recs))) <= _NUMBERS:
+                return None
+    except (KeyError, TypeError):
+        return None
+    return end.join(map(_BUT_LAST, parts)) + end
+
+
+def _numbered(parts: list[bytes], recs: list[Any], first_seq: int) -> bool:
+    """Each record numbered `first_seq`, `first_seq + 1`... (ints), an int `_step` in range,
+    a float `_time`; each line ending in "}"."""
+    if not recs:
+        return False
+    try:
+        seqs, steps = list(map(_SEQ, recs)), list(map(_STEP, recs))
+        return (seqs == list(range(first_seq, first_seq + len(recs)))
+                and set(map(type, seqs)) == {int} and set(map(type, steps)) == {int}
+                and set(map(type, map(_TIME, recs))) == {float}
+                and min(steps) >= 0 and max(steps) <= MAX_STEP
+                and bytes(map(_LAST, parts)) == b"}" * len(parts))
+    except (KeyError, IndexError):
+        return False
