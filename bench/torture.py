@@ -215,11 +215,7 @@ def check(root: Path, names: list[str], steps: int,
                     landed += 1
                     continue
                 if "_kind" in rec:
-<<<<<<< HEAD
                     continue  # the SDK's system metrics (a rank record), not a step row
-=======
-                    continue  # a rank record (the SDK's system metrics), not a step row
->>>>>>> exprdperf
                 k = rec["_step"]
                 seen[k] = seen.get(k, 0) + 1
                 rows += 1
