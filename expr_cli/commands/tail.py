@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import typer
 
@@ -43,6 +43,7 @@ POLL = 0.5  # seconds between polls when no file event arrives
 _BLOCK = 256 * 1024
 
 Keep = Callable[[dict[str, Any]], "dict[str, Any] | None"]
+T = TypeVar("T")
 
 
 def make_filter(metrics: list[str] | None, rank_records: bool) -> Keep:
@@ -250,22 +251,22 @@ def _find(run: str, dir: str | None, r: int | str | None,
     return ref, shards, shards[0].stream
 
 
-def _wait_for(run: str, dir: str | None, r: int | str | None,
-              stream: str | None) -> tuple[RunRef, list[ShardRef], str | None]:
-    """`_find`, retried every POLL seconds while the run is not there yet (said once)."""
+def wait_until_there(find: Callable[[], T], run: str, interval: float = POLL) -> T:
+    """`find()`, retried every `interval` seconds while RUN is not there yet (said once):
+    `expr tail --follow` and `expr watch` on a job that has not started writing."""
     from expr_cli import render
 
     said = False
     while True:
         try:
-            return _find(run, dir, r, stream)
+            return find()
         except CLIError as exc:
             if not not_there_yet(exc):
                 raise
             if not said:
                 said = True
                 render.status(f"waiting for {run} to appear ({exc.message}); Ctrl-C to stop")
-        time.sleep(POLL)
+        time.sleep(interval)
 
 
 def tail_command(run: str, dir: str | None, rank: str | None, stream: str | None,
@@ -278,7 +279,8 @@ def tail_command(run: str, dir: str | None, rank: str | None, stream: str | None
     wanted = parse_metrics(metrics)
     if follow and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _exit_130)
-    ref, shards, stream = _wait_for(run, dir, r, stream) if follow else _find(run, dir, r, stream)
+    ref, shards, stream = (wait_until_there(lambda: _find(run, dir, r, stream), run) if follow
+                           else _find(run, dir, r, stream))
     tail = Tail(ref, shards, r == "all", stream, wanted, make_filter(wanted, rank_records), json)
     try:
         tail.start(max(n, 0))

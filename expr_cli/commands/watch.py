@@ -14,7 +14,7 @@ from typing import Any
 import typer
 
 from expr_cli.errors import CLIError
-from expr_cli.resolve import DIR_OPT, JSON_OPT, RUN_ARG, STREAM_OPT, RunRef, resolve_run, root_dir
+from expr_cli.resolve import DIR_OPT, JSON_OPT, RUN_ARG, STREAM_OPT, resolve_run, root_dir
 
 FLUSH_TIMEOUT = 10.0  # seconds `--once` waits for the channels to deliver before exiting
 
@@ -50,25 +50,6 @@ def dispatcher(config: str | None) -> Any:
         raise CLIError(str(exc)) from None
 
 
-def _wait_for_run(run: str, dir: str | None, interval: float) -> RunRef:
-    """RUN, waited for while it does not exist yet (said once), as `expr tail` does."""
-    from expr_cli import render
-
-    from .tail import not_there_yet
-
-    said = False
-    while True:
-        try:
-            return resolve_run(run, root_dir(dir))
-        except CLIError as exc:
-            if not not_there_yet(exc):
-                raise
-            if not said:
-                said = True
-                render.status(f"waiting for {run} to appear ({exc.message}); Ctrl-C to stop")
-        time.sleep(interval)
-
-
 def watch_command(run: str, dir: str | None, stream: str | None, once: bool, as_json: bool,
                   config: str | None, interval: float, overrides: dict[str, Any],
                   exit_on_finish: bool = False) -> int:
@@ -77,11 +58,14 @@ def watch_command(run: str, dir: str | None, stream: str | None, once: bool, as_
     from expr_cli.render import health as render_health
     from expr_tracker.health.watch import Watcher
 
+    from .tail import wait_until_there
+
     if config is not None and not os.path.isfile(config):
         raise CLIError(f"--config {config}: no such file", 2)
     cfg = health_config(config, overrides)
     try:
-        ref = resolve_run(run, root_dir(dir)) if once else _wait_for_run(run, dir, interval)
+        ref = (resolve_run(run, root_dir(dir)) if once
+               else wait_until_there(lambda: resolve_run(run, root_dir(dir)), run, interval))
     except KeyboardInterrupt:
         return 130
     disp = dispatcher(config)
