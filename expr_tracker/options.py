@@ -173,23 +173,23 @@ def _path(value: object, field: str) -> None:
 
 def parse_options(
     project: str,
-    name: str | None,
+    name: str | None = None,
     *,
-    dir: str | os.PathLike[str] | None,
-    config: Mapping[str, Any] | None,
-    stream: str | None,
-    rank_aware: bool,
-    resume: str,
-    alert_rules: Iterable[str | Mapping[str, Any]],
-    alert_on_rank: int | None,
-    alert: Mapping[str, Any] | None,
-    backends: Sequence[str | Mapping[str, Any]],
-    backend_on_rank: int | str | None,
-    backend_rank_metrics: bool,
-    upload_mode: str | None,
-    spool_dir: str | os.PathLike[str] | None,
-    idle_timeout: float,
-    time_rule_interval: float,
+    dir: str | os.PathLike[str] | None = None,
+    config: Mapping[str, Any] | None = None,
+    stream: str | None = None,
+    rank_aware: bool = True,
+    resume: str = "allow",
+    alert_rules: Iterable[str | Mapping[str, Any]] = (),
+    alert_on_rank: int | None = 0,
+    alert: Mapping[str, Any] | None = None,
+    backends: Sequence[str | Mapping[str, Any]] = (),
+    backend_on_rank: int | str | None = "auto",
+    backend_rank_metrics: bool = False,
+    upload_mode: str | None = None,
+    spool_dir: str | os.PathLike[str] | None = None,
+    idle_timeout: float = 60.0,
+    time_rule_interval: float = 10.0,
     tags: Sequence[str] | None = None,
     notes: str | None = None,
     entity: str | None = None,
@@ -202,7 +202,11 @@ def parse_options(
     system_metrics: bool | None = None,
     system_interval: float | None = None,
 ) -> Options:
-    """Check every argument of `init`; raise TypeError/ValueError naming the field."""
+    """Check every argument of `init`; raise TypeError/ValueError naming the field.
+
+    Its parameters and defaults are `expr_tracker.init`'s (a test holds them equal): `init`
+    spells them out for its callers' editors and help, `Run` passes them through.
+    """
     project = validate_name(project, "project")
     name = validate_name(default_name() if name is None else name, "name")
     stream = validate_stream(stream)

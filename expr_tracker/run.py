@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,50 +45,10 @@ TICK = 1.0
 class Run:
     """One process's tracking of a run. Create it with `expr_tracker.init`."""
 
-    def __init__(
-        self,
-        project: str,
-        name: str | None = None,
-        *,
-        dir: str | os.PathLike[str] | None = None,
-        config: Mapping[str, Any] | None = None,
-        stream: str | None = None,
-        rank_aware: bool = True,
-        resume: str = "allow",
-        alert_rules: Iterable[str | Mapping[str, Any]] = (),
-        alert_on_rank: int | None = 0,
-        alert: Mapping[str, Any] | None = None,
-        backends: Sequence[str | Mapping[str, Any]] = (),
-        backend_on_rank: int | str | None = "auto",
-        backend_rank_metrics: bool = False,
-        upload_mode: str | None = None,
-        spool_dir: str | os.PathLike[str] | None = None,
-        idle_timeout: float = 60.0,
-        time_rule_interval: float = 10.0,
-        tags: Sequence[str] | None = None,
-        notes: str | None = None,
-        entity: str | None = None,
-        run_dir: str | os.PathLike[str] | None = None,
-        step_policy: str = "drop",
-        backend_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
-        span_count: bool = False,
-        trace_spans: bool = False,
-        probe_after: float | None = None,
-        system_metrics: bool | None = None,
-        system_interval: float | None = None,
-    ) -> None:
+    def __init__(self, project: str, name: str | None = None, **options: Any) -> None:
         # -- validate everything before touching the disk -------------------
-        o = parse_options(
-            project, name, dir=dir, config=config, stream=stream, rank_aware=rank_aware,
-            resume=resume, alert_rules=alert_rules, alert_on_rank=alert_on_rank, alert=alert,
-            backends=backends, backend_on_rank=backend_on_rank,
-            backend_rank_metrics=backend_rank_metrics, upload_mode=upload_mode,
-            spool_dir=spool_dir, idle_timeout=idle_timeout,
-            time_rule_interval=time_rule_interval, tags=tags, notes=notes, entity=entity,
-            run_dir=run_dir, step_policy=step_policy, backend_kwargs=backend_kwargs,
-            span_count=span_count, trace_spans=trace_spans, probe_after=probe_after,
-            system_metrics=system_metrics, system_interval=system_interval,
-        )
+        # (the options are `init`'s, checked and defaulted by `parse_options`)
+        o = parse_options(project, name, **options)
         self.meta, self.step_policy = o.meta, o.step_policy
         # final values (0.4's run.summary): yours, over the last logged value of each key,
         # saved in the sidecar at finish

@@ -35,3 +35,18 @@ def test_public_functions_have_docstrings():
         obj = getattr(et, name)
         if callable(obj):
             assert (obj.__doc__ or "").strip(), name
+
+
+def test_init_takes_exactly_the_options_parse_options_checks():
+    """`init` spells its options out, `Run` passes them to `parse_options`: one list, one
+    set of defaults, so an option added to one and not the other fails here."""
+    import inspect
+
+    from expr_tracker.options import parse_options
+
+    def shape(fn: object) -> list[tuple[str, object, object]]:
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]  # type: ignore[arg-type]
+
+    assert shape(et.init) == shape(parse_options)
+    run_params = list(inspect.signature(et.Run.__init__).parameters)
+    assert run_params == ["self", "project", "name", "options"]
