@@ -6,6 +6,7 @@ rank option. `parse_options` returns everything `Run` needs to start, or raises.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -236,14 +237,16 @@ def parse_options(
     _path(spool_dir, "spool_dir")
     spool_root = (Path(spool_dir) if spool_dir is not None else default_spool()).absolute()
     for field, value in (("idle_timeout", idle_timeout), ("time_rule_interval", time_rule_interval)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{field} must be a positive number of seconds, got {value!r}")
+        seconds(value, field)
     for field, flag in (("span_count", span_count), ("trace_spans", trace_spans)):
         if not isinstance(flag, bool):
             raise TypeError(f"{field} must be True or False, got {type(flag).__name__}")
-    probe = check_probe_after(probe_after)
+    # probes: None is the default (DESIGN 13), which the probe thread works out itself
+    probe = seconds(probe_after, "probe_after", env="EXPR_PROBE_AFTER")
     sys_on = sysmetrics.parse_enabled(system_metrics)
-    sys_every = sysmetrics.parse_interval(system_interval)
+    sys_every = seconds(system_interval, "system_interval", env="EXPR_SYSTEM_INTERVAL")
+    if sys_every is None:
+        sys_every = sysmetrics.DEFAULT_INTERVAL
 
     info = _ranks.detect()
     if info.world_size is not None and info.world_size > MAX_WORLD:
@@ -313,20 +316,21 @@ def parse_options(
     )
 
 
-def check_probe_after(value: object) -> float | None:
-    """`probe_after=` (else `$EXPR_PROBE_AFTER`): seconds of silence before the background
-    thread writes a probe (DESIGN 13); None for the default."""
-    field = "probe_after"
+def seconds(value: object, field: str, env: str | None = None) -> float | None:
+    """A positive, finite number of seconds given as `field=`, else read from `$env` when
+    that is set; None when neither is. Errors name whichever was given."""
     if value is None:
-        env = os.environ.get("EXPR_PROBE_AFTER")
-        if not env:
+        raw = os.environ.get(env, "").strip() if env is not None else ""
+        if env is None or not raw:
             return None
-        field = "EXPR_PROBE_AFTER"
+        field = env
         try:
-            value = float(env)
+            value = float(raw)
         except ValueError:
-            raise ValueError(f"EXPR_PROBE_AFTER must be a number of seconds, got {env!r}") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
+            raise ValueError(f"{field} must be a number of seconds, got {raw!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{field} must be a number of seconds, got {type(value).__name__}")
+    if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{field} must be a positive number of seconds, got {value!r}")
     return float(value)
 

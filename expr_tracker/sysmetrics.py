@@ -15,7 +15,6 @@ take training down because a driver is missing.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -39,25 +38,6 @@ def parse_enabled(value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"system_metrics must be True or False, got {type(value).__name__}")
     return value
-
-
-def parse_interval(value: object) -> float:
-    """`system_interval=` seconds (None: `EXPR_SYSTEM_INTERVAL`, default 10); errors name the field."""
-    field = "system_interval"
-    if value is None:
-        raw = os.environ.get("EXPR_SYSTEM_INTERVAL", "").strip()
-        if not raw:
-            return DEFAULT_INTERVAL
-        field = "EXPR_SYSTEM_INTERVAL"
-        try:
-            value = float(raw)
-        except ValueError:
-            raise ValueError(f"EXPR_SYSTEM_INTERVAL must be a number of seconds, got {raw!r}") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{field} must be a number of seconds, got {type(value).__name__}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{field} must be a positive number of seconds, got {value!r}")
-    return float(value)
 
 
 def gpu_index(local_rank: int, env: Mapping[str, str] | None = None) -> str | int | None:

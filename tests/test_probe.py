@@ -200,11 +200,14 @@ def test_clean_probe_bounds_what_a_spool_line_may_put_in_a_sidecar() -> None:
                    "waiting": None}
 
 
-@pytest.mark.parametrize("value", [0, -1, float("nan"), "5", True])
-def test_probe_after_is_checked_at_init(tmp_path: Path, value: object) -> None:
+@pytest.mark.parametrize(("value", "error"), [
+    (0, ValueError), (-1, ValueError), (float("nan"), ValueError), (float("inf"), ValueError),
+    ("5", TypeError), (True, TypeError),
+])
+def test_probe_after_is_checked_at_init(tmp_path: Path, value: object, error: type[Exception]) -> None:
     import expr_tracker as et
 
-    with pytest.raises(ValueError, match="probe_after"):
+    with pytest.raises(error, match="probe_after"):
         et.init("p", "r", dir=tmp_path, probe_after=value)  # type: ignore[arg-type]
 
 

@@ -142,7 +142,6 @@ def test_bad_arguments_name_the_field(tmp_path: Path, monkeypatch: pytest.Monkey
 def test_on_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("EXPR_SYSTEM_METRICS")
     assert sysmetrics.parse_enabled(None) is True
-    assert sysmetrics.parse_interval(None) == 10.0
     assert sysmetrics.parse_enabled(False) is False
 
 
