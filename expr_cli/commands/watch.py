@@ -2,7 +2,8 @@
 
 Each pass reads the sidecars and shard tails, detects, records what opened or resolved in
 `{run}/incidents.jsonl` and delivers it once through the alert channels of `--config` (or
-`$EXPR_ALERT_CONFIG`). Thresholds come from that file's `[health]` table; flags override them.
+`$EXPR_ALERT_CONFIG`); with neither it only prints, and leaves the delivery to a watcher that
+has channels. Thresholds come from that file's `[health]` table; flags override them.
 """
 
 from __future__ import annotations
@@ -41,9 +42,15 @@ def health_config(config: str | None, overrides: dict[str, Any]) -> Any:
 
 
 def dispatcher(config: str | None) -> Any:
-    """The alert channels of `config` (or `$EXPR_ALERT_CONFIG`); the `log` channel if none."""
-    from expr_tracker.alerts import Dispatcher, load_config
+    """The alert channels of `config` (or `$EXPR_ALERT_CONFIG`); None without either.
 
+    Without a config the terminal is the only reader: incidents are printed and recorded
+    undelivered, so a watcher that has channels (exprd) still delivers them.
+    """
+    from expr_tracker.alerts import CONFIG_ENV, Dispatcher, load_config
+
+    if not (config or os.environ.get(CONFIG_ENV)):
+        return None
     try:
         return Dispatcher.from_config(load_config(None, path=config))
     except (TypeError, ValueError) as exc:
@@ -72,6 +79,8 @@ def watch_command(run: str, dir: str | None, stream: str | None, once: bool, as_
     watcher = Watcher(ref.path, cfg, disp, stream=stream)
     try:
         changes = watcher.check()
+        if not once and not as_json:
+            render_health.watching(ref.label, watcher.state, disp is not None)
         shown = {id(c) for c in changes}
         # the first pass also shows what was already open (recorded by an earlier watcher)
         first = changes + [i for i in watcher.open if id(i) not in shown and i.key not in
@@ -80,17 +89,24 @@ def watch_command(run: str, dir: str | None, stream: str | None, once: bool, as_
         if once:
             if not first and not as_json:
                 render_health.no_incidents(ref.label)
-            disp.flush(FLUSH_TIMEOUT)
+            flush(disp)
             return 1 if watcher.open else 0
         while not (exit_on_finish and watcher.ended):
             time.sleep(interval)
             render_health.incident_lines(watcher.check(), ref.label, as_json)
-        disp.flush(FLUSH_TIMEOUT)
+        flush(disp)
         return 1 if watcher.open else 0
     except KeyboardInterrupt:
         return 130  # like coreutils tools, quietly
     finally:
-        disp.close(2.0)
+        if disp is not None:
+            disp.close(2.0)
+
+
+def flush(disp: Any) -> None:
+    """Wait (a bounded time) for the channels to deliver what this run of the command queued."""
+    if disp is not None:
+        disp.flush(FLUSH_TIMEOUT)
 
 
 _ONCE = typer.Option(False, "--once", help="One pass, then exit: 1 if an incident is open, else 0.")

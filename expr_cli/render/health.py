@@ -53,7 +53,19 @@ def incident_lines(incidents: Sequence[Incident], label: str, as_json: bool) -> 
         return
     out = console(soft_wrap=True)
     for inc in incidents:
-        out.print(incident_text(inc.as_line()))
+        # a terminal wraps at words; a pipe gets one line per incident, for grep
+        out.print(incident_text(inc.as_line()), soft_wrap=not out.is_terminal)
+
+
+def watching(label: str, state: Any, delivering: bool) -> None:
+    """`expr watch` found its run: what it watches, and whether it pages (on stderr)."""
+    from . import status
+
+    ranks = len(state.ranks) if state is not None else 0
+    world = state.world_size if state is not None else None
+    seen = f"{ranks}/{world} ranks" if world else f"{ranks} rank{'s' if ranks != 1 else ''}"
+    how = "paging through the alert channels" if delivering else "printing only (no alert config)"
+    status(f"watching {label} ({seen}), {how}; Ctrl-C to stop")
 
 
 def no_incidents(label: str) -> None:

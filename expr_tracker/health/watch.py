@@ -17,6 +17,7 @@ import fcntl
 import os
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -101,6 +102,7 @@ class IncidentLog:
         self._tail = _LineTail(self.path)
         self.open: dict[str, Incident] = {}
         self.torn = 0  # torn tails set aside by this watcher
+        self.offered: set[str] = set()  # ids this watcher tried to deliver (at most once each)
 
     def sync(self, fd: int | None = None) -> None:
         """Apply the lines appended since the last call (by us or another watcher)."""
@@ -168,7 +170,11 @@ class IncidentLog:
         self.torn += 1
         return salvage(fragment)
 
-    def record(self, changes: list[Incident], deliver: Callable[[Incident], bool],
+    def undelivered(self) -> bool:
+        """An open incident that nobody delivered and this watcher has not offered yet."""
+        return any(not inc.delivered and inc.id not in self.offered for inc in self.open.values())
+
+    def record(self, changes: list[Incident], deliver: Callable[[Incident], bool] | None,
                updates: list[Incident] | None = None) -> list[Incident]:
         """Append `changes` (openings, resolutions) that nobody recorded yet, delivering
         each first, and `updates` (lines of an open incident's id: not delivered again);
@@ -176,7 +182,11 @@ class IncidentLog:
 
         Under the file lock: set a torn tail aside, re-read what other watchers appended,
         skip an opening that is already open (or a resolution of what is not), deliver,
-        append one line each.
+        append one line each. With `deliver` None (a watcher without channels: `expr
+        watch` with no alert config) nothing is delivered and the openings are recorded
+        undelivered; a watcher with channels then delivers each open incident that nobody
+        delivered, once, and appends its line again with `delivered` true, so a terminal
+        that saw the stall first does not take its page away.
         """
         done: list[Incident] = []
         with self._locked() as fd:
@@ -191,7 +201,8 @@ class IncidentLog:
                         continue
                 elif not self._fresh(inc):
                     continue
-                inc.delivered = deliver(inc)
+                self.offered.add(inc.id)
+                inc.delivered = deliver(inc) if deliver is not None else False
                 line = orjson.dumps(inc.as_line(), option=orjson.OPT_APPEND_NEWLINE)
                 os.write(fd, line)  # one write of one whole line, O_APPEND
                 done.append(inc)
@@ -202,6 +213,13 @@ class IncidentLog:
                 inc.delivered = cur.delivered
                 os.write(fd, orjson.dumps(inc.as_line(), option=orjson.OPT_APPEND_NEWLINE))
                 done.append(inc)
+            if deliver is not None:
+                self.sync(fd)
+                for inc in [i for i in self.open.values() if not i.delivered and i.id not in self.offered]:
+                    self.offered.add(inc.id)  # a channel's policy that held it back is not asked again
+                    if deliver(inc):
+                        late = replace(inc, delivered=True)
+                        os.write(fd, orjson.dumps(late.as_line(), option=orjson.OPT_APPEND_NEWLINE))
             self.sync(fd)
         return done
 
@@ -285,10 +303,12 @@ class Watcher:
                  crash_window=self.cfg.crash_window, ended=ended(self.state))
         for inc in p.still_open:  # last_seen and step in memory; the file keeps the first line
             self.log.open[inc.id] = inc
-        if not (p.opened or p.resolved or p.updated) or not self.run_dir.is_dir():
+        late = self.dispatcher is not None and self.log.undelivered()
+        if not (p.opened or p.resolved or p.updated or late) or not self.run_dir.is_dir():
             return []
         try:
-            return self.log.record(p.resolved + p.opened, self._deliver, p.updated)
+            return self.log.record(p.resolved + p.opened,
+                                   self._deliver if self.dispatcher is not None else None, p.updated)
         except OSError:
             self.errors += 1
             return []
