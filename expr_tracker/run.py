@@ -313,8 +313,9 @@ class Run:
         """The step of the last committed row, None before the first."""
         return self._step - 1 if self._step != self._mark else self._last
 
-    def _commit(self) -> None:
-        """Hand the open row to the sink and advance the step. Caller holds the lock."""
+    def _commit(self, at: float | None = None) -> None:
+        """Hand the open row to the sink and advance the step; its `_time` is `at`, else
+        now. Caller holds the lock."""
         self._settle()
         step = self._step
         self._step = self._mark = step + 1
@@ -323,7 +324,7 @@ class Run:
         self._reopen()
         if not row and not self._spans.pending:
             return
-        record = {"_step": step, "_time": time.time()}
+        record = {"_step": step, "_time": time.time() if at is None else at}
         if not self.rank_aware:
             record["_rank"] = self.rank
         if row:
@@ -432,7 +433,11 @@ class Run:
                     if self._detached or self._finished:
                         return
                     if self._open and now - self._last_log >= self.idle_timeout:
-                        self._commit()
+                        # the loop went quiet with a row open: commit it, dated when it was
+                        # logged, and not as the loop's activity (a stalled rank stays silent
+                        # to its probe and to the watchers)
+                        self._commit(time.time() - (now - self._last_log))
+                        self._prober.own_row()
                     if now - last_rules >= self.time_rule_interval:
                         last_rules = now
                         self._sink.tick()

@@ -363,3 +363,54 @@ def test_a_missing_probe_counts_once_the_others_have_been_seen_a_while(tmp_path:
     opened = w.check(now + 3.5)
     assert [(i.kind, i.ranks) for i in opened] == [("stall", (2,))]
     assert "rank 2 wrote no probe" in opened[0].detail, opened[0].detail
+
+
+def test_a_terminal_watcher_does_not_take_the_page_from_one_with_channels(
+        tmp_path: Path, httpserver: Any) -> None:
+    """`expr watch` with no alert config sees the crash first and only prints it; the
+    watcher with a webhook (exprd's part) then pages it, once, under the same id."""
+    httpserver.expect_request("/hook", method="POST").respond_with_data("ok")
+    cfg = _hook_config(tmp_path / "alert.toml", httpserver.url_for("/hook"))
+    run = tmp_path / "p" / "r"
+    now = time.time()
+    for r in range(WORLD):
+        write_rank(run, r, 120, now - 1, records=True)
+    boom = {"type": "RuntimeError", "message": "boom", "time": now - 5}
+    write_rank(run, 1, 120, now - 5, status="crashed", exit=boom, records=True)
+    terminal = expr("watch", str(run), "--once")
+    assert terminal.returncode == 1 and "crashed" in terminal.stdout, terminal
+    assert "expr alert" not in terminal.stderr  # printed once, not again by a log channel
+    assert [(i["kind"], i["delivered"]) for i in _lines(run)] == [("crashed", False)]
+    paged = expr("watch", str(run), "--once", "--json", "--config", str(cfg))
+    assert paged.returncode == 1, paged.stderr
+    assert len(httpserver.log) == 1
+    assert json.loads(httpserver.log[0][0].get_data())["rule"] == "health:crashed:1"
+    lines = _lines(run)
+    assert [(i["kind"], i["delivered"]) for i in lines] == [("crashed", False), ("crashed", True)]
+    assert lines[0]["id"] == lines[1]["id"]
+    again = expr("watch", str(run), "--once", "--json", "--config", str(cfg))
+    assert again.returncode == 1 and len(httpserver.log) == 1 and len(_lines(run)) == 2
+
+
+def test_a_probe_left_from_the_last_stall_is_old_even_before_the_rows_arrive(tmp_path: Path) -> None:
+    """Rank 3 sleeps (a stall it is named in), wakes, runs 35 steps in a blink and holds
+    the GIL in C code: its tracker thread never ran in between, so neither its probe was
+    taken away nor its rows flushed. In spool mode exprd keeps rewriting its sidecar. The
+    second stall must not believe the first's probe ("in time.sleep")."""
+    run = tmp_path / "p" / "r"
+    now = time.time()
+    for r in range(WORLD):
+        write_rank(run, r, 19, now - 62, probe=SLEEP if r == 3 else COLLECTIVE, side=now - 1)
+    w = Watcher(run, CFG)
+    assert [(i.kind, i.ranks) for i in w.check(now)] == [("stall", (3,))]
+    for r in range(3):  # the job resumes; rank 3's new rows are still in its buffer
+        write_rank(run, r, 54, now + 10, side=now + 10)
+    assert [(i.kind, i.state) for i in w.check(now + 10)] == [("stall", "resolved")]
+    for r in range(WORLD):  # 30 s on: ranks 0-2 probe in the collective, rank 3 cannot
+        if r == 3:
+            write_rank(run, 3, 19, now - 62, probe=SLEEP, side=now + 39)  # the same probe
+        else:
+            write_rank(run, r, 54, now + 10, probe=COLLECTIVE, side=now + 39)
+    opened = [*w.check(now + 40), *w.check(now + 44)]
+    assert [(i.kind, i.ranks) for i in opened] == [("stall", (3,))], opened
+    assert "rank 3 left only an old probe" in opened[0].detail, opened[0].detail

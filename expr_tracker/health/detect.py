@@ -65,9 +65,10 @@ class Memory:
     stall_end: float = -math.inf
     stall_step: int | None = None  # the lead step when it ended: windows with its gap are not slow
     stalled: bool = False
-    # rank -> (its probe's `since`, when this watcher first saw that probe): a missing
-    # probe is evidence once the others' have been there a while (`stall.stall`)
-    probes: dict[int, tuple[float, float]] = field(default_factory=dict)
+    # rank -> (its probe's `since`, when this watcher first saw that probe, the probe's
+    # `time`, when this watcher saw that `time` first): a missing probe is evidence once
+    # the others' have been there a while, an old one is not (`stall.stall`)
+    probes: dict[int, tuple[float, float, Any, float]] = field(default_factory=dict)
     passes: int = 0
 
 
@@ -369,24 +370,34 @@ def _alerts(state: RunState, suppressed: Iterable[Mapping[str, Any]]) -> list[Fi
     return out
 
 
-def _probes_seen(state: RunState, memory: Memory, now: float) -> dict[int, float]:
+def _probes_seen(state: RunState, memory: Memory, now: float) -> tuple[dict[int, float], set[int]]:
     """Rank -> when this watcher first saw its probe of the current silence (a probe is
-    rewritten every few seconds with the same `since`, give or take the clocks' jitter).
-    A watcher's first pass (`--once`) cannot tell: it dates every probe long ago."""
+    rewritten every few seconds with the same `since`, give or take the clocks' jitter),
+    and the ranks whose probe this watcher last saw rewritten before the last stall
+    ended: left over from that silence (the job advanced since, and a synchronous job only
+    advances with every rank; a rank whose thread then could not run, C code holding the
+    GIL, never took it away, and its rows since may still sit in its buffer). A
+    watcher's first pass (`--once`) cannot tell: it dates every probe long ago."""
     seen, first = memory.probes, memory.passes == 0
     memory.passes += 1
-    out: dict[int, tuple[float, float]] = {}
+    out: dict[int, tuple[float, float, Any, float]] = {}
     for rs in state.live:
         probe = rs.probe
         if probe is None:
             continue
         since = probe.get("since")
         since = float(since) if isinstance(since, (int, float)) else math.nan
+        at = probe.get("time")
         old = seen.get(rs.rank)
-        out[rs.rank] = old if old is not None and abs(old[0] - since) < 1.0 else (
-            since, -math.inf if first else now)
+        if old is None or not abs(old[0] - since) < 1.0:
+            at_seen = -math.inf if first else now
+            out[rs.rank] = (since, at_seen, at, at_seen)
+        else:
+            out[rs.rank] = old if old[2] == at else (old[0], old[1], at, now)
     memory.probes = out
-    return {rank: at for rank, (_, at) in out.items()}
+    end = memory.stall_end
+    return ({rank: v[1] for rank, v in out.items()},
+            {rank for rank, v in out.items() if v[3] < end})
 
 
 def ended(state: RunState) -> bool:
@@ -410,7 +421,8 @@ def detect(
     derived = _derive(state, cfg, memory)
     period = median([d.median for d in derived.values()]) if derived else None
     threshold = cfg.hang_threshold(period)
-    stalled = stall(state, threshold, now, period, _probes_seen(state, memory, now))
+    seen, left_over = _probes_seen(state, memory, now)
+    stalled = stall(state, threshold, now, period, seen, left_over)
     if stalled is None and memory.stalled:
         memory.stall_end, memory.stall_step = now, state.lead
     memory.stalled = stalled is not None

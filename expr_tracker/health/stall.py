@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from typing import Any
 
 from expr_tracker.health.state import RankState, RunState
@@ -112,13 +112,14 @@ def where(probe: dict[str, Any] | None) -> str:
     return f"in {what}" + (f" ({', '.join(paren)})" if paren else "")
 
 
-def suspects(live: Sequence[RankState]) -> tuple[list[RankState], str]:
-    """The suspects of a stall among the live ranks, and the rule that named them."""
+def suspects(live: Sequence[RankState], left_over: Set[int] = frozenset()) -> tuple[list[RankState], str]:
+    """The suspects of a stall among the live ranks, and the rule that named them.
+    `left_over`: ranks whose probe the watcher knows to be from an earlier silence."""
     sides = [rs.sidecar_write for rs in live if rs.sidecar_write is not None]
     freshest = max(sides) if sides else None
 
     def fresh(rs: RankState) -> bool:
-        if rs.probe is None or rs.sidecar_write is None or freshest is None:
+        if rs.probe is None or rs.sidecar_write is None or freshest is None or rs.rank in left_over:
             return False
         since = rs.probe.get("since")
         if isinstance(since, (int, float)) and rs.times and since < rs.times[-1] - LEFT_OVER:
@@ -156,11 +157,13 @@ def _who(ranks: Sequence[RankState]) -> str:
 
 
 def stall(state: RunState, threshold: float, now: float, period: float | None = None,
-          probes_seen: Mapping[int, float] | None = None) -> dict[str, Any] | None:
+          probes_seen: Mapping[int, float] | None = None,
+          left_over: Set[int] = frozenset()) -> dict[str, Any] | None:
     """The stall of this pass, or None: {"ranks", "step", "quiet", "detail", "where",
     "host", "rule"}. `now` and the ranks' times are on the reader's clock; `period` is the
     job's median step period (for `probe_horizon`); `probes_seen`, rank -> when the reader
-    first saw its current probe (none: every probe counts as long seen)."""
+    first saw its current probe (none: every probe counts as long seen); `left_over`, the
+    ranks whose probe is from an earlier silence (`detect._probes_seen`)."""
     live = state.live
     # every rank still running: once one finished or crashed, silence is that (its
     # `crashed` incident explains the others' wait), not a collective waiting for a rank
@@ -170,7 +173,7 @@ def stall(state: RunState, threshold: float, now: float, period: float | None = 
     if newest is None or now - newest < threshold:
         return None
     quiet = now - newest
-    named, rule = suspects(live)
+    named, rule = suspects(live, left_over)
     if not named or (rule == "oldest write" and quiet < probe_horizon(period)):
         return None
     if rule == "no probe" and probes_seen is not None:

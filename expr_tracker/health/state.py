@@ -172,6 +172,28 @@ class RunState:
         return max(0, lead - state.last_step)
 
 
+def quiet_since(rs: RankState) -> float | None:
+    """When, on the reader's clock, a rank whose sidecar holds a probe went quiet; None
+    when it has no probe, or when a step row was logged after the probe's `since`.
+
+    A silent rank's shard still grows: its tracker thread writes system-metrics samples
+    and commits an open row after `idle_timeout` (dated when it was logged). Neither is
+    the training loop's activity, and counted as writes they would hide every hang and
+    resolve a stall at each sample. The probe says how long the loop has been quiet on
+    the rank's own clock (`time - since`, a difference of two of its own times), counted
+    back from when the reader saw the sidecar that holds it.
+    """
+    probe, seen = rs.probe, rs.sidecar_write
+    if probe is None or seen is None:
+        return None
+    since, at = probe.get("since"), probe.get("time")
+    if not (since.__class__ in (int, float) and at.__class__ in (int, float)):
+        return None
+    if rs.times and rs.times[-1] > since:
+        return None  # logged after it went quiet: the probe is about to be taken away
+    return seen - max(0.0, at - since)
+
+
 def _rank_state(tail: ShardTail) -> RankState:
     """One shard as a RankState from its files alone (no check of the writer's pid)."""
     meta = tail.sidecar or {}
@@ -443,6 +465,13 @@ class RunReader:
         else:
             w.update(at, t.read_now, t.side_read_now, t.last_step)
         rs.last_write, rs.advanced, rs.sidecar_write = w.write, w.advance, w.side
+        quiet = quiet_since(rs)
+        if quiet is not None:
+            # what the shard grew by since is the tracker thread's, not the loop's (below)
+            if rs.last_write is not None and rs.last_write > quiet:
+                rs.last_write = quiet
+            if rs.advanced is not None and rs.advanced > quiet:
+                rs.advanced = quiet
 
     def _count_size(self, ws: int | None, n: int) -> None:
         if ws:
