@@ -109,7 +109,10 @@ class Job:
         self.torchrun = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
              str(WORLD), str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            # system metrics on, as a user's job has them: a quiet rank's samples must not
+            # count as its loop's activity (tests/test_health_quiet.py)
             cwd=tmp, env=env_for({"OMP_NUM_THREADS": "1", "EXPR_PROBE_AFTER": "2",
+                                  "EXPR_SYSTEM_METRICS": "1", "EXPR_SYSTEM_INTERVAL": "1",
                                   "ROOT": str(self.root), **env}))
         self.tops: list[dict[str, Any]] = []
         self.probes: list[Any] = []  # rank 3's probes seen (for the failure messages)
