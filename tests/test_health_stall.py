@@ -165,7 +165,8 @@ def _hook_config(path: Path, url: str) -> Path:
     return path
 
 
-def test_one_crash_cascade_is_one_incident_delivered_once(tmp_path: Path, httpserver: Any) -> None:
+def _rank_1_crashed(tmp_path: Path, httpserver: Any) -> tuple[Path, Path, float]:
+    """A webhook config, and a run whose rank 1 raised 5 s ago while the others run on."""
     httpserver.expect_request("/hook", method="POST").respond_with_data("ok")
     cfg = _hook_config(tmp_path / "alert.toml", httpserver.url_for("/hook"))
     run = tmp_path / "p" / "r"
@@ -174,6 +175,11 @@ def test_one_crash_cascade_is_one_incident_delivered_once(tmp_path: Path, httpse
         write_rank(run, r, 120, now - 1, records=True)
     boom = {"type": "RuntimeError", "message": "boom", "time": now - 5}
     write_rank(run, 1, 120, now - 5, status="crashed", exit=boom, records=True)
+    return cfg, run, now
+
+
+def test_one_crash_cascade_is_one_incident_delivered_once(tmp_path: Path, httpserver: Any) -> None:
+    cfg, run, now = _rank_1_crashed(tmp_path, httpserver)
     first = expr("watch", str(run), "--once", "--json", "--config", str(cfg))
     assert first.returncode == 1, first.stderr
     # gloo ends the others: "Connection closed by peer"; rank 3 without a word
@@ -369,14 +375,7 @@ def test_a_terminal_watcher_does_not_take_the_page_from_one_with_channels(
         tmp_path: Path, httpserver: Any) -> None:
     """`expr watch` with no alert config sees the crash first and only prints it; the
     watcher with a webhook (exprd's part) then pages it, once, under the same id."""
-    httpserver.expect_request("/hook", method="POST").respond_with_data("ok")
-    cfg = _hook_config(tmp_path / "alert.toml", httpserver.url_for("/hook"))
-    run = tmp_path / "p" / "r"
-    now = time.time()
-    for r in range(WORLD):
-        write_rank(run, r, 120, now - 1, records=True)
-    boom = {"type": "RuntimeError", "message": "boom", "time": now - 5}
-    write_rank(run, 1, 120, now - 5, status="crashed", exit=boom, records=True)
+    cfg, run, _ = _rank_1_crashed(tmp_path, httpserver)
     terminal = expr("watch", str(run), "--once")
     assert terminal.returncode == 1 and "crashed" in terminal.stdout, terminal
     assert "expr alert" not in terminal.stderr  # printed once, not again by a log channel
