@@ -37,11 +37,14 @@ def console(stderr: bool = False, soft_wrap: bool = False) -> Console:
     """A fresh console, so environment changes (COLUMNS, NO_COLOR) are always seen.
 
     Markup is off: metric names, string values and alert texts are data, and `[x]` in
-    them must print as written.
+    them must print as written. `soft_wrap` (a long line stays one line, for grep) holds
+    for a pipe or a file; a terminal wraps a long line at its words instead.
     """
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False, soft_wrap=soft_wrap, emoji=False, markup=False)
+    out = Console(stderr=stderr, highlight=False, emoji=False, markup=False)
+    out.soft_wrap = soft_wrap and not out.is_terminal
+    return out
 
 
 # -- plain formatting --------------------------------------------------------
@@ -164,7 +167,7 @@ def _show(out: Console, title: str | Text | None, table: Table, style: str = "bo
     from rich.text import Text
 
     if title is not None:
-        out.print(title if isinstance(title, Text) else Text(title, style=style), soft_wrap=True)
+        out.print(title if isinstance(title, Text) else Text(title, style=style), soft_wrap=not out.is_terminal)
     out.print(table)
 
 
@@ -253,7 +256,7 @@ def alerts(rows: Sequence[Mapping[str, Any]], counts: Sequence[Mapping[str, Any]
     days = {fmt_time(a.get("time"))[:10] for a in rows}
     one_day = len(days) == 1
     title = f"alerts of {label}" + (f" on {days.pop()}" if one_day and "-" not in days else "")
-    out.print(Text(title, style="bold"), soft_wrap=True)
+    out.print(Text(title, style="bold"), soft_wrap=not out.is_terminal)
     for a in rows:
         when = fmt_time(a.get("time"))
         head = Text(when[11:] if one_day else when[5:], style="dim")

@@ -53,8 +53,7 @@ def incident_lines(incidents: Sequence[Incident], label: str, as_json: bool) -> 
         return
     out = console(soft_wrap=True)
     for inc in incidents:
-        # a terminal wraps at words; a pipe gets one line per incident, for grep
-        out.print(incident_text(inc.as_line()), soft_wrap=not out.is_terminal)
+        out.print(incident_text(inc.as_line()))
 
 
 def watching(label: str, state: Any, delivering: bool) -> None:

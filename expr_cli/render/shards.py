@@ -40,7 +40,7 @@ def overview(rows: Sequence[Mapping[str, Any]], label: str) -> None:
     steps = [r["last_step"] for r in rows if r["last_step"] is not None]
     if steps:
         head.append(f" · last steps {min(steps)}..{max(steps)}")
-    out.print(head, soft_wrap=True)
+    out.print(head, soft_wrap=not out.is_terminal)
 
     # the nodes with a crashed, stale or otherwise notable shard; the healthy ones in a line
     troubled = [n for n in nodes if any(r["attention"] for r in nodes[n])]
@@ -72,7 +72,7 @@ def overview(rows: Sequence[Mapping[str, Any]], label: str) -> None:
                                     else f", last steps {min(last)}..{max(last)}")
         size = f"{per.pop()} shards each" if len(per) == 1 else "shards"
         out.print(Text(f"{len(healthy):,} node{'s' if len(healthy) != 1 else ''} without trouble "
-                       f"({size}{span})", style="green"), soft_wrap=True)
+                       f"({size}{span})", style="green"), soft_wrap=not out.is_terminal)
 
     need = sorted((r for r in rows if r["attention"]),
                   key=lambda r: (_ORDER.get(r["status"] or "", 9), -(r["behind"] or 0), r["rank"]))
@@ -90,7 +90,7 @@ def overview(rows: Sequence[Mapping[str, Any]], label: str) -> None:
     if len(need) > ATTENTION_ROWS:
         more = compact_ranks(sorted(r["rank"] for r in need[ATTENTION_ROWS:]))
         out.print(Text(f"  ... and {len(need) - ATTENTION_ROWS:,} more: ranks {more} (--all)",
-                       style="dim"), soft_wrap=True)
+                       style="dim"), soft_wrap=not out.is_terminal)
 
 
 def table(rows: Sequence[Mapping[str, Any]], label: str) -> None:

@@ -37,4 +37,4 @@ def query_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], more: int
     tail = f" ({more} not shown: use --csv, --json or LIMIT)" if more else ""
     from rich.text import Text
 
-    out.print(Text(f"{n} row{'s' if n != 1 else ''}{tail}", style="dim"), soft_wrap=True)
+    out.print(Text(f"{n} row{'s' if n != 1 else ''}{tail}", style="dim"), soft_wrap=not out.is_terminal)
