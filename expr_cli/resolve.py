@@ -153,6 +153,15 @@ def shards_of(run: RunRef, stream: str | None) -> list[ShardRef]:
     return mine
 
 
+def _world_size(shards: Sequence[ShardRef]) -> int | None:
+    """The world size the first of `shards` records in its sidecar (None if it has none)."""
+    from expr_tracker.store.cursor import read_sidecar
+
+    meta = read_sidecar(shards[0].path.with_name(shards[0].path.name[: -len(".jsonl")] + ".meta.json"))
+    ws = meta.get("world_size") if meta else None
+    return ws if type(ws) is int and ws > 0 else None
+
+
 def pick_shard(run: RunRef, stream: str | None, rank: int | None) -> ShardRef:
     """The shard for (`stream`, `rank`); a named shard file wins when neither is given."""
     if run.shard is not None and rank is None and stream is None:
@@ -169,6 +178,10 @@ def pick_shard(run: RunRef, stream: str | None, rank: int | None) -> ShardRef:
         if s.rank == want:
             return s
     ranks = compact_ranks([s.rank for s in candidates])
+    world = _world_size(candidates)
+    if world is not None and want >= world:
+        # not a rank that may yet start writing (`expr tail --follow` would wait for it)
+        raise CLIError(f"run {run.label} has no rank {want}: its world size is {world} (ranks: {ranks})")
     raise CLIError(
         f"run {run.label} has no shard for rank {want} of stream {stream_label(stream)}; ranks: {ranks}"
     )

@@ -71,11 +71,15 @@ def test_empty_shard(cli):
     assert result.stderr.startswith("error: shard ") and result.stderr.endswith("is empty\n")
 
 
-def test_missing_rank_names_the_ranks_there(cli):
+def test_missing_rank_names_the_ranks_there(cli, cli_root):
     result = cli("history", "run-1", "--rank", "9")
     assert result.exit_code == 1
+    assert result.stderr == "error: run proj/run-1 has no rank 9: its world size is 8 (ranks: 0-7)\n"
+    (cli_root / "proj" / "run-1" / "metrics.rank3.jsonl").unlink()  # a rank of the world, not there
+    result = cli("history", "run-1", "--rank", "3")
+    assert result.exit_code == 1
     assert result.stderr == (
-        "error: run proj/run-1 has no shard for rank 9 of stream (default); ranks: 0-7\n"
+        "error: run proj/run-1 has no shard for rank 3 of stream (default); ranks: 0-2,4-7\n"
     )
 
 

@@ -190,3 +190,15 @@ def test_sigint_while_waiting_exits_130_quietly(cli_root):
 def test_no_follow_still_fails_on_a_missing_run(cli):
     result = cli("tail", "nothing-here", "--no-follow")
     assert result.exit_code == 1 and result.stderr.startswith("error: no run 'nothing-here'")
+
+
+def test_a_rank_past_the_world_size_is_an_error_not_a_wait(cli_root):
+    """run-1 has 8 ranks: rank 9 will never start writing, so --follow does not wait for it."""
+    proc, _ = _start_tail(cli_root, "run-1", "--rank", "9")
+    try:
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1
+    assert err == "error: run proj/run-1 has no rank 9: its world size is 8 (ranks: 0-7)\n"
