@@ -7,11 +7,18 @@ directory (as the tests do), writes one spool of 8 spool-mode writers x N events
 each, the run asking for the clickhouse backend), then applies that same spool twice with
 `exprd --once`, each time into a fresh run root and state: once with no backend configured
 (shards only), once with `[backends.clickhouse]`. Prints a markdown table.
+
+With EXPR_BENCH_BEFORE=<another checkout of the project> the exprd of that tree runs too
+(PYTHONPATH, as bench/daemon.py does; the spool is this tree's SDK's either way), in the
+same rounds, alternately (EXPR_BENCH_ROUNDS, 2 by default): both trees' shard-only and
+forwarded rates side by side, the best round of each. Target (issue 24 item 5): forwarded
+at least 50% of shard-only.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -21,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.daemon import EXPRD, spawn_writer
+from bench.daemon import EXPRD, spawn_writer, tree_env
 from tests.chserver import ClickHouse
 
 WRITERS = 8
@@ -32,7 +39,7 @@ def write_spool(tmp: Path, n: int) -> Path:
     code = f"""
         import expr_tracker as et
         et.init("bench", "team", dir={str(root)!r}, upload_mode="spool", spool_dir={str(spool)!r},
-                backends=[{{"type": "clickhouse", "url": "http://127.0.0.1:9"}}])
+                backends=[{{"type": "clickhouse", "url": "http://127.0.0.1:9"}}], system_metrics=False)
         for k in range({n}):
             et.log({{"loss": 1.0 / (k + 1), "lr": 1e-4, "k": k}})
         et.finish()
@@ -42,7 +49,8 @@ def write_spool(tmp: Path, n: int) -> Path:
     return spool
 
 
-def apply(tmp: Path, spool: Path, tag: str, backend: str) -> float:
+def apply(tmp: Path, spool: Path, tag: str, backend: str,
+          env: dict[str, str] | None = None) -> float:
     """Seconds `exprd --once` takes to apply the spool into an empty run root, fresh state."""
     root, state = tmp / "runs-writers", tmp / f"state-{tag}"
     shutil.rmtree(root / "bench", ignore_errors=True)  # the run dir the spool names
@@ -50,8 +58,9 @@ def apply(tmp: Path, spool: Path, tag: str, backend: str) -> float:
     cfg.write_text(f"spool = {json.dumps(str(spool))}\nstate = {json.dumps(str(state))}\n"
                    f"allowed_roots = [{json.dumps(str(root))}]\n" + backend)
     t0 = time.perf_counter()
+    # in the temporary directory: `-m` never finds a checkout's packages before PYTHONPATH's
     subprocess.run([*EXPRD, "--config", str(cfg), "--once", "--log-level", "WARNING"],
-                   check=True, stderr=subprocess.DEVNULL)
+                   check=True, stderr=subprocess.DEVNULL, env=env, cwd=tmp)
     took = time.perf_counter() - t0
     lines = sum(p.read_bytes().count(b"\n") for p in root.rglob("metrics*.jsonl"))
     assert lines == events_of(spool), (lines, events_of(spool))
@@ -65,32 +74,52 @@ def events_of(spool: Path) -> int:
 
 def main() -> None:
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 50_000
+    before = os.environ.get("EXPR_BENCH_BEFORE")
+    rounds = int(os.environ.get("EXPR_BENCH_ROUNDS", "2")) if before else 1
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
+        trees: dict[str, dict[str, str] | None] = {"after": None}
+        if before:
+            trees = {"before": tree_env(Path(before).resolve(), tmp), "after": None}
+        best: dict[str, dict[str, float]] = {tree: {} for tree in trees}
         ch = ClickHouse(tmp / "clickhouse")
         ch.start()
         try:
             spool = write_spool(tmp, n)
             events = events_of(spool)
             assert events == WRITERS * n, events
-            shards_only = apply(tmp, spool, "shards", "")
-            backend = (f'[backends.clickhouse]\ntype = "clickhouse"\nurl = {json.dumps(ch.url)}\n'
-                       'database = "bench"\nbatch = 5000\n')
-            forwarded = apply(tmp, spool, "clickhouse", backend)
-            rows = ch.count("SELECT count() FROM bench.metrics FINAL")
-            assert rows == 3 * events, (rows, 3 * events)
+            for r in range(rounds):
+                for tree in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
+                    env, got = trees[tree], best[tree]
+                    shards = events / apply(tmp, spool, f"shards-{tree}-{r}", "", env)
+                    db = f"bench_{tree}_{r}"
+                    backend = (f'[backends.clickhouse]\ntype = "clickhouse"\n'
+                               f'url = {json.dumps(ch.url)}\ndatabase = "{db}"\nbatch = 5000\n')
+                    forwarded = events / apply(tmp, spool, f"ch-{tree}-{r}", backend, env)
+                    rows = ch.count(f"SELECT count() FROM {db}.metrics FINAL")
+                    assert rows == 3 * events, (tree, rows, 3 * events)
+                    print(f"round {r} {tree}: shard-only {shards:,.0f} events/s, forwarded "
+                          f"{forwarded:,.0f} events/s ({forwarded / shards:.0%})", file=sys.stderr)
+                    if forwarded / shards > got.get("ratio", 0.0):
+                        got.update(shards=shards, forwarded=forwarded, ratio=forwarded / shards)
             version = ch.query("SELECT version()").strip()
         finally:
             ch.stop()
     print(f"ClickHouse {version}, {WRITERS} writers x {n:,} events (3 values each), "
-          "one spool applied twice by `exprd --once`:\n")
-    print("| measure | value |")
-    print("|---|---|")
-    print(f"| shard-only ingest (no backend configured) | {events / shards_only:,.0f} events/s |")
-    print(f"| shards + forwarded into ClickHouse, until every row is acknowledged | "
-          f"{events / forwarded:,.0f} events/s ({3 * events / forwarded:,.0f} rows/s) |")
-    print(f"| forwarded / shard-only | {shards_only / forwarded:.0%} |")
-    print(f"| `metrics` rows under FINAL after the run | {rows:,} (= 3 x events) |")
+          f"one spool applied by `exprd --once`, shards only and forwarded, best of {rounds}:\n")
+    print("| measure | " + " | ".join(trees) + " |")
+    print("|---|" + "---|" * len(trees))
+    print("| shard-only ingest (no backend configured) | " + " | ".join(
+        f"{best[t]['shards']:,.0f} events/s" for t in trees) + " |")
+    print("| shards + forwarded into ClickHouse, until every row is acknowledged | " + " | ".join(
+        f"{best[t]['forwarded']:,.0f} events/s ({3 * best[t]['forwarded']:,.0f} rows/s)"
+        for t in trees) + " |")
+    print("| forwarded / shard-only (target >= 50%) | " + " | ".join(
+        f"{best[t]['ratio']:.0%}" for t in trees) + " |")
+    if before:
+        print(f"| forwarded, after / before | | "
+              f"{best['after']['forwarded'] / best['before']['forwarded']:.2f}x |")
+    print(f"\n`metrics` rows under FINAL after each forwarded run: {3 * events:,} (= 3 x events)")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """The team store: records forwarded to ClickHouse over its HTTP interface (DESIGN 16).
 
-Every batch becomes `INSERT INTO <db>.<table> FORMAT JSONEachRow` requests: one row per
-value of a step row into `metrics`, one row per value of a `log_rank_metrics` record into
-`rank_metrics`. The tables are `ReplacingMergeTree`s whose sorting key ends in the event
+Every batch becomes `INSERT INTO <db>.<table> (<columns>) FORMAT TabSeparated` requests
+(built by `chrows`): one row per value of a step row into `metrics`, one row per value of
+a `log_rank_metrics` record into `rank_metrics` (alerts, incidents and `runs` rows go as
+JSONEachRow). The tables are `ReplacingMergeTree`s whose sorting key ends in the event
 id, so an event sent twice (a retry, exprd restarted, `expr replay`) collapses to one row
 under `FINAL` (and after merges). Where the server knows `insert_deduplication_token`,
 the batch key (`first..last` event id, kept across restarts by exprd's batch journal) is
@@ -27,6 +28,7 @@ from typing import Any
 import orjson
 
 from expr_tracker.backends.base import MAX_BACKOFF, Counters, Identity, retry_after
+from expr_tracker.backends.chrows import METRICS_COLUMNS, RANK_COLUMNS, Encoder
 from expr_tracker.backends.journal import idempotency_key
 
 DATABASE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
@@ -45,7 +47,6 @@ _DATA_ERRORS = frozenset({6, 26, 27, 38, 41, 53, 62, 69, 70, 72, 117})
 # credentials).
 _AUTH_ERRORS = frozenset({192, 193, 194, 195, 516})
 _AUTH_STATUS = frozenset({401, 403})
-_NONFINITE = {"nan": "nan", "inf": "inf", "-inf": "-inf"}
 
 _VALUE_COLUMNS = "step Int64, time Float64, key String, value Float64, text String, event_id String"
 _ORDER = "ORDER BY (project, name, stream, rank, key, step, event_id)"
@@ -86,28 +87,6 @@ class _Failure(Exception):
         super().__init__(cause)
         self.cause, self.detail, self.retry, self.wait = cause, detail, retry, wait
         self.auth = auth  # the credentials were refused
-
-
-def _value(value: Any) -> tuple[Any, str] | None:
-    """(value column, text column) of one record value, or None to skip it.
-
-    Numbers go to `value` (non-finite ones as ClickHouse's `nan`/`inf`/`-inf`); booleans
-    to `value` as 1/0 with "true"/"false" in `text`; strings to `text` with `value` nan.
-    """
-    cls = value.__class__
-    if cls is float:
-        if value - value == 0.0:
-            return value, ""
-        return ("nan" if value != value else "inf" if value > 0 else "-inf"), ""
-    if cls is int:
-        return float(value), ""
-    if cls is bool:
-        return (1.0, "true") if value else (0.0, "false")
-    if cls is str:
-        return "nan", value
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return _value(float(value))
-    return None
 
 
 def _text(value: Any) -> str:
@@ -169,6 +148,7 @@ class ClickHouseBackend:
         self._token = False  # the server knows insert_deduplication_token
         self._run_row = False  # this session's `runs` row says running
         self._last_time = 0.0
+        self._encoder: Encoder | None = None  # made at the first rows(), from the identity
 
     def missing_environment(self) -> list[tuple[str, str]]:
         """(key, variable) of the credentials variables the spec names that are not set."""
@@ -285,53 +265,15 @@ class ClickHouseBackend:
                 "rank": rank if type(rank) is int and rank >= 0 else ident.rank}
 
     def rows(self, events: Sequence[Mapping[str, Any]]) -> tuple[list[bytes], list[bytes]]:
-        """The JSONEachRow lines of `events`: (metrics rows, rank_metrics rows).
-
-        One pass, bytes only: the columns an event's rows share are encoded once, then
-        each value adds its key, value and text (the hot loop of exprd's forwarding).
-        """
+        """The TabSeparated lines of `events`: (metrics rows, rank_metrics rows), in the
+        column order of `chrows` (the hot loop of exprd's forwarding: see there)."""
         ident = self._ident()
-        metrics: list[bytes] = []
-        ranks: list[bytes] = []
-        dumps = orjson.dumps
-        head = dumps({"project": ident.project, "name": ident.name,
-                      "stream": ident.stream or ""})[:-1]
-        own_rank, world_size = ident.rank, ident.world_size or 0
-        last_time = self._last_time
-        for ev in events:
-            kind = ev.get("_kind")
-            if kind is not None and kind != "rank":
-                continue
-            when = ev.get("_time")
-            when = float(when) if isinstance(when, (int, float)) else 0.0
-            if when > last_time:
-                last_time = when
-            step, rank, eid = ev.get("_step"), ev.get("_rank"), ev.get("_id")
-            shared = b'%b,"rank":%d,"step":%d,"time":%b,"event_id":%b' % (
-                head, rank if type(rank) is int and rank >= 0 else own_rank,
-                step if type(step) is int else 0, dumps(when),
-                dumps(eid) if eid.__class__ is str else b'""')
-            out = metrics
-            if kind == "rank":
-                out = ranks
-                world, local, weight = ev.get("_world_size"), ev.get("_local_rank"), ev.get("_weight")
-                shared += b',"world_size":%d,"local_rank":%b,"weight":%b' % (
-                    world if type(world) is int else world_size,
-                    b"%d" % local if type(local) is int else b"null",
-                    dumps(float(weight)) if isinstance(weight, (int, float)) else b"1.0")
-            shared += b',"key":'
-            for key, raw in ev.items():
-                if key[:1] == "_":
-                    continue
-                if raw.__class__ is float and raw - raw == 0.0:
-                    out.append(b'%b%b,"value":%b,"text":""}' % (shared, dumps(key), dumps(raw)))
-                    continue
-                got = _value(raw)
-                if got is None:
-                    continue
-                out.append(b'%b%b,"value":%b,"text":%b}' % (
-                    shared, dumps(key), dumps(got[0]), dumps(got[1])))
-        self._last_time = last_time
+        if self._encoder is None:
+            self._encoder = Encoder(ident.project, ident.name, ident.stream or "", ident.rank,
+                                    ident.world_size or 0)
+        metrics, ranks, latest = self._encoder.rows(events)
+        if latest > self._last_time:
+            self._last_time = latest
         return metrics, ranks
 
     # -- sending ---------------------------------------------------------------------------
@@ -346,9 +288,11 @@ class ClickHouseBackend:
         if not self._run_row:
             self._run_row = self._runs_row("running", keep=keep)
             ok = self._run_row or not keep
-        for table, lines in (("metrics", metrics), ("rank_metrics", ranks)):
+        for table, lines, columns in (("metrics", metrics, METRICS_COLUMNS),
+                                      ("rank_metrics", ranks, RANK_COLUMNS)):
             if ok and lines:
-                ok = self._insert(table, lines, f"{key}/{table}", keep=keep)
+                ok = self._insert(table, lines, f"{key}/{table}", keep=keep,
+                                  form=f"({columns}) FORMAT TabSeparated")
         if not ok:
             self.counters.add("failed", len(events))
 
@@ -367,10 +311,12 @@ class ClickHouseBackend:
         }
         return self._insert("runs", [orjson.dumps(row)], None, keep=keep)
 
-    def _insert(self, table: str, lines: list[bytes], token: str | None, *, keep: bool) -> bool:
-        """INSERT `lines` into `table`; True once the server acknowledged them."""
+    def _insert(self, table: str, lines: list[bytes], token: str | None, *, keep: bool,
+                form: str = "FORMAT JSONEachRow") -> bool:
+        """INSERT `lines` into `table` (`form`: the columns and format, JSONEachRow by
+        default); True once the server acknowledged them."""
         body = b"\n".join(lines) + b"\n"
-        sql = f"INSERT INTO `{self.database}`.{table} FORMAT JSONEachRow"
+        sql = f"INSERT INTO `{self.database}`.{table} {form}"
 
         def attempt() -> None:
             self._prepare()
