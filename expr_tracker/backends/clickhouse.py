@@ -47,6 +47,10 @@ _DATA_ERRORS = frozenset({6, 26, 27, 38, 41, 53, 62, 69, 70, 72, 117})
 # credentials).
 _AUTH_ERRORS = frozenset({192, 193, 194, 195, 516})
 _AUTH_STATUS = frozenset({401, 403})
+_MISSING = frozenset({60, 81})  # UNKNOWN_TABLE, UNKNOWN_DATABASE: the schema is made again
+# (url, database, user) -> (schema made, the server knows insert_deduplication_token):
+# what `_prepare` learnt, for this process's other backends of the same store
+_PREPARED: dict[tuple[str, str, str | None], tuple[bool, bool]] = {}
 
 _VALUE_COLUMNS = "step Int64, time Float64, key String, value Float64, text String, event_id String"
 _ORDER = "ORDER BY (project, name, stream, rank, key, step, event_id)"
@@ -77,6 +81,22 @@ def schema(db: str) -> list[str]:
         "version UInt64) ENGINE = ReplacingMergeTree(version) "
         "ORDER BY (project, name, stream, kind, ranks, first_seen)",
     ]
+
+
+_TLS: Any = None
+_TLS_LOCK = threading.Lock()
+
+
+def _tls() -> Any:
+    """httpx's default TLS context, made once per process: each client would load the CA
+    bundle again (tens of ms of CPU, once per spool file in exprd)."""
+    global _TLS
+    with _TLS_LOCK:
+        if _TLS is None:
+            import httpx
+
+            _TLS = httpx.create_ssl_context()
+        return _TLS
 
 
 class _Failure(Exception):
@@ -163,7 +183,7 @@ class ClickHouseBackend:
         user = os.environ.get(self.user_env)
         password = os.environ.get(self.password_env, "")
         auth = httpx.BasicAuth(user, password) if user else None
-        self._client = httpx.Client(auth=auth, timeout=self.timeout,
+        self._client = httpx.Client(auth=auth, timeout=self.timeout, verify=_tls(),
                                     headers={"User-Agent": "expr-tracker"})
 
     def interrupt(self) -> None:
@@ -283,7 +303,9 @@ class ClickHouseBackend:
         if not events:
             return
         metrics, ranks = self.rows(events)
-        key = idempotency_key(events, b"\n".join(metrics + ranks))
+        key = idempotency_key(events, b"")  # the body is hashed only without event ids
+        if key.startswith("sha256:"):
+            key = idempotency_key(events, b"\n".join(metrics + ranks))
         ok = True
         if not self._run_row:
             self._run_row = self._runs_row("running", keep=keep)
@@ -328,16 +350,32 @@ class ClickHouseBackend:
         return self._retry(f"clickhouse/{table}", attempt, keep=keep)
 
     def _prepare(self) -> None:
-        """Create the schema (once, if `create`) and learn the server's settings."""
+        """Create the schema (once, if `create`) and learn the server's settings.
+
+        Once per process and (url, database): exprd has a backend per spool file, and
+        eight files would otherwise make the same five tables eight times (`_forget`
+        makes them again if the server lost them)."""
         if self._ready:
             return
-        if self.create:
-            for statement in schema(self.database):
-                self._request({"query": statement}, b"")
-        found = self._request({"query": "SELECT count() FROM system.settings "
-                               "WHERE name = 'insert_deduplication_token'"}, b"")
-        self._token = found.strip() not in (b"", b"0")
+        known = _PREPARED.get(self._where())
+        if known is None or (self.create and not known[0]):
+            if self.create:
+                for statement in schema(self.database):
+                    self._request({"query": statement}, b"")
+            found = self._request({"query": "SELECT count() FROM system.settings "
+                                   "WHERE name = 'insert_deduplication_token'"}, b"")
+            known = (self.create, found.strip() not in (b"", b"0"))
+            _PREPARED[self._where()] = known
+        self._token = known[1]
         self._ready = True
+
+    def _where(self) -> tuple[str, str, str | None]:
+        return self.url, self.database, os.environ.get(self.user_env)
+
+    def _forget(self) -> None:
+        """The server does not know the database or a table: make the schema again."""
+        self._ready = False
+        _PREPARED.pop(self._where(), None)
 
     def _request(self, params: dict[str, str], body: bytes) -> bytes:
         """POST one statement; raises `_Failure` unless the server answers 200."""
@@ -360,6 +398,8 @@ class ClickHouseBackend:
         code = int(m.group(1)) if m else None
         detail = text.decode("utf-8", "replace").strip().splitlines()[0] if text else ""
         cause = f"status {resp.status_code}" + (f", code {code}" if code is not None else "")
+        if code in _MISSING:
+            self._forget()
         if code in _AUTH_ERRORS or resp.status_code in _AUTH_STATUS:
             raise _Failure(f"authentication refused ({cause})", detail, retry=False, auth=True)
         raise _Failure(cause, detail, retry=code not in _DATA_ERRORS,
