@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from bench.daemon import EXPRD, spawn_writer, tree_env
 from tests.chserver import ClickHouse
 
 WRITERS = 8
+TICK = os.sysconf("SC_CLK_TCK")
 
 
 def write_spool(tmp: Path, n: int) -> Path:
@@ -49,22 +51,36 @@ def write_spool(tmp: Path, n: int) -> Path:
     return spool
 
 
-def apply(tmp: Path, spool: Path, tag: str, backend: str,
-          env: dict[str, str] | None = None) -> float:
-    """Seconds `exprd --once` takes to apply the spool into an empty run root, fresh state."""
+def cpu_of(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def children_cpu() -> float:
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
+
+
+def apply(tmp: Path, spool: Path, tag: str, backend: str, env: dict[str, str] | None = None,
+          server: int | None = None) -> tuple[float, float, float]:
+    """Seconds `exprd --once` takes to apply the spool into an empty run root, fresh state,
+    and the CPU seconds exprd and the server (pid `server`) used meanwhile."""
     root, state = tmp / "runs-writers", tmp / f"state-{tag}"
     shutil.rmtree(root / "bench", ignore_errors=True)  # the run dir the spool names
     cfg = tmp / f"{tag}.toml"
     cfg.write_text(f"spool = {json.dumps(str(spool))}\nstate = {json.dumps(str(state))}\n"
                    f"allowed_roots = [{json.dumps(str(root))}]\n" + backend)
+    cpu0, server0 = children_cpu(), (cpu_of(server) if server else 0.0)
     t0 = time.perf_counter()
     # in the temporary directory: `-m` never finds a checkout's packages before PYTHONPATH's
     subprocess.run([*EXPRD, "--config", str(cfg), "--once", "--log-level", "WARNING"],
                    check=True, stderr=subprocess.DEVNULL, env=env, cwd=tmp)
     took = time.perf_counter() - t0
+    cpu, server_cpu = children_cpu() - cpu0, (cpu_of(server) - server0 if server else 0.0)
     lines = sum(p.read_bytes().count(b"\n") for p in root.rglob("metrics*.jsonl"))
     assert lines == events_of(spool), (lines, events_of(spool))
-    return took
+    return took, cpu, server_cpu
 
 
 def events_of(spool: Path) -> int:
@@ -91,17 +107,26 @@ def main() -> None:
             for r in range(rounds):
                 for tree in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
                     env, got = trees[tree], best[tree]
-                    shards = events / apply(tmp, spool, f"shards-{tree}-{r}", "", env)
+                    took, cpu, _ = apply(tmp, spool, f"shards-{tree}-{r}", "", env)
+                    shards = events / took
                     db = f"bench_{tree}_{r}"
                     backend = (f'[backends.clickhouse]\ntype = "clickhouse"\n'
                                f'url = {json.dumps(ch.url)}\ndatabase = "{db}"\nbatch = 5000\n')
-                    forwarded = events / apply(tmp, spool, f"ch-{tree}-{r}", backend, env)
+                    assert ch.proc is not None
+                    took, fcpu, scpu = apply(tmp, spool, f"ch-{tree}-{r}", backend, env,
+                                             ch.proc.pid)
+                    forwarded = events / took
                     rows = ch.count(f"SELECT count() FROM {db}.metrics FINAL")
                     assert rows == 3 * events, (tree, rows, 3 * events)
-                    print(f"round {r} {tree}: shard-only {shards:,.0f} events/s, forwarded "
-                          f"{forwarded:,.0f} events/s ({forwarded / shards:.0%})", file=sys.stderr)
+                    print(f"round {r} {tree} (load {os.getloadavg()[0]:.1f}): shard-only "
+                          f"{shards:,.0f} events/s ({cpu:.2f} s CPU), forwarded {forwarded:,.0f} "
+                          f"events/s ({fcpu:.2f} s CPU, the server {scpu:.2f} s): "
+                          f"{forwarded / shards:.0%}", file=sys.stderr)
                     if forwarded / shards > got.get("ratio", 0.0):
                         got.update(shards=shards, forwarded=forwarded, ratio=forwarded / shards)
+                    # CPU: least of each (interference only adds)
+                    for k, v in (("cpu", cpu), ("fcpu", fcpu), ("scpu", scpu)):
+                        got[k] = min(got.get(k, v), v)
             version = ch.query("SELECT version()").strip()
         finally:
             ch.stop()
@@ -116,6 +141,12 @@ def main() -> None:
         for t in trees) + " |")
     print("| forwarded / shard-only (target >= 50%) | " + " | ".join(
         f"{best[t]['ratio']:.0%}" for t in trees) + " |")
+    print("| exprd CPU: shard-only / forwarded (least of the rounds) | " + " | ".join(
+        f"{best[t]['cpu']:.2f} s / {best[t]['fcpu']:.2f} s" for t in trees) + " |")
+    print("| the server's CPU while forwarding | " + " | ".join(
+        f"{best[t]['scpu']:.2f} s" for t in trees) + " |")
+    print("| shard-only CPU / forwarded CPU (exprd) | " + " | ".join(
+        f"{best[t]['cpu'] / best[t]['fcpu']:.0%}" for t in trees) + " |")
     if before:
         print(f"| forwarded, after / before | | "
               f"{best['after']['forwarded'] / best['before']['forwarded']:.2f}x |")
