@@ -28,7 +28,7 @@ from bisect import bisect_right
 from collections import deque
 from collections.abc import Mapping
 from itertools import accumulate, compress, repeat
-from operator import eq, itemgetter, not_, setitem
+from operator import eq, not_, setitem
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +50,6 @@ _NONFINITE = re.compile(rb'"(?:NaN|-?Infinity|nan|-?inf)"')
 MAX_MARKS = 4096  # settle points remembered per backend; past it the newest is overwritten
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
 _warned: set[str] = set()
-_SEQ = itemgetter("_seq")
 
 
 _PLUS_ONE = (1).__add__  # a line's length with its newline
@@ -292,7 +291,8 @@ class Forwarder:
             for line, ev in zip(lines, rows, strict=True):
                 if search(line) is not None:
                     _decode_nonfinite(ev)
-        seqs = list(map(_SEQ, rows))
+        first = rows[0]["_seq"]  # numbered: first, first + 1, ...
+        seqs = range(first, first + len(rows))
         list(map(setitem, rows, repeat("_id"), map(self._prefix.__add__, map(str, seqs))))
         batch += rows
         return int(seqs[-1])

@@ -198,3 +198,40 @@ def test_what_lands_in_clickhouse_is_what_the_jsoneachrow_encoder_stored(
     bits = struct.pack("<d", float(2**63 - 1)).rstrip(b"\0").hex().upper()
     assert server.count(f"SELECT count() FROM `{new}`.metrics "
                         f"WHERE hex(reinterpretAsString(value)) = '{bits}'") > 0
+
+
+def test_a_store_whose_database_went_away_gets_its_schema_again(server: ClickHouse) -> None:
+    db = "rows_again"
+    first, second = (ClickHouseBackend(url=server.url, database=db, retries=3, backoff=0.01)
+                     for _ in range(2))
+    first.open(IDENT)
+    first.log(_events(1, 10))
+    second.open(Identity("proj-x", "other", rank=0, world_size=1, session="ef34ab"))
+    second.log([{"_step": 0, "_time": 1.0, "_id": "ef34ab:1", "loss": 0.5}])
+    server.query(f"DROP DATABASE `{db}`")  # an operator drops it while the run goes on
+    first.log([{"_step": 99, "_time": 2.0, "_id": "ab12cd:99", "loss": 0.25}])
+    for backend in (first, second):
+        assert backend.counters.snapshot()[0]["failed"] == 0
+        backend.finish("running")
+    assert any("code 81" in cause for cause in first.counters.snapshot()[1])  # then made again
+    assert server.count(f"SELECT count() FROM `{db}`.metrics WHERE step = 99") == 1
+
+
+def test_the_backends_of_one_process_make_the_schema_once(httpserver: Any) -> None:
+    from werkzeug import Request, Response
+
+    calls: list[str] = []
+
+    def handler(request: Request) -> Response:
+        calls.append(request.args.get("query", ""))
+        return Response("0\n" if calls[-1].startswith("SELECT") else "")
+
+    httpserver.expect_request("/once/").respond_with_handler(handler)
+    url = httpserver.url_for("/once/")  # a URL of this test's own: nothing known about it
+    for r in range(4):  # exprd: a backend per spool file
+        backend = ClickHouseBackend(url=url, database="once", retries=0)
+        backend.open(Identity("proj", "once", rank=r, world_size=4, session=f"s{r}"))
+        backend.log([{"_step": 0, "_time": 1.0, "_id": f"s{r}:1", "loss": 0.5}])
+        backend.finish("running")
+    assert sum(c.startswith("CREATE DATABASE") for c in calls) == 1
+    assert sum(c.startswith("INSERT INTO `once`.metrics") for c in calls) == 4

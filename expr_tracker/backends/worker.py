@@ -413,18 +413,23 @@ class BackendWorker:
         of one session: if the last record of the head's run (up to `limit`, before any
         alert) is of `session` and before `stop`, so is every one before it; None (the
         caller looks record by record) if not."""
-        head = list(islice(self._items, limit))
-        kinds = list(map(_KIND, head))
-        if _ALERT in kinds:
-            head = head[: kinds.index(_ALERT)]
+        items = self._items
+        head = list(islice(items, limit))
+        if self._queued_alerts:
+            kinds = list(map(_KIND, head))
+            if _ALERT in kinds:
+                head = head[: kinds.index(_ALERT)]
         if not head:
             return None
         end = position(head[-1][1])
         if end is None or end[0] != session or (stop is not None and end[1] >= stop):
             return None
         taken = list(map(_ROW, head))
-        for _ in taken:
-            self._items.popleft()
+        if len(taken) == len(items):
+            items.clear()
+        else:
+            for _ in taken:
+                items.popleft()
         self._dequeued(taken)
         self._inflight = len(taken)
         return taken
