@@ -19,7 +19,7 @@ escaped the TSV way (backslash, tab, newline, carriage return, NUL).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from itertools import groupby
+from itertools import chain, groupby, repeat
 from operator import itemgetter
 from typing import Any
 
@@ -86,8 +86,9 @@ class Encoder:
         self._keys: dict[str, bytes] = {}  # key -> its escaped field and a tab
 
     def rows(self, events: Sequence[Mapping[str, Any]]) -> tuple[list[bytes], list[bytes], float]:
-        """(metrics lines, rank_metrics lines, the latest `_time` seen or 0.0), each line
-        without its newline. Events of another `_kind` (alerts) are skipped."""
+        """(metrics rows, rank_metrics rows, the latest `_time` seen or 0.0): the rows as
+        pieces of a body, each piece whole lines, each line ending in a newline (the body is
+        their join). Events of another `_kind` (alerts) are skipped."""
         metrics: list[bytes] = []
         ranks: list[bytes] = []
         latest = 0.0
@@ -160,13 +161,17 @@ class Encoder:
             if kinds <= _NUMBERS:
                 text = orjson.dumps(col if kinds == {float} else list(map(float, col)))
                 if b"n" not in text:  # no null: every value finite
-                    line = b"%b" + field + b"%b\t"
-                    out += map(line.__mod__, zip(heads, text[1:-1].split(b","), strict=True))
+                    # the column's lines as one piece: head, key, value, tab and newline
+                    out.append(b"".join(chain.from_iterable(zip(
+                        heads, repeat(field), text[1:-1].split(b","), repeat(b"\t\n"),
+                        strict=False))))
+                    if len(heads) != text.count(44) + 1:  # 44 ",": one value per head
+                        raise AssertionError("a column's values and heads differ in number")
                     continue
             for head, value in zip(heads, col, strict=True):
                 got = value_text(value)
                 if got is not None:
-                    out.append(b"%b%b%b\t%b" % (head, field, *got))
+                    out.append(b"%b%b%b\t%b\n" % (head, field, *got))
         return float(latest)
 
     def _rank_columns(self, shape: tuple[str, ...], evs: list[Any]) -> list[Any] | None:
@@ -226,5 +231,5 @@ class Encoder:
                     continue
                 got = value_text(raw)
                 if got is not None:
-                    out.append(b"%b%b%b\t%b" % (head, self._key(key), *got))
+                    out.append(b"%b%b%b\t%b\n" % (head, self._key(key), *got))
         return latest

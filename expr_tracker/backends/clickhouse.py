@@ -99,6 +99,11 @@ def _tls() -> Any:
         return _TLS
 
 
+def _line(row: Mapping[str, Any]) -> bytes:
+    """One JSONEachRow line."""
+    return orjson.dumps(row, option=orjson.OPT_APPEND_NEWLINE)
+
+
 class _Failure(Exception):
     """One failed request: `retry` says whether the same request may succeed later."""
 
@@ -232,7 +237,7 @@ class ClickHouseBackend:
             **{k: _text(alert.get(k)) for k in ("kind", "level", "rule", "title", "text")},
             "event_id": _text(alert.get("event_id")),
         }
-        if not self._insert("alerts", [orjson.dumps(row)], None, keep=False):
+        if not self._insert("alerts", _line(row), None, keep=False):
             raise RuntimeError("the alert was not stored (see the clickhouse/alerts error)")
 
     def incident(self, incident: Mapping[str, Any]) -> None:
@@ -256,7 +261,7 @@ class ClickHouseBackend:
             # later lines win; of two lines at one instant, the resolution
             "version": int(last * 1000) * 2 + resolved,
         }
-        if not self._insert("incidents", [orjson.dumps(row)], None, keep=False):
+        if not self._insert("incidents", _line(row), None, keep=False):
             raise RuntimeError("the incident was not stored (see the clickhouse/incidents error)")
 
     def finish(self, status: str) -> None:
@@ -285,8 +290,9 @@ class ClickHouseBackend:
                 "rank": rank if type(rank) is int and rank >= 0 else ident.rank}
 
     def rows(self, events: Sequence[Mapping[str, Any]]) -> tuple[list[bytes], list[bytes]]:
-        """The TabSeparated lines of `events`: (metrics rows, rank_metrics rows), in the
-        column order of `chrows` (the hot loop of exprd's forwarding: see there)."""
+        """The TabSeparated rows of `events`: (metrics, rank_metrics), each a list of
+        pieces of whole lines, in the column order of `chrows` (the hot loop of exprd's
+        forwarding: see there)."""
         ident = self._ident()
         if self._encoder is None:
             self._encoder = Encoder(ident.project, ident.name, ident.stream or "", ident.rank,
@@ -302,18 +308,18 @@ class ClickHouseBackend:
         self._ident()
         if not events:
             return
-        metrics, ranks = self.rows(events)
+        metrics, ranks = (b"".join(rows) for rows in self.rows(events))
         key = idempotency_key(events, b"")  # the body is hashed only without event ids
         if key.startswith("sha256:"):
-            key = idempotency_key(events, b"\n".join(metrics + ranks))
+            key = idempotency_key(events, metrics + ranks)
         ok = True
         if not self._run_row:
             self._run_row = self._runs_row("running", keep=keep)
             ok = self._run_row or not keep
-        for table, lines, columns in (("metrics", metrics, METRICS_COLUMNS),
-                                      ("rank_metrics", ranks, RANK_COLUMNS)):
-            if ok and lines:
-                ok = self._insert(table, lines, f"{key}/{table}", keep=keep,
+        for table, body, columns in (("metrics", metrics, METRICS_COLUMNS),
+                                     ("rank_metrics", ranks, RANK_COLUMNS)):
+            if ok and body:
+                ok = self._insert(table, body, f"{key}/{table}", keep=keep,
                                   form=f"({columns}) FORMAT TabSeparated")
         if not ok:
             self.counters.add("failed", len(events))
@@ -331,13 +337,12 @@ class ClickHouseBackend:
             "end_time": 0.0 if running else (self._last_time or time.time()),
             "version": time.time_ns() // 1000,
         }
-        return self._insert("runs", [orjson.dumps(row)], None, keep=keep)
+        return self._insert("runs", _line(row), None, keep=keep)
 
-    def _insert(self, table: str, lines: list[bytes], token: str | None, *, keep: bool,
+    def _insert(self, table: str, body: bytes, token: str | None, *, keep: bool,
                 form: str = "FORMAT JSONEachRow") -> bool:
-        """INSERT `lines` into `table` (`form`: the columns and format, JSONEachRow by
-        default); True once the server acknowledged them."""
-        body = b"\n".join(lines) + b"\n"
+        """INSERT `body` (lines) into `table` (`form`: the columns and format, JSONEachRow
+        by default); True once the server acknowledged them."""
         sql = f"INSERT INTO `{self.database}`.{table} {form}"
 
         def attempt() -> None:
