@@ -24,16 +24,19 @@ import hashlib
 import logging
 import re
 import threading
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Mapping
+from itertools import accumulate, compress, repeat
+from operator import eq, not_, setitem
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from expr_tracker.store.records import DECODE_NONFINITE
-from expr_tracker.store.spoolfile import SpoolReader
-from expr_tracker.store.untrusted import check_record, screen
+from expr_tracker.store.spoolfile import MAX_LINE, SpoolReader
+from expr_tracker.store.untrusted import check_record, numbered, rank_run, screen, screen_block
 
 if TYPE_CHECKING:
     from .config import Config
@@ -47,6 +50,16 @@ _NONFINITE = re.compile(rb'"(?:NaN|-?Infinity|nan|-?inf)"')
 MAX_MARKS = 4096  # settle points remembered per backend; past it the newest is overwritten
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
 _warned: set[str] = set()
+
+
+_PLUS_ONE = (1).__add__  # a line's length with its newline
+
+
+def _decode_nonfinite(ev: dict[str, Any]) -> None:
+    """Metric values that spell a non-finite float ("NaN", "Infinity") as that float."""
+    for key, value in ev.items():
+        if value.__class__ is str and key[:1] != "_" and value in DECODE_NONFINITE:
+            ev[key] = DECODE_NONFINITE[value]
 
 
 def journal_stem(rel: str) -> str:
@@ -126,6 +139,12 @@ class Forwarder:
         self._finish: str | None = None  # the run's end: each worker closes once caught up
         self._closed: set[str] = set()  # backends whose close has started
         self._session = spec.session
+        self._prefix = spec.session + ":"  # the event id is `{session}:{seq}` (event_id)
+        # what the readers' screens know of this file: the key sets of the last checked step
+        # row and rank record, and every key of checked step rows (see untrusted.screen)
+        self._shapes: list[frozenset[str] | None] = [None, None]
+        self._row_keys: set[str] = set()
+        self._max_line = MAX_LINE
         if not enabled or not spec.backends:
             return
         specs = resolve(spec.backends, cfg)
@@ -206,62 +225,130 @@ class Forwarder:
     def _feed(self, worker: Any, path: Path, off: int, seq: int | None, upto: int,
               room: int) -> tuple[int, int | None]:
         """Submit up to `room` records of the lines in [off, upto); the new (off, seq)."""
-        loads, decode_error = orjson.loads, orjson.JSONDecodeError
-        nonfinite = _NONFINITE.search
-        prefix = self._session + ":"  # the event id is `{session}:{seq}` (event_id)
         batch: list[dict[str, Any]] = []
-        append = batch.append
         reader = SpoolReader(path)
-        max_line = reader.max_line
         last = -1 if seq is None else seq
-        shapes: list[frozenset[str] | None] = [None, None]  # see records.screen
         try:
             for pos, parts, big_end in reader.chunks(off, min(READ_BUDGET, upto - off)):
                 if big_end is not None:
                     off = big_end  # an oversize line: the shard consumer quarantines it
                     continue
-                for line in parts:
-                    end = pos + len(line) + 1
-                    if end > upto:
-                        return off, seq
-                    pos = off = end
-                    if len(line) > max_line:
-                        continue
-                    try:
-                        ev = loads(line)
-                    except decode_error:
-                        continue  # the shard consumer quarantines it
-                    if ev.__class__ is not dict:
-                        continue
-                    at = ev.get("_seq")
-                    if at.__class__ is not int or at <= last:
-                        continue
-                    seq = last = at
-                    if "_event" in ev or ev.get("_kind", "rank") != "rank":
-                        continue  # init, finish, rules; alerts reach backends from the pipeline
-                    if "_sid" in ev:
-                        del ev["_sid"]
-                    if not screen(ev, line, shapes):
-                        try:
-                            check_record(ev)  # a bad record: the shard consumer quarantines it
-                        except (TypeError, ValueError):
-                            continue
-                        shapes["_kind" in ev] = frozenset(ev)
-                    if nonfinite(line) is not None:
-                        for key, value in ev.items():
-                            if (value.__class__ is str and key[:1] != "_"
-                                    and value in DECODE_NONFINITE):
-                                ev[key] = DECODE_NONFINITE[value]
-                    ev["_id"] = prefix + str(at)
-                    append(ev)
-                    if len(batch) >= room:
-                        return off, seq
+                # the lines that end by `upto`, at most as many as there is room for
+                ends = list(accumulate(map(_PLUS_ONE, map(len, parts)), initial=pos))
+                k = min(bisect_right(ends, upto, 1) - 1, room - len(batch))
+                if k <= 0:
+                    return off, seq
+                last = self._block(parts[:k], last, batch)
+                off, seq = ends[k], (last if last >= 0 else seq)
+                if k < len(parts) or len(batch) >= room:
+                    return off, seq
         except OSError as exc:
             log.warning("backend reader: cannot read %s: %s", path, exc.strerror or exc)
         finally:
             if batch:
                 worker.submit_many(batch)
         return off, seq
+
+    def _block(self, parts: list[bytes], last: int, batch: list[dict[str, Any]]) -> int:
+        """Add the records of complete lines `parts` that come after seq `last` to `batch`;
+        the seq of the last line read (`last` if none).
+
+        A clean run of records whose keys passed the full check before (step rows) or
+        whose key set did (rank records) is taken at once, with no Python per record
+        (untrusted.screen_block, numbered, rank_run: the shard consumer's own screens);
+        anything else line by line (`_line`), which also learns the file's checked keys:
+        a file's first block goes line by line for a few lines, then at once."""
+        recs, clean = screen_block(parts, self._max_line)
+        n, i, tries = len(parts), 0, 2
+        while i < n:
+            stop = n
+            if clean and recs is not None and tries:
+                tries -= 1
+                lo, hi = i, n
+                # the file's init and finish lines at the ends go line by line
+                while lo < hi and parts[lo].startswith(b'{"_event"'):
+                    lo += 1
+                while hi > lo and parts[hi - 1].startswith(b'{"_event"'):
+                    hi -= 1
+                for j in range(i, lo):
+                    last = self._line(parts[j], recs[j], last, batch)
+                i = lo
+                if hi > lo and self._plain(parts[lo:hi], recs[lo:hi], last):
+                    last = self._run(parts[lo:hi], recs[lo:hi], batch)
+                    i = hi
+                    continue
+                stop = min(n, i + 8)  # enough for the shapes to be learnt, then again
+            for j in range(i, stop):
+                last = self._line(parts[j], None if recs is None else recs[j], last, batch)
+            i = stop
+        return last
+
+    def _run(self, lines: list[bytes], rows: list[dict[str, Any]],
+             batch: list[dict[str, Any]]) -> int:
+        """Take a run `_plain` passed: each record with its event id; its last seq."""
+        search = _NONFINITE.search
+        data = b"\n".join(lines)
+        # two quotes per key (a clean run has a colon per key): no text value, no "NaN"
+        if data.count(34) != 2 * sum(map(len, rows)) and search(data) is not None:
+            for line, ev in zip(lines, rows, strict=True):
+                if search(line) is not None:
+                    _decode_nonfinite(ev)
+        first = rows[0]["_seq"]  # numbered: first, first + 1, ...
+        seqs = range(first, first + len(rows))
+        list(map(setitem, rows, repeat("_id"), map(self._prefix.__add__, map(str, seqs))))
+        batch += rows
+        return int(seqs[-1])
+
+    def _plain(self, parts: list[bytes], recs: list[Any], last: int) -> bool:
+        """Every record of a clean block's run passes the screen: numbered on from after
+        `last`, each a step row of checked keys or a rank record of the checked shape."""
+        first = recs[0].get("_seq") if recs[0].__class__ is dict else None
+        if first.__class__ is not int or first <= last or not numbered(parts, recs, first):
+            return False
+        keys, ranks = self._row_keys, self._shapes[1]
+        mask = list(map(keys.issuperset, recs)) if keys else [False] * len(recs)
+        if all(mask):
+            return True
+        if ranks is None:
+            return False
+        others = list(compress(recs, map(not_, mask)))
+        return all(map(eq, repeat(ranks), map(dict.keys, others))) and rank_run(others, ranks)
+
+    def _line(self, line: bytes, ev: Any, last: int, batch: list[dict[str, Any]]) -> int:
+        """One line (`ev` its parse, None if not parsed yet): its record added to `batch`
+        if it is one a backend gets; the seq of the last line read."""
+        if ev is None:
+            if len(line) > self._max_line:
+                return last
+            try:
+                ev = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                return last  # the shard consumer quarantines it
+        if ev.__class__ is not dict:
+            return last
+        at = ev.get("_seq")
+        if at.__class__ is not int or at <= last:
+            return last
+        if "_event" in ev or ev.get("_kind", "rank") != "rank":
+            return at  # init, finish, rules; alerts reach backends from the pipeline
+        if "_sid" in ev:
+            del ev["_sid"]
+        shapes = self._shapes
+        if not screen(ev, line, shapes):
+            try:
+                check_record(ev)  # a bad record: the shard consumer quarantines it
+            except (TypeError, ValueError):
+                return at
+            rank = "_kind" in ev
+            shapes[rank] = frozenset(ev)
+            if not rank:
+                self._row_keys.update(ev)
+                self._row_keys.discard("_rank")  # its value is for the full check
+        if _NONFINITE.search(line) is not None:
+            _decode_nonfinite(ev)
+        ev["_id"] = self._prefix + str(at)
+        batch.append(ev)
+        return at
 
     def _mark(self, name: str, worker: Any, offset: int, seq: int | None) -> None:
         """The reader of `name` submitted everything before `offset`: remember the point."""

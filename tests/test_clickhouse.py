@@ -315,7 +315,8 @@ def test_http_500_is_retried_and_a_data_error_is_not(httpserver: Any) -> None:
     values, errors = backend.counters.snapshot()
     assert values["failed"] == 0
     inserts = [c for c in calls if c.startswith("INSERT")]
-    assert inserts[-1] == "INSERT INTO `expr`.metrics FORMAT JSONEachRow"
+    assert inserts[-1] == ("INSERT INTO `expr`.metrics (project, name, stream, rank, step, time, "
+                           "event_id, key, value, text) FORMAT TabSeparated")
     assert sum(errors.values()) == 2  # two 500s, retried, then acknowledged
     backend.log([{"_step": 1, "_time": 1.0, "_id": "s1:2", "bad": "bad"}])
     values, errors = backend.counters.snapshot()

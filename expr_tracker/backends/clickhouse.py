@@ -1,8 +1,9 @@
 """The team store: records forwarded to ClickHouse over its HTTP interface (DESIGN 16).
 
-Every batch becomes `INSERT INTO <db>.<table> FORMAT JSONEachRow` requests: one row per
-value of a step row into `metrics`, one row per value of a `log_rank_metrics` record into
-`rank_metrics`. The tables are `ReplacingMergeTree`s whose sorting key ends in the event
+Every batch becomes `INSERT INTO <db>.<table> (<columns>) FORMAT TabSeparated` requests
+(built by `chrows`): one row per value of a step row into `metrics`, one row per value of
+a `log_rank_metrics` record into `rank_metrics` (alerts, incidents and `runs` rows go as
+JSONEachRow). The tables are `ReplacingMergeTree`s whose sorting key ends in the event
 id, so an event sent twice (a retry, exprd restarted, `expr replay`) collapses to one row
 under `FINAL` (and after merges). Where the server knows `insert_deduplication_token`,
 the batch key (`first..last` event id, kept across restarts by exprd's batch journal) is
@@ -27,6 +28,7 @@ from typing import Any
 import orjson
 
 from expr_tracker.backends.base import MAX_BACKOFF, Counters, Identity, retry_after
+from expr_tracker.backends.chrows import METRICS_COLUMNS, RANK_COLUMNS, Encoder
 from expr_tracker.backends.journal import idempotency_key
 
 DATABASE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
@@ -45,7 +47,10 @@ _DATA_ERRORS = frozenset({6, 26, 27, 38, 41, 53, 62, 69, 70, 72, 117})
 # credentials).
 _AUTH_ERRORS = frozenset({192, 193, 194, 195, 516})
 _AUTH_STATUS = frozenset({401, 403})
-_NONFINITE = {"nan": "nan", "inf": "inf", "-inf": "-inf"}
+_MISSING = frozenset({60, 81})  # UNKNOWN_TABLE, UNKNOWN_DATABASE: the schema is made again
+# (url, database, user) -> (schema made, the server knows insert_deduplication_token):
+# what `_prepare` learnt, for this process's other backends of the same store
+_PREPARED: dict[tuple[str, str, str | None], tuple[bool, bool]] = {}
 
 _VALUE_COLUMNS = "step Int64, time Float64, key String, value Float64, text String, event_id String"
 _ORDER = "ORDER BY (project, name, stream, rank, key, step, event_id)"
@@ -78,6 +83,27 @@ def schema(db: str) -> list[str]:
     ]
 
 
+_TLS: Any = None
+_TLS_LOCK = threading.Lock()
+
+
+def _tls() -> Any:
+    """httpx's default TLS context, made once per process: each client would load the CA
+    bundle again (tens of ms of CPU, once per spool file in exprd)."""
+    global _TLS
+    with _TLS_LOCK:
+        if _TLS is None:
+            import httpx
+
+            _TLS = httpx.create_ssl_context()
+        return _TLS
+
+
+def _line(row: Mapping[str, Any]) -> bytes:
+    """One JSONEachRow line."""
+    return orjson.dumps(row, option=orjson.OPT_APPEND_NEWLINE)
+
+
 class _Failure(Exception):
     """One failed request: `retry` says whether the same request may succeed later."""
 
@@ -86,28 +112,6 @@ class _Failure(Exception):
         super().__init__(cause)
         self.cause, self.detail, self.retry, self.wait = cause, detail, retry, wait
         self.auth = auth  # the credentials were refused
-
-
-def _value(value: Any) -> tuple[Any, str] | None:
-    """(value column, text column) of one record value, or None to skip it.
-
-    Numbers go to `value` (non-finite ones as ClickHouse's `nan`/`inf`/`-inf`); booleans
-    to `value` as 1/0 with "true"/"false" in `text`; strings to `text` with `value` nan.
-    """
-    cls = value.__class__
-    if cls is float:
-        if value - value == 0.0:
-            return value, ""
-        return ("nan" if value != value else "inf" if value > 0 else "-inf"), ""
-    if cls is int:
-        return float(value), ""
-    if cls is bool:
-        return (1.0, "true") if value else (0.0, "false")
-    if cls is str:
-        return "nan", value
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return _value(float(value))
-    return None
 
 
 def _text(value: Any) -> str:
@@ -169,6 +173,7 @@ class ClickHouseBackend:
         self._token = False  # the server knows insert_deduplication_token
         self._run_row = False  # this session's `runs` row says running
         self._last_time = 0.0
+        self._encoder: Encoder | None = None  # made at the first rows(), from the identity
 
     def missing_environment(self) -> list[tuple[str, str]]:
         """(key, variable) of the credentials variables the spec names that are not set."""
@@ -183,7 +188,7 @@ class ClickHouseBackend:
         user = os.environ.get(self.user_env)
         password = os.environ.get(self.password_env, "")
         auth = httpx.BasicAuth(user, password) if user else None
-        self._client = httpx.Client(auth=auth, timeout=self.timeout,
+        self._client = httpx.Client(auth=auth, timeout=self.timeout, verify=_tls(),
                                     headers={"User-Agent": "expr-tracker"})
 
     def interrupt(self) -> None:
@@ -232,7 +237,7 @@ class ClickHouseBackend:
             **{k: _text(alert.get(k)) for k in ("kind", "level", "rule", "title", "text")},
             "event_id": _text(alert.get("event_id")),
         }
-        if not self._insert("alerts", [orjson.dumps(row)], None, keep=False):
+        if not self._insert("alerts", _line(row), None, keep=False):
             raise RuntimeError("the alert was not stored (see the clickhouse/alerts error)")
 
     def incident(self, incident: Mapping[str, Any]) -> None:
@@ -256,7 +261,7 @@ class ClickHouseBackend:
             # later lines win; of two lines at one instant, the resolution
             "version": int(last * 1000) * 2 + resolved,
         }
-        if not self._insert("incidents", [orjson.dumps(row)], None, keep=False):
+        if not self._insert("incidents", _line(row), None, keep=False):
             raise RuntimeError("the incident was not stored (see the clickhouse/incidents error)")
 
     def finish(self, status: str) -> None:
@@ -285,53 +290,16 @@ class ClickHouseBackend:
                 "rank": rank if type(rank) is int and rank >= 0 else ident.rank}
 
     def rows(self, events: Sequence[Mapping[str, Any]]) -> tuple[list[bytes], list[bytes]]:
-        """The JSONEachRow lines of `events`: (metrics rows, rank_metrics rows).
-
-        One pass, bytes only: the columns an event's rows share are encoded once, then
-        each value adds its key, value and text (the hot loop of exprd's forwarding).
-        """
+        """The TabSeparated rows of `events`: (metrics, rank_metrics), each a list of
+        pieces of whole lines, in the column order of `chrows` (the hot loop of exprd's
+        forwarding: see there)."""
         ident = self._ident()
-        metrics: list[bytes] = []
-        ranks: list[bytes] = []
-        dumps = orjson.dumps
-        head = dumps({"project": ident.project, "name": ident.name,
-                      "stream": ident.stream or ""})[:-1]
-        own_rank, world_size = ident.rank, ident.world_size or 0
-        last_time = self._last_time
-        for ev in events:
-            kind = ev.get("_kind")
-            if kind is not None and kind != "rank":
-                continue
-            when = ev.get("_time")
-            when = float(when) if isinstance(when, (int, float)) else 0.0
-            if when > last_time:
-                last_time = when
-            step, rank, eid = ev.get("_step"), ev.get("_rank"), ev.get("_id")
-            shared = b'%b,"rank":%d,"step":%d,"time":%b,"event_id":%b' % (
-                head, rank if type(rank) is int and rank >= 0 else own_rank,
-                step if type(step) is int else 0, dumps(when),
-                dumps(eid) if eid.__class__ is str else b'""')
-            out = metrics
-            if kind == "rank":
-                out = ranks
-                world, local, weight = ev.get("_world_size"), ev.get("_local_rank"), ev.get("_weight")
-                shared += b',"world_size":%d,"local_rank":%b,"weight":%b' % (
-                    world if type(world) is int else world_size,
-                    b"%d" % local if type(local) is int else b"null",
-                    dumps(float(weight)) if isinstance(weight, (int, float)) else b"1.0")
-            shared += b',"key":'
-            for key, raw in ev.items():
-                if key[:1] == "_":
-                    continue
-                if raw.__class__ is float and raw - raw == 0.0:
-                    out.append(b'%b%b,"value":%b,"text":""}' % (shared, dumps(key), dumps(raw)))
-                    continue
-                got = _value(raw)
-                if got is None:
-                    continue
-                out.append(b'%b%b,"value":%b,"text":%b}' % (
-                    shared, dumps(key), dumps(got[0]), dumps(got[1])))
-        self._last_time = last_time
+        if self._encoder is None:
+            self._encoder = Encoder(ident.project, ident.name, ident.stream or "", ident.rank,
+                                    ident.world_size or 0)
+        metrics, ranks, latest = self._encoder.rows(events)
+        if latest > self._last_time:
+            self._last_time = latest
         return metrics, ranks
 
     # -- sending ---------------------------------------------------------------------------
@@ -340,15 +308,19 @@ class ClickHouseBackend:
         self._ident()
         if not events:
             return
-        metrics, ranks = self.rows(events)
-        key = idempotency_key(events, b"\n".join(metrics + ranks))
+        metrics, ranks = (b"".join(rows) for rows in self.rows(events))
+        key = idempotency_key(events, b"")  # the body is hashed only without event ids
+        if key.startswith("sha256:"):
+            key = idempotency_key(events, metrics + ranks)
         ok = True
         if not self._run_row:
             self._run_row = self._runs_row("running", keep=keep)
             ok = self._run_row or not keep
-        for table, lines in (("metrics", metrics), ("rank_metrics", ranks)):
-            if ok and lines:
-                ok = self._insert(table, lines, f"{key}/{table}", keep=keep)
+        for table, body, columns in (("metrics", metrics, METRICS_COLUMNS),
+                                     ("rank_metrics", ranks, RANK_COLUMNS)):
+            if ok and body:
+                ok = self._insert(table, body, f"{key}/{table}", keep=keep,
+                                  form=f"({columns}) FORMAT TabSeparated")
         if not ok:
             self.counters.add("failed", len(events))
 
@@ -365,12 +337,13 @@ class ClickHouseBackend:
             "end_time": 0.0 if running else (self._last_time or time.time()),
             "version": time.time_ns() // 1000,
         }
-        return self._insert("runs", [orjson.dumps(row)], None, keep=keep)
+        return self._insert("runs", _line(row), None, keep=keep)
 
-    def _insert(self, table: str, lines: list[bytes], token: str | None, *, keep: bool) -> bool:
-        """INSERT `lines` into `table`; True once the server acknowledged them."""
-        body = b"\n".join(lines) + b"\n"
-        sql = f"INSERT INTO `{self.database}`.{table} FORMAT JSONEachRow"
+    def _insert(self, table: str, body: bytes, token: str | None, *, keep: bool,
+                form: str = "FORMAT JSONEachRow") -> bool:
+        """INSERT `body` (lines) into `table` (`form`: the columns and format, JSONEachRow
+        by default); True once the server acknowledged them."""
+        sql = f"INSERT INTO `{self.database}`.{table} {form}"
 
         def attempt() -> None:
             self._prepare()
@@ -382,16 +355,32 @@ class ClickHouseBackend:
         return self._retry(f"clickhouse/{table}", attempt, keep=keep)
 
     def _prepare(self) -> None:
-        """Create the schema (once, if `create`) and learn the server's settings."""
+        """Create the schema (once, if `create`) and learn the server's settings.
+
+        Once per process and (url, database): exprd has a backend per spool file, and
+        eight files would otherwise make the same five tables eight times (`_forget`
+        makes them again if the server lost them)."""
         if self._ready:
             return
-        if self.create:
-            for statement in schema(self.database):
-                self._request({"query": statement}, b"")
-        found = self._request({"query": "SELECT count() FROM system.settings "
-                               "WHERE name = 'insert_deduplication_token'"}, b"")
-        self._token = found.strip() not in (b"", b"0")
+        known = _PREPARED.get(self._where())
+        if known is None or (self.create and not known[0]):
+            if self.create:
+                for statement in schema(self.database):
+                    self._request({"query": statement}, b"")
+            found = self._request({"query": "SELECT count() FROM system.settings "
+                                   "WHERE name = 'insert_deduplication_token'"}, b"")
+            known = (self.create, found.strip() not in (b"", b"0"))
+            _PREPARED[self._where()] = known
+        self._token = known[1]
         self._ready = True
+
+    def _where(self) -> tuple[str, str, str | None]:
+        return self.url, self.database, os.environ.get(self.user_env)
+
+    def _forget(self) -> None:
+        """The server does not know the database or a table: make the schema again."""
+        self._ready = False
+        _PREPARED.pop(self._where(), None)
 
     def _request(self, params: dict[str, str], body: bytes) -> bytes:
         """POST one statement; raises `_Failure` unless the server answers 200."""
@@ -414,6 +403,8 @@ class ClickHouseBackend:
         code = int(m.group(1)) if m else None
         detail = text.decode("utf-8", "replace").strip().splitlines()[0] if text else ""
         cause = f"status {resp.status_code}" + (f", code {code}" if code is not None else "")
+        if code in _MISSING:
+            self._forget()
         if code in _AUTH_ERRORS or resp.status_code in _AUTH_STATUS:
             raise _Failure(f"authentication refused ({cause})", detail, retry=False, auth=True)
         raise _Failure(cause, detail, retry=code not in _DATA_ERRORS,

@@ -139,9 +139,13 @@ class BatchJournal:
             return keep
 
     def _append(self, line: bytes) -> None:
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         # no symlink followed: exprd's state directory is its own, and so is what it writes
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+        try:
+            fd = os.open(self.path, flags, 0o600)
+        except FileNotFoundError:  # the first batch: make the directory (not once per batch)
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(self.path, flags, 0o600)
         try:
             os.write(fd, line)  # one small write on O_APPEND: whole or (disk full) torn, never mixed
         finally:

@@ -18,6 +18,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping
+from itertools import islice, repeat
+from operator import itemgetter
 from typing import Any
 
 from expr_tracker.backends.base import Backend, Counters, Identity, reportable
@@ -31,6 +33,7 @@ FINISH_SHARE, FINISH_MAX, LEAVE_AFTER = 0.2, 1.0, 0.25
 MAX_ALERTS = 1000  # alerts queue beside records (they are rare and matter more)
 _LOG, _ALERT = 0, 1
 _AGAIN = object()  # _take_journaled skipped records: look at the queue again
+_KIND, _ROW = itemgetter(0), itemgetter(1)  # of a queue item (kind, record)
 # what a queued record costs in memory, roughly (measured with tracemalloc on CPython 3.11,
 # float values: ~330 B for 3 keys with _step and _time, ~820 B for 12, ~2,900 B for 52):
 # the byte bound counts this estimate, not an encoding (nothing is encoded on log()'s path)
@@ -191,7 +194,7 @@ class BackendWorker:
                     lost = len(records) - max(room, 0)
                     records = records[: max(room, 0)]
                 wake = not self._items or self._waiting
-                self._items.extend((_LOG, row) for row in records)
+                self._items.extend(zip(repeat(_LOG), records))
                 self._queued_logs += len(records)
                 if self.max_bytes is not None:
                     self._queued_bytes += sum(record_bytes(r) for r in records)
@@ -390,6 +393,10 @@ class BackendWorker:
     def _pop(self, limit: int, stop: int | None = None, session: str | None = None
              ) -> list[dict[str, Any]]:
         """Pop the records at the head, up to `limit`, an alert, or seq `stop` of `session`."""
+        if session is not None and self.pulled:
+            taken = self._pop_run(limit, stop, session)
+            if taken is not None:
+                return taken
         taken = [self._items.popleft()[1]]
         while self._items and len(taken) < limit and self._items[0][0] == _LOG:
             if session is not None:
@@ -397,6 +404,32 @@ class BackendWorker:
                 if pos is None or pos[0] != session or (stop is not None and pos[1] >= stop):
                     break
             taken.append(self._items.popleft()[1])
+        self._dequeued(taken)
+        self._inflight = len(taken)
+        return taken
+
+    def _pop_run(self, limit: int, stop: int | None, session: str) -> list[dict[str, Any]] | None:
+        """`_pop` for exprd's spool reader, whose records of one file come in seq order, all
+        of one session: if the last record of the head's run (up to `limit`, before any
+        alert) is of `session` and before `stop`, so is every one before it; None (the
+        caller looks record by record) if not."""
+        items = self._items
+        head = list(islice(items, limit))
+        if self._queued_alerts:
+            kinds = list(map(_KIND, head))
+            if _ALERT in kinds:
+                head = head[: kinds.index(_ALERT)]
+        if not head:
+            return None
+        end = position(head[-1][1])
+        if end is None or end[0] != session or (stop is not None and end[1] >= stop):
+            return None
+        taken = list(map(_ROW, head))
+        if len(taken) == len(items):
+            items.clear()
+        else:
+            for _ in taken:
+                items.popleft()
         self._dequeued(taken)
         self._inflight = len(taken)
         return taken

@@ -192,7 +192,7 @@ def plain_rows(parts: list[bytes], recs: list[Any], first_seq: int, end: bytes) 
     left of `screen` is an int `_step` in range and a float `_time`, here for all of them
     at once, without a Python loop; and each line must end in "}".
     """
-    if not _numbered(parts, recs, first_seq):
+    if not numbered(parts, recs, first_seq):
         return None
     return end.join(map(_BUT_LAST, parts)) + end
 
@@ -203,40 +203,47 @@ def plain_ranks(parts: list[bytes], recs: list[Any], first_seq: int, end: bytes,
     rank record that passed `check_record`): what is left of `screen` is `_kind`, the rank
     fields and numbers as metrics, for all of them at once. A run whose world size
     changes (or that none of its records' own bounds fit) goes record by record."""
-    if not _numbered(parts, recs, first_seq):
-        return None
-    try:
-        if set(map(itemgetter("_kind"), recs)) != {"rank"}:
-            return None
-        worlds = set(map(itemgetter("_world_size"), recs)) if "_world_size" in shape else {None}
-        if len(worlds) != 1:
-            return None
-        (world,) = worlds
-        if world is None:
-            world = MAX_WORLD
-        elif world.__class__ is not int or not 1 <= world <= MAX_WORLD:
-            return None
-        ranks = list(map(itemgetter("_rank"), recs))
-        if set(map(type, ranks)) != {int} or min(ranks) < 0 or max(ranks) >= world:
-            return None
-        if "_local_rank" in shape:
-            local = set(map(itemgetter("_local_rank"), recs))
-            local.discard(None)
-            if not all(v.__class__ is int and v >= 0 for v in local):  # a few distinct values
-                return None
-        if "_weight" in shape:
-            weights = list(map(itemgetter("_weight"), recs))
-            if set(map(type, weights)) != {float} or min(weights) < 0.0:  # no inf or nan
-                return None
-        for key in shape:
-            if key[0] != "_" and not set(map(type, map(itemgetter(key), recs))) <= _NUMBERS:
-                return None
-    except (KeyError, TypeError):
+    if not numbered(parts, recs, first_seq) or not rank_run(recs, shape):
         return None
     return end.join(map(_BUT_LAST, parts)) + end
 
 
-def _numbered(parts: list[bytes], recs: list[Any], first_seq: int) -> bool:
+def rank_run(recs: list[Any], shape: frozenset[str]) -> bool:
+    """What is left of `screen` for records of a clean block with the key set `shape` (that
+    of a rank record that passed `check_record`): `_kind`, the rank fields and numbers as
+    metrics, for all of them at once (see `plain_ranks`)."""
+    try:
+        if set(map(itemgetter("_kind"), recs)) != {"rank"}:
+            return False
+        worlds = set(map(itemgetter("_world_size"), recs)) if "_world_size" in shape else {None}
+        if len(worlds) != 1:
+            return False
+        (world,) = worlds
+        if world is None:
+            world = MAX_WORLD
+        elif world.__class__ is not int or not 1 <= world <= MAX_WORLD:
+            return False
+        ranks = list(map(itemgetter("_rank"), recs))
+        if set(map(type, ranks)) != {int} or min(ranks) < 0 or max(ranks) >= world:
+            return False
+        if "_local_rank" in shape:
+            local = set(map(itemgetter("_local_rank"), recs))
+            local.discard(None)
+            if not all(v.__class__ is int and v >= 0 for v in local):  # a few distinct values
+                return False
+        if "_weight" in shape:
+            weights = list(map(itemgetter("_weight"), recs))
+            if set(map(type, weights)) != {float} or min(weights) < 0.0:  # no inf or nan
+                return False
+        for key in shape:
+            if key[0] != "_" and not set(map(type, map(itemgetter(key), recs))) <= _NUMBERS:
+                return False
+    except (KeyError, TypeError):
+        return False
+    return True
+
+
+def numbered(parts: list[bytes], recs: list[Any], first_seq: int) -> bool:
     """Each record numbered `first_seq`, `first_seq + 1`... (ints), an int `_step` in range,
     a float `_time`; each line ending in "}"."""
     if not recs:
