@@ -240,25 +240,30 @@ def _meta_expr(name: str, have: dict[str, str]) -> str:
     return f"TRY_CAST(j.{ident(name)} AS {t}) AS {ident(name)}"
 
 
-def _shard_table(con: Any, shards: list[RunShard], shard_files: list[str]) -> None:
-    """The variables the views read: SHARD_VAR (the file list), `expr_shard_ranks` and
-    `expr_shard_streams` (each file's, for a lookup by `file_index`), and the table
-    SHARD_TABLE (file -> rank, stream) that a DuckDB without `file_index` joins each
-    row to by its path (two symlinks to one file: read twice, with the first's rank).
+def _shard_table(con: Any, shards: list[RunShard], shard_files: list[str], *, table: bool,
+                 lists: bool) -> None:
+    """What the views read besides the files (SHARD_VAR, their list, is set before):
+    with `lists`, `expr_shard_ranks` and `expr_shard_streams` (each file's, for a lookup
+    by `file_index`); with `table`, the table SHARD_TABLE (file -> rank, stream) that a
+    DuckDB without `file_index` joins each row to by its path (two symlinks to one file:
+    read twice, with the first's rank). Each only when used: at 16,384 shards the three
+    cost 0.1 s.
 
     A variable instead of a list literal in each view saves DuckDB binding thousands of
     constants at every query.
     """
-    first: dict[str, RunShard] = {}
-    for shard, path in zip(shards, shard_files, strict=True):
-        first.setdefault(path, shard)
-    con.execute(f"CREATE TABLE {SHARD_TABLE} (_file VARCHAR, _rank BIGINT, _stream VARCHAR)")
-    con.execute(f"INSERT INTO {SHARD_TABLE} SELECT unnest(?), unnest(?), unnest(?)",
-                [list(first), [s.rank for s in first.values()],
-                 [s.stream for s in first.values()]])
-    con.execute(f"SET VARIABLE {SHARD_VAR} = ?", [shard_files])
-    con.execute("SET VARIABLE expr_shard_ranks = ?::BIGINT[]", [[s.rank for s in shards]])
-    con.execute("SET VARIABLE expr_shard_streams = ?::VARCHAR[]", [[s.stream for s in shards]])
+    if table:
+        first: dict[str, RunShard] = {}
+        for shard, path in zip(shards, shard_files, strict=True):
+            first.setdefault(path, shard)
+        con.execute(f"CREATE TABLE {SHARD_TABLE} (_file VARCHAR, _rank BIGINT, _stream VARCHAR)")
+        con.execute(f"INSERT INTO {SHARD_TABLE} SELECT unnest(?), unnest(?), unnest(?)",
+                    [list(first), [s.rank for s in first.values()],
+                     [s.stream for s in first.values()]])
+    if lists:
+        con.execute("SET VARIABLE expr_shard_ranks = ?::BIGINT[]", [[s.rank for s in shards]])
+        con.execute("SET VARIABLE expr_shard_streams = ?::VARCHAR[]",
+                    [[s.stream for s in shards]])
 
 
 def _shard_views(con: Any, shards: list[RunShard], shard_files: list[str] | None = None
@@ -271,7 +276,7 @@ def _shard_views(con: Any, shards: list[RunShard], shard_files: list[str] | None
                 f"CREATE VIEW ranks AS SELECT {empty}, NULL::VARCHAR AS _stream LIMIT 0"]
     if shard_files is None:
         shard_files = [str(s.path) for s in shards]
-    _shard_table(con, shards, shard_files)
+    con.execute(f"SET VARIABLE {SHARD_VAR} = ?", [shard_files])
     options = f"filename='_file', ignore_errors=true, maximum_object_size={MAX_OBJECT}"
     detect = detect_sample(shard_files, [s.stream for s in shards])
     source = (f"read_json({_file_list(detect)}, format='newline_delimited', "
@@ -292,6 +297,8 @@ def _shard_views(con: Any, shards: list[RunShard], shard_files: list[str] | None
     rank_kind = "j._kind = 'rank'" if "_kind" in have else "false"
     step_ok = "j._step IS NOT NULL" if "_step" in have else "false"
     file_rank, file_stream = duckcopy.file_exprs(shards, "expr_shard")
+    _shard_table(con, shards, shard_files, table=not by_index,
+                 lists=by_index and "getvariable(" in file_rank)
     if not by_index:
         source += f" AS j JOIN {SHARD_TABLE} AS f ON j._file = f._file"
         file_rank, file_stream = "f._rank", "f._stream"
