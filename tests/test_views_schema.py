@@ -115,6 +115,11 @@ def test_each_rows_rank_and_stream_the_same_whichever_way_its_file_is_found(tmp_
     assert {row[0] for row in by_index["metrics"] if row[1] == "eval"} == set(range(RANKS))
 
 
+# numbers whose text must give the same double however the column is read (JSON or text)
+F_VALUES = ["NaN", "Infinity", "-Infinity", 1.5, 0, 0.1, 1e300, 2**70, -0.0, 5e-324,
+            123456789.123456789, 2**53 + 1, -7, 1e-7]
+
+
 def _odd_run(run):
     """Shards whose values cover what a column can hold: ints, floats, int64's edges and
     beyond, the NaN/Infinity strings, bools, text, nested objects and lists, nulls, keys
@@ -129,7 +134,7 @@ def _odd_run(run):
         for s in range(20):
             row: dict[str, object] = {"_step": s, "_time": T0 + s, "loss": 1.0 / (s + 1) + r}
             row["big"] = [2**63 - 1, -(2**63), 2**64, 7][s % 4] if r % 5 == 0 else s
-            row["f"] = ["NaN", "Infinity", "-Infinity", 1.5, 0][s % 5] if r % 3 == 0 else s / 2
+            row["f"] = F_VALUES[s % len(F_VALUES)] if r % 3 == 0 else s / 2
             row["flag"] = s % 3 == 0
             row["text"] = f"r{r}s{s}" if s % 7 else None
             row["nested"] = {"a": s, "b": [r, s]} if r % 2 else {"a": s}
@@ -157,7 +162,10 @@ def test_the_transform_scan_gives_read_jsons_answers(tmp_path, monkeypatch, make
         view = con.execute("SELECT sql FROM duckdb_views() WHERE view_name = 'metrics'").fetchone()
     import duckdb
 
-    assert ("read_ndjson_objects" in view[0]) == (int(duckdb.__version__.split(".")[0]) >= 2)
+    on_2 = int(duckdb.__version__.split(".")[0]) >= 2
+    assert ("read_ndjson_objects" in view[0]) == on_2
+    if on_2 and make is _odd_run:  # a JSON key cast to DOUBLE anyway is read as its text
+        assert '"f": "VARCHAR"' in view[0] and "TRY_CAST(j.f AS DOUBLE)" in view[0]
     transformed = _answers(run)
     monkeypatch.setattr(sql, "TRANSFORM_SCAN", False)
     given = _answers(run)

@@ -221,7 +221,7 @@ def sample_keys(paths: list[Path]) -> dict[str, dict[str, Any]]:
 def _column_expr(name: str, dtype: str, sample: dict[str, Any] | None) -> str:
     col = ident(name)
     src = "j." + col
-    numeric = sample is not None and sample["seen"] and sample["numeric"]
+    numeric = _numeric(sample)
     if numeric and dtype == "JSON":
         return f"TRY_CAST({src} ->> '$' AS DOUBLE) AS {col}"
     if numeric and dtype not in _NUMERIC_TYPES:
@@ -286,12 +286,13 @@ def _shard_views(con: Any, shards: list[RunShard], shard_files: list[str] | None
     # each row's shard: its position in the file list (DuckDB >= 1.3), else a join by path
     by_index = "file_index" not in have and _has_file_index(con, shard_files[0])
     files = f"getvariable({literal(SHARD_VAR)})"
+    sample = sample_keys([Path(p) for p in _spread(shard_files)])
     if len(detect) < len(shard_files):
         given = {c: t for c, t in have.items() if c != "_file"}
-        source = _given_source(con, files, given, options, by_index)
+        source, read_as = _given_source(con, files, given, options, by_index, sample)
+        have.update(read_as)
     else:
         source = f"read_json({files}, format='newline_delimited', union_by_name=true, {options})"
-    sample = sample_keys([Path(p) for p in _spread(shard_files)])
     keys = [k for k in have if k[:1] != "_"]
     kind_is = "j._kind IS NULL" if "_kind" in have else "true"
     rank_kind = "j._kind = 'rank'" if "_kind" in have else "false"
@@ -323,9 +324,10 @@ def _shard_views(con: Any, shards: list[RunShard], shard_files: list[str] | None
     ]
 
 
-def _given_source(con: Any, files: str, given: dict[str, str], options: str, by_index: bool
-                  ) -> str:
-    """The scan of every shard with the columns `given` (name -> DuckDB type).
+def _given_source(con: Any, files: str, given: dict[str, str], options: str, by_index: bool,
+                  sample: dict[str, dict[str, Any]]) -> tuple[str, dict[str, str]]:
+    """The scan of every shard with the columns `given` (name -> DuckDB type), and the
+    keys it reads as another type than given (name -> type).
 
     DuckDB 2.0 binds `read_json` again for each file of a list, parsing the type of every
     column of `columns` with its SQL parser each time: ~0.15 ms a file for a handful of
@@ -333,23 +335,32 @@ def _given_source(con: Any, files: str, given: dict[str, str], options: str, by_
     0.15-0.25 s (and DuckDB 1.4 about 0.45 s). Its `read_ndjson_objects` binds once
     per file without types, so on 2.0 each line is read as JSON text and `json_transform`
     types it with the same rules (`tests/test_views_schema.py` compares both on every
-    kind of value): about a third less CPU. On 1.x, or if this DuckDB refuses the
-    structure, `read_json` with `columns`.
+    kind of value): about a third less CPU. A JSON key that the view casts to DOUBLE
+    anyway (numbers and the NaN/Infinity strings) is read as text, the same text
+    `->> '$'` gives, without writing each value back as JSON. On 1.x, or if this
+    DuckDB refuses the structure, `read_json` with `columns`.
     """
     spec = ", ".join(f"{literal(c)}: {literal(t)}" for c, t in given.items())
     plain = f"read_json({files}, format='newline_delimited', columns={{{spec}}}, {options})"
     if not TRANSFORM_SCAN or _duckdb_major() < 2:
-        return plain
+        return plain, {}
     duckdb = need_duckdb()
-    structure = literal(json.dumps(given))
+    read_as = {k: "VARCHAR" for k, t in given.items()
+               if t == "JSON" and k[:1] != "_" and _numeric(sample.get(k))}
+    structure = literal(json.dumps({**given, **read_as}))
     index = "file_index, " if by_index else ""
     source = (f"(SELECT {index}_file, unnest(json_transform(json, {structure})) "
               f"FROM read_ndjson_objects({files}, {options}))")
     try:
         con.execute(f"SELECT * FROM {source} LIMIT 0")
     except duckdb.Error:
-        return plain
-    return source
+        return plain, {}
+    return source, read_as
+
+
+def _numeric(sample: dict[str, Any] | None) -> bool:
+    """Whether the key sample saw only numbers (NaN/Infinity strings decoded) for a key."""
+    return sample is not None and bool(sample["seen"]) and bool(sample["numeric"])
 
 
 def _duckdb_major() -> int:
