@@ -18,7 +18,8 @@ DuckDB infers the columns and their types (`union_by_name`), over every file in 
 most EXACT_SHARDS shards. Detection costs DuckDB a fixed ~0.2 ms per file, several times the
 scan itself at thousands of ranks, so in a bigger run it detects over a sample of the shards
 (each stream's first shard plus up to SAMPLE_SHARDS spread over the ranks, the files the
-key sample below reads) and the views read every shard with that schema given (`columns`): a
+key sample below reads) and the views read every shard with that schema given (`columns`;
+on DuckDB 2.0 each line as JSON text typed by `json_transform`, see `_given_source`): a
 key or a type that appears only in shards outside the sample is not seen (a value of
 another type is cast to the column's, or NULL). A key that mixes numbers
 with the "NaN"/"Infinity"/"-Infinity" strings of the format comes out as JSON or text;
