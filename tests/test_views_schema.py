@@ -3,6 +3,7 @@ detected over a sample give the answers of detection over every shard (issue 24)
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -112,3 +113,70 @@ def test_each_rows_rank_and_stream_the_same_whichever_way_its_file_is_found(tmp_
     assert _answers(run) == by_index
     assert {row[0] for row in by_index["metrics"] if row[1] is None} == set(range(RANKS)) - {5}
     assert {row[0] for row in by_index["metrics"] if row[1] == "eval"} == set(range(RANKS))
+
+
+# numbers whose text must give the same double however the column is read (JSON or text)
+F_VALUES = ["NaN", "Infinity", "-Infinity", 1.5, 0, 0.1, 1e300, 2**70, -0.0, 5e-324,
+            123456789.123456789, 2**53 + 1, -7, 1e-7]
+
+
+def _odd_run(run):
+    """Shards whose values cover what a column can hold: ints, floats, int64's edges and
+    beyond, the NaN/Infinity strings, bools, text, nested objects and lists, nulls, keys
+    of one type on some ranks and another on others; and lines that are not rows: torn,
+    blank, a bare array, a number, a duplicate key, CRLF endings, a leading space (in
+    shards outside the detection sample: a bare value there makes DuckDB's detection
+    read the whole file as values)."""
+    odd = [b'{"_step":0', b"", b"[1, 2]", b"5", b'{"_step":7,"big":1,"big":2}',
+           b' {"_step":8,"loss":0.5}', b'{"_step":9,"loss":"oops"}\r', b"{}", b"not json"]
+    for r in range(RANKS):
+        lines = []
+        for s in range(20):
+            row: dict[str, object] = {"_step": s, "_time": T0 + s, "loss": 1.0 / (s + 1) + r}
+            row["big"] = [2**63 - 1, -(2**63), 2**64, 7][s % 4] if r % 5 == 0 else s
+            row["f"] = F_VALUES[s % len(F_VALUES)] if r % 3 == 0 else s / 2
+            row["flag"] = s % 3 == 0
+            row["text"] = f"r{r}s{s}" if s % 7 else None
+            row["nested"] = {"a": s, "b": [r, s]} if r % 2 else {"a": s}
+            row["mixed"] = [1, "one", 1.5, True, None, {"k": 1}, [1]][(r + s) % 7]
+            if r == 4:
+                row["only_here"] = "x"
+            lines.append(json.dumps(row).encode())
+            if r % 10 == 3:
+                lines.append(odd[s % len(odd)])
+        (run / shard_name(r)).parent.mkdir(parents=True, exist_ok=True)
+        (run / shard_name(r)).write_bytes(b"\n".join(lines) + (b"" if r == 2 else b"\n"))
+    return run
+
+
+@pytest.mark.parametrize("make", [_run, _odd_run], ids=["run", "odd"])
+def test_the_transform_scan_gives_read_jsons_answers(tmp_path, monkeypatch, make):
+    """On DuckDB 2.0 a big run's shards are read as JSON text and typed by json_transform
+    (read_json binds itself for every file there); every rank and step, every value,
+    the same as read_json with the columns given, and as detection over every shard."""
+    run = make(tmp_path / "run")
+    exact = _answers(run) if make is _run else None
+    monkeypatch.setattr(sql, "EXACT_SHARDS", 0)
+    monkeypatch.setattr(sql, "SAMPLE_SHARDS", 4)
+    with sql.connect(run) as con:
+        view = con.execute("SELECT sql FROM duckdb_views() WHERE view_name = 'metrics'").fetchone()
+    import duckdb
+
+    on_2 = int(duckdb.__version__.split(".")[0]) >= 2
+    assert ("read_ndjson_objects" in view[0]) == on_2
+    if on_2 and make is _odd_run:  # a JSON key cast to DOUBLE anyway is read as its text
+        assert '"f": "VARCHAR"' in view[0] and "TRY_CAST(j.f AS DOUBLE)" in view[0]
+    transformed = _answers(run)
+    monkeypatch.setattr(sql, "TRANSFORM_SCAN", False)
+    given = _answers(run)
+    assert transformed == given
+    assert exact is None or transformed == exact
+    metrics = transformed["metrics"]
+    steps = {(row[0], row[2]) for row in metrics}
+    assert steps >= {(r, s) for r in range(RANKS) for s in range(20)}
+    types = dict(c[:2] for c in transformed["metrics", "describe"])
+    if make is _odd_run:
+        assert types["big"] == "DOUBLE" and types["f"] == "DOUBLE" and types["flag"] == "BOOLEAN"
+        assert types["text"] == "VARCHAR" and types["mixed"] == "JSON"
+        assert types["nested"].startswith("STRUCT") and "only_here" not in types
+        assert len(metrics) > RANKS * 20  # the odd lines that parse as rows are there too

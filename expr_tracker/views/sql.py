@@ -18,7 +18,8 @@ DuckDB infers the columns and their types (`union_by_name`), over every file in 
 most EXACT_SHARDS shards. Detection costs DuckDB a fixed ~0.2 ms per file, several times the
 scan itself at thousands of ranks, so in a bigger run it detects over a sample of the shards
 (each stream's first shard plus up to SAMPLE_SHARDS spread over the ranks, the files the
-key sample below reads) and the views read every shard with that schema given (`columns`): a
+key sample below reads) and the views read every shard with that schema given (`columns`;
+on DuckDB 2.0 each line as JSON text typed by `json_transform`, see `_given_source`): a
 key or a type that appears only in shards outside the sample is not seen (a value of
 another type is cast to the column's, or NULL). A key that mixes numbers
 with the "NaN"/"Infinity"/"-Infinity" strings of the format comes out as JSON or text;
@@ -41,6 +42,7 @@ before anything runs.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -57,6 +59,7 @@ from expr_tracker.views import duckcopy
 
 SAMPLE_SHARDS = 64
 EXACT_SHARDS = 256  # up to this many shards DuckDB detects the columns over every one
+TRANSFORM_SCAN = True  # on DuckDB 2.0, a big run's shards as JSON text typed once (_given_source)
 SAMPLE_BYTES = 256 * 1024
 MAX_OBJECT = 16 * 1024 * 1024  # the longest line DuckDB will read (its default is 16 MiB)
 _ALERTS_RE = re.compile(r"alerts(?:\.rank\d+)?\.jsonl\Z")
@@ -219,7 +222,7 @@ def sample_keys(paths: list[Path]) -> dict[str, dict[str, Any]]:
 def _column_expr(name: str, dtype: str, sample: dict[str, Any] | None) -> str:
     col = ident(name)
     src = "j." + col
-    numeric = sample is not None and sample["seen"] and sample["numeric"]
+    numeric = _numeric(sample)
     if numeric and dtype == "JSON":
         return f"TRY_CAST({src} ->> '$' AS DOUBLE) AS {col}"
     if numeric and dtype not in _NUMERIC_TYPES:
@@ -238,25 +241,30 @@ def _meta_expr(name: str, have: dict[str, str]) -> str:
     return f"TRY_CAST(j.{ident(name)} AS {t}) AS {ident(name)}"
 
 
-def _shard_table(con: Any, shards: list[RunShard], shard_files: list[str]) -> None:
-    """The variables the views read: SHARD_VAR (the file list), `expr_shard_ranks` and
-    `expr_shard_streams` (each file's, for a lookup by `file_index`), and the table
-    SHARD_TABLE (file -> rank, stream) that a DuckDB without `file_index` joins each
-    row to by its path (two symlinks to one file: read twice, with the first's rank).
+def _shard_table(con: Any, shards: list[RunShard], shard_files: list[str], *, table: bool,
+                 lists: bool) -> None:
+    """What the views read besides the files (SHARD_VAR, their list, is set before):
+    with `lists`, `expr_shard_ranks` and `expr_shard_streams` (each file's, for a lookup
+    by `file_index`); with `table`, the table SHARD_TABLE (file -> rank, stream) that a
+    DuckDB without `file_index` joins each row to by its path (two symlinks to one file:
+    read twice, with the first's rank). Each only when used: at 16,384 shards the three
+    cost 0.1 s.
 
     A variable instead of a list literal in each view saves DuckDB binding thousands of
     constants at every query.
     """
-    first: dict[str, RunShard] = {}
-    for shard, path in zip(shards, shard_files, strict=True):
-        first.setdefault(path, shard)
-    con.execute(f"CREATE TABLE {SHARD_TABLE} (_file VARCHAR, _rank BIGINT, _stream VARCHAR)")
-    con.execute(f"INSERT INTO {SHARD_TABLE} SELECT unnest(?), unnest(?), unnest(?)",
-                [list(first), [s.rank for s in first.values()],
-                 [s.stream for s in first.values()]])
-    con.execute(f"SET VARIABLE {SHARD_VAR} = ?", [shard_files])
-    con.execute("SET VARIABLE expr_shard_ranks = ?::BIGINT[]", [[s.rank for s in shards]])
-    con.execute("SET VARIABLE expr_shard_streams = ?::VARCHAR[]", [[s.stream for s in shards]])
+    if table:
+        first: dict[str, RunShard] = {}
+        for shard, path in zip(shards, shard_files, strict=True):
+            first.setdefault(path, shard)
+        con.execute(f"CREATE TABLE {SHARD_TABLE} (_file VARCHAR, _rank BIGINT, _stream VARCHAR)")
+        con.execute(f"INSERT INTO {SHARD_TABLE} SELECT unnest(?), unnest(?), unnest(?)",
+                    [list(first), [s.rank for s in first.values()],
+                     [s.stream for s in first.values()]])
+    if lists:
+        con.execute("SET VARIABLE expr_shard_ranks = ?::BIGINT[]", [[s.rank for s in shards]])
+        con.execute("SET VARIABLE expr_shard_streams = ?::VARCHAR[]",
+                    [[s.stream for s in shards]])
 
 
 def _shard_views(con: Any, shards: list[RunShard], shard_files: list[str] | None = None
@@ -269,28 +277,30 @@ def _shard_views(con: Any, shards: list[RunShard], shard_files: list[str] | None
                 f"CREATE VIEW ranks AS SELECT {empty}, NULL::VARCHAR AS _stream LIMIT 0"]
     if shard_files is None:
         shard_files = [str(s.path) for s in shards]
-    _shard_table(con, shards, shard_files)
+    con.execute(f"SET VARIABLE {SHARD_VAR} = ?", [shard_files])
     options = f"filename='_file', ignore_errors=true, maximum_object_size={MAX_OBJECT}"
     detect = detect_sample(shard_files, [s.stream for s in shards])
     source = (f"read_json({_file_list(detect)}, format='newline_delimited', "
               f"union_by_name=true, {options})")
     described = con.execute(f"DESCRIBE SELECT * FROM {source}").fetchall()
     have = {row[0]: row[1] for row in described}
+    # each row's shard: its position in the file list (DuckDB >= 1.3), else a join by path
+    by_index = "file_index" not in have and _has_file_index(con, shard_files[0])
+    files = f"getvariable({literal(SHARD_VAR)})"
+    sample = sample_keys([Path(p) for p in _spread(shard_files)])
     if len(detect) < len(shard_files):
-        spec = ", ".join(f"{literal(c)}: {literal(t)}" for c, t in have.items() if c != "_file")
-        source = (f"read_json(getvariable({literal(SHARD_VAR)}), format='newline_delimited', "
-                  f"columns={{{spec}}}, {options})")
+        given = {c: t for c, t in have.items() if c != "_file"}
+        source, read_as = _given_source(con, files, given, options, by_index, sample)
+        have.update(read_as)
     else:
-        source = (f"read_json(getvariable({literal(SHARD_VAR)}), format='newline_delimited', "
-                  f"union_by_name=true, {options})")
-    sample = sample_keys([Path(p) for p in shard_files])
+        source = f"read_json({files}, format='newline_delimited', union_by_name=true, {options})"
     keys = [k for k in have if k[:1] != "_"]
     kind_is = "j._kind IS NULL" if "_kind" in have else "true"
     rank_kind = "j._kind = 'rank'" if "_kind" in have else "false"
     step_ok = "j._step IS NOT NULL" if "_step" in have else "false"
-    # each row's shard: its position in the file list (DuckDB >= 1.3), else a join by path
     file_rank, file_stream = duckcopy.file_exprs(shards, "expr_shard")
-    by_index = "file_index" not in have and _has_file_index(con, shard_files[0])
+    _shard_table(con, shards, shard_files, table=not by_index,
+                 lists=by_index and "getvariable(" in file_rank)
     if not by_index:
         source += f" AS j JOIN {SHARD_TABLE} AS f ON j._file = f._file"
         file_rank, file_stream = "f._rank", "f._stream"
@@ -313,6 +323,53 @@ def _shard_views(con: Any, shards: list[RunShard], shard_files: list[str] | None
         f"CREATE VIEW metrics AS {select(kind_is, _ROW_META, 'rank')}",
         f"CREATE VIEW ranks AS {select(rank_kind, _ROW_META + _RANK_META, 'step')}",
     ]
+
+
+def _given_source(con: Any, files: str, given: dict[str, str], options: str, by_index: bool,
+                  sample: dict[str, dict[str, Any]]) -> tuple[str, dict[str, str]]:
+    """The scan of every shard with the columns `given` (name -> DuckDB type), and the
+    keys it reads as another type than given (name -> type).
+
+    DuckDB 2.0 binds `read_json` again for each file of a list, parsing the type of every
+    column of `columns` with its SQL parser each time: ~0.15 ms a file for a handful of
+    columns, 0.6-0.9 s of CPU over 4,096 shards where the same bytes in one file take
+    0.15-0.25 s (and DuckDB 1.4 about 0.45 s). Its `read_ndjson_objects` binds once
+    per file without types, so on 2.0 each line is read as JSON text and `json_transform`
+    types it with the same rules (`tests/test_views_schema.py` compares both on every
+    kind of value): about a third less CPU. A JSON key that the view casts to DOUBLE
+    anyway (numbers and the NaN/Infinity strings) is read as text, the same text
+    `->> '$'` gives, without writing each value back as JSON. On 1.x, or if this
+    DuckDB refuses the structure, `read_json` with `columns`.
+    """
+    spec = ", ".join(f"{literal(c)}: {literal(t)}" for c, t in given.items())
+    plain = f"read_json({files}, format='newline_delimited', columns={{{spec}}}, {options})"
+    if not TRANSFORM_SCAN or _duckdb_major() < 2:
+        return plain, {}
+    duckdb = need_duckdb()
+    read_as = {k: "VARCHAR" for k, t in given.items()
+               if t == "JSON" and k[:1] != "_" and _numeric(sample.get(k))}
+    structure = literal(json.dumps({**given, **read_as}))
+    index = "file_index, " if by_index else ""
+    source = (f"(SELECT {index}_file, unnest(json_transform(json, {structure})) "
+              f"FROM read_ndjson_objects({files}, {options}))")
+    try:
+        con.execute(f"SELECT * FROM {source} LIMIT 0")
+    except duckdb.Error:
+        return plain, {}
+    return source, read_as
+
+
+def _numeric(sample: dict[str, Any] | None) -> bool:
+    """Whether the key sample saw only numbers (NaN/Infinity strings decoded) for a key."""
+    return sample is not None and bool(sample["seen"]) and bool(sample["numeric"])
+
+
+def _duckdb_major() -> int:
+    version = getattr(need_duckdb(), "__version__", "0")
+    try:
+        return int(version.split(".")[0])
+    except ValueError:
+        return 0
 
 
 def _has_file_index(con: Any, path: str) -> bool:
