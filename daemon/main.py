@@ -196,7 +196,9 @@ class Daemon:
         for proj in self._entries(str(self.spool), 0):
             for run in self._entries(proj.path, 1):
                 for f in self._entries(run.path, 2):
-                    seen.append(self.tailer.track(Path(f.path)))
+                    # a file tracked already is found by its name (a Path costs ~10 us)
+                    known = self.tailer.tails.get(f.path)
+                    seen.append(known if known is not None else self.tailer.track(Path(f.path)))
         return seen
 
     # -- one pass ------------------------------------------------------------------------
@@ -214,8 +216,9 @@ class Daemon:
 
     def check_crashes(self) -> None:
         now = time.time()
+        alive: dict[tuple[int, int | None], bool] = {}  # a writer of many files, looked at once
         for tail in list(self.tailer.tails.values()):
-            retire.check_crash(self.tailer, tail, now)
+            retire.check_crash(self.tailer, tail, now, alive)
 
     def run_once(self, progress: Progress | None = None) -> dict[str, Any]:
         """Apply everything complete in the spool once (replay and --once); returns status."""

@@ -31,7 +31,7 @@ from .applier import RunPipeline, ShardPool, forget_file
 from .config import Config
 from .durable import Durable
 from .filetail import FileTail
-from .spec import InitError, check_init
+from .spec import InitError, Roots, check_init
 from .state import Checkpoints, Quarantine, StateDir
 
 log = logging.getLogger("exprd")
@@ -103,6 +103,7 @@ class Tailer:
         self._logged: dict[str, float] = {}
         self.checkpoints = Checkpoints(sdir, self.warn, durable)
         self.quarantine = Quarantine(sdir, self.warn)
+        self.roots = Roots()  # the run roots of init events, resolved once a few seconds
 
     def warn(self, cause: str, message: str) -> None:
         """Count every failure; log a cause once (and again, with its count, hourly)."""
@@ -241,6 +242,7 @@ class Tailer:
 
     def recheck(self, cfg: Config) -> None:
         """A reload changed allowed_roots: refuse open runs that are no longer under one."""
+        self.roots.clear()
         for tail in list(self.tails.values()):
             if tail.run is None:
                 continue
@@ -250,7 +252,7 @@ class Tailer:
 
     def _open_run(self, tail: FileTail, ev: dict[str, Any]) -> bool:
         try:
-            spec = check_init(ev, tail.path, self.spool_root, self.cfg)
+            spec = check_init(ev, tail.path, self.spool_root, self.cfg, self.roots)
         except InitError as exc:
             self.refuse(tail, str(exc))
             return False
@@ -303,7 +305,8 @@ class Tailer:
                 return False
             if not self._ensure_run(tail) or (tail.run is not None and tail.run.blocked):
                 return False
-            reader = SpoolReader(tail.path)
+            reader = tail.reader or SpoolReader(tail.path)
+            tail.reader = reader
             paused = self._read(tail, reader, budget)
             # each backend reads the same file on its own, behind the shard, never holding it
             run = tail.run

@@ -100,7 +100,8 @@ class ShardWriter:
         self._pending_rows = 0
         self._io_lock = threading.Lock()
         self._fd: int | None = None
-        self._held_dir: tuple[int, int] | None = None  # (descriptor, thread) during `open`
+        self._held_dir: tuple[int, int] | None = None  # (descriptor, thread) in `walked`
+        self._below: tuple[str, ...] | None = None  # the run directory's parts below `anchor`
         # hooks of the spool writer (None for shards): `on_deleted()` when the file was
         # deleted (or `is_current(fd)` says moved) under us, before a new one is opened at
         # `self.paths` (it may change them); `transform(data, offset)` rewrites what is
@@ -116,30 +117,42 @@ class ShardWriter:
         Failures are reported and retried at the next flush; they never raise.
         """
         try:
-            if self.anchor is not None:
-                # exprd: the run directory walked to once for the files `open` touches
-                # (the sidecar, the shard, its torn file...), not once per file
-                self._held_dir = (self._run_dir_fd(create=True), threading.get_ident())
-            hint = self.read_hint()
-            if self.exclusive:
-                # the SDK's own shard (never exprd's, which has an anchor): the lock file
-                # sits in the run directory the user named
-                self.paths.run_dir.mkdir(parents=True, exist_ok=True)
-                self._take_lock(hint)
-            with self._locked_file():
-                self.cursor, self.repaired = repair_and_scan(self.paths, hint, self.open_file)
-                if self.shared and self.own_rank is not None:
-                    self.cursor.last_step = self._own_last_step()
-            if hint and isinstance(hint.get("start_time"), (int, float)) and self.cursor.rows:
-                self.start_time = float(hint["start_time"])
-            self._open_fd()
+            # exprd: the run directory walked to once for the files `open` touches (the
+            # sidecar, the shard, its torn file...), not once per file
+            with self.walked(create=True):
+                hint = self.read_hint()
+                if self.exclusive:
+                    # the SDK's own shard (never exprd's, which has an anchor): the lock file
+                    # sits in the run directory the user named
+                    self.paths.run_dir.mkdir(parents=True, exist_ok=True)
+                    self._take_lock(hint)
+                with self._locked_file():
+                    self.cursor, self.repaired = repair_and_scan(self.paths, hint, self.open_file)
+                    if self.shared and self.own_rank is not None:
+                        self.cursor.last_step = self._own_last_step()
+                if hint and isinstance(hint.get("start_time"), (int, float)) and self.cursor.rows:
+                    self.start_time = float(hint["start_time"])
+                self._open_fd()
         except OSError as exc:
             self._fail("open", exc)
-        finally:
-            held, self._held_dir = self._held_dir, None
-            if held is not None:
-                os.close(held[0])
         return self.cursor
+
+    @contextlib.contextmanager
+    def walked(self, *, create: bool = False) -> Iterator[None]:
+        """Within: the files of the run directory are opened (on this thread) from one
+        descriptor of it, walked to once: with an anchor (exprd) each walk is an open per
+        directory below it. FileNotFoundError if the directory is missing and not `create`;
+        without an anchor (the SDK) nothing is walked."""
+        if self.anchor is None or self._held_dir is not None:
+            yield
+            return
+        fd = self._run_dir_fd(create=create)
+        self._held_dir = (fd, threading.get_ident())
+        try:
+            yield
+        finally:
+            self._held_dir = None
+            os.close(fd)
 
     def forget_lock(self) -> None:
         """In a forked child: close this copy of the lock descriptor. The parent keeps the
@@ -186,8 +199,10 @@ class ShardWriter:
             if create:
                 run_dir.mkdir(parents=True, exist_ok=True)
             return os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        if self._below is None:
+            self._below = run_dir.relative_to(self.anchor).parts
         try:
-            return open_dir(self.anchor, run_dir.relative_to(self.anchor).parts, create=create)
+            return open_dir(self.anchor, self._below, create=create)
         except UnsafePath as exc:
             self.unsafe = str(exc)
             raise
@@ -205,14 +220,15 @@ class ShardWriter:
         finally:
             os.close(dfd)
 
-    def scan(self) -> Cursor:
-        """The shard's cursor, reading only (nothing is created or repaired)."""
+    def scan(self, hint: Mapping[str, Any] | None = None, *, hinted: bool = False) -> Cursor:
+        """The shard's cursor, reading only (nothing is created or repaired); `hinted`:
+        `hint` is the sidecar just read (else it is read here)."""
         try:
             fd = self.open_file(self.paths.shard.name, os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError):
             return Cursor()
         try:
-            return cursor_from(fd, os.fstat(fd).st_size, self.read_hint())
+            return cursor_from(fd, os.fstat(fd).st_size, hint if hinted else self.read_hint())
         finally:
             os.close(fd)
 
