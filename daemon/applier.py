@@ -416,12 +416,13 @@ class RunPipeline:
                 f"{self.spec.session} starts again at step {step}: one rank written through "
                 "two spool roots? check RANK and EXPR_SPOOL")
 
-    def prepare(self) -> Callable[[bytes], None]:
-        """Open the shard for the plain case (once this session has an event to add)."""
+    def prepare(self) -> ShardWriter:
+        """Open the shard for the plain case (once this session has an event to add): its
+        writer's `append` takes a line, `append_many` a block of them."""
         slot = self.slot
         slot.open()  # on failure the lines wait in the writer's buffer (slot.blocked)
         slot.running(self.spec.time)
-        return slot.writer.append
+        return slot.writer
 
     def appended(self, count: int, last_seq: int) -> None:
         """The plain case appended `count` records, the last of them `last_seq`."""

@@ -35,6 +35,7 @@ FLUSH_BYTES = 64 * 1024
 # with less room than the backlog keeps what fits (a normal flush is one piece)
 _PIECE = 256 * 1024
 MAX_BUFFER_BYTES = 64 * 1024 * 1024
+LOOK = -1  # `append_many`'s last step: not known, read from the lines (a step is >= 0)
 
 Warn = Callable[[str, str], None]
 
@@ -290,6 +291,19 @@ class ShardWriter:
         if len(self._buf) >= self.flush_bytes:
             self.flush_nowait()
 
+    def append_many(self, data: bytes, rows: int, last_step: int | None = LOOK) -> None:
+        """`append` of `rows` whole lines at once (a block of exprd's, up to a megabyte):
+        with nothing buffered before them they are written as they are, not copied into
+        the buffer and out again (three copies of each block). `last_step`: the `_step`
+        of their last step row, None if none is a step row (LOOK: read from the lines)."""
+        if self._buf or len(data) < self.flush_bytes or not self._io_lock.acquire(blocking=False):
+            self.append(data)
+            return
+        try:
+            self._flush_locked(data, rows, last_step)
+        finally:
+            self._io_lock.release()
+
     def flush_nowait(self) -> None:
         """Flush unless another thread is flushing (it will take our lines too)."""
         if self._io_lock.acquire(blocking=False):
@@ -318,15 +332,24 @@ class ShardWriter:
         finally:
             self._io_lock.release()
 
-    def _flush_locked(self) -> bool:
+    def _flush_locked(self, block: bytes = b"", block_rows: int = 0,
+                      block_step: int | None = LOOK) -> bool:
+        """Write what is pending, buffered, then `block` (`block_rows` whole lines, the last
+        step row's `_step` `block_step`, see `append_many`)."""
         buf = self._buf
         n = len(buf)
-        if not n and not self._pending:
+        if not n and not self._pending and not block:
             return True
-        chunk = bytes(buf[:n])
-        del buf[:n]
+        if n:
+            chunk = bytes(buf[:n])
+            del buf[:n]
+            rows = chunk.count(b"\n")
+            if block:
+                chunk, rows = chunk + block, rows + block_rows
+        else:
+            chunk, rows = block, block_rows
         data = self._pending + chunk if self._pending else chunk
-        nrows = self._pending_rows + chunk.count(b"\n")
+        nrows = self._pending_rows + rows
         done = 0  # bytes of `data` written, whole lines only
         failed: OSError | None = None
         try:
@@ -346,7 +369,8 @@ class ShardWriter:
             rows = nrows if written is data else written.count(b"\n")
             self.cursor.bytes = end
             self.cursor.rows += rows
-            step = last_row_step(written)
+            known = written is block and block_step != LOOK
+            step = block_step if known else last_row_step(written)
             if step is not None and (self.cursor.last_step is None or step > self.cursor.last_step):
                 self.cursor.last_step = step
             self.last_write = time.time()
