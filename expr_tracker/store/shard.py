@@ -138,22 +138,12 @@ class ShardWriter:
             self._fail("open", exc)
         return self.cursor
 
-    @contextlib.contextmanager
-    def walked(self, *, create: bool = False) -> Iterator[None]:
-        """Within: the files of the run directory are opened (on this thread) from one
-        descriptor of it, walked to once: with an anchor (exprd) each walk is an open per
-        directory below it. FileNotFoundError if the directory is missing and not `create`;
-        without an anchor (the SDK) nothing is walked."""
-        if self.anchor is None or self._held_dir is not None:
-            yield
-            return
-        fd = self._run_dir_fd(create=create)
-        self._held_dir = (fd, threading.get_ident())
-        try:
-            yield
-        finally:
-            self._held_dir = None
-            os.close(fd)
+    def walked(self, *, create: bool = False) -> _Walked:
+        """Within (`with writer.walked():`): the files of the run directory are opened (on
+        this thread) from one descriptor of it, walked to once: with an anchor (exprd) each
+        walk is an open per directory below it. FileNotFoundError if the directory is
+        missing and not `create`; without an anchor (the SDK) nothing is walked."""
+        return _Walked(self, create)
 
     def forget_lock(self) -> None:
         """In a forked child: close this copy of the lock descriptor. The parent keeps the
@@ -547,3 +537,26 @@ class ShardWriter:
             with contextlib.suppress(OSError):
                 os.close(self._lock_fd)  # releases the writer lock
             self._lock_fd = None
+
+
+class _Walked:
+    """`ShardWriter.walked` (a class: exprd enters one per new spool file, and a generator
+    context manager costs several times as much)."""
+
+    __slots__ = ("create", "fd", "writer")
+
+    def __init__(self, writer: ShardWriter, create: bool) -> None:
+        self.writer, self.create, self.fd = writer, create, -1
+
+    def __enter__(self) -> None:
+        writer = self.writer
+        if writer.anchor is None or writer._held_dir is not None:
+            return
+        self.fd = writer._run_dir_fd(create=self.create)
+        writer._held_dir = (self.fd, threading.get_ident())
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd >= 0:
+            self.writer._held_dir = None
+            os.close(self.fd)
+            self.fd = -1
