@@ -313,10 +313,11 @@ def main() -> None:
                 if spool is not None and root is not None:
                     floor, floor_cpu = floor_rate(tmp, spool, events)
                     rate, cpu = ingest(tmp, spool, root, events, 8 * n)
-                    if rate / floor > got.get("ratio", 0.0):
-                        got.update(rate=rate, floor=floor, ratio=rate / floor)
-                    if cpu / floor_cpu > got.get("cpu_ratio", 0.0):
-                        got.update(rate_cpu=cpu, floor_cpu=floor_cpu, cpu_ratio=cpu / floor_cpu)
+                    # the best round of each: the floor is the same work whatever the tree,
+                    # so each tree's best is set against the best floor of the whole run
+                    for key, value in (("rate", rate), ("floor", floor), ("rate_cpu", cpu),
+                                       ("floor_cpu", floor_cpu)):
+                        got[key] = max(got.get(key, 0.0), value)
                 if "latency" in only:
                     p50, p99, count = latency(sub)
                     got.setdefault("p99s", []).append(p99)
@@ -339,6 +340,12 @@ def main() -> None:
                                                         got["few_cpu"] / got["many_cpu"])
                     got.setdefault("many_xs", []).append(few / many)
                 shutil.rmtree(sub, ignore_errors=True)
+    for key, of in (("floor", "ratio"), ("floor_cpu", "cpu_ratio")):
+        top = max((got[key] for got in best.values() if key in got), default=0.0)
+        for got in best.values():
+            if key in got:
+                got[key] = top
+                got[of] = got["rate" if of == "ratio" else "rate_cpu"] / top
     head = " | ".join(f"{tree} (best of {rounds})" if before else "value" for tree in trees)
     print(f"| measure | {head} | target | met |")
     print("| --- | " + "--- | " * len(trees) + "--- | --- |")
