@@ -242,10 +242,11 @@ def idle_cpu(tmp: Path, seconds: float) -> float:
     return used * 100
 
 
-def many_rate(tmp: Path, count: int, events: int) -> float:
+def many_rate(tmp: Path, count: int, events: int) -> tuple[float, float]:
     """Events per second of a live exprd catching up with `count` live spool files of
     `events` events each, from its start until status.json counts them all applied (as
-    `bench/scale.py` measures the 2,048-file rate)."""
+    `bench/scale.py` measures the 2,048-file rate): of wall time, and of exprd's CPU time
+    (user + system, start-up included: what a loaded machine's wait for a core leaves out)."""
     spool, root, state = many_files(tmp, f"many{count}", count, events)
     d = exprd(["--config", str(config(tmp, spool, state, root))], tmp, stderr=subprocess.DEVNULL)
     try:
@@ -259,10 +260,11 @@ def many_rate(tmp: Path, count: int, events: int) -> float:
                 pass
             time.sleep(0.02)
         wall = time.monotonic() - t0
+        cpu = cpu_seconds(d.pid)
     finally:
         d.send_signal(signal.SIGTERM)
         d.wait(60)
-    return count * events / wall
+    return count * events / wall, count * events / cpu
 
 
 def rss_many(tmp: Path) -> tuple[float, int]:
@@ -311,10 +313,11 @@ def main() -> None:
                 if spool is not None and root is not None:
                     floor, floor_cpu = floor_rate(tmp, spool, events)
                     rate, cpu = ingest(tmp, spool, root, events, 8 * n)
-                    if rate / floor > got.get("ratio", 0.0):
-                        got.update(rate=rate, floor=floor, ratio=rate / floor)
-                    if cpu / floor_cpu > got.get("cpu_ratio", 0.0):
-                        got.update(rate_cpu=cpu, floor_cpu=floor_cpu, cpu_ratio=cpu / floor_cpu)
+                    # the best round of each: the floor is the same work whatever the tree,
+                    # so each tree's best is set against the best floor of the whole run
+                    for key, value in (("rate", rate), ("floor", floor), ("rate_cpu", cpu),
+                                       ("floor_cpu", floor_cpu)):
+                        got[key] = max(got.get(key, 0.0), value)
                 if "latency" in only:
                     p50, p99, count = latency(sub)
                     got.setdefault("p99s", []).append(p99)
@@ -326,10 +329,23 @@ def main() -> None:
                     rss, tracked = rss_many(sub)
                     got["rss"], got["tracked"] = min(got.get("rss", float("inf")), rss), tracked
                 if "many" in only:
-                    few, many = many_rate(sub, 8, 25_600), many_rate(sub, 2048, 100)
-                    if few / many < got.get("many_x", float("inf")):
-                        got.update(few=few, many=many, many_x=few / many)
+                    # the best round of each rate on its own, and their ratio: a round in
+                    # which one side waited for a core says nothing of the other
+                    (few, few_cpu), (many, many_cpu) = many_rate(sub, 8, 25_600), \
+                        many_rate(sub, 2048, 100)
+                    for key, value in (("few", few), ("many", many), ("few_cpu", few_cpu),
+                                       ("many_cpu", many_cpu)):
+                        got[key] = max(got.get(key, 0.0), value)
+                    got["many_x"], got["many_cpu_x"] = (got["few"] / got["many"],
+                                                        got["few_cpu"] / got["many_cpu"])
+                    got.setdefault("many_xs", []).append(few / many)
                 shutil.rmtree(sub, ignore_errors=True)
+    for key, of in (("floor", "ratio"), ("floor_cpu", "cpu_ratio")):
+        top = max((got[key] for got in best.values() if key in got), default=0.0)
+        for got in best.values():
+            if key in got:
+                got[key] = top
+                got[of] = got["rate" if of == "ratio" else "rate_cpu"] / top
     head = " | ".join(f"{tree} (best of {rounds})" if before else "value" for tree in trees)
     print(f"| measure | {head} | target | met |")
     print("| --- | " + "--- | " * len(trees) + "--- | --- |")
@@ -359,7 +375,14 @@ def main() -> None:
     row("catch-up, 8 live spool files x 25,600 events", "{:,.0f} events/s", "few")
     row("catch-up, 2,048 live spool files x 100 events", "{:,.0f} events/s", "many")
     row("8-file rate / 2,048-file rate", "{:.2f}x", "many_x", "<= 2x", after.get("many_x", 1e9) <= 2)
+    row("catch-up per CPU second of exprd, 8 files", "{:,.0f} events/s", "few_cpu")
+    row("catch-up per CPU second of exprd, 2,048 files", "{:,.0f} events/s", "many_cpu")
+    row("8-file rate / 2,048-file rate, CPU time", "{:.2f}x", "many_cpu_x", "<= 2x",
+        after.get("many_cpu_x", 1e9) <= 2)
     for tree in trees:
+        if "many_xs" in best[tree]:
+            print(f"\n{tree}: 8-file / 2,048-file rate of each round: "
+                  + ", ".join(f"{v:.2f}x" for v in best[tree]["many_xs"]))
         if "p99s" in best[tree]:
             print(f"\n{tree}: append->shard p99 of each round: "
                   + ", ".join(f"{v:.1f} ms" for v in best[tree]["p99s"]))

@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 
 from expr_tracker.pipeline import Pipeline
+from expr_tracker.store.cursor import Cursor
 from expr_tracker.store.layout import spans_name
 from expr_tracker.store.records import DECODE_NONFINITE
 from expr_tracker.store.safedir import UnsafePath
@@ -56,7 +57,8 @@ class ShardSlot:
         self.blocked = ""  # why buffered rows cannot be written right now
         # the spool seqs the shard holds: nothing is applied before they are known
         self.applied: dict[str, int] | None = None
-        self.scan()
+        self.last_step: int | None = None  # the shard's last step when `scan` read it
+        self.hint = self.scan()  # the sidecar as the slot found it (None: none)
         self.pending: dict[str, int] = {}  # session -> last seq appended, not yet flushed
         self.refs = 0
         self.newest = self.first_time = spec.time
@@ -65,16 +67,13 @@ class ShardSlot:
         # (status, end_time, exit) of a newer session's sidecar, which older ones leave alone
         self.kept: tuple[str, Any, Any] | None = None
         if spec.rank_aware:
-            self._newer_sidecar(spec)
+            self._newer_sidecar(spec, self.hint)
 
-    def _newer_sidecar(self, spec: RunSpec) -> None:
+    def _newer_sidecar(self, spec: RunSpec, side: Mapping[str, Any] | None) -> None:
         """The sidecar was written for a session newer than `spec` (a stale copy of an older
         spool file, read after its run went on in a new session): that session's identity
         and status stay; the older session's rows are still applied."""
-        try:
-            side = self.writer.read_hint() or {}
-        except OSError:
-            return
+        side = side or {}
         when = side.get("session_time")
         if when.__class__ not in (int, float) or when <= spec.time:
             return
@@ -83,19 +82,27 @@ class ShardSlot:
         self.writer.identity = {k: side[k] for k in keys if k in side}
         self.kept = (str(side.get("status") or "running"), side.get("end_time"), side.get("exit"))
 
-    def scan(self) -> bool:
-        """Read which spool seqs the shard holds (read-only, nothing created); False if the
-        shard cannot be read now (EMFILE...): the slot is blocked and tries again."""
+    def scan(self) -> dict[str, Any] | None:
+        """Read which spool seqs the shard holds (read-only, nothing created) and its
+        sidecar (returned; None if there is none, or it cannot be read). If the shard
+        cannot be read now (EMFILE...), the slot is blocked and tries again: `applied`
+        stays None. The run directory is walked to once, and a missing one ends it."""
         try:
-            self.applied = self.writer.scan().applied
+            with self.writer.walked():
+                hint = self.writer.read_hint()
+                cursor = self.writer.scan(hint, hinted=True)
+        except FileNotFoundError:
+            hint, cursor = None, Cursor()  # no run directory: nothing applied yet
         except UnsafePath:
             self.applied = {}  # writer.unsafe says why; the run is refused
+            return None
         except OSError as exc:
             # never guess "nothing applied": rows the shard holds would be written twice
             self.blocked = f"cannot read the shard: {exc.strerror or exc}"
-            return False
+            return None
+        self.applied, self.last_step = cursor.applied, cursor.last_step
         self.blocked = ""
-        return True
+        return hint
 
     def open(self) -> bool:
         """Open the writer (repair, cursor); False if that failed (retried at the next flush)."""
@@ -114,8 +121,10 @@ class ShardSlot:
 
     def flush(self) -> bool:
         """Flush appended lines; on success record their seqs as applied."""
-        if self.applied is None and not self.scan():
-            return False
+        if self.applied is None:
+            self.scan()
+            if self.applied is None:
+                return False
         if not self.opened and (not self.writer.buffered() or not self.open()):
             return not self.writer.buffered()
         ok = self.writer.flush()
@@ -158,13 +167,15 @@ class ShardSlot:
             self.sidecar_dirty = True
             self.last_sidecar = 0.0
 
-    def adopt_config(self, session: str) -> None:
+    def adopt_config(self, session: str, side: Mapping[str, Any] | None = None) -> None:
         """A session read again from a checkpoint: the config its `config` events set before
-        the checkpoint is in the sidecar (written before the checkpoint that covers them)."""
-        try:
-            side = self.writer.read_hint() or {}
-        except OSError:
-            return  # an unsafe or unreadable path: the init's config stands
+        the checkpoint is in the sidecar (written before the checkpoint that covers them).
+        `side`: the sidecar just read (else it is read here)."""
+        if side is None:
+            try:
+                side = self.writer.read_hint() or {}
+            except OSError:
+                return  # an unsafe or unreadable path: the init's config stands
         config = side.get("config")
         if side.get("session") == session and isinstance(config, dict):
             self.writer.identity["config"] = config
@@ -241,12 +252,14 @@ class ShardPool:
 
     def acquire(self, spec: RunSpec) -> ShardSlot:
         slot = self.slots.get(spec.paths.shard)
+        side = None
         if slot is None:
             slot = self.slots[spec.paths.shard] = ShardSlot(spec, self.warn, self.durable)
+            side, slot.hint = slot.hint or {}, None  # just read: not read again
         if spec.time >= slot.newest:
             slot.newest, slot.kept = spec.time, None
             slot.writer.identity = spec.writer_identity()
-            slot.adopt_config(spec.session)
+            slot.adopt_config(spec.session, side)
         slot.refs += 1
         return slot
 
@@ -380,14 +393,22 @@ class RunPipeline:
             return None
         self.started = True
         slot = self.slot
-        if self.skip_upto >= 0 or self.dry_run or not slot.open() or not slot.flush():
-            return None  # a session the shard already has rows of; or read it later
-        last, step = slot.writer.cursor.last_step, ev.get("_step")
+        if self.skip_upto >= 0 or self.dry_run:
+            return None  # a session the shard already has rows of
+        if slot.opened or slot.writer.buffered():
+            if not slot.open() or not slot.flush():
+                return None  # read it later
+            last, sessions = slot.writer.cursor.last_step, slot.writer.cursor.applied
+        else:
+            # nothing written since `scan` read the shard (a new run: no shard at all):
+            # what it found stands, without opening (creating) anything yet
+            last, sessions = slot.last_step, slot.applied or {}
+        step = ev.get("_step")
         if last is None or type(step) is not int or step > last:
             return None
         stem = slot.paths.stem
         here = {session_of(p, stem) for p in spool_files_of(spool_dir, stem)}
-        foreign = sorted(set(slot.writer.cursor.applied) - here - {self.spec.session})
+        foreign = sorted(set(sessions) - here - {self.spec.session})
         if not foreign:
             return None
         return (f"rank {self.spec.rank}: the shard {slot.paths.shard} already holds steps up to "
@@ -395,12 +416,13 @@ class RunPipeline:
                 f"{self.spec.session} starts again at step {step}: one rank written through "
                 "two spool roots? check RANK and EXPR_SPOOL")
 
-    def prepare(self) -> Callable[[bytes], None]:
-        """Open the shard for the plain case (once this session has an event to add)."""
+    def prepare(self) -> ShardWriter:
+        """Open the shard for the plain case (once this session has an event to add): its
+        writer's `append` takes a line, `append_many` a block of them."""
         slot = self.slot
         slot.open()  # on failure the lines wait in the writer's buffer (slot.blocked)
         slot.running(self.spec.time)
-        return slot.writer.append
+        return slot.writer
 
     def appended(self, count: int, last_seq: int) -> None:
         """The plain case appended `count` records, the last of them `last_seq`."""

@@ -81,7 +81,7 @@ class Config:
         """True if the resolved `path` lies under one of the allowed roots."""
         if self.allowed_roots is None:
             return True
-        return any(path == root or root in path.parents for root in self.allowed_roots)
+        return any(_under(path, root) for root in self.allowed_roots)
 
     def open_files_bound(self) -> int:
         """Shard descriptors held at once: `max_open_files`, never over half the process's
@@ -100,8 +100,17 @@ class Config:
         """The allowed root `path` lies under (the outermost), None if none or unrestricted."""
         if self.allowed_roots is None:
             return None
-        under = [r for r in self.allowed_roots if path == r or r in path.parents]
+        under = [r for r in self.allowed_roots if _under(path, r)]
         return min(under, key=lambda r: len(r.parts)) if under else None
+
+
+def _under(path: Path, root: Path) -> bool:
+    """`path == root or root in path.parents`, told by their text (`parents` builds a Path
+    per level): a Path's text is its parts joined by "/", none of which holds one."""
+    text, top = str(path), str(root)
+    if text.startswith("//") or top.startswith("//"):  # POSIX's other root, kept apart
+        return path == root or root in path.parents
+    return text == top or text.startswith(top if top.endswith("/") else top + "/")
 
 
 def duration(value: Any, key: str) -> float:

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from expr_tracker.store.spoolfile import SpoolReader
+
 if TYPE_CHECKING:
     from .applier import RunPipeline
 
@@ -30,6 +32,7 @@ class FileTail:
     behind_since: float | None = None
     backends: dict[str, int] = field(default_factory=dict)
     run: RunPipeline | None = None
+    reader: SpoolReader | None = None  # made once (`SpoolReader` builds a Path)
     logged: int = 0
     quarantined: int = 0
     applied: int = 0  # record events written to the shard by this process

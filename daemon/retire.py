@@ -22,8 +22,10 @@ log = logging.getLogger("exprd")
 HOST = socket.gethostname()
 
 
-def check_crash(tailer: Tailer, tail: FileTail, now: float) -> None:
-    """No finish and the writer is gone (or silent too long): the shard is `crashed`."""
+def check_crash(tailer: Tailer, tail: FileTail, now: float,
+                alive: dict[tuple[int, int | None], bool] | None = None) -> None:
+    """No finish and the writer is gone (or silent too long): the shard is `crashed`.
+    `alive`: the writers already looked at in this pass (one process writes many files)."""
     if tail.state != "live":
         return
     try:
@@ -32,7 +34,13 @@ def check_crash(tailer: Tailer, tail: FileTail, now: float) -> None:
         return
     tail.size, tail.mtime = st.st_size, st.st_mtime
     if tail.host == HOST and tail.pid is not None:
-        if pid_alive(tail.pid, tail.pid_start):
+        who = (tail.pid, tail.pid_start)
+        found = alive.get(who) if alive is not None else None
+        if found is None:
+            found = pid_alive(tail.pid, tail.pid_start)
+            if alive is not None:
+                alive[who] = found
+        if found:
             return
         why = f"writer pid {tail.pid} is gone"
     elif now - st.st_mtime > tailer.cfg.crash_silence:

@@ -6,6 +6,9 @@ consumers. Nothing here writes; `check_init` only reads the event and the config
 
 from __future__ import annotations
 
+import os
+import stat
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,8 +65,61 @@ def _opt_rank(ev: Mapping[str, Any], key: str) -> int | None:
     raise InitError(f"{key} must be a rank or null, got {value!r}")
 
 
-def check_init(ev: Mapping[str, Any], path: Path, spool_root: Path, cfg: Config) -> RunSpec:
-    """Validate an init event against its file name and the allowed run roots."""
+class Roots:
+    """Run roots (an init's `dir`) resolved, each remembered for `ttl` seconds.
+
+    Resolving takes an lstat per component of the root, paid by every new spool file, and
+    the 2,048 files of one job name the same root. Only the allowed_roots check reads the
+    resolution: what exprd writes is opened from the allowed root down, each directory
+    below it without following a symlink (`store.safedir`), so a resolution gone stale (a
+    symlink above the run root repointed meanwhile) can never write outside an allowed
+    root; for at most `ttl` seconds a new file lands under the root the link used to name.
+    """
+
+    def __init__(self, ttl: float = 5.0, clock: Any = time.monotonic) -> None:
+        self.ttl = ttl
+        self.clock = clock
+        self._known: dict[str, tuple[Path, float]] = {}
+
+    def resolve(self, raw: str) -> Path:
+        now = self.clock()
+        known = self._known.get(raw)
+        if known is not None and now - known[1] < self.ttl:
+            return known[0]
+        if len(self._known) >= 1024:
+            self._known = {k: v for k, v in self._known.items() if now - v[1] < self.ttl}
+        path = Path(raw).resolve()
+        self._known[raw] = (path, now)
+        return path
+
+    def clear(self) -> None:
+        """Forget every resolution (a reload may have changed allowed_roots)."""
+        self._known.clear()
+
+
+def _resolved_run_dir(rdir: Path, root: Path, project: str, name: str) -> Path:
+    """`rdir.resolve()` for `rdir = run_dir(root, project, name)` of a resolved `root`:
+    validated names hold no "/" and no "..", so it differs only where `project` or `name`
+    is a symlink, which two lstats tell (the whole resolve is done then, and for anything
+    unusual)."""
+    here = str(root)
+    for part in (project, name):
+        here = f"{here}/{part}"
+        try:
+            mode = os.lstat(here).st_mode
+        except FileNotFoundError:
+            return rdir  # nothing below it either: resolve() keeps the rest as it is
+        except OSError:
+            return rdir.resolve()
+        if not stat.S_ISDIR(mode):
+            return rdir.resolve()  # a symlink (or a file in the way)
+    return rdir
+
+
+def check_init(ev: Mapping[str, Any], path: Path, spool_root: Path, cfg: Config,
+               roots: Roots | None = None) -> RunSpec:
+    """Validate an init event against its file name and the allowed run roots (`roots`:
+    the run roots resolved lately, see `Roots`)."""
     version = ev.get("version")
     if type(version) is not int or version > SPOOL_VERSION:
         raise InitError(f"unsupported spool version {version!r}")
@@ -98,16 +154,17 @@ def check_init(ev: Mapping[str, Any], path: Path, spool_root: Path, cfg: Config)
     if not isinstance(ident.get("config") or {}, dict):
         raise InitError("config in init must be an object")
     stem = shard_stem(stream, rank if rank_aware else 0)
-    expected = spool_path(spool_root, project, name, stem, session)
-    if path != expected:
+    # the usual case told by one string comparison (the spool root has no trailing "/")
+    if str(path) != f"{spool_root}/{project}/{name}/{stem}.{session}.jsonl" and \
+            path != (expected := spool_path(spool_root, project, name, stem, session)):
         raise InitError(f"init identity says {expected.relative_to(spool_root)}, "
                         f"not {path.relative_to(spool_root)}")
     raw_dir = ev.get("dir")
     if not isinstance(raw_dir, str) or not raw_dir.startswith("/") or "\x00" in raw_dir:
         raise InitError(f"run dir {raw_dir!r} is not an absolute path")
-    root = Path(raw_dir).resolve()
+    root = roots.resolve(raw_dir) if roots is not None else Path(raw_dir).resolve()
     rdir = run_dir(root, project, name)
-    if not cfg.allows(root) or not cfg.allows(rdir.resolve()):
+    if not cfg.allows(root) or not cfg.allows(_resolved_run_dir(rdir, root, project, name)):
         raise InitError(f"run dir {raw_dir} is outside allowed_roots")
     anchor = cfg.root_of(root) or root
     pid = ev.get("pid")

@@ -25,13 +25,14 @@ from typing import Any
 import orjson
 
 from expr_tracker.store import untrusted
+from expr_tracker.store.shard import ShardWriter
 from expr_tracker.store.spoolfile import SpoolReader
 
 from .applier import RunPipeline, ShardPool, forget_file
 from .config import Config
 from .durable import Durable
 from .filetail import FileTail
-from .spec import InitError, check_init
+from .spec import InitError, Roots, check_init
 from .state import Checkpoints, Quarantine, StateDir
 
 log = logging.getLogger("exprd")
@@ -52,16 +53,19 @@ def _index(flags: list[bool], value: bool, start: int) -> int:
         return len(flags)
 
 
-def _masks(tail: FileTail, evs: list[Any] | None
+def _masks(tail: FileTail, evs: list[Any] | None, start: int = 0
            ) -> tuple[list[bool], list[bool], frozenset[str] | None]:
-    """Of a clean block's records: which have only keys of checked step rows (without
-    `_rank`), and which have the key set of the last checked rank record (returned too)."""
+    """Of a clean block's records from `start` on (those before it are False): which have
+    only keys of checked step rows (without `_rank`), and which have the key set of the
+    last checked rank record (returned too)."""
     if not evs:
         return [], [], None
     keys, ranks = tail.row_keys, tail.shapes[1]
-    mask = list(map(keys.issuperset, evs)) if keys else []
-    rmask = list(map(eq, repeat(ranks), map(dict.keys, evs))) \
-        if ranks is not None and not all(mask or [False]) else []
+    rest = evs[start:] if start else evs
+    head = [False] * start
+    mask = head + list(map(keys.issuperset, rest)) if keys else []
+    rmask = head + list(map(eq, repeat(ranks), map(dict.keys, rest))) \
+        if ranks is not None and not all(mask[start:] or [False]) else []
     return mask, rmask, ranks
 
 
@@ -103,6 +107,7 @@ class Tailer:
         self._logged: dict[str, float] = {}
         self.checkpoints = Checkpoints(sdir, self.warn, durable)
         self.quarantine = Quarantine(sdir, self.warn)
+        self.roots = Roots()  # the run roots of init events, resolved once a few seconds
 
     def warn(self, cause: str, message: str) -> None:
         """Count every failure; log a cause once (and again, with its count, hourly)."""
@@ -241,6 +246,7 @@ class Tailer:
 
     def recheck(self, cfg: Config) -> None:
         """A reload changed allowed_roots: refuse open runs that are no longer under one."""
+        self.roots.clear()
         for tail in list(self.tails.values()):
             if tail.run is None:
                 continue
@@ -250,7 +256,7 @@ class Tailer:
 
     def _open_run(self, tail: FileTail, ev: dict[str, Any]) -> bool:
         try:
-            spec = check_init(ev, tail.path, self.spool_root, self.cfg)
+            spec = check_init(ev, tail.path, self.spool_root, self.cfg, self.roots)
         except InitError as exc:
             self.refuse(tail, str(exc))
             return False
@@ -303,7 +309,8 @@ class Tailer:
                 return False
             if not self._ensure_run(tail) or (tail.run is not None and tail.run.blocked):
                 return False
-            reader = SpoolReader(tail.path)
+            reader = tail.reader or SpoolReader(tail.path)
+            tail.reader = reader
             paused = self._read(tail, reader, budget)
             # each backend reads the same file on its own, behind the shard, never holding it
             run = tail.run
@@ -352,7 +359,7 @@ class Tailer:
         run = tail.run
         shapes, row = tail.shapes, self._row_shape(tail)
         fast, skip, suffix = self._fast_case(tail)
-        append = None
+        writer: ShardWriter | None = None  # the shard's, once the plain case appends
         seq = last = tail.seq
         applied = 0
         done = tail.offset  # every line before it is consumed, the last of them `seq`
@@ -375,11 +382,13 @@ class Tailer:
                 for i in rows:
                     line = parts[i]
                     if i == at:
-                        data = None
+                        data, step = None, None  # the last step row's `_step`
                         if mask and mask[i]:
                             j = _index(mask, False, i)
                             if fast and seq >= skip and evs is not None:
                                 data = plain(parts[i:j], evs[i:j], seq + 1, suffix)
+                                if data is not None:
+                                    step = evs[j - 1]["_step"]  # plain_rows checked it
                         else:
                             j = _index(rmask, False, i)
                             if fast and seq >= skip and evs is not None and rshape:
@@ -387,13 +396,14 @@ class Tailer:
                                                    rshape)  # the shape `rmask` compared
                         at = _next_run(mask, rmask, j)
                         if data is not None:
-                            if append is None:
+                            if writer is None:
                                 assert run is not None and evs is not None
                                 if not run.started and self._overlaps(tail, run, evs[i]):
                                     done = reader.size
                                     return False
-                                append = run.prepare()
-                            append(data)  # the spool lines verbatim, each plus `_sid`
+                                writer = run.prepare()
+                            # the spool lines verbatim, each plus `_sid`
+                            writer.append_many(data, j - i, step)
                             seq = last = seq + j - i
                             applied += j - i
                             # each line gave its "}" and newline for the suffix
@@ -420,14 +430,14 @@ class Tailer:
                                   and (step := ev["_step"]).__class__ is int
                                   and 0 <= step <= max_step)
                                  or screen(ev, line, shapes))):
-                        if append is None:
+                        if writer is None:
                             assert run is not None
                             if not run.started and self._overlaps(tail, run, ev):
                                 done = reader.size
                                 return False
-                            append = run.prepare()
+                            writer = run.prepare()
                         seq = last = seq + 1
-                        append(line[:-1] + suffix)  # the spool line verbatim, plus `_sid`
+                        writer.append(line[:-1] + suffix)  # the spool line verbatim, plus `_sid`
                         applied += 1
                         pos = done = end
                         continue
@@ -438,7 +448,7 @@ class Tailer:
                                              or (not rmask and tail.shapes[1])):
                         # the first record of its kind in the file passed the full check
                         remask -= 1
-                        mask, rmask, rshape = _masks(tail, evs)
+                        mask, rmask, rshape = _masks(tail, evs, i + 1)
                         at = _next_run(mask, rmask, i + 1)
                     pos = done = end
                     if tail.state == "refused":
@@ -450,7 +460,7 @@ class Tailer:
                             run.appended(applied, last)
                             tail.applied += applied
                             applied = 0
-                        run, append = tail.run, None
+                        run, writer = tail.run, None
                         fast, skip, suffix = self._fast_case(tail)
                         if run is not None and run.blocked:
                             return True  # a new run whose shard cannot be read yet

@@ -40,4 +40,9 @@ def pid_alive(pid: int, start: int | None = None) -> bool:
     tail = stat[stat.rfind(b")") + 2 :].split()
     if not tail or tail[0] in (b"Z", b"X"):
         return False
-    return start is None or proc_start(pid) == start
+    if start is None:
+        return True
+    try:
+        return int(tail[19]) == start  # what proc_start reads, from the same read
+    except (ValueError, IndexError):
+        return False

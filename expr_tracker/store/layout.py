@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 MAX_NAME = 128
@@ -119,11 +120,13 @@ class ShardPaths:
     run_dir: Path
     stem: str
 
-    @property
+    # built once (exprd asks for them at every turn); a frozen dataclass's cached_property
+    # fills the instance's __dict__, which equality and the hash never look at
+    @cached_property
     def shard(self) -> Path:
         return self.run_dir / f"{self.stem}.jsonl"
 
-    @property
+    @cached_property
     def sidecar(self) -> Path:
         return self.run_dir / f"{self.stem}.meta.json"
 

@@ -62,7 +62,7 @@ def open_dir(root: Path, parts: Sequence[str], *, create: bool = True, mode: int
         os.makedirs(root, exist_ok=True)
         fd = os.open(root, _DIR)
     try:
-        return open_below(fd, parts, create=create, mode=mode, where=Path(root))
+        return open_below(fd, parts, create=create, mode=mode, where=root)
     finally:
         os.close(fd)
 
@@ -72,9 +72,10 @@ def open_below(dir_fd: int, parts: Sequence[str], *, create: bool = True, mode: 
     """A new descriptor of `parts...` below directory `dir_fd` (which stays open), every
     part opened without following symlinks and created if missing when `create`."""
     fd = os.dup(dir_fd)
-    where = where or Path(".")
+    base = where or Path(".")
+    # the path of a part is built only for an error message (pathlib is slow on the way)
     try:
-        for name in parts:
+        for i, name in enumerate(parts):
             try:
                 nfd = os.open(name, _NOFOLLOW_DIR, dir_fd=fd)
             except FileNotFoundError:
@@ -87,11 +88,11 @@ def open_below(dir_fd: int, parts: Sequence[str], *, create: bool = True, mode: 
                 try:
                     nfd = os.open(name, _NOFOLLOW_DIR, dir_fd=fd)
                 except OSError as exc:
-                    raise _unsafe(exc, name, fd, where) from None
+                    raise _unsafe(exc, name, fd, base.joinpath(*parts[:i])) from None
             except OSError as exc:
-                raise _unsafe(exc, name, fd, where) from None
+                raise _unsafe(exc, name, fd, base.joinpath(*parts[:i])) from None
             os.close(fd)
-            fd, where = nfd, where / name
+            fd = nfd
     except BaseException:
         os.close(fd)
         raise

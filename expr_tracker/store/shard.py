@@ -35,6 +35,7 @@ FLUSH_BYTES = 64 * 1024
 # with less room than the backlog keeps what fits (a normal flush is one piece)
 _PIECE = 256 * 1024
 MAX_BUFFER_BYTES = 64 * 1024 * 1024
+LOOK = -1  # `append_many`'s last step: not known, read from the lines (a step is >= 0)
 
 Warn = Callable[[str, str], None]
 
@@ -100,7 +101,8 @@ class ShardWriter:
         self._pending_rows = 0
         self._io_lock = threading.Lock()
         self._fd: int | None = None
-        self._held_dir: tuple[int, int] | None = None  # (descriptor, thread) during `open`
+        self._held_dir: tuple[int, int] | None = None  # (descriptor, thread) in `walked`
+        self._below: tuple[str, ...] | None = None  # the run directory's parts below `anchor`
         # hooks of the spool writer (None for shards): `on_deleted()` when the file was
         # deleted (or `is_current(fd)` says moved) under us, before a new one is opened at
         # `self.paths` (it may change them); `transform(data, offset)` rewrites what is
@@ -116,30 +118,32 @@ class ShardWriter:
         Failures are reported and retried at the next flush; they never raise.
         """
         try:
-            if self.anchor is not None:
-                # exprd: the run directory walked to once for the files `open` touches
-                # (the sidecar, the shard, its torn file...), not once per file
-                self._held_dir = (self._run_dir_fd(create=True), threading.get_ident())
-            hint = self.read_hint()
-            if self.exclusive:
-                # the SDK's own shard (never exprd's, which has an anchor): the lock file
-                # sits in the run directory the user named
-                self.paths.run_dir.mkdir(parents=True, exist_ok=True)
-                self._take_lock(hint)
-            with self._locked_file():
-                self.cursor, self.repaired = repair_and_scan(self.paths, hint, self.open_file)
-                if self.shared and self.own_rank is not None:
-                    self.cursor.last_step = self._own_last_step()
-            if hint and isinstance(hint.get("start_time"), (int, float)) and self.cursor.rows:
-                self.start_time = float(hint["start_time"])
-            self._open_fd()
+            # exprd: the run directory walked to once for the files `open` touches (the
+            # sidecar, the shard, its torn file...), not once per file
+            with self.walked(create=True):
+                hint = self.read_hint()
+                if self.exclusive:
+                    # the SDK's own shard (never exprd's, which has an anchor): the lock file
+                    # sits in the run directory the user named
+                    self.paths.run_dir.mkdir(parents=True, exist_ok=True)
+                    self._take_lock(hint)
+                with self._locked_file():
+                    self.cursor, self.repaired = repair_and_scan(self.paths, hint, self.open_file)
+                    if self.shared and self.own_rank is not None:
+                        self.cursor.last_step = self._own_last_step()
+                if hint and isinstance(hint.get("start_time"), (int, float)) and self.cursor.rows:
+                    self.start_time = float(hint["start_time"])
+                self._open_fd()
         except OSError as exc:
             self._fail("open", exc)
-        finally:
-            held, self._held_dir = self._held_dir, None
-            if held is not None:
-                os.close(held[0])
         return self.cursor
+
+    def walked(self, *, create: bool = False) -> _Walked:
+        """Within (`with writer.walked():`): the files of the run directory are opened (on
+        this thread) from one descriptor of it, walked to once: with an anchor (exprd) each
+        walk is an open per directory below it. FileNotFoundError if the directory is
+        missing and not `create`; without an anchor (the SDK) nothing is walked."""
+        return _Walked(self, create)
 
     def forget_lock(self) -> None:
         """In a forked child: close this copy of the lock descriptor. The parent keeps the
@@ -186,8 +190,10 @@ class ShardWriter:
             if create:
                 run_dir.mkdir(parents=True, exist_ok=True)
             return os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        if self._below is None:
+            self._below = run_dir.relative_to(self.anchor).parts
         try:
-            return open_dir(self.anchor, run_dir.relative_to(self.anchor).parts, create=create)
+            return open_dir(self.anchor, self._below, create=create)
         except UnsafePath as exc:
             self.unsafe = str(exc)
             raise
@@ -205,14 +211,15 @@ class ShardWriter:
         finally:
             os.close(dfd)
 
-    def scan(self) -> Cursor:
-        """The shard's cursor, reading only (nothing is created or repaired)."""
+    def scan(self, hint: Mapping[str, Any] | None = None, *, hinted: bool = False) -> Cursor:
+        """The shard's cursor, reading only (nothing is created or repaired); `hinted`:
+        `hint` is the sidecar just read (else it is read here)."""
         try:
             fd = self.open_file(self.paths.shard.name, os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError):
             return Cursor()
         try:
-            return cursor_from(fd, os.fstat(fd).st_size, self.read_hint())
+            return cursor_from(fd, os.fstat(fd).st_size, hint if hinted else self.read_hint())
         finally:
             os.close(fd)
 
@@ -274,6 +281,19 @@ class ShardWriter:
         if len(self._buf) >= self.flush_bytes:
             self.flush_nowait()
 
+    def append_many(self, data: bytes, rows: int, last_step: int | None = LOOK) -> None:
+        """`append` of `rows` whole lines at once (a block of exprd's, up to a megabyte):
+        with nothing buffered before them they are written as they are, not copied into
+        the buffer and out again (three copies of each block). `last_step`: the `_step`
+        of their last step row, None if none is a step row (LOOK: read from the lines)."""
+        if self._buf or len(data) < self.flush_bytes or not self._io_lock.acquire(blocking=False):
+            self.append(data)
+            return
+        try:
+            self._flush_locked(data, rows, last_step)
+        finally:
+            self._io_lock.release()
+
     def flush_nowait(self) -> None:
         """Flush unless another thread is flushing (it will take our lines too)."""
         if self._io_lock.acquire(blocking=False):
@@ -302,15 +322,24 @@ class ShardWriter:
         finally:
             self._io_lock.release()
 
-    def _flush_locked(self) -> bool:
+    def _flush_locked(self, block: bytes = b"", block_rows: int = 0,
+                      block_step: int | None = LOOK) -> bool:
+        """Write what is pending, buffered, then `block` (`block_rows` whole lines, the last
+        step row's `_step` `block_step`, see `append_many`)."""
         buf = self._buf
         n = len(buf)
-        if not n and not self._pending:
+        if not n and not self._pending and not block:
             return True
-        chunk = bytes(buf[:n])
-        del buf[:n]
+        if n:
+            chunk = bytes(buf[:n])
+            del buf[:n]
+            rows = chunk.count(b"\n")
+            if block:
+                chunk, rows = chunk + block, rows + block_rows
+        else:
+            chunk, rows = block, block_rows
         data = self._pending + chunk if self._pending else chunk
-        nrows = self._pending_rows + chunk.count(b"\n")
+        nrows = self._pending_rows + rows
         done = 0  # bytes of `data` written, whole lines only
         failed: OSError | None = None
         try:
@@ -330,7 +359,8 @@ class ShardWriter:
             rows = nrows if written is data else written.count(b"\n")
             self.cursor.bytes = end
             self.cursor.rows += rows
-            step = last_row_step(written)
+            known = written is block and block_step != LOOK
+            step = block_step if known else last_row_step(written)
             if step is not None and (self.cursor.last_step is None or step > self.cursor.last_step):
                 self.cursor.last_step = step
             self.last_write = time.time()
@@ -507,3 +537,26 @@ class ShardWriter:
             with contextlib.suppress(OSError):
                 os.close(self._lock_fd)  # releases the writer lock
             self._lock_fd = None
+
+
+class _Walked:
+    """`ShardWriter.walked` (a class: exprd enters one per new spool file, and a generator
+    context manager costs several times as much)."""
+
+    __slots__ = ("create", "fd", "writer")
+
+    def __init__(self, writer: ShardWriter, create: bool) -> None:
+        self.writer, self.create, self.fd = writer, create, -1
+
+    def __enter__(self) -> None:
+        writer = self.writer
+        if writer.anchor is None or writer._held_dir is not None:
+            return
+        self.fd = writer._run_dir_fd(create=self.create)
+        writer._held_dir = (self.fd, threading.get_ident())
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd >= 0:
+            self.writer._held_dir = None
+            os.close(self.fd)
+            self.fd = -1
