@@ -1,8 +1,10 @@
 """Each run's live state, kept between requests (DESIGN 18).
 
 A `LiveRun` holds the health watcher's incremental reader (`health.state.RunReader`, by
-way of `data.top.TopView`): a pass over an idle run of thousands of ranks is a `stat` per
-shard and sidecar. A pass that saw nothing change (no shard or sidecar changed, the same
+way of `data.top.TopView`) with a kernel watch on the run directory (`watch_changes`): a
+pass reads the shards and sidecars inotify named since the last one, and over an idle run
+of thousands of ranks costs next to nothing (a `stat` pass of every shard runs every
+`state.VERIFY_EVERY` seconds anyway, and on every pass where no watch can be set up). A pass that saw nothing change (no shard or sidecar changed, the same
 frontier and statuses) keeps the version, and every answer built for that version is
 served again from memory: a refresh with nothing new costs the pass, not the reduction.
 Passes are shared: one per `MIN_PASS` seconds whatever the number of pages and requests.
@@ -36,6 +38,9 @@ class LiveRun:
         self.ref = ref
         self.stream = stream
         self.top = TopView(ref, stream, None, cfg)
+        # the kernel names what changed: a pass over an idle run stats nothing (DESIGN 18)
+        self.top.reader.watch_changes()
+        self._counts: Any = None
         self.lock = threading.RLock()
         self.version = 0
         self.state: Any = None
@@ -52,8 +57,9 @@ class LiveRun:
             if self.state is not None and t - self.pass_at < max_age:
                 return self.state
             state = self.top.reader.read()
-            mark = (state.frontier, state.lead, state.world_size,
-                    tuple(sorted(Counter(rs.status for rs in state.ranks.values()).items())),
+            if self.state is None or state.ranks is not self.state.ranks:  # (else: the same)
+                self._counts = tuple(sorted(Counter(rs.status for rs in state.ranks.values()).items()))
+            mark = (state.frontier, state.lead, state.world_size, self._counts,
                     _incidents_key(self.ref))
             if state.changed or mark != self._mark or self.state is None:
                 no_links(self.ref)  # files appeared: none may be a symlink
@@ -107,7 +113,7 @@ class LiveRuns:
             if run is None:
                 run = self.runs[key] = LiveRun(ref, stream, self.cfg)
                 while len(self.runs) > MAX_RUNS:
-                    self.runs.popitem(last=False)
+                    self.runs.popitem(last=False)[1].top.reader.close()
             self.runs.move_to_end(key)
             return run
 
