@@ -348,7 +348,11 @@ def summary_data(
     and `memo` a dict it keeps while that state does not change: the rank records read for
     one step or window are read once for every answer about them.
     """
-    shards = shards_of(ref, stream)
+    shards = memo.get(("shards", stream)) if memo is not None else None
+    if shards is None:  # (a listing of 16,384 shards is a fifth of a second: once per memo)
+        shards = shards_of(ref, stream)
+        if memo is not None:
+            memo[("shards", stream)] = shards
     wanted = parse_metrics(metrics)
     hit = memo.get(("table", step, window)) if memo is not None else None
     if hit is not None:
