@@ -359,7 +359,9 @@ def summary_data(
         lo, table, garbage, worlds = hit
         garbage = dict(garbage)
     else:
-        state, lo, scans = read_window(ref.path, stream, shards, step, window, state)
+        job = memo.pop(("scan", stream), None) if memo is not None and step is None \
+            and window is None else None  # (started before the live state was read)
+        state, lo, scans = read_window(ref.path, stream, shards, step, window, state, job)
         table, garbage, worlds = load_table(shards, lo, scans)
         if lo is not None and not table.steps and state.frontier is not None:
             table, garbage, worlds = load_table(shards, None)  # sparse rank records: read it all

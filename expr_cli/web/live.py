@@ -56,6 +56,7 @@ class LiveRun:
             t = time.monotonic()
             if self.state is not None and t - self.pass_at < max_age:
                 return self.state
+            job = self._prefetch() if self.state is None else None
             state = self.top.reader.read()
             if self.state is None or state.ranks is not self.state.ranks:  # (else: the same)
                 self._counts = tuple(sorted(Counter(rs.status for rs in state.ranks.values()).items()))
@@ -65,12 +66,36 @@ class LiveRun:
                 no_links(self.ref)  # files appeared: none may be a symlink
                 self.version += 1
                 self._answers.clear()
-                self.memo = {}
+                self._drop_memo()
+            if job is not None:
+                self.memo.update(job)
             self._mark = mark
             self.state = state
             self.pass_at = time.monotonic()
             self.pass_s = self.pass_at - t
             return state
+
+    def _prefetch(self) -> dict[Any, Any] | None:
+        """Before the first pass: the shard listing, and the summary's scan of every tail
+        started in worker processes, which run while this process reads the live state
+        (the page's first request is its summary): at 16,384 ranks the two reads overlap
+        instead of one waiting for the other."""
+        from expr_cli.errors import CLIError
+        from expr_cli.resolve import shards_of
+        from expr_cli.summary_load import start_scan
+
+        try:
+            shards = shards_of(self.ref, self.stream)
+        except CLIError:
+            return None  # an empty run, an unknown stream: the answers say so
+        return {("shards", self.stream): shards, ("scan", self.stream): start_scan(shards)}
+
+    def _drop_memo(self) -> None:
+        """A new memo for a new version; a scan started and never used is stopped."""
+        old, self.memo = self.memo, {}
+        for key, value in old.items():
+            if key[0] == "scan" and hasattr(value, "close"):
+                value.close()
 
     def answer(self, key: Any, build: Callable[[Any], Any], ttl: float | None = None) -> Any:
         """`build(state)` for this version, from memory when it was built already (and, with

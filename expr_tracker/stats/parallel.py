@@ -184,6 +184,12 @@ class ScanJob:
         except OSError:
             self._pool, self._futures = None, []
 
+    def close(self) -> None:
+        """Drop a job whose result nobody will ask for: its workers stop."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool, self._futures = None, []
+
     def result(self) -> list[ShardScan]:
         """The scans, in the order of the paths."""
         from concurrent.futures import BrokenExecutor
