@@ -169,9 +169,11 @@ def server_only(worlds: list[int], rounds: int = 2, modes: tuple[str, ...] = ("m
         for _ in range(rounds):
             for mode in modes:
                 for tree, env in trees.items():
+                    # not run from a checkout: `-c` puts the working directory first on
+                    # sys.path, ahead of PYTHONPATH, and "before" would import this tree
                     res = subprocess.run([sys.executable, "-c", SERVER, str(root), str(REFRESHES),
                                           mode], env=env, capture_output=True, text=True,
-                                         check=True)
+                                         check=True, cwd=os.path.dirname(root))
                     got = json.loads(res.stdout)
                     if (tree, mode) not in best or got["first"] < best[tree, mode]["first"]:
                         best[tree, mode] = got
