@@ -209,11 +209,12 @@ class ShardTail:
             self.steps = _pushed(self.steps, array("q", row_steps[-window:]), window)
             self.times = _pushed(self.times, times, window)
         for r, group in by_rank.items():
-            for rec in reversed(group):
-                got = system_values(rec)
-                if got is not None:
-                    self.system[r] = got
-                    break
+            # the latest system-metrics sample: the marks of `_SYSTEM_MARKS` tested inline
+            # (a call of `system_values` per record was most of this loop's time)
+            sample = next((rec for rec in reversed(group) if "system/rss_mb" in rec
+                           or "system/gpu_util" in rec or "system/cpu_percent" in rec), None)
+            if sample is not None:
+                self.system[r] = system_values(sample)  # type: ignore[assignment]
             group = group[-window:]
             if self.series_key is None:
                 q = self.rank_recs.get(r)
