@@ -53,3 +53,16 @@ def test_series_values_clean_and_mixed(tmp_path: Path) -> None:
                              "step_time": 7}) + "\n")
     got = list(reader.read().series[0])
     assert _same(got, [clean[-2], 3.0, math.nan, 7.0])
+
+
+def test_the_latest_system_sample_of_each_rank(tmp_path: Path) -> None:
+    run = tmp_path / "p" / "r"
+    _shard(run / "metrics.jsonl", 0, [1.0] * 6)
+    _shard(run / "metrics.rank1.jsonl", 1, [1.0] * 6)
+    with open(run / "metrics.jsonl", "a") as fh:
+        for s, key in ((3, "system/cpu_percent"), (4, "system/rss_mb"), (5, "loss")):
+            fh.write(json.dumps({"_kind": "rank", "_step": s, "_time": 1.0, "_rank": 0,
+                                 key: 10.0 * s}) + "\n")
+    for series in ("step_time", None):
+        state = RunReader(run, window=8, series=series).read()
+        assert state.system == {0: {"system/rss_mb": 40.0, "_step": 4}}  # not step 5's record
