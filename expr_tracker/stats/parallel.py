@@ -117,7 +117,20 @@ def _context() -> Any:
 
     if can_fork():
         return multiprocessing.get_context("fork")
-    return multiprocessing.get_context("forkserver") if _fork_server else None
+    return multiprocessing.get_context("forkserver") if _fork_server and _idle_core() else None
+
+
+def _idle_core() -> bool:
+    """Some core is idle (the load average is under the cores by half a core or more).
+    On a busy machine a fork server's workers got a long-lived server no more CPU, and
+    cost their pickling: a 16,384-rank page built in workers took 15 s of CPU and 22 s
+    where one process took 12 s of each (bench/RESULTS.md, issue 19)."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return False
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return load <= (cpus or 1) - 0.5
 
 
 def map_forked(fn: Callable[[list[T]], list[R]], items: Sequence[T],
