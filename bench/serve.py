@@ -117,6 +117,7 @@ if threaded:  # as `expr serve` does at its start, in a tree that has it
         pass
     else:
         use_fork_server()
+        time.sleep(1.0)  # its start (a fresh interpreter) is `expr serve`'s, not the page's
 
 
 def run_call(call):
