@@ -138,7 +138,9 @@ class LiveRuns:
             if run is None:
                 run = self.runs[key] = LiveRun(ref, stream, self.cfg)
                 while len(self.runs) > MAX_RUNS:
-                    self.runs.popitem(last=False)[1].top.reader.close()
+                    # its inotify watch is closed with it (`DirChanges.__del__`), once a
+                    # request still reading it is done: not here, under that request
+                    self.runs.popitem(last=False)
             self.runs.move_to_end(key)
             return run
 
