@@ -16,8 +16,12 @@ reads it all again each time). Runs come from bench/scale.py's cache
 The scale part alone (issue 19 item 4, issue 24), without a browser: in a fresh process
 per round, the server's first build of the run page's three answers (the watcher's first
 pass, summary with its chart, heatmap, top) and then the no-change refresh, wall time and
-CPU time (the process and its forked workers). With EXPR_BENCH_BEFORE=<another checkout>
-the same from that tree (PYTHONPATH), in the same rounds: before and after side by side.
+CPU time (the process and its workers, a fork server's included: of the whole round), and
+the refresh once 10 s have passed (top's detectors run again, and with a kernel watch the
+pass stats every shard), each with the calls on the main thread of a one-thread process
+and on a second thread (as the server's request threads run them: such a process may not
+fork). With EXPR_BENCH_BEFORE=<another checkout> the same from that tree (PYTHONPATH), in
+the same rounds: before and after side by side.
 """
 
 from __future__ import annotations
@@ -96,7 +100,7 @@ def refresh_cost(root: Path) -> tuple[float, float, float]:
 
 
 SERVER = """
-import json, os, statistics, sys, time
+import json, os, statistics, sys, threading, time
 from pathlib import Path
 from expr_cli.web.api import Api
 from expr_cli.web.live import MIN_PASS, LiveRuns
@@ -105,30 +109,66 @@ from expr_tracker.health.config import HealthConfig
 api = Api(Path(sys.argv[1]), LiveRuns(HealthConfig()))
 run = ("bench", "big")
 cpu = lambda: sum(os.times()[:4])  # this process and its reaped (forked) workers
+threaded = sys.argv[3] == "threaded"
+if threaded:  # as `expr serve` does at its start, in a tree that has it
+    try:
+        from expr_tracker.stats.parallel import use_fork_server
+    except ImportError:
+        pass
+    else:
+        use_fork_server()
+        time.sleep(1.0)  # its start (a fresh interpreter) is `expr serve`'s, not the page's
+
+
+def run_call(call):
+    # threaded: on a thread of a process that has two, as uvicorn's thread pool runs it
+    if not threaded:
+        return call()
+    t = threading.Thread(target=call)
+    t.start()
+    t.join()
+
+
 out = {}
 t0, c0 = time.monotonic(), cpu()
 for name, call in [("summary", lambda: api.summary(*run, {"chart": ["step_time"]})),
                    ("heatmap", lambda: api.heatmap(*run, {"metric": ["step_time"], "buckets": ["60"]})),
                    ("top", lambda: api.top(*run, {"limit": ["64"]}))]:
     t, c = time.monotonic(), cpu()
-    call()
+    run_call(call)
     out[name] = time.monotonic() - t
 out["first"], out["first_cpu"] = time.monotonic() - t0, cpu() - c0
 times = []
 for _ in range(int(sys.argv[2])):
     time.sleep(MIN_PASS + 0.05)
     t = time.monotonic()
-    api.summary(*run, {"chart": ["step_time"]})
-    api.heatmap(*run, {"metric": ["step_time"], "buckets": ["60"]})
-    api.top(*run, {"limit": ["64"]})
+    run_call(lambda: (api.summary(*run, {"chart": ["step_time"]}),
+                      api.heatmap(*run, {"metric": ["step_time"], "buckets": ["60"]}),
+                      api.top(*run, {"limit": ["64"]})))
     times.append(time.monotonic() - t)
 out["refresh"] = statistics.median(times)
+if threaded:  # the fork server's workers count once it is stopped (and reaped) too
+    from multiprocessing import forkserver
+    if getattr(forkserver._forkserver, "_forkserver_pid", None) is not None:
+        forkserver._forkserver._stop()
+out["cpu_all"] = cpu() - c0  # first build and refreshes (a few ms each), workers included
+# the refresh once 10 s have passed since the first build: top's detectors are run again
+# (TOP_TTL: time alone brings a hang) and, with a kernel watch, the pass stats every shard
+time.sleep(max(0.0, t0 + out["first"] + 10.2 - time.monotonic()))
+t = time.monotonic()
+run_call(lambda: (api.summary(*run, {"chart": ["step_time"]}),
+                  api.heatmap(*run, {"metric": ["step_time"], "buckets": ["60"]}),
+                  api.top(*run, {"limit": ["64"]})))
+out["refresh10"] = time.monotonic() - t
 print(json.dumps(out))
 """
 
 
-def server_only(worlds: list[int], rounds: int = 2) -> None:
-    """The server's first build and no-change refresh, before and after, interleaved."""
+def server_only(worlds: list[int], rounds: int = 2, modes: tuple[str, ...] = ("main", "threaded")
+                ) -> None:
+    """The server's first build and no-change refresh, before and after, interleaved; each
+    on the main thread of a one-thread process (as bench/scale.py's CLI reads run) and on
+    a second thread (as `expr serve` runs a request: a process with threads may not fork)."""
     import json
 
     before = os.environ.get("EXPR_BENCH_BEFORE")
@@ -137,23 +177,28 @@ def server_only(worlds: list[int], rounds: int = 2) -> None:
         trees["before"] = {**os.environ, "PYTHONPATH": before}
     print(f"expr serve, server side, {os.cpu_count()} cores, load average "
           f"{os.getloadavg()[0]:.1f} at the start; best of {rounds} rounds (first build)\n")
-    print("| ranks | tree | first build | CPU (with workers) | summary (first pass in it) | "
-          "heatmap | top | no-change refresh |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
+    print("| ranks | tree | calls on | first build | CPU (with workers) | summary (first pass in it) | "
+          "heatmap | top | no-change refresh | the refresh every 10 s |")
+    print("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
     for world in worlds:
         root = cached_run(world, STEPS)
-        best: dict[str, dict[str, float]] = {}
+        best: dict[tuple[str, str], dict[str, float]] = {}
         for _ in range(rounds):
-            for tree, env in trees.items():
-                res = subprocess.run([sys.executable, "-c", SERVER, str(root), str(REFRESHES)],
-                                     env=env, capture_output=True, text=True, check=True)
-                got = json.loads(res.stdout)
-                if tree not in best or got["first"] < best[tree]["first"]:
-                    best[tree] = got
-        for tree, got in best.items():
-            print(f"| {world:,} | {tree} | {got['first']:.1f} s | {got['first_cpu']:.1f} s | "
+            for mode in modes:
+                for tree, env in trees.items():
+                    # not run from a checkout: `-c` puts the working directory first on
+                    # sys.path, ahead of PYTHONPATH, and "before" would import this tree
+                    res = subprocess.run([sys.executable, "-c", SERVER, str(root), str(REFRESHES),
+                                          mode], env=env, capture_output=True, text=True,
+                                         check=True, cwd=os.path.dirname(root))
+                    got = json.loads(res.stdout)
+                    if (tree, mode) not in best or got["first"] < best[tree, mode]["first"]:
+                        best[tree, mode] = got
+        for (tree, mode), got in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            on = "a request thread" if mode == "threaded" else "the main thread"
+            print(f"| {world:,} | {tree} | {on} | {got['first']:.1f} s | {got['cpu_all']:.1f} s | "
                   f"{got['summary']:.1f} s | {got['heatmap']:.1f} s | {got['top']:.1f} s | "
-                  f"{got['refresh']:.3f} s |", flush=True)
+                  f"{got['refresh']:.3f} s | {got['refresh10']:.2f} s |", flush=True)
     print(f"\nload average {os.getloadavg()[0]:.1f} at the end")
 
 

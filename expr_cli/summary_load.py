@@ -150,9 +150,20 @@ def last_rows(shards: list[ShardRef], garbage: dict[str, int]) -> list[dict[str,
     return out
 
 
+def start_scan(shards: list[ShardRef]) -> Any:
+    """The default window's scan of `shards` (`read_window` with neither step nor
+    window), started now in worker processes: a caller about to read the live state
+    (`expr serve`'s first pass) has the tails scanned meanwhile, as `expr summary` does."""
+    from expr_tracker.stats import parallel
+
+    return parallel.ScanJob([s.path for s in shards], recent=RECENT,
+                            expected_bytes=len(shards) * RECENT * _TAIL_GUESS)
+
+
 def read_window(
     run_dir: Any, stream: str | None, shards: list[ShardRef], step: int | None,
     window: tuple[int | None, int | None] | None, state: RunState | None = None,
+    job: Any = None,
 ) -> tuple[RunState, int | None, list[Any]]:
     """The run's live state (sidecars and a few tail lines per shard: status, host, last
     step, the frontier) and the scans of the shards' tails from step `lo` on.
@@ -161,7 +172,8 @@ def read_window(
     tails are scanned meanwhile, in worker processes, for each shard's own last
     `RECENT` steps, and the few shards whose tail does not reach back to the window
     (ranks far ahead of the frontier) are read again. `state`: the live state when the
-    caller keeps one (a `RunReader` between calls); else it is read here.
+    caller keeps one (a `RunReader` between calls); else it is read here. `job`: the
+    default window's scan of these shards, started already (`start_scan`).
     """
     from expr_tracker.health.state import read_run
     from expr_tracker.stats import parallel, scan
@@ -173,7 +185,8 @@ def read_window(
             state = read_run(run_dir, stream, window=2)
         lo = window_lo(step, window, state.frontier)
         return state, lo, parallel.ScanJob(paths, lo, expected_bytes=expected if lo else 1 << 62).result()
-    job = parallel.ScanJob(paths, recent=RECENT, expected_bytes=expected)
+    if job is None:
+        job = parallel.ScanJob(paths, recent=RECENT, expected_bytes=expected)
     if state is None:
         state = read_run(run_dir, stream, window=2)
     scans = job.result()

@@ -59,7 +59,11 @@ def serve_command(dir: str | None, host: str, port: int, token: str | None) -> i
     if token is None and host not in LOOPBACK:
         token = secrets.token_urlsafe(18)
     from expr_cli.commands.watch import health_config
+    from expr_tracker.stats import parallel
 
+    # while this process has one thread: uvicorn's request threads may not fork, and a
+    # page of 16,384 ranks read on one core of two takes twice as long
+    parallel.use_fork_server()
     app = make_app(root, token, health_config(None, {}))
     sock = _bind(host, port)
     bound = sock.getsockname()[1]

@@ -348,14 +348,20 @@ def summary_data(
     and `memo` a dict it keeps while that state does not change: the rank records read for
     one step or window are read once for every answer about them.
     """
-    shards = shards_of(ref, stream)
+    shards = memo.get(("shards", stream)) if memo is not None else None
+    if shards is None:  # (a listing of 16,384 shards is a fifth of a second: once per memo)
+        shards = shards_of(ref, stream)
+        if memo is not None:
+            memo[("shards", stream)] = shards
     wanted = parse_metrics(metrics)
     hit = memo.get(("table", step, window)) if memo is not None else None
     if hit is not None:
         lo, table, garbage, worlds = hit
         garbage = dict(garbage)
     else:
-        state, lo, scans = read_window(ref.path, stream, shards, step, window, state)
+        job = memo.pop(("scan", stream), None) if memo is not None and step is None \
+            and window is None else None  # (started before the live state was read)
+        state, lo, scans = read_window(ref.path, stream, shards, step, window, state, job)
         table, garbage, worlds = load_table(shards, lo, scans)
         if lo is not None and not table.steps and state.frontier is not None:
             table, garbage, worlds = load_table(shards, None)  # sparse rank records: read it all

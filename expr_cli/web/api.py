@@ -195,7 +195,7 @@ class Api:
         live = self.lives.get(ref, stream)
 
         def build(state: Any) -> Any:
-            _cli(lambda: shards_of(ref, stream), self.root)
+            _cli(lambda: _shards(live, ref, stream), self.root)
             frame = live.top(state)
             frame["history"] = incident_lines(ref)
             frame["version"] = version_tag(live)
@@ -220,7 +220,7 @@ class Api:
         key = ("series", tuple(metrics), tuple(ranks or ()), steps, window)
 
         def build(state: Any) -> Any:
-            _cli(lambda: shards_of(ref, stream), self.root)
+            _cli(lambda: _shards(live, ref, stream), self.root)
             return jsonable(_cli(lambda: series_data(ref, stream, metrics, ranks, steps, window),
                                  self.root))
 
@@ -260,6 +260,15 @@ class Api:
         return jsonable({"metric": key, "stream": stream, "steps": steps,
                          "runs": [{"run": label, "ranks": n, "values": [v.get(s) for s in steps]}
                                   for label, v, n in per]})
+
+
+def _shards(live: Any, ref: RunRef, stream: str | None) -> Any:
+    """`shards_of` (its CLIError for an empty run or an unknown stream), listed once per
+    version of the live state: `summary_data` keeps it in the same memo."""
+    key = ("shards", stream)
+    if key not in live.memo:
+        live.memo[key] = shards_of(ref, stream)
+    return live.memo[key]
 
 
 def _open_count(lines: list[dict[str, Any]]) -> int:

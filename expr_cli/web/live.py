@@ -1,8 +1,10 @@
 """Each run's live state, kept between requests (DESIGN 18).
 
 A `LiveRun` holds the health watcher's incremental reader (`health.state.RunReader`, by
-way of `data.top.TopView`): a pass over an idle run of thousands of ranks is a `stat` per
-shard and sidecar. A pass that saw nothing change (no shard or sidecar changed, the same
+way of `data.top.TopView`) with a kernel watch on the run directory (`watch_changes`): a
+pass reads the shards and sidecars inotify named since the last one, and over an idle run
+of thousands of ranks costs next to nothing (a `stat` pass of every shard runs every
+`state.VERIFY_EVERY` seconds anyway, and on every pass where no watch can be set up). A pass that saw nothing change (no shard or sidecar changed, the same
 frontier and statuses) keeps the version, and every answer built for that version is
 served again from memory: a refresh with nothing new costs the pass, not the reduction.
 Passes are shared: one per `MIN_PASS` seconds whatever the number of pages and requests.
@@ -36,6 +38,9 @@ class LiveRun:
         self.ref = ref
         self.stream = stream
         self.top = TopView(ref, stream, None, cfg)
+        # the kernel names what changed: a pass over an idle run stats nothing (DESIGN 18)
+        self.top.reader.watch_changes()
+        self._counts: Any = None
         self.lock = threading.RLock()
         self.version = 0
         self.state: Any = None
@@ -51,20 +56,46 @@ class LiveRun:
             t = time.monotonic()
             if self.state is not None and t - self.pass_at < max_age:
                 return self.state
+            job = self._prefetch() if self.state is None else None
             state = self.top.reader.read()
-            mark = (state.frontier, state.lead, state.world_size,
-                    tuple(sorted(Counter(rs.status for rs in state.ranks.values()).items())),
+            if self.state is None or state.ranks is not self.state.ranks:  # (else: the same)
+                self._counts = tuple(sorted(Counter(rs.status for rs in state.ranks.values()).items()))
+            mark = (state.frontier, state.lead, state.world_size, self._counts,
                     _incidents_key(self.ref))
             if state.changed or mark != self._mark or self.state is None:
                 no_links(self.ref)  # files appeared: none may be a symlink
                 self.version += 1
                 self._answers.clear()
-                self.memo = {}
+                self._drop_memo()
+            if job is not None:
+                self.memo.update(job)
             self._mark = mark
             self.state = state
             self.pass_at = time.monotonic()
             self.pass_s = self.pass_at - t
             return state
+
+    def _prefetch(self) -> dict[Any, Any] | None:
+        """Before the first pass: the shard listing, and the summary's scan of every tail
+        started in worker processes, which run while this process reads the live state
+        (the page's first request is its summary): at 16,384 ranks the two reads overlap
+        instead of one waiting for the other."""
+        from expr_cli.errors import CLIError
+        from expr_cli.resolve import shards_of
+        from expr_cli.summary_load import start_scan
+
+        try:
+            shards = shards_of(self.ref, self.stream)
+        except CLIError:
+            return None  # an empty run, an unknown stream: the answers say so
+        return {("shards", self.stream): shards, ("scan", self.stream): start_scan(shards)}
+
+    def _drop_memo(self) -> None:
+        """A new memo for a new version; a scan started and never used is stopped."""
+        old, self.memo = self.memo, {}
+        for key, value in old.items():
+            if key[0] == "scan" and hasattr(value, "close"):
+                value.close()
 
     def answer(self, key: Any, build: Callable[[Any], Any], ttl: float | None = None) -> Any:
         """`build(state)` for this version, from memory when it was built already (and, with
@@ -107,6 +138,8 @@ class LiveRuns:
             if run is None:
                 run = self.runs[key] = LiveRun(ref, stream, self.cfg)
                 while len(self.runs) > MAX_RUNS:
+                    # its inotify watch is closed with it (`DirChanges.__del__`), once a
+                    # request still reading it is done: not here, under that request
                     self.runs.popitem(last=False)
             self.runs.move_to_end(key)
             return run

@@ -267,6 +267,10 @@ _UNPARSED = object()
 # runs every FULL_EVERY seconds anyway, for a writer that rewrites a sidecar in place.
 DIR_SETTLE = 2.0
 FULL_EVERY = 30.0
+# With a kernel watch on the directory (`watch_changes`), a pass refreshes only the shards
+# it named; every VERIFY_EVERY seconds a pass `stat`s every shard anyway, and drops the
+# watch if that finds a change the kernel did not report (a network filesystem)
+VERIFY_EVERY = 10.0
 
 
 class RunReader:
@@ -313,6 +317,30 @@ class RunReader:
         self.clock = PassClock()  # the pass times of `health.clock`
         self.fs_offset = 0.0  # the filesystem's clock minus ours (a watcher measures it)
         self._when: dict[int, Seen] = {}  # shard rank -> when it wrote, advanced, ...
+        self.changes: Any = None  # a `changes.DirChanges` once `watch_changes` set one up
+        self.blind = False  # the watch missed a change a stat pass found: dropped for good
+        self.dirty_pass = False  # the last pass refreshed only what the kernel named
+        self._reported: set[str] | None = set()  # names reported since the last stat pass
+        self._pending: set[str] = set()  # names drained after a stat pass: read next pass
+        self._verify_at = -math.inf  # wall clock of the last stat pass with a watch
+        self._last: RunState | None = None
+
+    def watch_changes(self) -> bool:
+        """Learn from the kernel (inotify, `health.changes`) which shards and sidecars
+        changed, instead of `stat`ing every one on every pass: for a reader kept for a
+        long time (`expr serve`). False (and nothing changes) where no watch can be set
+        up: not Linux, a network filesystem, the inotify limits."""
+        from expr_tracker.health.changes import watch_dir
+
+        if self.changes is None and not self.blind:
+            self.changes = watch_dir(self.run_dir)
+        return self.changes is not None
+
+    def close(self) -> None:
+        """Drop the kernel watch (its file descriptor); the reader still works, by `stat`."""
+        if self.changes is not None:
+            self.changes.close()
+            self.changes = None
 
     def _list(self) -> dict[int, Path]:
         """`list_shards`, with each entry name parsed once for the reader's life."""
@@ -344,6 +372,21 @@ class RunReader:
 
         now = time.time()
         at = self.clock() if at is None else at
+        feed = self.changes
+        if feed is not None and self._tails and now - self._verify_at < VERIFY_EVERY:
+            got = feed.drain()
+            if got is not None:
+                names, listing = got
+                self._pending |= names
+                if self._reported is not None:
+                    self._reported |= names
+                # a sidecar is replaced by a rename: only a shard's name is a listing change
+                if not any(self._shard_of(n) is not None for n in listing
+                           if not n.endswith(".meta.json")):
+                    return self._dirty_pass(now, at)
+            else:
+                self._reported = None  # events were lost: nothing to check them against
+        self.dirty_pass = False
         full = True
         try:
             st = os.stat(self.run_dir)
@@ -383,6 +426,56 @@ class RunReader:
             rest = list(tails.values())
         live.extend(t for t in refresh_all(rest, full) if t.ok)
         changed = self._update(live, at)
+        if feed is not None:
+            self._verify(feed, changed, now)
+        return self._state(now, changed)
+
+    def _shard_of(self, name: str) -> int | None:
+        """The shard rank of an entry name (a shard or its sidecar) of this stream."""
+        if name.endswith(".meta.json"):
+            name = name[: -len(".meta.json")] + ".jsonl"
+        hit = self._parsed.get(name, _UNPARSED)
+        if hit is _UNPARSED:
+            shard = parse_shard_name(name)
+            ok = shard is not None and shard.stream == self.stream
+            hit = self._parsed[name] = (shard.rank, self.run_dir / name) if ok and shard else None
+        return hit[0] if hit is not None else None
+
+    def _dirty_pass(self, now: float, at: float) -> RunState:
+        """A pass over what the kernel said changed (and no listing: no shard appeared,
+        went or was renamed): those shards and sidecars are read, the others not even
+        `stat`ed."""
+        self.dirty_pass = True
+        names, self._pending = self._pending, set()
+        ranks = {r for n in names if (r := self._shard_of(n)) is not None}
+        tails = [t for r in sorted(ranks) if (t := self._tails.get(r)) is not None]
+        refresh_all(tails, True)
+        changed = self._update([t for t in tails if t.ok], at,
+                               gone_from=[t.rank for t in tails if not t.ok])
+        return self._state(now, changed)
+
+    def _verify(self, feed: Any, changed: list[int], now: float) -> None:
+        """After a stat pass with a watch: the names the kernel reported since the last
+        one (and right now: a write during this pass is read next pass) must cover every
+        shard this pass found changed; else the watch is blind to some writers (a
+        network filesystem written from other hosts) and is dropped."""
+        got = feed.drain()
+        if got is None:
+            self._reported = None
+        else:
+            self._pending |= got[0]
+        reported = self._reported
+        if reported is not None and got is not None and self._verify_at > -math.inf:
+            known = {r for n in reported | got[0] if (r := self._shard_of(n)) is not None}
+            if any(r not in known for r in changed):
+                self.close()
+                self.blind = True
+        self._reported = set()
+        self._verify_at = now
+
+    def _state(self, now: float, changed: list[int]) -> RunState:
+        """The RunState of this pass (the pid check of local writers included)."""
+        tails = self._tails
         self.shards_read = sum(tails[r].read_now for r in changed if r in tails)
         self.sidecars_read = sum(tails[r].side_read_now for r in changed if r in tails)
         ranks = self._states.copy()
@@ -407,16 +500,28 @@ class RunReader:
         )
         sizes = [ws for ws, n in self._sizes.items() if n > 0]
         state.__dict__["world_size"] = max(sizes) if sizes else None  # (the cached property)
+        last = self._last
+        if not changed and last is not None and ranks == last.ranks:
+            # nothing new (compared in C: the same RankState objects): the previous pass's
+            # rank dict and what was derived from it, not 16,384 ranks gone over again
+            state.ranks = last.ranks
+            for name in ("live", "frontier", "lead"):
+                if name in last.__dict__:
+                    state.__dict__[name] = last.__dict__[name]
+        self._last = state
         return state
 
-    def _update(self, live: list[ShardTail], at: float) -> list[int]:
+    def _update(self, live: list[ShardTail], at: float,
+                gone_from: list[int] | None = None) -> list[int]:
         """Bring the derived state up to date with this pass's tails; returns the shard
-        ranks that changed (were read again, appeared, or went)."""
+        ranks that changed (were read again, appeared, or went). `gone_from`: only these
+        ranks can have gone (a pass over some shards); else every rank not in `live`."""
         seen, keys, owners = self._seen, self._keys, self._owners
         now_in = {t.rank: t for t in live}
         changed = [t.rank for t in live if (p := seen.get(t.rank)) is None or p[0] is not t
                    or p[1] != t.version]
-        gone = seen.keys() - now_in.keys()
+        gone = (seen.keys() - now_in.keys() if gone_from is None
+                else {r for r in gone_from if r in seen})
         dirty: set[int] = set()
         added = False
         for r in gone:

@@ -1,7 +1,8 @@
 """Scanning many shards in worker processes (`scan.scan_shard` over a share each).
 
-Worker processes are forked, so they start at once with this process's imports; a big
-run's shards are shared among them by size. `ScanJob` starts them and returns, so the
+Worker processes are forked, so they start at once with this process's imports (from a
+fork server when this process has threads: `_context`); a big run's shards are shared
+among them by size. `ScanJob` starts them and returns, so the
 caller can read something else (the live state of the run) while they work.
 """
 
@@ -34,9 +35,9 @@ def scan_shards(paths: Sequence[str | os.PathLike[str]], lo: int | None = None,
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     workers = min(cpus or 1, MAX_WORKERS, len(names))
     total = sum(sizes) if expected_bytes is None else expected_bytes
-    if workers < 2 or total < PARALLEL_BYTES or not can_fork():
+    ctx = _context() if workers >= 2 and total >= PARALLEL_BYTES else None
+    if ctx is None:
         return scan_all(names, lo)
-    import multiprocessing
     from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
 
     # largest first onto the least loaded share: shares of about equal bytes
@@ -53,7 +54,7 @@ def scan_shards(paths: Sequence[str | os.PathLike[str]], lo: int | None = None,
             out[i] = result
 
     try:
-        with ProcessPoolExecutor(workers - 1, mp_context=multiprocessing.get_context("fork")) as pool:
+        with ProcessPoolExecutor(workers - 1, mp_context=ctx) as pool:
             futures = [(share, pool.submit(scan_all, [names[i] for i in share], lo))
                        for share in shares[1:]]
             # this process reads the first share itself instead of waiting
@@ -68,13 +69,68 @@ def scan_shards(paths: Sequence[str | os.PathLike[str]], lo: int | None = None,
 
 
 def can_fork() -> bool:
-    """Worker processes by fork only: they start at once with this process's imports, where
+    """Worker processes by fork: they start at once with this process's imports, where
     a fresh interpreter would import them again (and run the caller's `__main__`). Fork is
-    safe on Linux while this process has a single thread."""
+    safe on Linux while this process has a single thread; with more (`expr serve`'s
+    request threads) the workers come from a fork server (`_context`)."""
     import sys
     import threading
 
     return sys.platform == "linux" and threading.active_count() == 1
+
+
+# what a fork server's workers run: imported once in the server, not in every worker
+_PRELOAD = ["expr_tracker.health.tail", "expr_tracker.stats.scan", "expr_tracker.stats.parallel"]
+_fork_server = False
+
+
+def use_fork_server() -> None:
+    """Let this process, once it has threads, fork its workers from a fork server (and
+    start that now, while it has none). For a long-lived process with threads whose main
+    module imports without side effects (`expr serve`: a fork server's workers import it
+    again, and a script without an `if __name__ == "__main__"` guard would run again)."""
+    global _fork_server
+    import multiprocessing
+    import sys
+
+    if sys.platform != "linux":
+        return
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+    _fork_server = True
+
+
+def _context() -> Any:
+    """The multiprocessing context of the workers, None for none (this process alone).
+
+    Fork while this process has one thread. A process with threads (a web server's request
+    threads) must not fork (a lock another thread held at the fork stays held in the child
+    for ever): with `use_fork_server` its workers are forked from a fork server, a fresh
+    single-threaded process with this package preloaded, started once (about a third of a
+    second) and alive as long as this one; else there are none. Without workers a
+    16,384-rank page is built on one core of two.
+    """
+    import multiprocessing
+
+    if can_fork():
+        return multiprocessing.get_context("fork")
+    return multiprocessing.get_context("forkserver") if _fork_server and _idle_core() else None
+
+
+def _idle_core() -> bool:
+    """Some core is idle (the load average is under the cores by half a core or more).
+    On a busy machine a fork server's workers got a long-lived server no more CPU, and
+    cost their pickling: a 16,384-rank page built in workers took 15 s of CPU and 22 s
+    where one process took 12 s of each (bench/RESULTS.md, issue 19)."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return False
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return load <= (cpus or 1) - 0.5
 
 
 def map_forked(fn: Callable[[list[T]], list[R]], items: Sequence[T],
@@ -85,9 +141,9 @@ def map_forked(fn: Callable[[list[T]], list[R]], items: Sequence[T],
     CPU or fork is not safe, and for the shares of a worker that failed."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     workers = min(cpus or 1, max_workers, len(items))
-    if workers < 2 or not can_fork():
+    ctx = _context() if workers >= 2 else None
+    if ctx is None:
         return fn(list(items))
-    import multiprocessing
     from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
 
     shares = [list(range(k, len(items), workers)) for k in range(workers)]
@@ -100,7 +156,7 @@ def map_forked(fn: Callable[[list[T]], list[R]], items: Sequence[T],
         done[k] = True
 
     try:
-        with ProcessPoolExecutor(workers - 1, mp_context=multiprocessing.get_context("fork")) as pool:
+        with ProcessPoolExecutor(workers - 1, mp_context=ctx) as pool:
             futures = [(k, pool.submit(fn, [items[i] for i in shares[k]])) for k in range(1, workers)]
             put(0, fn([items[i] for i in shares[0]]))
             for k, future in futures:
@@ -126,19 +182,25 @@ class ScanJob:
         self._futures: list[tuple[list[int], Any]] = []
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         workers = min(cpus or 1, MAX_WORKERS, len(self.names))
-        if workers < 2 or expected_bytes < PARALLEL_BYTES or not can_fork():
+        ctx = _context() if workers >= 2 and expected_bytes >= PARALLEL_BYTES else None
+        if ctx is None:
             return
-        import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
         try:
-            self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+            self._pool = ProcessPoolExecutor(workers, mp_context=ctx)
             # interleaved shares: neighbouring ranks (similar sizes) spread over the workers
             for k in range(workers):
                 share = list(range(k, len(self.names), workers))
                 names = [self.names[i] for i in share]
                 self._futures.append((share, self._pool.submit(scan_all, names, lo, recent)))
         except OSError:
+            self._pool, self._futures = None, []
+
+    def close(self) -> None:
+        """Drop a job whose result nobody will ask for: its workers stop."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool, self._futures = None, []
 
     def result(self) -> list[ShardScan]:
