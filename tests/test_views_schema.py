@@ -180,3 +180,28 @@ def test_the_transform_scan_gives_read_jsons_answers(tmp_path, monkeypatch, make
         assert types["text"] == "VARCHAR" and types["mixed"] == "JSON"
         assert types["nested"].startswith("STRUCT") and "only_here" not in types
         assert len(metrics) > RANKS * 20  # the odd lines that parse as rows are there too
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_shard_with_bare_json_values_in_it_loses_only_those_lines(tmp_path, monkeypatch, exact):
+    """A line that is JSON but not an object (`5`, `[1, 2]`, `"x"`, `null`: a foreign
+    writer's) made DuckDB read its whole file as values, and the views came out empty.
+    Now that file is left out of the detection; its records are read like the others'."""
+    run = tmp_path / "run"
+    for r in range(4):
+        recs = [{"_step": s, "_time": T0 + s, "loss": 0.5 + r + s / 10} for s in range(6)]
+        _write(run / shard_name(r), recs)
+        if r == 1:
+            lines = (run / shard_name(r)).read_bytes().splitlines(keepends=True)
+            bad = [b"5\n", b"[1, 2]\n", b'"x"\n', b"null\n"]
+            (run / shard_name(r)).write_bytes(b"".join(lines[:2] + bad + lines[2:]))
+    if not exact:
+        monkeypatch.setattr(sql, "EXACT_SHARDS", 0)
+        monkeypatch.setattr(sql, "SAMPLE_SHARDS", 4)
+    assert not sql.records_only(str(run / shard_name(1)))
+    assert sql.records_only(str(run / shard_name(0)))
+    with sql.connect(run) as con:
+        rows = sql.run_query(con, "SELECT _rank, count(*), sum(loss) FROM metrics "
+                                  "GROUP BY 1 ORDER BY 1").fetchall()
+    assert [(r, n) for r, n, _ in rows] == [(0, 6), (1, 6), (2, 6), (3, 6)]
+    assert rows[1][2] == pytest.approx(sum(1.5 + s / 10 for s in range(6)))

@@ -190,6 +190,31 @@ def detect_sample(shard_files: list[str], streams: list[str | None] | None = Non
     return sorted(picked, key=order.__getitem__)
 
 
+_NOT_AN_OBJECT = re.compile(rb"(?:^|\n)[ \t\r]*[^{\s]")  # a line that does not start an object
+
+
+def records_only(path: str) -> bool:
+    """No line in the first SAMPLE_BYTES of `path` is JSON that is not an object (`5`,
+    `[1, 2]`, `"x"`: a foreign or broken writer's). DuckDB's detection reads a file with
+    such a line as a file of values, and the views over it would have no `_step` at all;
+    a torn or garbled line is fine (it is an error DuckDB skips)."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(SAMPLE_BYTES)
+    except OSError:
+        return True  # DuckDB will say what is wrong with it
+    if not _NOT_AN_OBJECT.search(data):
+        return True  # every line starts an object (the usual case: one search in C)
+    for _, line in records.iter_lines(data):
+        if line.strip() and not line.lstrip().startswith(b"{"):
+            try:
+                json.loads(line)
+            except ValueError:
+                continue  # not JSON at all: an error DuckDB skips
+            return False
+    return True
+
+
 def sample_keys(paths: list[Path]) -> dict[str, dict[str, Any]]:
     """key -> {"step": seen in step rows, "rank": seen in rank records, "numeric": bool}
     from the first SAMPLE_BYTES of up to SAMPLE_SHARDS shards spread over the run."""
@@ -280,6 +305,8 @@ def _shard_views(con: Any, shards: list[RunShard], shard_files: list[str] | None
     con.execute(f"SET VARIABLE {SHARD_VAR} = ?", [shard_files])
     options = f"filename='_file', ignore_errors=true, maximum_object_size={MAX_OBJECT}"
     detect = detect_sample(shard_files, [s.stream for s in shards])
+    # a file DuckDB would read as bare values gives no columns: read it with the others'
+    detect = [p for p in detect if records_only(p)] or detect
     source = (f"read_json({_file_list(detect)}, format='newline_delimited', "
               f"union_by_name=true, {options})")
     described = con.execute(f"DESCRIBE SELECT * FROM {source}").fetchall()
