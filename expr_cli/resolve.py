@@ -30,6 +30,11 @@ class ShardRef(NamedTuple):
     stream: str | None
     rank: int
 
+    @property
+    def sidecar(self) -> Path:
+        """The shard's sidecar (`metrics.rank3.jsonl` -> `metrics.rank3.meta.json`)."""
+        return self.path.with_name(self.path.name[: -len(".jsonl")] + ".meta.json")
+
 
 class RunRef(NamedTuple):
     """A resolved run: its directory, a `project/name` label, and the shard file if one was named."""
@@ -157,7 +162,7 @@ def _world_size(shards: Sequence[ShardRef]) -> int | None:
     """The world size the first of `shards` records in its sidecar (None if it has none)."""
     from expr_tracker.store.cursor import read_sidecar
 
-    meta = read_sidecar(shards[0].path.with_name(shards[0].path.name[: -len(".jsonl")] + ".meta.json"))
+    meta = read_sidecar(shards[0].sidecar)
     ws = meta.get("world_size") if meta else None
     return ws if type(ws) is int and ws > 0 else None
 

@@ -57,8 +57,7 @@ def _pid_alive(pid: Any) -> bool:
 def inspect_shard(ref: ShardRef, last_step: Any = False) -> dict[str, Any]:
     """Rows, last step, size, status and sidecar state of one shard, without modifying it
     (`last_step` when the caller knows it already)."""
-    stem = ref.path.name[: -len(".jsonl")]
-    side = ref.path.with_name(f"{stem}.meta.json")
+    side = ref.sidecar
     meta = read_sidecar(side)
     corrupt = meta is None and side.exists()
     with open(ref.path, "rb") as fh:
