@@ -170,9 +170,9 @@ class IncidentLog:
         self.torn += 1
         return salvage(fragment)
 
-    def undelivered(self) -> bool:
-        """An open incident that nobody delivered and this watcher has not offered yet."""
-        return any(not inc.delivered and inc.id not in self.offered for inc in self.open.values())
+    def undelivered(self) -> list[Incident]:
+        """The open incidents that nobody delivered and this watcher has not offered yet."""
+        return [inc for inc in self.open.values() if not inc.delivered and inc.id not in self.offered]
 
     def record(self, changes: list[Incident], deliver: Callable[[Incident], bool] | None,
                updates: list[Incident] | None = None) -> list[Incident]:
@@ -215,7 +215,7 @@ class IncidentLog:
                 done.append(inc)
             if deliver is not None:
                 self.sync(fd)
-                for inc in [i for i in self.open.values() if not i.delivered and i.id not in self.offered]:
+                for inc in self.undelivered():
                     self.offered.add(inc.id)  # a channel's policy that held it back is not asked again
                     if deliver(inc):
                         late = replace(inc, delivered=True)
@@ -303,7 +303,7 @@ class Watcher:
                  crash_window=self.cfg.crash_window, ended=ended(self.state))
         for inc in p.still_open:  # last_seen and step in memory; the file keeps the first line
             self.log.open[inc.id] = inc
-        late = self.dispatcher is not None and self.log.undelivered()
+        late = self.dispatcher is not None and bool(self.log.undelivered())
         if not (p.opened or p.resolved or p.updated or late) or not self.run_dir.is_dir():
             return []
         try:
