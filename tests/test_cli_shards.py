@@ -54,3 +54,35 @@ def test_shards_of_an_empty_run_is_one_error_line(cli):
     assert result.exit_code == 1
     assert result.stderr.startswith("error: run proj/hollow is empty")
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.output
+
+
+def test_rows_from_the_state_pass_equal_rows_read_again(cli_root):
+    """`expr shards` builds each row from what the live state's pass read of the shard
+    (`inspect_tail`); it must equal the row of a fresh read (`inspect_shard`) for every
+    sidecar state: ok, behind, torn, missing, corrupt, needs repair, a saved .torn file."""
+    from expr_cli.data.runs import inspect_shard, inspect_tail
+    from expr_cli.resolve import list_shards, resolve_run
+    from expr_tracker.health.state import RunReader
+
+    run = cli_root / "proj" / "run-1"
+    (run / "metrics.rank6.meta.json").write_text("[1, 2]")  # corrupt: not an object
+    side = run / "metrics.rank1.meta.json"
+    meta = json.loads(side.read_text())
+    meta["cursor"]["bytes"] -= 100  # needs repair
+    side.write_text(json.dumps(meta))
+    (run / "metrics.rank5.jsonl.torn").write_bytes(b'{"_step": 1')
+    ref = resolve_run("run-1", cli_root)
+    found = list_shards(ref)
+    checked = set()
+    for stream in {s.stream for s in found}:
+        reader = RunReader(run, stream, window=4)
+        state = reader.read()
+        names = frozenset(reader.names)
+        for s in (s for s in found if s.stream == stream):
+            tail = reader.tail(s.rank)
+            assert tail is not None and tail.path == s.path
+            last = state.ranks[s.rank].last_step
+            got, want = inspect_tail(s, tail, names, last), inspect_shard(s, last)
+            assert got == want, s.path.name
+            checked.add(want["sidecar"].split(" ")[0])
+    assert checked >= {"ok", "behind", "torn", "missing", "corrupt", "needs"}

@@ -3,8 +3,8 @@
 A run of a few shards prints a row per shard. A big one (DESIGN 14) prints a summary by
 status and by node (worst nodes first) and the shards that need attention: crashed,
 behind the frontier, slow (`step_time` an outlier), a sidecar that needs repair or a
-torn tail; `--all` prints every row. Each shard costs a `stat`, its sidecar and a few KiB
-of its tail, read in threads.
+torn tail; `--all` prints every row. Each shard is read once: its sidecar and a few KiB
+of its tail, by the live state's pass, whose reads the rows reuse (`inspect_tail`).
 
 Nothing here writes: a torn tail or a sidecar that disagrees with its shard is
 reported, and left for the next writer to repair (DESIGN 5).
@@ -16,7 +16,7 @@ from typing import Any
 
 import typer
 
-from expr_cli.data.runs import inspect_shard
+from expr_cli.data.runs import inspect_shard, inspect_tail
 from expr_cli.resolve import (
     DIR_OPT,
     JSON_OPT,
@@ -34,24 +34,25 @@ BEHIND_STEPS = 100  # DESIGN 13: `behind` from this many steps short of the fron
 _JSON_DROP = ("stream_text",)
 
 
-def _map(fn: Any, items: list[Any]) -> list[Any]:
-    """`fn` over `items`, in threads when there are many (the reads release the GIL)."""
-    if len(items) < 64:
-        return [fn(x) for x in items]
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        return list(pool.map(fn, items))
-
-
 def inspect_run(found: list[ShardRef], run_path: Any) -> list[dict[str, Any]]:
     """Every shard's row, with its node, behind count and what needs attention."""
     from expr_cli.layout import Nodes
-    from expr_tracker.health.state import read_run
+    from expr_tracker.health.state import RunReader
 
     streams = sorted({s.stream for s in found}, key=lambda x: x or "")
-    states = {st: read_run(run_path, st, window=4) for st in streams}
-    rows = _map(lambda s: inspect_shard(s, _known_last(states[s.stream], s.rank)), found)
+    readers = {st: RunReader(run_path, st, window=4) for st in streams}
+    states = {st: reader.read() for st, reader in readers.items()}
+
+    def row(s: ShardRef) -> dict[str, Any]:
+        # what the state's pass read of the shard, else the shard read again
+        reader, last = readers[s.stream], _known_last(states[s.stream], s.rank)
+        tail = reader.tail(s.rank)
+        if tail is not None and tail.path == s.path:
+            return inspect_tail(s, tail, names[s.stream], last)
+        return inspect_shard(s, last)
+
+    names = {st: frozenset(reader.names) for st, reader in readers.items()}
+    rows = [row(s) for s in found]  # (threads cost more than the few reads left)
     for stream, state in states.items():
         mine = [r for r in rows if r["stream"] == stream]
         world = max([state.world_size or 0, *(r["rank"] + 1 for r in mine)])

@@ -336,6 +336,13 @@ class RunReader:
             self.changes = watch_dir(self.run_dir)
         return self.changes is not None
 
+    def tail(self, rank: int) -> ShardTail | None:
+        """What the last pass read of shard `rank` (its size, complete end, sidecar), for
+        a caller that reports on the files themselves (`expr shards`) without a second
+        read of each; None for a shard it did not read."""
+        t = self._tails.get(rank)
+        return t if t is not None and t.ok else None
+
     def close(self) -> None:
         """Drop the kernel watch (its file descriptor); the reader still works, by `stat`."""
         if self.changes is not None:
