@@ -175,6 +175,16 @@ def read_window(
     caller keeps one (a `RunReader` between calls); else it is read here. `job`: the
     default window's scan of these shards, started already (`start_scan`).
     """
+    from expr_tracker.gcpause import paused_gc
+
+    with paused_gc():  # (millions of records, no cycles: `gcpause`)
+        return _read_window(run_dir, stream, shards, step, window, state, job)
+
+
+def _read_window(
+    run_dir: Any, stream: str | None, shards: list[ShardRef], step: int | None,
+    window: tuple[int | None, int | None] | None, state: RunState | None, job: Any,
+) -> tuple[RunState, int | None, list[Any]]:
     from expr_tracker.health.state import read_run
     from expr_tracker.stats import parallel, scan
 

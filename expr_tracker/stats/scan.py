@@ -27,6 +27,7 @@ from typing import Any, cast
 
 import orjson
 
+from expr_tracker.gcpause import paused_gc
 from expr_tracker.stats.ranktable import TableShape
 
 # `reduce`'s bounds and mean, so that both readers agree to the last bit
@@ -262,8 +263,10 @@ def scan_shard(
 
 def scan_all(paths: Sequence[str], lo: int | None = None,
               recent: int | None = None) -> list[ShardScan]:
-    """`scan_shard` of each path, in order, in this process."""
-    return [scan_shard(p, lo, recent) for p in paths]
+    """`scan_shard` of each path, in order, in this process (no cyclic collections
+    meanwhile: `gcpause`)."""
+    with paused_gc():
+        return [scan_shard(p, lo, recent) for p in paths]
 
 
 # -- tables ------------------------------------------------------------------------------
