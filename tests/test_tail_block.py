@@ -38,3 +38,30 @@ def test_small_first_block_reads_the_same_state(tmp_path, monkeypatch, window):
     assert _state(run, window) == small
     assert len(small[0]) == 12 and small[1] is not None
     assert math.isnan(read_run(run, window=window).ranks[7].last_row["loss"])
+
+
+@pytest.mark.parametrize("window", [16, 64])
+def test_a_block_sized_by_the_steps_read_reads_the_same_state(tmp_path, monkeypatch, window):
+    """Past the first block, the reverse read sizes the next one by the bytes a step took
+    so far; with lines of every length (a few bytes to 3 KiB, all-gathered rank records,
+    steps without rank records) the state is the one whole-file blocks read."""
+    import random
+
+    rng = random.Random(5)
+    run = write_run(tmp_path / "p" / "r", 6, 20)
+    for rank in range(6):
+        name = "metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl"
+        with open(run / name, "a") as fh:
+            for s in range(20, 220):
+                width = rng.choice([0, 10, 300, 3000]) if rank != 4 else 3000 * (s % 3)
+                fh.write(json.dumps({"_step": s, "_time": 1.0e9 + s, "loss": 1.0 / s,
+                                     "pad": "y" * width}) + "\n")
+                for r in ((rank,) if rank else range(6)) if s % 5 else ():
+                    fh.write(json.dumps({"_kind": "rank", "_step": s, "_rank": r,
+                                         "_world_size": 6, "step_time": 0.5,
+                                         "pad": "z" * rng.choice([0, 900])}) + "\n")
+    sized = _state(run, window)
+    monkeypatch.setattr(tail, "SMALL_BLOCK", tail.MAX_CATCHUP)  # one block: the whole tail
+    monkeypatch.setattr(tail, "TAIL_BLOCK", tail.MAX_CATCHUP)
+    assert _state(run, window) == sized
+    assert all(len(read_run(run, window=window).ranks[r].steps) == window for r in range(6))

@@ -323,8 +323,16 @@ class ShardTail:
                 if len(got) >= MAX_TAIL_LINES:
                     done = True
                     break
+            if n_steps and not done:
+                # the next block sized by the bytes a step took so far (a quarter more),
+                # not doubled: parsing is most of a first read, and a doubled block can
+                # parse up to twice the lines the window needs
+                per_step = (end - start) / n_steps
+                block = min(MAX_CATCHUP, max(int((self.window - n_steps) * per_step * 1.25),
+                                             SMALL_BLOCK))
+            else:
+                block = min(2 * block, MAX_CATCHUP)
             pos = start
-            block = min(2 * block, MAX_CATCHUP)
         got.reverse()
         self._take(got)
         self.offset = end
