@@ -36,6 +36,13 @@ _JSON_DROP = ("stream_text",)
 
 def inspect_run(found: list[ShardRef], run_path: Any) -> list[dict[str, Any]]:
     """Every shard's row, with its node, behind count and what needs attention."""
+    from expr_tracker.gcpause import paused_gc
+
+    with paused_gc():  # (a record per line read, no cycles: `gcpause`)
+        return _inspect_run(found, run_path)
+
+
+def _inspect_run(found: list[ShardRef], run_path: Any) -> list[dict[str, Any]]:
     from expr_cli.layout import Nodes
     from expr_tracker.health.state import RunReader
 
