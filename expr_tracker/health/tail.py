@@ -425,7 +425,19 @@ def _json_object(raw: bytes) -> dict[str, Any] | None:
 def refresh_all(tails: list[ShardTail], sidecars: bool = True) -> list[ShardTail]:
     """Refresh each tail (see `ShardTail.refresh`; `ok` says how it went); run in worker
     processes too. No (ok, tail) pairs: 16,384 tuples alive through a pass would be
-    promoted by the garbage collector and bring on a full collection every few passes."""
-    for t in tails:
-        t.refresh(sidecars)
+    promoted by the garbage collector and bring on a full collection every few passes.
+
+    The cyclic garbage collector is off meanwhile: a first read of 16,384 shards makes
+    millions of dicts (none in a cycle), and the collections they set off were a third of
+    its CPU time (in one process, window 64: about 5.8 s with it, 3.9 s without)."""
+    import gc
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        for t in tails:
+            t.refresh(sidecars)
+    finally:
+        if was:
+            gc.enable()
     return tails
