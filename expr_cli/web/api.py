@@ -195,10 +195,12 @@ class Api:
         ref, stream = self._run(project, name, params)
         limit = _int(params, "limit", 1)
         live = self.lives.get(ref, stream)
-        state = live.refresh()
         if not live.full:  # the detectors' window is still being read (`live.QUICK_MIN`)
-            live.start_full()
-            return _reading(live, ref, state)
+            # (the kept state when there is one: not behind the lock of an answer being built)
+            state = live.state if live.state is not None else live.refresh()
+            if not live.full:
+                live.start_full()
+                return _reading(live, ref, state)
 
         def build(state: Any) -> Any:
             _cli(lambda: _shards(live, ref, stream), self.root)

@@ -55,6 +55,7 @@ class LiveRun:
         self.quick: Any = None  # the window-2 reader while the full state is being read
         self.full = False  # the passes are the watcher's reader's (top can be answered)
         self._full_job: threading.Thread | None = None
+        self._start_lock = threading.Lock()
         self._quick_at = 0.0
         self._building = 0  # answers being built now (the full read waits for a pause)
         self._built_at = 0.0
@@ -106,7 +107,7 @@ class LiveRun:
 
     def start_full(self) -> None:
         """Read the watcher's window of every tail on a thread (once), if not read yet."""
-        with self.lock:
+        with self._start_lock:  # (not `lock`: an answer being built holds it for seconds)
             if self.full or self._full_job is not None:
                 return
             self._full_job = threading.Thread(target=self._read_full, daemon=True,
@@ -125,12 +126,11 @@ class LiveRun:
         try:
             state = self.top.reader.read()
         except Exception:  # (a run removed meanwhile: the next top asks again)
-            with self.lock:
+            with self._start_lock:
                 self._full_job = None
             return
         with self.lock:
             quick, self.quick, self.full = self.quick, None, True
-            self._full_job = None
             counts = tuple(sorted(Counter(rs.status for rs in state.ranks.values()).items()))
             mark = (state.frontier, state.lead, state.world_size, counts, _incidents_key(self.ref))
             if quick is None or quick.files() != self.top.reader.files() or mark != self._mark:

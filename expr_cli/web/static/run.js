@@ -62,6 +62,7 @@ async function load() {
     $("missing").hidden = true;
     $("content").hidden = false;
     drawHeader(label, one, top);
+    page.summary = one;
     if (one.keys) {
       drawTiles($("tiles"), one, m);
       if (one.chart) { drawChart($("chart"), one.chart); $("chart-note").textContent = `${one.chart.key}, last ${one.chart.step.length} steps`; }
@@ -114,12 +115,24 @@ function drawTop(top) {
     replace($("ranks"), note("ranks-reading"));
     document.body.dataset.top = "reading";
     clearTimeout(page.topPoll);
-    page.topPoll = setTimeout(load, TOP_POLL_MS);
+    page.topPoll = setTimeout(pollTop, TOP_POLL_MS);
     return;
   }
   drawIncidents($("incidents"), top);
   drawRanks($("ranks"), top, page.noisier);
   document.body.dataset.top = "1";
+}
+
+// top again, alone (the summary and the heatmap drawn are still this version's)
+async function pollTop() {
+  if (page.busy) { page.topPoll = setTimeout(pollTop, TOP_POLL_MS); return; }
+  try {
+    const top = await get(`${base}/top`, { limit: 64 });
+    drawTop(top);
+    if (!top.reading) drawHeader(label, page.summary, top);
+  } catch (err) {
+    drawLive(`error: ${err.message}`);
+  }
 }
 
 async function drill(node) {
