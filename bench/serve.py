@@ -4,8 +4,10 @@
 
 For each world size, side by side in one run: a fresh `expr serve --port 0` and headless
 Debian chromium (playwright, no browser download): time to first render of the run page
-(navigation to every panel drawn), bytes transferred (response bodies and headers, the
-event stream excluded), then a second visitor on the same server (its live state kept);
+(navigation to every panel drawn; top's may say it is still reading) and to top's real
+panel, bytes transferred (response bodies and headers, the event stream excluded, top's
+polls included), then a second visitor on the same server (its live state kept), with
+EXPR_BENCH_BEFORE=<another checkout> that tree's server too, in the same rounds;
 and, in this process, the server time of a refresh with nothing new (the page's three
 requests: summary, heatmap, top) against `expr summary --json` of the same run (which
 reads it all again each time). Runs come from bench/scale.py's cache

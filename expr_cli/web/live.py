@@ -21,6 +21,7 @@ are kept: they are the same (`tests/test_serve_quick.py`).
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -41,6 +42,7 @@ QUICK_MIN = 1024  # shards from which the first pass is the quick one (window 2)
 QUIET = 0.25  # seconds without an answer being built before the full read starts ...
 QUIET_MAX = 10.0  # ... waiting at most this long for such a pause
 AUTO_FULL = 2.0  # seconds after the quick pass the full read starts, top asked or not
+SWITCH = 0.0005  # seconds: the interpreter's thread switch interval during the full read
 
 
 class LiveRun:
@@ -82,6 +84,7 @@ class LiveRun:
                     from expr_tracker.health.state import RunReader
 
                     self.quick = RunReader(self.ref.path, self.stream, window=2)
+                    self.quick.watch_changes()  # (its passes meanwhile: what the kernel names)
                     self._quick_at = t
                 else:
                     self.full = True
@@ -123,16 +126,25 @@ class LiveRun:
         while time.monotonic() - start < QUIET_MAX and (
                 self._building or time.monotonic() - self._built_at < QUIET):
             time.sleep(QUIET / 5)
+        # requests go on meanwhile: each time one gives up the interpreter (a system call)
+        # it waits for this thread's turn to end, 5 ms by default, and a page of a few
+        # hundred such calls took a second; shorter turns while this read runs
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH)
         try:
             state = self.top.reader.read()
         except Exception:  # (a run removed meanwhile: the next top asks again)
             with self._start_lock:
                 self._full_job = None
             return
+        finally:
+            sys.setswitchinterval(switch)
         with self.lock:
             quick, self.quick, self.full = self.quick, None, True
             counts = tuple(sorted(Counter(rs.status for rs in state.ranks.values()).items()))
             mark = (state.frontier, state.lead, state.world_size, counts, _incidents_key(self.ref))
+            if quick is not None:
+                quick.close()
             if quick is None or quick.files() != self.top.reader.files() or mark != self._mark:
                 self.version += 1  # something moved since the quick pass: answer again
                 self._answers.clear()
