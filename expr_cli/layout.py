@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from itertools import compress, repeat
-from operator import is_not
 from typing import TYPE_CHECKING, Any
 
 from .resolve import compact_ranks
@@ -92,11 +90,8 @@ def _badness(grid: Mapping[int, Sequence[Cell]]) -> dict[int, float]:
     width = len(next(iter(grid.values())))
     medians: list[float | None] = []
     for col in zip(*grid.values(), strict=True) if width else ():
-        if not _clean(col):  # (a crashed rank's None in every later column: filtered in C)
-            col = tuple(compress(col, map(is_not, col, repeat(None))))
-            if not all(map(math.isfinite, col)):
-                col = tuple(filter(math.isfinite, col))
-        vals = sorted(col)
+        vals = sorted(col) if _clean(col) else sorted(
+            v for v in col if v is not None and math.isfinite(v))
         medians.append(_median(vals) if vals else None)
     out = {}
     clean = [r for r, row in grid.items() if _clean(row)] if width else []
