@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,7 @@ def full_top(api: Api, within: float = 60.0) -> dict[str, Any]:
 
 
 def test_the_early_answers_are_the_full_ones_and_the_clis(cli: Any, root: Path) -> None:
+    switch = sys.getswitchinterval()
     api = Api(root, LiveRuns(HealthConfig()))
     summary = api.summary("proj", "big", {})
     heat = api.heatmap("proj", "big", HEAT)
@@ -71,6 +73,7 @@ def test_the_early_answers_are_the_full_ones_and_the_clis(cli: Any, root: Path) 
 
     top = full_top(api)
     assert not live.quick and live.full
+    assert sys.getswitchinterval() == switch  # (short only while the full read ran)
     # nothing changed on disk: the same version, and the answers built before are kept
     assert api.summary("proj", "big", {}) is summary
     assert api.heatmap("proj", "big", HEAT) is heat

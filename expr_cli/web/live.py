@@ -129,8 +129,7 @@ class LiveRun:
         # requests go on meanwhile: each time one gives up the interpreter (a system call)
         # it waits for this thread's turn to end, 5 ms by default, and a page of a few
         # hundred such calls took a second; shorter turns while this read runs
-        switch = sys.getswitchinterval()
-        sys.setswitchinterval(SWITCH)
+        _short_switches(+1)
         try:
             state = self.top.reader.read()
         except Exception:  # (a run removed meanwhile: the next top asks again)
@@ -138,7 +137,7 @@ class LiveRun:
                 self._full_job = None
             return
         finally:
-            sys.setswitchinterval(switch)
+            _short_switches(-1)
         with self.lock:
             quick, self.quick, self.full = self.quick, None, True
             counts = tuple(sorted(Counter(rs.status for rs in state.ranks.values()).items()))
@@ -194,6 +193,22 @@ class LiveRun:
             while len(self._answers) > MAX_ANSWERS:
                 self._answers.popitem(last=False)
             return value
+
+
+_switching = threading.Lock()
+_switch_users = [0, 0.0]  # full reads running, and the switch interval before the first
+
+
+def _short_switches(step: int) -> None:
+    """+1: a full read starts (the interval is `SWITCH` while any runs); -1: one ended
+    (the interval before the first comes back after the last)."""
+    with _switching:
+        if step > 0 and _switch_users[0] == 0:
+            _switch_users[1] = sys.getswitchinterval()
+            sys.setswitchinterval(SWITCH)
+        _switch_users[0] += step
+        if _switch_users[0] == 0:
+            sys.setswitchinterval(_switch_users[1])
 
 
 def _incidents_key(ref: RunRef) -> tuple[int, int] | None:
