@@ -296,8 +296,13 @@ def build_view(
     view["keys"] = items
     ckey = chart if isinstance(chart, str) and chart in tables else (items[0]["key"] if items else None)
     if chart and ckey is not None:
-        view["chart"] = _chart(tables[ckey], ckey,
-                               chosen if window is not None else recent)
+        view["chart"] = ch = _chart(tables[ckey], ckey,
+                                    chosen if window is not None else recent)
+        # the noisier ranks over the chart's steps, as `--steps FIRST:LAST+1` gives them:
+        # from the table read already (it holds every record of those steps), where a page
+        # asked a second summary for them, which read every tail again (seconds at 16,384)
+        ch["variability"] = (_variability(tables[ckey], ckey, (ch["step"][0], ch["step"][-1] + 1),
+                                          min_rel, nodes, False) if ch["step"] else None)
     view["coverage"] = [
         {"step": s, "reported": n, "world": w, "missing": missing}
         for s, n, w, missing in _coverage(primary, recent)

@@ -6,7 +6,9 @@ shape: `runs` adds each run's `open_incidents` (null for a run no watcher keeps
 incidents for); `summary` adds `chart` (the first key's
 reducers at each recent step); `summary`, `heatmap` and `top` add `version`, the version
 of the live state they were built from, unique to this server process (a page opens the event stream with it, which then
-stays quiet until the run moves on); `heatmap` keeps every rank's cells up to `PAGE_RANKS`
+stays quiet until the run moves on); `top` of a run of thousands of ranks answers
+`reading: true` (no rows, no incidents) until the window its detectors need is read
+(`live.QUICK_MIN`); `heatmap` keeps every rank's cells up to `PAGE_RANKS`
 ranks, and past that one combined row per node (`nodes`) and the cells of the ranks of
 `?node=` only (a page does not draw 16,384 rows); `top` adds `history`, the run's
 incident lines, resolved ones too.
@@ -193,6 +195,12 @@ class Api:
         ref, stream = self._run(project, name, params)
         limit = _int(params, "limit", 1)
         live = self.lives.get(ref, stream)
+        if not live.full:  # the detectors' window is still being read (`live.QUICK_MIN`)
+            # (the kept state when there is one: not behind the lock of an answer being built)
+            state = live.state if live.state is not None else live.refresh()
+            if not live.full:
+                live.start_full()
+                return _reading(live, ref, state)
 
         def build(state: Any) -> Any:
             _cli(lambda: _shards(live, ref, stream), self.root)
@@ -260,6 +268,20 @@ class Api:
         return jsonable({"metric": key, "stream": stream, "steps": steps,
                          "runs": [{"run": label, "ranks": n, "values": [v.get(s) for s in steps]}
                                   for label, v, n in per]})
+
+
+def _reading(live: Any, ref: RunRef, state: Any) -> dict[str, Any]:
+    """Top's answer while the window its detectors need is read: the frame's shape with
+    `reading: true`, no rank rows and no incidents (not "none": unknown yet), and the
+    incident lines a watcher wrote (`history`)."""
+    from expr_tracker.health.state import DEFAULT_WINDOW
+
+    text = f"reading the last {DEFAULT_WINDOW} steps of every rank for the detectors"
+    return jsonable({"run": ref.label, "reading": True, "frontier": state.frontier, "lead": state.lead,
+                     "live": len(state.live), "world_size": state.world_size, "metric": None,
+                     "job": {"state": "reading", "text": text}, "ranks": [], "nodes": [],
+                     "incidents": [], "history": incident_lines(ref), "version": version_tag(live),
+                     "ranks_total": 0, "nodes_total": 0})
 
 
 def _shards(live: Any, ref: RunRef, stream: str | None) -> Any:

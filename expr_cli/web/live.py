@@ -8,11 +8,20 @@ of thousands of ranks costs next to nothing (a `stat` pass of every shard runs e
 frontier and statuses) keeps the version, and every answer built for that version is
 served again from memory: a refresh with nothing new costs the pass, not the reduction.
 Passes are shared: one per `MIN_PASS` seconds whatever the number of pages and requests.
+
+A run of `QUICK_MIN` shards or more is first read with a window of 2 steps (the state
+`expr summary` reads: statuses, frontier, hosts), which is what the summary and the heatmap
+need; the watcher's window (`DEFAULT_WINDOW` steps of every tail, for top's detectors) is
+read afterwards on a thread, once the first answers are out, and until it is there top
+answers `reading` (a page says so; it never shows a made-up "no incidents"). When it is
+read and no shard or sidecar changed since the quick pass, the version and its answers
+are kept: they are the same (`tests/test_serve_quick.py`).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -29,6 +38,11 @@ TOP_TTL = 10.0  # top runs the time-based detectors (hang, stall: minutes): rebu
 MAX_RUNS = 32  # live states kept (least recently used dropped)
 MAX_ANSWERS = 64  # answers kept per run and version
 INCIDENT_TAIL = 256 << 10  # bytes of incidents.jsonl read for the resolved incidents
+QUICK_MIN = 1024  # shards from which the first pass is the quick one (window 2)
+QUIET = 0.25  # seconds without an answer being built before the full read starts ...
+QUIET_MAX = 10.0  # ... waiting at most this long for such a pause
+AUTO_FULL = 2.0  # seconds after the quick pass the full read starts, top asked or not
+SWITCH = 0.0005  # seconds: the interpreter's thread switch interval during the full read
 
 
 class LiveRun:
@@ -40,6 +54,13 @@ class LiveRun:
         self.top = TopView(ref, stream, None, cfg)
         # the kernel names what changed: a pass over an idle run stats nothing (DESIGN 18)
         self.top.reader.watch_changes()
+        self.quick: Any = None  # the window-2 reader while the full state is being read
+        self.full = False  # the passes are the watcher's reader's (top can be answered)
+        self._full_job: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self._quick_at = 0.0
+        self._building = 0  # answers being built now (the full read waits for a pause)
+        self._built_at = 0.0
         self._counts: Any = None
         self.lock = threading.RLock()
         self.version = 0
@@ -57,7 +78,19 @@ class LiveRun:
             if self.state is not None and t - self.pass_at < max_age:
                 return self.state
             job = self._prefetch() if self.state is None else None
-            state = self.top.reader.read()
+            if self.state is None and not self.full:
+                shards = job.get(("shards", self.stream)) if job else None
+                if shards is not None and len(shards) >= QUICK_MIN:
+                    from expr_tracker.health.state import RunReader
+
+                    self.quick = RunReader(self.ref.path, self.stream, window=2)
+                    self.quick.watch_changes()  # (its passes meanwhile: what the kernel names)
+                    self._quick_at = t
+                else:
+                    self.full = True
+            if self.quick is not None and t - self._quick_at >= AUTO_FULL:
+                self.start_full()
+            state = (self.quick if self.quick is not None else self.top.reader).read()
             if self.state is None or state.ranks is not self.state.ranks:  # (else: the same)
                 self._counts = tuple(sorted(Counter(rs.status for rs in state.ranks.values()).items()))
             mark = (state.frontier, state.lead, state.world_size, self._counts,
@@ -74,6 +107,50 @@ class LiveRun:
             self.pass_at = time.monotonic()
             self.pass_s = self.pass_at - t
             return state
+
+    def start_full(self) -> None:
+        """Read the watcher's window of every tail on a thread (once), if not read yet."""
+        with self._start_lock:  # (not `lock`: an answer being built holds it for seconds)
+            if self.full or self._full_job is not None:
+                return
+            self._full_job = threading.Thread(target=self._read_full, daemon=True,
+                                              name=f"expr-serve-full-{self.ref.label}")
+            self._full_job.start()
+
+    def _read_full(self) -> None:
+        """The full read, then the switch to its reader. Not under the lock: passes and
+        answers go on from the quick reader meanwhile. It waits for a pause in the
+        answers (`QUIET`): a thread of this process competes with them for the
+        interpreter, and the page's first answers come first."""
+        start = time.monotonic()
+        while time.monotonic() - start < QUIET_MAX and (
+                self._building or time.monotonic() - self._built_at < QUIET):
+            time.sleep(QUIET / 5)
+        # requests go on meanwhile: each time one gives up the interpreter (a system call)
+        # it waits for this thread's turn to end, 5 ms by default, and a page of a few
+        # hundred such calls took a second; shorter turns while this read runs
+        _short_switches(+1)
+        try:
+            state = self.top.reader.read()
+        except Exception:  # (a run removed meanwhile: the next top asks again)
+            with self._start_lock:
+                self._full_job = None
+            return
+        finally:
+            _short_switches(-1)
+        with self.lock:
+            quick, self.quick, self.full = self.quick, None, True
+            counts = tuple(sorted(Counter(rs.status for rs in state.ranks.values()).items()))
+            mark = (state.frontier, state.lead, state.world_size, counts, _incidents_key(self.ref))
+            if quick is not None:
+                quick.close()
+            if quick is None or quick.files() != self.top.reader.files() or mark != self._mark:
+                self.version += 1  # something moved since the quick pass: answer again
+                self._answers.clear()
+                self._drop_memo()
+            self._counts, self._mark = counts, mark
+            self.state = state
+            self.pass_at = time.monotonic()
 
     def _prefetch(self) -> dict[Any, Any] | None:
         """Before the first pass: the shard listing, and the summary's scan of every tail
@@ -106,11 +183,32 @@ class LiveRun:
             if hit is not None and (ttl is None or time.monotonic() - hit[0] < ttl):
                 self._answers.move_to_end(key)
                 return hit[1]
-            value = build(state)
+            self._building += 1
+            try:
+                value = build(state)
+            finally:
+                self._building -= 1
+                self._built_at = time.monotonic()
             self._answers[key] = (time.monotonic(), value)
             while len(self._answers) > MAX_ANSWERS:
                 self._answers.popitem(last=False)
             return value
+
+
+_switching = threading.Lock()
+_switch_users = [0, 0.0]  # full reads running, and the switch interval before the first
+
+
+def _short_switches(step: int) -> None:
+    """+1: a full read starts (the interval is `SWITCH` while any runs); -1: one ended
+    (the interval before the first comes back after the last)."""
+    with _switching:
+        if step > 0 and _switch_users[0] == 0:
+            _switch_users[1] = sys.getswitchinterval()
+            sys.setswitchinterval(SWITCH)
+        _switch_users[0] += step
+        if _switch_users[0] == 0:
+            sys.setswitchinterval(_switch_users[1])
 
 
 def _incidents_key(ref: RunRef) -> tuple[int, int] | None:

@@ -344,6 +344,11 @@ class RunReader:
         t = self._tails.get(rank)
         return t if t is not None and t.ok else None
 
+    def files(self) -> dict[int, tuple[Any, ...]]:
+        """What the last pass saw of each shard and its sidecar (inode, size, mtime): two
+        readers of a run that saw the same files read the same bytes."""
+        return {r: (t.ino, t.size, t.mtime_ns, t.sidecar_stat) for r, t in self._tails.items()}
+
     def close(self) -> None:
         """Drop the kernel watch (its file descriptor); the reader still works, by `stat`."""
         if self.changes is not None:

@@ -1,9 +1,10 @@
-// The run page: fetches the summary (all keys and the picked one), the heatmap and top,
-// and hands each to its panel, then the picked key's summary over the chart's steps (the
-// noisier ranks); the event stream triggers a refetch, never a reload.
+// The run page: fetches the summary (all keys and the picked one, its chart and the noisier
+// ranks over the chart's steps), the heatmap and top, and hands each to its panel; the
+// event stream triggers a refetch, never a reload.
 import { ApiError, get, runPath } from "./api.js";
 import { drawChart, resizeChart } from "./chart.js";
 import { drawCoverage } from "./coverage.js";
+import { h, replace } from "./dom.js";
 import { drawHeader, drawLive } from "./header.js";
 import { drawHeatmap, heatRows, rowAt } from "./heatmap.js";
 import { drawIncidents } from "./incidents.js";
@@ -20,10 +21,10 @@ const [project, name] = [parts[1], parts[2]];
 const label = `${project}/${name}`;
 const base = runPath(project, name);
 const page = { metric: new URLSearchParams(window.location.search).get("metric"), busy: false, again: false,
-               drill: null, loaded: false, noisier: new Map(), noisierKey: null, noisierAt: 0 };
+               drill: null, loaded: false, noisier: new Map() };
 
 const RETRY_MS = 2000; // a run not there yet (the job is starting): look again this often
-const NOISIER_MS = 10000;
+const TOP_POLL_MS = 1000; // top still reading its detectors' window: ask again this often
 
 function missing(message) {
   $("content").hidden = true;
@@ -61,6 +62,7 @@ async function load() {
     $("missing").hidden = true;
     $("content").hidden = false;
     drawHeader(label, one, top);
+    page.summary = one;
     if (one.keys) {
       drawTiles($("tiles"), one, m);
       if (one.chart) { drawChart($("chart"), one.chart); $("chart-note").textContent = `${one.chart.key}, last ${one.chart.step.length} steps`; }
@@ -69,8 +71,7 @@ async function load() {
       $("tiles").textContent = "this run has no rank records; pick a metric its ranks log";
     }
     drawOutliers($("outliers"), all.keys ? all : one);
-    drawIncidents($("incidents"), top);
-    drawRanks($("ranks"), top, page.noisier);
+    drawTop(top);
     if (hm && hm.heatmap) {
       const h = hm.heatmap;
       drawHeatmap($("heatmap"), heatRows(h), h.buckets, $("heatmap-legend"));
@@ -84,20 +85,15 @@ async function load() {
     page.version = drawn.sort((a, b) => Number(a.split(".")[1]) - Number(b.split(".")[1]))[0] || null;
     page.loaded = true;
     document.body.dataset.loaded = "1";
-    // after the first render: is a rank noisier over the chart's steps? (one more summary,
-    // at most every NOISIER_MS: a live run changes every second, its variability slowly)
-    if (one.keys && one.chart && one.chart.step.length >= 2 && m
-        && (page.noisierKey !== m || Date.now() - page.noisierAt >= NOISIER_MS)) {
-      page.noisierKey = m; page.noisierAt = Date.now();
+    // is a rank noisier over the chart's steps? The summary carries it with its chart
+    // (`chart.variability`, as `expr summary -m KEY --steps A:B --json` gives it)
+    if (one.keys && one.chart && one.chart.key === m && one.chart.variability && one.chart.step.length >= 2) {
       const st = one.chart.step;
-      const win = await get(`${base}/summary`, { metric: m, steps: `${st[0]}:${st[st.length - 1] + 1}` })
-        .catch(() => null);
-      if (win && page.metric === m) {
-        page.noisier = noisierByRank(win);
-        drawNoisier($("noisier"), win);
-        drawRanks($("ranks"), top, page.noisier);
-        document.body.dataset.noisier = "1";
-      }
+      const win = { steps: [st[0], st[st.length - 1] + 1], keys: [{ key: m, variability: one.chart.variability }] };
+      page.noisier = noisierByRank(win);
+      drawNoisier($("noisier"), win);
+      if (!top.reading) drawRanks($("ranks"), top, page.noisier);
+      document.body.dataset.noisier = "1";
     }
   } catch (err) {
     if (err instanceof ApiError && err.status === 404) {
@@ -107,6 +103,35 @@ async function load() {
   } finally {
     page.busy = false;
     if (page.again) { page.again = false; load(); }
+  }
+}
+
+// top's panels; while the server reads the window its detectors need (a run of thousands
+// of ranks, just opened) they say so, and the page asks again: no "no open incidents" yet
+function drawTop(top) {
+  if (top.reading) {
+    const note = (id) => h("p", { class: "muted", id }, `${top.job.text}...`);
+    replace($("incidents"), note("incidents-reading"));
+    replace($("ranks"), note("ranks-reading"));
+    document.body.dataset.top = "reading";
+    clearTimeout(page.topPoll);
+    page.topPoll = setTimeout(pollTop, TOP_POLL_MS);
+    return;
+  }
+  drawIncidents($("incidents"), top);
+  drawRanks($("ranks"), top, page.noisier);
+  document.body.dataset.top = "1";
+}
+
+// top again, alone (the summary and the heatmap drawn are still this version's)
+async function pollTop() {
+  if (page.busy) { page.topPoll = setTimeout(pollTop, TOP_POLL_MS); return; }
+  try {
+    const top = await get(`${base}/top`, { limit: 64 });
+    drawTop(top);
+    if (!top.reading) drawHeader(label, page.summary, top);
+  } catch (err) {
+    drawLive(`error: ${err.message}`);
   }
 }
 
