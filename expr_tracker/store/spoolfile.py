@@ -244,7 +244,9 @@ class SpoolReader:
             carry = b""
             oversize = False
             while rd < size:
-                block = os.pread(fd, min(self.block, size - rd), rd)
+                # a line longer than a block: each read at least its length so far, so
+                # that assembling it copies it a few times, not once per block
+                block = os.pread(fd, min(max(self.block, len(carry)), size - rd), rd)
                 if not block:
                     break
                 rd += len(block)

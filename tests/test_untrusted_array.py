@@ -1,0 +1,52 @@
+"""The block screen parses a block's lines as one JSON array (`untrusted._as_one`) only
+where that is the same as parsing each line on its own: lines made of fragments that join
+across the commas (an object split over two lines, two objects on one line, a list that
+spans lines, text holding "},{") are never taken for the lines they are not."""
+
+from __future__ import annotations
+
+import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from expr_tracker.store import untrusted
+
+_PIECES = [b'{"a":1', b'"b":2}', b'{"c":1},{"d":2}', b'{"e":[{"f":1}', b'{"g":2}]}', b'{}',
+           b'{"h":"},{"}', b'{"i":"x"}', b'{"j":{"k":1}}', b'{"l":1}', b'{"m":1} ', b' {"n":1}',
+           b'{"o":{"p":1}', b'"q":{"r":2}}', b"1", b"null", b'{"s":1}', b'{"t":"\\u005d"}', b""]
+
+
+def _each(lines: list[bytes]) -> list[object] | None:
+    try:
+        return [orjson.loads(line) for line in lines]
+    except orjson.JSONDecodeError:
+        return None
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES), min_size=1, max_size=6))
+def test_one_array_parse_is_taken_only_where_it_is_each_line_s(lines: list[bytes]) -> None:
+    one = untrusted._as_one(lines)
+    if one is not None:
+        rows, data = one
+        assert rows == _each(lines), lines
+        assert data == b"[" + b"\n,".join(lines) + b"]"
+    recs, _clean = untrusted.screen_block(lines, 1 << 24)
+    assert recs == _each(lines), lines
+
+
+def test_the_usual_lines_are_parsed_as_one_array() -> None:
+    lines = [b'{"_step":%d,"_time":1.5,"_seq":%d,"loss":0.25}' % (k, k + 1) for k in range(50)]
+    one = untrusted._as_one(lines)
+    assert one is not None and one[0] == _each(lines)
+    assert untrusted.screen_block(lines, 1 << 24) == (_each(lines), True)
+    # one odd line sends the block line by line (or is parsed as one, as a nested object
+    # is), and the block is not clean
+    for odd in (b'{"_step":1,"_time":1.5,"_seq":2,"loss":[1]}', b'{"_step":1,"_time":1.5} ',
+                b'{"_step":1,"_time":1.5,"_seq":2,"x":{}}', b'{"a":1},{"b":2}'):
+        block = [*lines[:10], odd, *lines[10:]]
+        one = untrusted._as_one(block)
+        assert one is None or (b"{}" in odd and one[0] == _each(block)), odd
+        recs, clean = untrusted.screen_block(block, 1 << 24)
+        assert not clean, odd
+        assert recs == _each(block), odd
