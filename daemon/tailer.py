@@ -61,12 +61,16 @@ def _masks(tail: FileTail, evs: list[Any] | None, start: int = 0
            ) -> tuple[list[bool], list[bool], frozenset[str] | None]:
     """Of a clean block's records from `start` on (those before it are False): which have
     only keys of checked step rows (without `_rank`), and which have the key set of the
-    last checked rank record (returned too)."""
+    last checked rank record (returned too). The usual block is step rows only: one union
+    of their keys says it (a set's update from a dict takes each key's hash as it is
+    stored), not a look-up of each record's keys."""
     if not evs:
         return [], [], None
     keys, ranks = tail.row_keys, tail.shapes[1]
     rest = evs[start:] if start else evs
     head = [False] * start
+    if keys and keys.issuperset(set().union(*rest)):
+        return head + [True] * len(rest), [], ranks  # the usual block: step rows only
     mask = head + list(map(keys.issuperset, rest)) if keys else []
     rmask = head + list(map(eq, repeat(ranks), map(dict.keys, rest))) \
         if ranks is not None and not all(mask[start:] or [False]) else []
