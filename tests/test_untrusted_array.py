@@ -50,3 +50,20 @@ def test_the_usual_lines_are_parsed_as_one_array() -> None:
         recs, clean = untrusted.screen_block(block, 1 << 24)
         assert not clean, odd
         assert recs == _each(block), odd
+
+
+def test_numbered_takes_ints_only() -> None:
+    """`numbered` reads the seqs' types from their sum: a float, a bool or text among
+    numbers equal to the seqs is never taken for an int."""
+    def rows(seqs: list[object]) -> list[dict[str, object]]:
+        return [{"_seq": s, "_step": k, "_time": 1.5} for k, s in enumerate(seqs)]
+
+    lines = [b"{}"] * 4
+    assert untrusted.numbered(lines, rows([0, 1, 2, 3]), 0)
+    assert untrusted.numbered(lines, rows([5, 6, 7, 8]), 5)
+    for bad, first in (([0, True, 2, 3], 0), ([True, 2, 3, 4], 1), ([False, 1, 2, 3], 0),
+                       ([5, 6.0, 7, 8], 5), ([5, 6, 7, 8.0], 5), ([5, "6", 7, 8], 5),
+                       ([5, None, 7, 8], 5), ([5, 7, 6, 8], 5)):
+        assert not untrusted.numbered(lines, rows(bad), first), bad
+    assert not untrusted.numbered(lines, [{"_seq": 1, "_step": True, "_time": 1.5}], 1)
+    assert not untrusted.numbered(lines, [{"_seq": 1, "_step": 1, "_time": 2}], 1)

@@ -50,9 +50,16 @@ _DROPPED = bytes(c for c in range(256) if c not in b'0123456789:."')
 _LONG_INT = b":" + b"0" * 19
 
 
+# A block's translation keeps "{" too (see screen_block): in a block whose every ":" is a
+# key's and whose every "{" starts a line, a "{" never comes between a ":" and digits
+_DROPPED_BLOCK = bytes(c for c in range(256) if c not in b'0123456789:."{')
+
+
 def _long_int(data: bytes) -> bool:
     """True if `data` (lines whose every ":" is a key's) may hold an int of 19 digits."""
-    return _LONG_INT in data.translate(_DIGITS_AS_ZERO, _DROPPED)
+    # rfind: the same answer as `in`, and 4x faster here (its skips look at the ":",
+    # rare in the text, where find's look at a "0", which is not)
+    return data.translate(_DIGITS_AS_ZERO, _DROPPED).rfind(_LONG_INT) >= 0
 
 
 def check_record(rec: Mapping[str, Any]) -> None:
@@ -178,9 +185,11 @@ def screen_block(parts: list[bytes], max_line: int) -> tuple[list[Any] | None, b
                                    *map(orjson.loads, parts[hi:])]
     except orjson.JSONDecodeError:
         return None, False
-    # 58 ":", 123 "{": a colon per key, one brace per line (no nested object, no `{}`)
-    clean = (data.count(58) == sum(map(len, rows)) and data.count(123) == len(rows)
-             and not _long_int(data))
+    # 58 ":", 123 "{": a colon per key, one brace per line (no nested object, no `{}`),
+    # counted in what the int bound's search looks at (a third shorter), which keeps them
+    kept = data.translate(_DIGITS_AS_ZERO, _DROPPED_BLOCK)
+    clean = (kept.count(58) == sum(map(len, rows)) and kept.count(123) == len(rows)
+             and kept.rfind(_LONG_INT) < 0)
     return recs, clean
 
 
@@ -211,7 +220,7 @@ def _as_one(lines: list[bytes]) -> tuple[list[Any], bytes] | None:
         ends = lines[:]
         ends[0], ends[-1] = b"[" + ends[0], ends[-1] + b"]"
         data = b"\n,".join(ends)
-    if data.count(91) != 1:  # "[" in a line: a list value, or an array the commas join
+    if data.find(91, 1) >= 0:  # "[" in a line: a list value, or an array the commas join
         return None
     try:
         rows = orjson.loads(data)
@@ -295,8 +304,11 @@ def numbered(parts: list[bytes], recs: list[Any], first_seq: int) -> bool:
         return False
     try:
         seqs, steps = list(map(_SEQ, recs)), list(map(_STEP, recs))
+        # ints: equal to theirs, a float among them makes their sum one, and a bool
+        # (False, True) can only be equal to one numbered 0 or 1: the first two
         return (seqs == list(range(first_seq, first_seq + len(recs)))
-                and set(map(type, seqs)) == {int} and set(map(type, steps)) == {int}
+                and sum(seqs).__class__ is int and set(map(type, seqs[:2])) == {int}
+                and set(map(type, steps)) == {int}
                 and set(map(type, map(_TIME, recs))) == {float}
                 and min(steps) >= 0 and max(steps) <= MAX_STEP)
     except (KeyError, IndexError):
