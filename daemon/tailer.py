@@ -380,7 +380,7 @@ class Tailer:
                     continue
                 # the block parsed and screened at once (for the fast case: the first
                 # block of a file holds its init, after which the run only appends)
-                evs, clean = block(parts, max_line)
+                evs, clean = block(parts, max_line, reader.span)
                 # runs of step rows made of keys the full check passed, and of rank
                 # records of a checked shape, are taken at once (untrusted.plain_rows,
                 # plain_ranks: no Python loop per record); `at` is the next run's start

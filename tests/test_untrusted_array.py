@@ -67,3 +67,10 @@ def test_numbered_takes_ints_only() -> None:
         assert not untrusted.numbered(lines, rows(bad), first), bad
     assert not untrusted.numbered(lines, [{"_seq": 1, "_step": True, "_time": 1.5}], 1)
     assert not untrusted.numbered(lines, [{"_seq": 1, "_step": 1, "_time": 2}], 1)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES), min_size=1, max_size=6), st.sampled_from([4, 16, 1 << 24]))
+def test_the_block_s_span_says_what_its_longest_line_would(lines: list[bytes], max_line: int) -> None:
+    span = sum(map(len, lines)) + len(lines)
+    assert untrusted.screen_block(lines, max_line, span) == untrusted.screen_block(lines, max_line)

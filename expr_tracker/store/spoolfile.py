@@ -218,6 +218,7 @@ class SpoolReader:
         self.block = block
         self.size = 0  # the file size when `lines()` started
         self.more = False  # `lines()` stopped at its limit with more data after it
+        self.span = 0  # bytes of the lines `chunks()` yielded last, with their newlines
 
     def lines(self, offset: int, limit: int | None = None) -> Iterator[tuple[int, int, bytes | None]]:
         """Complete lines from `offset`; stops after about `limit` bytes at a line end."""
@@ -262,6 +263,7 @@ class SpoolReader:
                 parts = data.split(b"\n")
                 carry = parts.pop()
                 if parts:
+                    self.span = len(data) - len(carry)
                     yield pos, parts, None
                     pos += len(data) - len(carry)
                 if len(carry) > self.max_line:

@@ -154,7 +154,8 @@ def screen(rec: dict[str, Any], line: bytes, shapes: Sequence[frozenset[str] | N
     return True
 
 
-def screen_block(parts: list[bytes], max_line: int) -> tuple[list[Any] | None, bool]:
+def screen_block(parts: list[bytes], max_line: int, span: int = -1
+                 ) -> tuple[list[Any] | None, bool]:
     """The lines of one block (without their newlines) parsed, each on its own, and
     whether the block passes the line-level half of `screen` (`clean`): then a record of
     it whose keys are a checked step row's (without `_rank`), with an int `_step` in range
@@ -166,8 +167,11 @@ def screen_block(parts: list[bytes], max_line: int) -> tuple[list[Any] | None, b
     (a line of JSON objects never has fewer colons than keys). Events at the block's ends
     (a file's init, its finish) are left out of the sums: a line that starts with
     `{"_event"` has that key, which no checked step row has, so it is never screened so.
+    `span`: the bytes of `parts` with their newlines if the caller knows them (a block no
+    longer than MAX_STR needs no look for its longest line).
     """
-    longest = max(map(len, parts), default=0)
+    # `span`, if known: the bytes of `parts` with their newlines (no line is longer)
+    longest = span if 0 <= span <= min(MAX_STR, max_line) else max(map(len, parts), default=0)
     if longest > max_line:
         return None, False
     lo, hi = 0, len(parts)
