@@ -11,7 +11,9 @@ Targets (issue 24): ingest at least 50% of the floor (read the same spool lines,
 orjson.loads, write them out), p99 append->shard latency under 50 ms at 8 x 1,000
 events/s, idle CPU under 0.5% of a core with 64 idle spool files, RSS under 150 MB with
 512 spool files, and a live exprd catching up with 2,048 live spool files at least half
-as fast as with the same events in 8 (`bench/scale.py` measures that too, once).
+as fast as with the same events in 8 (`bench/scale.py` measures that too, once). The
+many-file measure also times its floor, the same catch-ups done by the least any writer
+must do (a run directory, a shard and a sidecar per file, each line parsed and written).
 """
 
 from __future__ import annotations
@@ -267,6 +269,33 @@ def many_rate(tmp: Path, count: int, events: int) -> tuple[float, float]:
     return count * events / wall, count * events / cpu
 
 
+def many_floor(tmp: Path, spool: Path, tag: str) -> tuple[float, float]:
+    """The floor of a catch-up over the spool files `many_files` made: per file, its run
+    directory made, its lines read, parsed (orjson.loads) and written to a new shard, and
+    a sidecar stored beside it (temp file and rename), nothing else. Events per second of
+    wall time and of this process's CPU time: what any exprd pays per file and per event
+    (the run directory and its two files are the kernel's work, whatever the daemon)."""
+    out = tmp / f"floor-{tag}"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    files = sorted(spool.rglob("*.jsonl"))
+    events = 0
+    t0, c0 = time.perf_counter(), time.process_time()
+    for f in files:
+        run = out / f.parent.name
+        run.mkdir()
+        with open(f, "rb") as fin, open(run / "metrics.jsonl", "ab") as fout:
+            lines = fin.read().splitlines(keepends=True)
+            for line in lines[1:]:
+                orjson.loads(line)
+            fout.write(b"".join(lines[1:]))
+            events += len(lines) - 1
+        side = run / ".metrics.meta.json.tmp"
+        side.write_bytes(orjson.dumps({"rows": len(lines) - 1}))
+        side.replace(run / "metrics.meta.json")
+    return events / (time.perf_counter() - t0), events / (time.process_time() - c0)
+
+
 def rss_many(tmp: Path) -> tuple[float, int]:
     spool, root, state = many_files(tmp, "rss", 512)
     d = exprd(["--config", str(config(tmp, spool, state, root))], tmp, stderr=subprocess.DEVNULL)
@@ -333,13 +362,30 @@ def main() -> None:
                     # which one side waited for a core says nothing of the other
                     (few, few_cpu), (many, many_cpu) = many_rate(sub, 8, 25_600), \
                         many_rate(sub, 2048, 100)
+                    # the same files' floor, this process (the spools many_rate made)
+                    (ffew, ffew_cpu), (fmany, fmany_cpu) = \
+                        many_floor(sub, sub / "spool-many8", "8"), \
+                        many_floor(sub, sub / "spool-many2048", "2048")
                     for key, value in (("few", few), ("many", many), ("few_cpu", few_cpu),
-                                       ("many_cpu", many_cpu)):
+                                       ("many_cpu", many_cpu), ("ffew", ffew),
+                                       ("fmany", fmany), ("ffew_cpu", ffew_cpu),
+                                       ("fmany_cpu", fmany_cpu)):
                         got[key] = max(got.get(key, 0.0), value)
                     got["many_x"], got["many_cpu_x"] = (got["few"] / got["many"],
                                                         got["few_cpu"] / got["many_cpu"])
                     got.setdefault("many_xs", []).append(few / many)
+                    got.setdefault("floor_xs", []).append(ffew_cpu / fmany_cpu)
                 shutil.rmtree(sub, ignore_errors=True)
+    # the many-file floors are the same work whatever the tree: the best of the whole run
+    for key in ("ffew", "fmany", "ffew_cpu", "fmany_cpu"):
+        top = max((got[key] for got in best.values() if key in got), default=0.0)
+        for got in best.values():
+            if key in got:
+                got[key] = top
+    for got in best.values():
+        if "fmany" in got:
+            got["floor_x"], got["floor_cpu_x"] = (got["ffew"] / got["fmany"],
+                                                  got["ffew_cpu"] / got["fmany_cpu"])
     for key, of in (("floor", "ratio"), ("floor_cpu", "cpu_ratio")):
         top = max((got[key] for got in best.values() if key in got), default=0.0)
         for got in best.values():
@@ -379,10 +425,18 @@ def main() -> None:
     row("catch-up per CPU second of exprd, 2,048 files", "{:,.0f} events/s", "many_cpu")
     row("8-file rate / 2,048-file rate, CPU time", "{:.2f}x", "many_cpu_x", "<= 2x",
         after.get("many_cpu_x", 1e9) <= 2)
+    row("floor: 8 files (dir, read, parse, write, sidecar), per CPU second", "{:,.0f} events/s",
+        "ffew_cpu")
+    row("floor: 2,048 files, per CPU second", "{:,.0f} events/s", "fmany_cpu")
+    row("floor: 8-file rate / 2,048-file rate, CPU time", "{:.2f}x", "floor_cpu_x")
+    row("floor: 8-file rate / 2,048-file rate, wall", "{:.2f}x", "floor_x")
     for tree in trees:
         if "many_xs" in best[tree]:
             print(f"\n{tree}: 8-file / 2,048-file rate of each round: "
                   + ", ".join(f"{v:.2f}x" for v in best[tree]["many_xs"]))
+        if "floor_xs" in best[tree]:
+            print(f"\n{tree} rounds: floor 8-file / 2,048-file rate, CPU time: "
+                  + ", ".join(f"{v:.2f}x" for v in best[tree]["floor_xs"]))
         if "p99s" in best[tree]:
             print(f"\n{tree}: append->shard p99 of each round: "
                   + ", ".join(f"{v:.1f} ms" for v in best[tree]["p99s"]))

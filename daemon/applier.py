@@ -58,7 +58,9 @@ class ShardSlot:
         # the spool seqs the shard holds: nothing is applied before they are known
         self.applied: dict[str, int] | None = None
         self.last_step: int | None = None  # the shard's last step when `scan` read it
-        self.hint = self.scan()  # the sidecar as the slot found it (None: none)
+        # the sidecar as the slot found it (None: none); a run directory that was missing
+        # at the init's check a moment ago holds no shard and no sidecar yet
+        self.hint = self.scan(walk=not spec.new_dir)
         self.pending: dict[str, int] = {}  # session -> last seq appended, not yet flushed
         self.refs = 0
         self.newest = self.first_time = spec.time
@@ -82,12 +84,15 @@ class ShardSlot:
         self.writer.identity = {k: side[k] for k in keys if k in side}
         self.kept = (str(side.get("status") or "running"), side.get("end_time"), side.get("exit"))
 
-    def scan(self) -> dict[str, Any] | None:
+    def scan(self, walk: bool = True) -> dict[str, Any] | None:
         """Read which spool seqs the shard holds (read-only, nothing created) and its
         sidecar (returned; None if there is none, or it cannot be read). If the shard
         cannot be read now (EMFILE...), the slot is blocked and tries again: `applied`
-        stays None. The run directory is walked to once, and a missing one ends it."""
+        stays None. The run directory is walked to once, and a missing one ends it
+        (`walk` False: known missing, not walked to)."""
         try:
+            if not walk:
+                raise FileNotFoundError
             with self.writer.walked():
                 hint = self.writer.read_hint()
                 cursor = self.writer.scan(hint, hinted=True)

@@ -39,7 +39,6 @@ from . import status as status_mod
 from .config import Config, ConfigError
 from .durable import Durable
 from .filetail import FileTail
-from .health import DaemonHealth, HealthConfig
 from .notify import Notifier
 from .presence import Locked, Presence, hold
 from .progress import JsonProgress, replay_summary
@@ -77,7 +76,8 @@ class Daemon:
 
     def __init__(self, cfg: Config, *, poll: bool = False, replay: bool = False,
                  dry_run: bool = False, notifier: Notifier | None = None,
-                 config_path: str | None = None, overrides: dict[str, Any] | None = None) -> None:
+                 config_path: str | None = None, overrides: dict[str, Any] | None = None,
+                 once: bool = False) -> None:
         if cfg.spool is None or cfg.state is None:
             raise ConfigError("both spool and state are required (--spool/--state or the config)")
         self.cfg = cfg
@@ -109,8 +109,9 @@ class Daemon:
         self.tailer = Tailer(cfg, self.spool, self.state, dispatcher=self.dispatcher,
                              dry_run=dry_run, live=not replay, state_dir=self.sdir,
                              max_open=cfg.open_files_bound(), durable=self.durable)
-        self.health = None if replay or dry_run else DaemonHealth(
-            cfg.health or HealthConfig(), self.dispatcher, cfg.watch_roots)
+        # the health watcher runs in the daemon loop only (`--once` applies and exits): its
+        # modules (detectors, statistics) are imported for it alone
+        self.health = None if replay or dry_run or once else _health(cfg, self.dispatcher)
         self.stopping = False
         self.reload_requested = False
         self.started = time.time()
@@ -462,9 +463,16 @@ class Daemon:
         self.cfg = cfg
         self.tailer.cfg = cfg
         if self.health is not None:
-            self.health = DaemonHealth(cfg.health or HealthConfig(), self.dispatcher, cfg.watch_roots)
+            self.health = _health(cfg, self.dispatcher)
         self.tailer.recheck(cfg)  # a narrower allowed_roots applies to open runs too
         log.info("reloaded %s", self.config_path or "the defaults")
+
+
+def _health(cfg: Config, dispatcher: Any) -> Any:
+    """The daemon's health watcher (exprd.health.DaemonHealth) for `cfg`."""
+    from .health import DaemonHealth, HealthConfig
+
+    return DaemonHealth(cfg.health or HealthConfig(), dispatcher, cfg.watch_roots)
 
 
 @contextlib.contextmanager
@@ -605,7 +613,7 @@ def entry(argv: list[str] | None = None) -> int:
         # a replay is a command, not a service: it never talks to systemd
         daemon = Daemon(cfg, poll=args.poll, replay=args.replay, dry_run=args.dry_run,
                         notifier=Notifier(None) if args.replay else Notifier.from_env(),
-                        config_path=args.config, overrides=overrides)
+                        config_path=args.config, overrides=overrides, once=args.once)
     except Locked as exc:
         return fail(str(exc))
     except (TrackerError, OSError, ValueError) as exc:  # ConfigError, a bad alert config

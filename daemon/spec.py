@@ -51,6 +51,9 @@ class RunSpec:
     backend_on_rank: int | str | None = 0  # a rank, None (every rank) or "auto" (per backend)
     backend_rank_metrics: bool = False
     backends: list[Any] = field(default_factory=list)
+    # the run directory was missing when the init was checked: the shard's first look
+    # need not walk to it (only exprd writes a spool file's rows, and it is doing this)
+    new_dir: bool = False
 
     def writer_identity(self) -> dict[str, Any]:
         # session_time: which session is the shard's newest, for a stale copy read later
@@ -102,18 +105,24 @@ def _resolved_run_dir(rdir: Path, root: Path, project: str, name: str) -> Path:
     validated names hold no "/" and no "..", so it differs only where `project` or `name`
     is a symlink, which two lstats tell (the whole resolve is done then, and for anything
     unusual)."""
+    return _look_at_run_dir(rdir, root, project, name)[0]
+
+
+def _look_at_run_dir(rdir: Path, root: Path, project: str, name: str) -> tuple[Path, bool]:
+    """`_resolved_run_dir`, and whether the run directory was missing (a new run: nothing
+    of it can be in a shard yet)."""
     here = str(root)
     for part in (project, name):
         here = f"{here}/{part}"
         try:
             mode = os.lstat(here).st_mode
         except FileNotFoundError:
-            return rdir  # nothing below it either: resolve() keeps the rest as it is
+            return rdir, True  # nothing below it either: resolve() keeps the rest as it is
         except OSError:
-            return rdir.resolve()
+            return rdir.resolve(), False
         if not stat.S_ISDIR(mode):
-            return rdir.resolve()  # a symlink (or a file in the way)
-    return rdir
+            return rdir.resolve(), False  # a symlink (or a file in the way)
+    return rdir, False
 
 
 def check_init(ev: Mapping[str, Any], path: Path, spool_root: Path, cfg: Config,
@@ -164,7 +173,8 @@ def check_init(ev: Mapping[str, Any], path: Path, spool_root: Path, cfg: Config,
         raise InitError(f"run dir {raw_dir!r} is not an absolute path")
     root = roots.resolve(raw_dir) if roots is not None else Path(raw_dir).resolve()
     rdir = run_dir(root, project, name)
-    if not cfg.allows(root) or not cfg.allows(_resolved_run_dir(rdir, root, project, name)):
+    resolved, missing = _look_at_run_dir(rdir, root, project, name)
+    if not cfg.allows(root) or not cfg.allows(resolved):
         raise InitError(f"run dir {raw_dir} is outside allowed_roots")
     anchor = cfg.root_of(root) or root
     pid = ev.get("pid")
@@ -187,4 +197,5 @@ def check_init(ev: Mapping[str, Any], path: Path, spool_root: Path, cfg: Config,
         else _opt_rank(ev, "backend_on_rank"),
         backend_rank_metrics=ev.get("backend_rank_metrics") is True,
         backends=list(ev.get("backends") or []),
+        new_dir=missing,
     )

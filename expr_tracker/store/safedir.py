@@ -48,11 +48,12 @@ def _unsafe(exc: OSError, name: str, dir_fd: int, where: Path) -> OSError:
     return exc
 
 
-def open_dir(root: Path, parts: Sequence[str], *, create: bool = True, mode: int = 0o755) -> int:
+def open_dir(root: Path, parts: Sequence[str], *, create: bool = True, mode: int = 0o755,
+             made: list[str] | None = None) -> int:
     """A descriptor of `root/parts...`, every part opened without following symlinks.
 
     `root` itself is the configured (already resolved) root; it is created if missing
-    when `create`, like the parts below it.
+    when `create`, like the parts below it (those this call made are added to `made`).
     """
     try:
         fd = os.open(root, _DIR)
@@ -62,15 +63,16 @@ def open_dir(root: Path, parts: Sequence[str], *, create: bool = True, mode: int
         os.makedirs(root, exist_ok=True)
         fd = os.open(root, _DIR)
     try:
-        return open_below(fd, parts, create=create, mode=mode, where=root)
+        return open_below(fd, parts, create=create, mode=mode, where=root, made=made)
     finally:
         os.close(fd)
 
 
 def open_below(dir_fd: int, parts: Sequence[str], *, create: bool = True, mode: int = 0o755,
-               where: Path | None = None) -> int:
+               where: Path | None = None, made: list[str] | None = None) -> int:
     """A new descriptor of `parts...` below directory `dir_fd` (which stays open), every
-    part opened without following symlinks and created if missing when `create`."""
+    part opened without following symlinks and created if missing when `create` (the
+    parts this call made are added to `made`)."""
     fd = os.dup(dir_fd)
     base = where or Path(".")
     # the path of a part is built only for an error message (pathlib is slow on the way)
@@ -83,6 +85,8 @@ def open_below(dir_fd: int, parts: Sequence[str], *, create: bool = True, mode: 
                     raise
                 try:
                     os.mkdir(name, mode, dir_fd=fd)
+                    if made is not None:
+                        made.append(name)
                 except FileExistsError:
                     pass  # made meanwhile (or a symlink put there: the open below says so)
                 try:

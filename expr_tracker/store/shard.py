@@ -120,15 +120,17 @@ class ShardWriter:
         try:
             # exprd: the run directory walked to once for the files `open` touches (the
             # sidecar, the shard, its torn file...), not once per file
-            with self.walked(create=True):
-                hint = self.read_hint()
+            with self.walked(create=True) as new_dir:
+                # a run directory this walk made is empty: no sidecar, no shard to repair
+                hint = None if new_dir else self.read_hint()
                 if self.exclusive:
                     # the SDK's own shard (never exprd's, which has an anchor): the lock file
                     # sits in the run directory the user named
                     self.paths.run_dir.mkdir(parents=True, exist_ok=True)
                     self._take_lock(hint)
                 with self._locked_file():
-                    self.cursor, self.repaired = repair_and_scan(self.paths, hint, self.open_file)
+                    self.cursor, self.repaired = (Cursor(), False) if new_dir else \
+                        repair_and_scan(self.paths, hint, self.open_file)
                     if self.shared and self.own_rank is not None:
                         self.cursor.last_step = self._own_last_step()
                 if hint and isinstance(hint.get("start_time"), (int, float)) and self.cursor.rows:
@@ -175,8 +177,9 @@ class ShardWriter:
         )
 
     # -- files of the run directory ----------------------------------------
-    def _run_dir_fd(self, create: bool = True) -> int:
-        """A descriptor of the run directory, created if missing (when `create`).
+    def _run_dir_fd(self, create: bool = True, made: list[str] | None = None) -> int:
+        """A descriptor of the run directory, created if missing (when `create`; with an
+        anchor, the directories made are added to `made`).
 
         With `anchor` (exprd: the allowed root) every directory below the anchor is opened
         without following a symlink; without one (the SDK) the run directory is the path
@@ -193,7 +196,7 @@ class ShardWriter:
         if self._below is None:
             self._below = run_dir.relative_to(self.anchor).parts
         try:
-            return open_dir(self.anchor, self._below, create=create)
+            return open_dir(self.anchor, self._below, create=create, made=made)
         except UnsafePath as exc:
             self.unsafe = str(exc)
             raise
@@ -548,12 +551,15 @@ class _Walked:
     def __init__(self, writer: ShardWriter, create: bool) -> None:
         self.writer, self.create, self.fd = writer, create, -1
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> bool:
+        """True if this walk made the run directory (it is new, and empty)."""
         writer = self.writer
         if writer.anchor is None or writer._held_dir is not None:
-            return
-        self.fd = writer._run_dir_fd(create=self.create)
+            return False
+        made: list[str] = []
+        self.fd = writer._run_dir_fd(create=self.create, made=made)
         writer._held_dir = (self.fd, threading.get_ident())
+        return bool(made) and made[-1] == writer.paths.run_dir.name
 
     def __exit__(self, *exc: object) -> None:
         if self.fd >= 0:

@@ -218,6 +218,7 @@ class SpoolReader:
         self.block = block
         self.size = 0  # the file size when `lines()` started
         self.more = False  # `lines()` stopped at its limit with more data after it
+        self.span = 0  # bytes of the lines `chunks()` yielded last, with their newlines
 
     def lines(self, offset: int, limit: int | None = None) -> Iterator[tuple[int, int, bytes | None]]:
         """Complete lines from `offset`; stops after about `limit` bytes at a line end."""
@@ -244,7 +245,9 @@ class SpoolReader:
             carry = b""
             oversize = False
             while rd < size:
-                block = os.pread(fd, min(self.block, size - rd), rd)
+                # a line longer than a block: each read at least its length so far, so
+                # that assembling it copies it a few times, not once per block
+                block = os.pread(fd, min(max(self.block, len(carry)), size - rd), rd)
                 if not block:
                     break
                 rd += len(block)
@@ -260,6 +263,7 @@ class SpoolReader:
                 parts = data.split(b"\n")
                 carry = parts.pop()
                 if parts:
+                    self.span = len(data) - len(carry)
                     yield pos, parts, None
                     pos += len(data) - len(carry)
                 if len(carry) > self.max_line:
