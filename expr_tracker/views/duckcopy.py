@@ -19,7 +19,8 @@ of a loop over every value), and notes anything DuckDB would read differently fr
   absent), a rank or step filter.
 
 When there is none, DuckDB reads every shard with exactly those columns given
-(`read_json(columns=...)`, no detection), each row's rank and stream come from its
+(no detection: on DuckDB 2.0 each line's JSON text typed by `json_transform`, else
+`read_json(columns=...)`, see `transform_scan`), each row's rank and stream come from its
 file's position in the list (`file_index`, DuckDB 1.3 on), and `COPY ... TO` writes the
 parquet file, in the shards' order. Any DuckDB error (a
 duplicate key in a line, a value that does not cast in a record that is not exported, a
@@ -31,7 +32,9 @@ rows but not in the column types, as on the Python path.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -71,6 +74,9 @@ class Scan:
         self.python: dict[int, str] = {}
         self.columns: dict[str, str] = {}
         self.shard = -1  # the shard being read
+        # a line may name a key twice: orjson keeps the last value, `json_transform` the
+        # first, `read_json` refuses the line (then the Python path writes the run)
+        self.keys_twice = False
 
     def flag(self, why: str) -> None:
         """Something in the current shard that DuckDB would read differently."""
@@ -91,10 +97,23 @@ def _types(recs: list[dict[str, Any]], key: str) -> set[type]:
     return set(map(type, map(dict.get, recs, repeat(key))))
 
 
-def _int_range(values: list[Any]) -> tuple[int, int]:
-    """(min, max) of the integers among `values` (all ints, or ints and None)."""
-    ints = list(filter(partial(is_not, None), values))
+def _int_range(values: list[Any], types: set[type] | None = None) -> tuple[int, int]:
+    """(min, max) of the integers among `values` (all ints, or ints and None; `types`,
+    when given, the set of their types: {int} needs no filtering)."""
+    ints = values if types == {int} else list(filter(partial(is_not, None), values))
     return min(ints), max(ints)
+
+
+def _keys(recs: list[dict[str, Any]]) -> list[str]:
+    """Every key of `recs`, in the order of first appearance. The set of them is a pass
+    in C; when it is the first record's keys (the usual case: a writer logs the same
+    keys at every step), their order is that record's, with no pass in Python order."""
+    if not recs:
+        return []
+    first = recs[0]
+    if len(set().union(*recs)) == len(first):
+        return list(first)
+    return list(dict.fromkeys(chain.from_iterable(recs)))
 
 
 def _block_records(reader: ShardReader, fh: Any, scan: Scan) -> Any:
@@ -113,11 +132,30 @@ def _block_records(reader: ShardReader, fh: Any, scan: Scan) -> Any:
                 rec = reader._parse(line) if line.strip() else None
                 if rec is not None:
                     recs.append(rec)
-        elif b'"NaN"' in data or b'Infinity"' in data:
-            _decode(recs)
+        else:
+            if not scan.keys_twice and _maybe_keys_twice(data, recs):
+                scan.keys_twice = True
+            if b'"NaN"' in data or b'Infinity"' in data:
+                _decode(recs)
         yield recs
     if fh.tell() != done:
         scan.flag("an unterminated last line (a writer mid-append, or a torn tail)")
+
+
+_SPACE_COLON = re.compile(rb'"[ \t\r]+:')
+
+
+def _maybe_keys_twice(data: bytes, recs: list[dict[str, Any]]) -> bool:
+    """Whether a line of `data` (parsed: `recs`) may name a key twice. Each key of an
+    object is followed by a colon, so as many colons as keys (one count in C) means
+    none is named twice. More colons: a text holding one, a nested object, or a key
+    twice; then `":` is counted (a text holds it only after a backslash), as many as
+    the keys unless a key is twice (or has space before its colon: then assumed so).
+    0.05 s over 95 MiB; counting `":` and the space search alone cost 0.3 s."""
+    keys = sum(map(len, recs))
+    if data.count(b":") == keys:
+        return False
+    return data.count(b'":') != keys or _SPACE_COLON.search(data) is not None
 
 
 def _kept(recs: list[dict[str, Any]], want: str | None, metrics: list[str] | None,
@@ -134,14 +172,16 @@ def _kept(recs: list[dict[str, Any]], want: str | None, metrics: list[str] | Non
                 else [r for r in recs if r.get("_kind") == want])
     if not kept:
         return kept
-    steps = _types(kept, "_step")
+    values = _values(kept, "_step")
+    steps = set(map(type, values))
     if steps != {int}:
         if not steps <= {int, _NONE}:
             flag("a _step that is not an integer")
         kept = [r for r in kept if type(r.get("_step")) is int]
         if not kept:
             return kept
-    lo, hi = _int_range(_values(kept, "_step"))
+        values = _values(kept, "_step")
+    lo, hi = _int_range(values, {int})
     if lo < _INT_MIN or hi > _INT_MAX:
         flag("a _step beyond int64")
     ints = ["_rank", "_world_size", "_local_rank"] if want is not None else ["_rank"]
@@ -166,7 +206,7 @@ def _kept(recs: list[dict[str, Any]], want: str | None, metrics: list[str] | Non
 def _decode(recs: list[dict[str, Any]]) -> None:
     """`records.decode_nonfinite` of every record, a key at a time (only the keys with
     text values loop in Python)."""
-    for key in dict.fromkeys(chain.from_iterable(recs)):
+    for key in _keys(recs):
         if key[:1] == "_":
             continue
         values = _values(recs, key)
@@ -180,19 +220,19 @@ def _merge_block(kept: list[dict[str, Any]], metrics: list[str] | None, scan: Sc
     """Each key's kind over a block, merged into `scan.kinds` (first appearance first), as
     `value_kind` and `merge_kinds` give it value by value."""
     if metrics is None:
-        keys = [k for k in dict.fromkeys(chain.from_iterable(kept)) if k[:1] != "_"]
+        keys = [k for k in _keys(kept) if k[:1] != "_"]
     else:
         keys = [k for k in metrics if k[:1] != "_" and any(k in r for r in kept)]
     kinds = scan.kinds
     for key in keys:
         values = _values(kept, key)
-        types = set(map(type, values))
-        types.discard(_NONE)
+        seen = set(map(type, values))
+        types = seen - {_NONE}
         kind: str | None = None
         for t in types:
             k = _KIND_OF.get(t, "json")
             if t is int:  # beyond int64, value_kind says float
-                lo, hi = _int_range(values) if types == {int} else (0, 0)
+                lo, hi = _int_range(values, seen) if types == {int} else (0, 0)
                 if types == {int} and (lo < _INT_MIN or hi > _INT_MAX):
                     k = "float"
             kind = merge_kinds(kind, k)
@@ -245,6 +285,7 @@ def _merge_parts(a: Scan, b: Scan) -> Scan:
             a.kinds[key] = merge_kinds(a.kinds[key], kind)
     a.rows += b.rows
     a.garbage += b.garbage
+    a.keys_twice = a.keys_twice or b.keys_twice
     for i, why in b.python.items():
         a.python.setdefault(i, why)
     return a
@@ -300,6 +341,7 @@ def _finish_part(proc: Any) -> Scan | None:
     part = Scan()
     part.kinds = dict(got["kinds"])
     part.rows, part.garbage = got["rows"], got["garbage"]
+    part.keys_twice = bool(got["keys_twice"])
     part.python = {int(i): why for i, why in got["python"]}
     return part
 
@@ -313,7 +355,7 @@ def _part_main() -> None:
     part = _scan_part(shards, job["offset"], job["want"], job["metrics"])
     sys.stdout.buffer.write(orjson.dumps({
         "kinds": list(part.kinds.items()), "rows": part.rows, "garbage": part.garbage,
-        "python": list(part.python.items())}))
+        "python": list(part.python.items()), "keys_twice": part.keys_twice}))
 
 
 def _helpers() -> int:
@@ -421,16 +463,59 @@ def file_exprs(shards: list[RunShard], prefix: str = "expr_export") -> tuple[str
             f"(CASE {streams} ELSE {stream_sql(last[3])} END)")
 
 
-def select_sql(reader: RunReader, shards: list[RunShard], columns: dict[str, str]) -> str:
+TRANSFORM_SCAN = True  # on DuckDB 2.0, each line as JSON text typed by json_transform
+
+
+def transform_scan(first: Scan) -> bool:
+    """Whether DuckDB is to read the rows as JSON text typed once by `json_transform`
+    (DuckDB 2.0 on, and no line that may name a key twice), not by `read_json` with
+    `columns`.
+
+    DuckDB 2.0 binds `read_json` again for each file of a list, parsing the type of every
+    entry of `columns` each time (see `views.sql._given_source`): over 4,096 shards that
+    was most of the export's DuckDB pass, 2.3-3.1 s of CPU against 1.1-1.6 s for the same
+    COPY through `read_ndjson_objects` and `json_transform`. Both type a value with the
+    same code; they differ where a line names a key twice (`read_json` refuses the line,
+    `json_transform` keeps the first value, orjson the last) and where a value does not
+    cast (`read_json` refuses, `json_transform` gives NULL): the first pass saw every
+    exported value's type, so only records that are not exported can hold such a value,
+    and the rows are the same (`tests/test_export_duckdb.py` compares both scans).
+    """
+    if not TRANSFORM_SCAN or first.keys_twice:
+        return False
+    duckdb = available()
+    try:
+        return int(getattr(duckdb, "__version__", "0").split(".")[0]) >= 2
+    except ValueError:
+        return False
+
+
+def transformed(keep: str, structure: str, objects: str) -> str:
+    """A subquery of the columns `keep` of the table function `objects` (a row of JSON
+    text per line, column `json`) and the fields of each line typed by `json_transform`
+    to `structure` (SQL text of a JSON structure).
+
+    The struct goes through `unnest` of a one-element list: DuckDB pushes a filter on
+    its fields (`_kind IS NULL AND _step IS NOT NULL`) below a plain projection, and there
+    rewrites each field as `struct_extract(json_transform(json, ...))`, transforming
+    every line up to three times (0.8 s more CPU over 4,096 shards: a third of the scan);
+    it does not push a filter below an UNNEST.
+    """
+    return (f"(SELECT {keep}, unnest(s) FROM (SELECT {keep}, unnest([json_transform(json, "
+            f"{structure})]) AS s FROM {objects}))")
+
+
+def select_sql(reader: RunReader, shards: list[RunShard], columns: dict[str, str],
+               transform: bool = False) -> str:
     """The SELECT of the rows of `shards` with `columns`, in their order, reading the
-    files of the variable `expr_export_files` (set by `duck_batches`)."""
+    files of the variable `expr_export_files` (set by `_set_files`), by `read_json` with
+    the columns given, or with `transform` by `json_transform` over each line's text."""
     rank_records = reader.rank_records
     spec = {"_kind": "VARCHAR", "_step": "BIGINT", "_rank": "BIGINT", "_time": "DOUBLE"}
     if rank_records:
         spec.update(_world_size="BIGINT", _local_rank="BIGINT", _weight="DOUBLE")
     keys = [k for k in columns if k not in RESERVED_KINDS]
     spec.update((k, _SQL_TYPES[columns[k]]) for k in keys)
-    struct = "{" + ", ".join(f"{_literal(k)}: {_literal(t)}" for k, t in spec.items()) + "}"
     file_rank, file_stream = file_exprs(shards)
     cols = [f'CASE WHEN "_rank" >= 0 THEN "_rank" ELSE {file_rank} END AS "_rank"',
             f'{file_stream} AS "_stream"', '"_step"', '"_time"']
@@ -441,8 +526,12 @@ def select_sql(reader: RunReader, shards: list[RunShard], columns: dict[str, str
     if reader.metrics is not None:
         present = [f"{_ident(k)} IS NOT NULL" for k in dict.fromkeys(reader.metrics) if k in keys]
         where.append("(" + (" OR ".join(present) or "false") + ")")
-    source = (f"read_json(getvariable('expr_export_files'), format='newline_delimited', "
-              f"columns={struct}, maximum_object_size={MAX_OBJECT})")
+    files = f"getvariable('expr_export_files'), maximum_object_size={MAX_OBJECT}"
+    if transform:
+        source = transformed("file_index", _literal(json.dumps(spec)), f"read_ndjson_objects({files})")
+    else:
+        struct = "{" + ", ".join(f"{_literal(k)}: {_literal(t)}" for k, t in spec.items()) + "}"
+        source = f"read_json({files}, format='newline_delimited', columns={struct})"
     return f"SELECT {', '.join(cols)} FROM {source} WHERE {' AND '.join(where)}"
 
 
@@ -467,15 +556,21 @@ MAX_GROUPS = 16  # DuckDB queries per export: more (shards to read in Python bet
 # the Python path writes it all
 
 
-def duck_batches(con: Any, reader: RunReader, shards: list[RunShard], columns: dict[str, str],
-                 batch_rows: int) -> Any:
-    """Arrow RecordBatches of the rows of `shards`, read by DuckDB on `con`."""
+def _set_files(con: Any, shards: list[RunShard]) -> None:
+    """The variables `select_sql` reads: the files, and each one's rank and stream (for
+    `file_exprs`' lookup)."""
     con.execute("SET VARIABLE expr_export_files = ?", [[str(s.path) for s in shards]])
     con.execute("SET VARIABLE expr_export_ranks = ?::BIGINT[]", [[s.rank for s in shards]])
     con.execute("SET VARIABLE expr_export_streams = ?::VARCHAR[]", [[s.stream for s in shards]])
+
+
+def duck_batches(con: Any, reader: RunReader, shards: list[RunShard], columns: dict[str, str],
+                 batch_rows: int, transform: bool = False) -> Any:
+    """Arrow RecordBatches of the rows of `shards`, read by DuckDB on `con`."""
+    _set_files(con, shards)
     duckdb = available()
     try:
-        rel = con.sql(select_sql(reader, shards, columns))
+        rel = con.sql(select_sql(reader, shards, columns, transform))
         stream = (rel.to_arrow_reader(batch_rows) if hasattr(rel, "to_arrow_reader")
                   else rel.fetch_arrow_reader(batch_rows))  # DuckDB < 1.4
         it = iter(stream)
@@ -492,17 +587,14 @@ def duck_batches(con: Any, reader: RunReader, shards: list[RunShard], columns: d
 
 
 def copy_parquet(con: Any, reader: RunReader, columns: dict[str, str], out: Path,
-                 row_group: int) -> int:
+                 row_group: int, transform: bool = False) -> int:
     """Every row written by DuckDB's own `COPY ... TO` (parallel, no Arrow in between),
     when DuckDB reads every shard: the number of rows. Refused when DuckDB refuses."""
     duckdb = available()
-    shards = reader.shards
     try:
-        con.execute("SET VARIABLE expr_export_files = ?", [[str(s.path) for s in shards]])
-        con.execute("SET VARIABLE expr_export_ranks = ?::BIGINT[]", [[s.rank for s in shards]])
-        con.execute("SET VARIABLE expr_export_streams = ?::VARCHAR[]",
-                    [[s.stream for s in shards]])
-        row = con.execute(f"COPY ({select_sql(reader, shards, columns)}) TO {_literal(str(out))} "
+        _set_files(con, reader.shards)
+        sql = select_sql(reader, reader.shards, columns, transform)
+        row = con.execute(f"COPY ({sql}) TO {_literal(str(out))} "
                           f"(FORMAT parquet, ROW_GROUP_SIZE {int(row_group)})").fetchone()
     except duckdb.Error as exc:
         raise Refused(str(exc)) from None

@@ -140,7 +140,8 @@ def write_parquet(reader: RunReader, out: str | os.PathLike[str], batch_rows: in
             columns = first.columns
             groups = duckcopy.plan(reader, first)
             if groups is not None:
-                n = _write_parquet_duck(reader, Path(out), batch_rows, columns, groups)
+                n = _write_parquet_duck(reader, Path(out), batch_rows, columns, groups,
+                                        duckcopy.transform_scan(first))
                 if n is not None:
                     reader.garbage = first.garbage
                     return n
@@ -167,7 +168,7 @@ def _write_batches(out: Path, schema: Any, batches: Iterator[Any]) -> int:
 
 
 def _write_parquet_duck(reader: RunReader, out: Path, batch_rows: int, columns: dict[str, str],
-                        groups: list[tuple[bool, list[Any]]]) -> int | None:
+                        groups: list[tuple[bool, list[Any]]], transform: bool) -> int | None:
     """The parquet file with DuckDB reading the groups it can; None (and no file) when
     DuckDB refused one, as it does a line with a duplicate key or a value that does not
     cast (in a record that is not exported)."""
@@ -193,7 +194,7 @@ def _write_parquet_duck(reader: RunReader, out: Path, batch_rows: int, columns: 
         # rows (a row group each, as on the Python path), cast to the schema once each
         held: list[Any] = []
         rows = 0
-        for batch in duckcopy.duck_batches(con, reader, shards, columns, batch_rows):
+        for batch in duckcopy.duck_batches(con, reader, shards, columns, batch_rows, transform):
             held.append(batch)
             rows += batch.num_rows
             if rows >= batch_rows:
@@ -215,7 +216,7 @@ def _write_parquet_duck(reader: RunReader, out: Path, batch_rows: int, columns: 
             if len(groups) == 1 and groups[0][0]:
                 with _atomic_output(out, binary=True) as (tmp, fh):
                     fh.close()  # DuckDB writes the file itself
-                    return duckcopy.copy_parquet(con, reader, columns, tmp, batch_rows)
+                    return duckcopy.copy_parquet(con, reader, columns, tmp, batch_rows, transform)
             return _write_batches(out, schema, batches(con))
     except (duckdb.Error, duckcopy.Refused):
         return None

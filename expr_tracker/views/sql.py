@@ -377,8 +377,8 @@ def _given_source(con: Any, files: str, given: dict[str, str], options: str, by_
                if t == "JSON" and k[:1] != "_" and _numeric(sample.get(k))}
     structure = literal(json.dumps({**given, **read_as}))
     index = "file_index, " if by_index else ""
-    source = (f"(SELECT {index}_file, unnest(json_transform(json, {structure})) "
-              f"FROM read_ndjson_objects({files}, {options}))")
+    source = duckcopy.transformed(f"{index}_file", structure,
+                                  f"read_ndjson_objects({files}, {options})")
     try:
         con.execute(f"SELECT * FROM {source} LIMIT 0")
     except duckdb.Error:
