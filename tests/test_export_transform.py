@@ -41,6 +41,8 @@ def _rows(rank: int, stream: str | None) -> list[dict]:
         recs.append({"_kind": "rank", "_step": s, "_time": T0 + s + 0.5, "_rank": rank,
                      "_world_size": RANKS, "_local_rank": rank, "_weight": 0.5,
                      "step_time": 1.0 + rank / 3, "loss": 0.5})
+        if s == 5:  # `_kind` not first: not left out by its text (NOT_RANK_LINE)
+            recs[-1] = {"_step": s, **recs[-1]}
     return recs
 
 

@@ -490,7 +490,14 @@ def transform_scan(first: Scan) -> bool:
         return False
 
 
-def transformed(keep: str, structure: str, objects: str) -> str:
+# A line that starts so is a rank record as DuckDB reads it (`json_transform` takes a
+# key's first value), never a step row; the SDK writes `_kind` first. Left out before
+# the transform, a scan of the step rows skips parsing them (half the lines of a run
+# that logs rank records). A rank record written otherwise is parsed and filtered out.
+NOT_RANK_LINE = """NOT starts_with(json, '{"_kind":"rank",')"""
+
+
+def transformed(keep: str, structure: str, objects: str, where: str | None = None) -> str:
     """A subquery of the columns `keep` of the table function `objects` (a row of JSON
     text per line, column `json`) and the fields of each line typed by `json_transform`
     to `structure` (SQL text of a JSON structure).
@@ -499,10 +506,12 @@ def transformed(keep: str, structure: str, objects: str) -> str:
     its fields (`_kind IS NULL AND _step IS NOT NULL`) below a plain projection, and there
     rewrites each field as `struct_extract(json_transform(json, ...))`, transforming
     every line up to three times (0.8 s more CPU over 4,096 shards: a third of the scan);
-    it does not push a filter below an UNNEST.
+    it does not push a filter below an UNNEST. `where`: a filter on the line's text
+    (`json`), before any transform.
     """
+    cond = f" WHERE {where}" if where else ""
     return (f"(SELECT {keep}, unnest(s) FROM (SELECT {keep}, unnest([json_transform(json, "
-            f"{structure})]) AS s FROM {objects}))")
+            f"{structure})]) AS s FROM {objects}{cond}))")
 
 
 def select_sql(reader: RunReader, shards: list[RunShard], columns: dict[str, str],
@@ -528,7 +537,8 @@ def select_sql(reader: RunReader, shards: list[RunShard], columns: dict[str, str
         where.append("(" + (" OR ".join(present) or "false") + ")")
     files = f"getvariable('expr_export_files'), maximum_object_size={MAX_OBJECT}"
     if transform:
-        source = transformed("file_index", _literal(json.dumps(spec)), f"read_ndjson_objects({files})")
+        source = transformed("file_index", _literal(json.dumps(spec)), f"read_ndjson_objects({files})",
+                             None if rank_records else NOT_RANK_LINE)
     else:
         struct = "{" + ", ".join(f"{_literal(k)}: {_literal(t)}" for k, t in spec.items()) + "}"
         source = f"read_json({files}, format='newline_delimited', columns={struct})"
