@@ -129,3 +129,26 @@ def test_each_sampled_head_is_read_once(tmp_path, monkeypatch):
     with sql.connect(run):
         pass
     assert reads and len(reads) == len(set(reads))
+
+
+def _old_records_only(data: bytes) -> bool:
+    """`records_only` as it was: the regex for a line that does not start an object."""
+    if not sql._NOT_AN_OBJECT.search(data):
+        return True
+    for _, line in records.iter_lines(data):
+        if line.strip() and not line.lstrip().startswith(b"{"):
+            try:
+                json.loads(line)
+            except ValueError:
+                continue
+            return False
+    return True
+
+
+@pytest.mark.parametrize("data", [*HEADS, b"{}", b"{", b"\n", b"\n\n{}\n", b" {}\n\t{}\r\n",
+                                  b'{}\n"x"\n', b"{}\n  5", b"{}\n[", b"{}\n{}\nnull\n",
+                                  b"{}\n{}"])
+def test_the_bare_value_check_counts_first_and_answers_as_the_regex(tmp_path, data):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(data)
+    assert sql.records_only(str(path)) == sql.records_only(str(path), data) == _old_records_only(data)

@@ -212,8 +212,11 @@ def records_only(path: str, data: bytes | None = None) -> bool:
         data = head(path)
     if data is None:
         return True  # DuckDB will say what is wrong with it
+    starts = data.count(b"\n") + (0 if data.endswith(b"\n") else 1) if data else 0
+    if (data[:1] == b"{") + data.count(b"\n{") == starts:
+        return True  # every line starts with "{" (the usual case: two counts in C)
     if not _NOT_AN_OBJECT.search(data):
-        return True  # every line starts an object (the usual case: one search in C)
+        return True  # every line starts an object, after spaces (the regex: 1 ms a head)
     for _, line in records.iter_lines(data):
         if line.strip() and not line.lstrip().startswith(b"{"):
             try:
