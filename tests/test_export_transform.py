@@ -8,6 +8,8 @@ that may name a key twice keeps the strict `read_json` scan (which refuses it)."
 
 from __future__ import annotations
 
+import sys
+
 import pyarrow.parquet as pq
 import pytest
 
@@ -158,3 +160,14 @@ def test_the_helper_process_reports_a_key_named_twice(tmp_path, monkeypatch):
     monkeypatch.setattr(duckcopy, "_finish_part", lambda proc: parts.append(real(proc)) or parts[-1])
     assert duckcopy.scan(open_run(run)).keys_twice
     assert parts[0] is not None and parts[0].keys_twice  # the second half: the helper's
+
+
+def test_without_duckdb_the_python_path_writes_the_same_file(tmp_path, monkeypatch, used):
+    run = _run(tmp_path / "run")
+    write_parquet(open_run(run), tmp_path / "duck.parquet")
+    monkeypatch.setitem(sys.modules, "duckdb", None)  # `import duckdb` fails
+    assert not duckcopy.installed() and duckcopy.available() is None
+    used.clear()
+    write_parquet(open_run(run), tmp_path / "python.parquet")
+    assert used == []
+    assert _cells(tmp_path / "python.parquet") == _cells(tmp_path / "duck.parquet")

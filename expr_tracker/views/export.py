@@ -149,7 +149,7 @@ def write_parquet(reader: RunReader, out: str | os.PathLike[str], batch_rows: in
     if engine == "auto":
         from expr_tracker.views import duckcopy
 
-        if duckcopy.available() is not None:
+        if duckcopy.installed():
             first = duckcopy.scan(reader)
             columns = first.columns
             groups = duckcopy.plan(reader, first)
