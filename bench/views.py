@@ -12,7 +12,13 @@ side by side in this run (best of ROUNDS, interleaved; the machine may be shared
 - `expr export --format parquet` against DuckDB's own `COPY (SELECT * FROM metrics) TO
   'x.parquet'` over the same views, in a fresh process.
 
+With `--16k`: `expr query` count per rank over the 16,384-rank run of `bench/scale.py`
+(cached in $EXPR_SCALE_CACHE, generated there when absent: step rows and rank records,
+16,384 shards, 690 MB), against DuckDB in a fresh process running the same GROUP BY
+with the schema given, and the EXPR_BENCH_BEFORE tree, in the same rounds.
+
     python bench/views.py [ranks] [steps] [--ratios-only]
+    python bench/views.py --16k
 """
 
 from __future__ import annotations
@@ -62,6 +68,12 @@ for stmt in _shard_views(con, run_shards(sys.argv[1], ALL_STREAMS)):
     con.execute(stmt)
 con.execute("COPY (SELECT * FROM metrics) TO '" + sys.argv[2] + "' (FORMAT parquet)")
 """
+# the same over the views as the previous pass had them: a plain unnest of the transform,
+# below which DuckDB pushed the filter (each line transformed up to three times)
+FLOOR_COPY_UNFENCED = ("from expr_tracker.views import duckcopy\n"
+                       "duckcopy.transformed = lambda keep, st, obj, where=None: "
+                       "f'(SELECT {keep}, unnest(json_transform(json, {st})) FROM {obj})'\n"
+                       + FLOOR_COPY)
 
 
 def make_run(run: Path, ranks: int, steps: int) -> int:
@@ -102,6 +114,9 @@ def measure(args: list[str], cwd: Path, argv0: list[str] = EXPR,
 
 
 def main() -> None:
+    if "--16k" in sys.argv:
+        query_16k()
+        return
     args = [a for a in sys.argv[1:] if a != "--ratios-only"]  # --ratios-only: no table
     ranks = int(args[0]) if args else 4096
     steps = int(args[1]) if len(args) > 1 else 200
@@ -174,6 +189,8 @@ def ratios(root: Path, run: Path, ranks: int) -> None:
                                   "--out", str(root / "r.parquet")]),
         "export floor: DuckDB COPY over the views": (py, [FLOOR_COPY, str(run),
                                                           str(root / "d.parquet")]),
+        "export floor: the same, the views as the previous pass had them": (
+            py, [FLOOR_COPY_UNFENCED, str(run), str(root / "u.parquet")]),
     }
     envs: dict[str, dict[str, str] | None] = dict.fromkeys(cases)
     before = os.environ.get("EXPR_BENCH_BEFORE")  # another checkout: its export, same rounds
@@ -212,6 +229,9 @@ def ratios(root: Path, run: Path, ranks: int) -> None:
     if before:
         eb = best["export parquet (before)"]
         print(f"| same, from {before} (before) | {eb:.2f} s | {ef:.2f} s | {eb / ef:.2f}x | |")
+    eu = best["export floor: the same, the views as the previous pass had them"]
+    print(f"| `expr export --format parquet`, against COPY over the previous pass's views | "
+          f"{e:.2f} s | {eu:.2f} s | {e / eu:.2f}x | |")
     print(f"\nCPU time (user + system of every thread of the child, best of {ROUNDS}):\n")
     print("| measure | CPU | ratio to its floor's CPU |")
     print("|---|---|---|")
@@ -219,6 +239,60 @@ def ratios(root: Path, run: Path, ranks: int) -> None:
         floor = cpu["query floor: DuckDB, schema given"] if label.startswith("query") else \
             cpu["export floor: DuckDB COPY over the views"]
         print(f"| {label} | {cpu[label]:.2f} s | {cpu[label] / floor:.2f}x |")
+
+
+FLOOR_16K = """
+import duckdb, sys
+from expr_tracker.store.runread import ALL_STREAMS, run_shards
+files = [str(s.path) for s in run_shards(sys.argv[1], ALL_STREAMS)]
+cols = {'_kind': 'VARCHAR', '_step': 'BIGINT', '_time': 'DOUBLE', '_rank': 'BIGINT',
+        'loss': 'DOUBLE', 'tokens': 'BIGINT'}
+rows = duckdb.connect().execute(
+    "SELECT file_index, count(*) FROM read_json(?, format='newline_delimited', columns=?, "
+    "ignore_errors=true) WHERE _kind IS NULL AND _step IS NOT NULL GROUP BY 1",
+    [files, cols]).fetchall()
+assert len(rows) == len(files)
+"""
+
+
+def query_16k() -> None:
+    """`expr query` count per rank over 16,384 ranks, side by side with its floor."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.scale import cached_run
+
+    run = cached_run(16384, 200) / "bench" / "big"
+    for path in run.iterdir():  # the page cache warm for every case alike
+        with open(path, "rb") as fh:
+            while fh.read(1 << 20):
+                pass
+    count = ["query", str(run), "--csv", "SELECT _rank, count(*) AS n FROM metrics GROUP BY 1"]
+    py = [sys.executable, "-c"]
+    cases: dict[str, tuple[list[str], list[str], dict[str, str] | None]] = {
+        "query": (EXPR, count, None),
+        "floor: DuckDB, schema given": (py, [FLOOR_16K, str(run)], None),
+    }
+    before = os.environ.get("EXPR_BENCH_BEFORE")
+    if before:
+        cases["query (before)"] = (EXPR, count, {**os.environ, "PYTHONPATH": before})
+    best = dict.fromkeys(cases, float("inf"))
+    cpu = dict.fromkeys(cases, float("inf"))
+    with tempfile.TemporaryDirectory(prefix="expr-bench-16k-") as tmp:
+        for _ in range(ROUNDS):
+            for label, (argv0, args, env) in cases.items():
+                dt, _, out, used = measure(args, Path(tmp), argv0, env)
+                if args is count:
+                    assert out.count("\n") == 16384 + 1, out[:200]
+                best[label] = min(best[label], dt)
+                cpu[label] = min(cpu[label], used)
+    floor = "floor: DuckDB, schema given"
+    print(f"`expr query` count per rank, 16,384 ranks x 200 steps (step rows and rank records), "
+          f"best of {ROUNDS} interleaved rounds ({os.cpu_count()} cores, load "
+          f"{os.getloadavg()[0]:.1f} at the end):\n")
+    print("| measure | wall | ratio | CPU | CPU ratio |")
+    print("|---|---|---|---|---|")
+    for label in cases:
+        print(f"| {label} | {best[label]:.2f} s | {best[label] / best[floor]:.2f}x | "
+              f"{cpu[label]:.2f} s | {cpu[label] / cpu[floor]:.2f}x |")
 
 
 if __name__ == "__main__":

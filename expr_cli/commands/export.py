@@ -62,14 +62,14 @@ def export_command(
     """Write the rows of every rank of RUN to `out`."""
     from expr_cli import render
     from expr_tracker.store.runread import ALL_STREAMS
-    from expr_tracker.views.export import WRITERS, open_run
+    from expr_tracker.views.export import WRITERS, have_pyarrow, open_run
 
     out_path = Path(out)
     kind = pick_format(fmt, out_path)
-    if kind == "parquet":
+    if kind == "parquet" and not have_pyarrow():  # not imported: DuckDB may write it all
         from expr_cli.extras import require
 
-        require("pyarrow", "export")
+        require("pyarrow", "export")  # the error naming the extra
     ref = resolve_run(run, root_dir(dir))
     if stream is not None:
         shards_of(ref, stream)  # the error naming the streams the run has

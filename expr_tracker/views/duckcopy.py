@@ -3,11 +3,10 @@
 Parquet export needs each column's type before the first row, decided over the whole run
 (`RunReader.columns()`: int64 only when every value is an integer, float64 for numbers with
 "NaN"/"Infinity" strings, a mixed key as JSON text, strings never sniffed as dates).
-DuckDB's own detection differs on each of these, so the first pass stays in Python:
-`scan` finds the same columns as `RunReader.columns()` (a test compares them), a block
-of records at a time (a set of the value types of each key over the block, in C, instead
-of a loop over every value), and notes anything DuckDB would read differently from
-`RunReader`:
+DuckDB's own detection differs on each of these, so the first pass stays in Python
+(`firstpass`, split over two processes by `scan`): it finds the same columns as
+`RunReader.columns()` (a test compares them) and notes anything DuckDB would read
+differently from `RunReader`:
 
 - a block that orjson does not take as whole objects (a torn, blank or foreign line, a
   bare NaN token: `RunReader` goes line by line there) or an unterminated last line;
@@ -19,7 +18,8 @@ of a loop over every value), and notes anything DuckDB would read differently fr
   absent), a rank or step filter.
 
 When there is none, DuckDB reads every shard with exactly those columns given
-(`read_json(columns=...)`, no detection), each row's rank and stream come from its
+(no detection: on DuckDB 2.0 each line's JSON text typed by `json_transform`, else
+`read_json(columns=...)`, see `transform_scan`), each row's rank and stream come from its
 file's position in the list (`file_index`, DuckDB 1.3 on), and `COPY ... TO` writes the
 parquet file, in the shards' order. Any DuckDB error (a
 duplicate key in a line, a value that does not cast in a record that is not exported, a
@@ -31,226 +31,25 @@ rows but not in the column types, as on the Python path.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import json
 import os
 import shutil
+import sys
 import tempfile
-from collections.abc import Callable, Iterator
-from functools import partial
-from itertools import chain, repeat
-from operator import is_not
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from expr_tracker.store import records
-from expr_tracker.store.reader import ShardReader
-from expr_tracker.store.runread import RESERVED_KINDS, RunReader, RunShard, merge_kinds
+from expr_tracker.store.runread import RESERVED_KINDS, RunReader, RunShard
+from expr_tracker.views.firstpass import MAX_OBJECT, Scan, merge_parts, scan_part
 
-BLOCK = 1024 * 1024
-GROUP_RECORDS = 8192  # records checked and typed together (small shards, fewer passes)
-MAX_OBJECT = 16 * 1024 * 1024  # the longest line DuckDB reads (maximum_object_size)
-_INT_MAX = 2**63 - 1
-_INT_MIN = -(2**63)
-_NONE = type(None)
-_DECODE = records.DECODE_NONFINITE
-_KIND_OF = {int: "int", float: "float", bool: "bool", str: "str"}  # any other type: json
 _SQL_TYPES = {"int": "BIGINT", "float": "DOUBLE", "bool": "BOOLEAN", "str": "VARCHAR"}
 
 
-class Scan:
-    """The first pass: `columns` as `RunReader.columns()` gives them, the rows it would
-    give, why DuckDB cannot write any row exactly (`problem`, None when it can), and the
-    shards whose rows it cannot (`python`: index -> why; the Python path writes those)."""
-
-    def __init__(self) -> None:
-        self.kinds: dict[str, str | None] = {}
-        self.rows = 0
-        self.garbage = 0
-        self.problem: str | None = None
-        self.python: dict[int, str] = {}
-        self.columns: dict[str, str] = {}
-        self.shard = -1  # the shard being read
-
-    def flag(self, why: str) -> None:
-        """Something in the current shard that DuckDB would read differently."""
-        self.python.setdefault(self.shard, why)
-
-    def flag_run(self, why: str) -> None:
-        """Something that keeps DuckDB from writing any of the rows."""
-        if self.problem is None:
-            self.problem = why
-
-
-def _values(recs: list[dict[str, Any]], key: str) -> list[Any]:
-    """Each record's value of `key` (None when absent), looked up in C."""
-    return list(map(dict.get, recs, repeat(key)))
-
-
-def _types(recs: list[dict[str, Any]], key: str) -> set[type]:
-    return set(map(type, map(dict.get, recs, repeat(key))))
-
-
-def _int_range(values: list[Any]) -> tuple[int, int]:
-    """(min, max) of the integers among `values` (all ints, or ints and None)."""
-    ints = list(filter(partial(is_not, None), values))
-    return min(ints), max(ints)
-
-
-def _block_records(reader: ShardReader, fh: Any, scan: Scan) -> Any:
-    """The records of each block of complete lines, as `ShardReader.iter_all` reads and
-    decodes them (its garbage counted in `reader`)."""
-    done = 0
-    for _, data in records.complete_blocks(fh, BLOCK):
-        done += len(data)
-        if len(data) > MAX_OBJECT:
-            scan.flag("a line longer than DuckDB reads")
-        recs = records.loads_block(data)
-        if recs is None:
-            scan.flag("a line orjson does not read as one JSON object (torn, blank, foreign)")
-            recs = []
-            for _, line in records.iter_lines(data):
-                rec = reader._parse(line) if line.strip() else None
-                if rec is not None:
-                    recs.append(rec)
-        elif b'"NaN"' in data or b'Infinity"' in data:
-            _decode(recs)
-        yield recs
-    if fh.tell() != done:
-        scan.flag("an unterminated last line (a writer mid-append, or a torn tail)")
-
-
-def _kept(recs: list[dict[str, Any]], want: str | None, metrics: list[str] | None,
-          flag: Callable[[str], Any]) -> list[dict[str, Any]]:
-    """The records of `recs` that make rows (`RunReader._records_of`), calling `flag`
-    for a reserved field that DuckDB would read differently."""
-    kinds = _types(recs, "_kind")
-    if kinds == {_NONE}:
-        kept = recs if want is None else []
-    else:
-        if not kinds <= {_NONE, str}:
-            flag("a _kind that is not text")
-        kept = ([r for r in recs if r.get("_kind") is None] if want is None
-                else [r for r in recs if r.get("_kind") == want])
-    if not kept:
-        return kept
-    steps = _types(kept, "_step")
-    if steps != {int}:
-        if not steps <= {int, _NONE}:
-            flag("a _step that is not an integer")
-        kept = [r for r in kept if type(r.get("_step")) is int]
-        if not kept:
-            return kept
-    lo, hi = _int_range(_values(kept, "_step"))
-    if lo < _INT_MIN or hi > _INT_MAX:
-        flag("a _step beyond int64")
-    ints = ["_rank", "_world_size", "_local_rank"] if want is not None else ["_rank"]
-    for key in ints:
-        seen = _types(kept, key)
-        if not seen <= {_NONE, int}:
-            flag(f"a {key} that is not an integer")
-        elif int in seen:
-            lo, hi = _int_range(_values(kept, key))
-            if lo < _INT_MIN or hi > _INT_MAX:
-                flag(f"a {key} beyond int64")
-    for key in ("_time", "_weight") if want is not None else ("_time",):
-        if not _types(kept, key) <= {_NONE, int, float}:
-            flag(f"a {key} that is not a number")
-    if metrics is not None:
-        kept = [r for r in kept if any(k in r for k in metrics)]
-        if any(r.get(k, 0) is None for k in metrics for r in kept):
-            flag("a --metric key present with null (DuckDB reads it as absent)")
-    return kept
-
-
-def _decode(recs: list[dict[str, Any]]) -> None:
-    """`records.decode_nonfinite` of every record, a key at a time (only the keys with
-    text values loop in Python)."""
-    for key in dict.fromkeys(chain.from_iterable(recs)):
-        if key[:1] == "_":
-            continue
-        values = _values(recs, key)
-        if str in set(map(type, values)):
-            for rec, v in zip(recs, values):  # noqa: B905 (same length)
-                if v.__class__ is str and v in _DECODE:
-                    rec[key] = _DECODE[v]
-
-
-def _merge_block(kept: list[dict[str, Any]], metrics: list[str] | None, scan: Scan) -> None:
-    """Each key's kind over a block, merged into `scan.kinds` (first appearance first), as
-    `value_kind` and `merge_kinds` give it value by value."""
-    if metrics is None:
-        keys = [k for k in dict.fromkeys(chain.from_iterable(kept)) if k[:1] != "_"]
-    else:
-        keys = [k for k in metrics if k[:1] != "_" and any(k in r for r in kept)]
-    kinds = scan.kinds
-    for key in keys:
-        values = _values(kept, key)
-        types = set(map(type, values))
-        types.discard(_NONE)
-        kind: str | None = None
-        for t in types:
-            k = _KIND_OF.get(t, "json")
-            if t is int:  # beyond int64, value_kind says float
-                lo, hi = _int_range(values) if types == {int} else (0, 0)
-                if types == {int} and (lo < _INT_MIN or hi > _INT_MAX):
-                    k = "float"
-            kind = merge_kinds(kind, k)
-        if key not in kinds:
-            kinds[key] = kind
-        elif kind is not None and kinds[key] != kind:
-            kinds[key] = merge_kinds(kinds[key], kind)
-
-
-def _scan_part(shards: list[RunShard], offset: int, want: str | None,
-               metrics: list[str] | None) -> Scan:
-    """The first pass over `shards` (the run's from index `offset` on)."""
-    out = Scan()
-    group: list[tuple[int, list[dict[str, Any]]]] = []
-    size = 0
-
-    def flush() -> None:
-        # the shards of a group are checked together; a flag is then found its shard
-        flags: list[str] = []
-        kept = _kept(list(chain.from_iterable(r for _, r in group)), want, metrics, flags.append)
-        if flags:
-            for i, recs in group:
-                _kept(recs, want, metrics, partial(out.python.setdefault, i))
-        out.rows += len(kept)
-        _merge_block(kept, metrics, out)
-        group.clear()
-
-    for i, shard in enumerate(shards, offset):
-        out.shard = i
-        sr = ShardReader(shard.path)
-        with open(shard.path, "rb") as fh:
-            for recs in _block_records(sr, fh, out):
-                group.append((i, recs))
-                size += len(recs)
-                if size >= GROUP_RECORDS:
-                    flush()
-                    size = 0
-        out.garbage += sr.garbage
-    if group:
-        flush()
-    return out
-
-
-def _merge_parts(a: Scan, b: Scan) -> Scan:
-    """`a` then `b` as one pass over both would have found them."""
-    for key, kind in b.kinds.items():
-        if key not in a.kinds:
-            a.kinds[key] = kind
-        elif kind is not None and a.kinds[key] != kind:
-            a.kinds[key] = merge_kinds(a.kinds[key], kind)
-    a.rows += b.rows
-    a.garbage += b.garbage
-    for i, why in b.python.items():
-        a.python.setdefault(i, why)
-    return a
-
-
-PARALLEL_SHARDS = 512  # from this many shards a second process reads the second half
+PARALLEL_SHARDS = 512  # from this many shards a second process reads the last 45% of them
 
 
 def _start_part(shards: list[RunShard], offset: int, want: str | None,
@@ -258,7 +57,6 @@ def _start_part(shards: list[RunShard], offset: int, want: str | None,
     """A `python -c` process scanning `shards` (a plain child, not multiprocessing: that
     would import the caller's __main__ again); None when it cannot start."""
     import subprocess
-    import sys
 
     job = orjson.dumps({"shards": [[str(s.path), s.stream, s.rank] for s in shards],
                         "offset": offset, "want": want, "metrics": metrics})
@@ -300,20 +98,19 @@ def _finish_part(proc: Any) -> Scan | None:
     part = Scan()
     part.kinds = dict(got["kinds"])
     part.rows, part.garbage = got["rows"], got["garbage"]
+    part.keys_twice = bool(got["keys_twice"])
     part.python = {int(i): why for i, why in got["python"]}
     return part
 
 
 def _part_main() -> None:
     """The helper process: a job on stdin, its Scan on stdout (JSON)."""
-    import sys
-
     job = orjson.loads(sys.stdin.buffer.read())
     shards = [RunShard(Path(p), stream, rank) for p, stream, rank in job["shards"]]
-    part = _scan_part(shards, job["offset"], job["want"], job["metrics"])
+    part = scan_part(shards, job["offset"], job["want"], job["metrics"])
     sys.stdout.buffer.write(orjson.dumps({
         "kinds": list(part.kinds.items()), "rows": part.rows, "garbage": part.garbage,
-        "python": list(part.python.items())}))
+        "python": list(part.python.items()), "keys_twice": part.keys_twice}))
 
 
 def _helpers() -> int:
@@ -337,15 +134,17 @@ def scan(reader: RunReader) -> Scan:
     want = "rank" if reader.rank_records else None
     shards = reader.shards
     if len(shards) >= PARALLEL_SHARDS and _helpers() > 0:
-        half = len(shards) // 2
+        # the helper takes a little less: it starts (Python, the imports) ~0.1 s later
+        half = len(shards) * 11 // 20
         child = _start_part(shards[half:], half, want, reader.metrics)
-        out = _scan_part(shards[:half], 0, want, reader.metrics)
+        out = scan_part(shards[:half], 0, want, reader.metrics)
+        available()  # imported while the helper finishes its part
         second = _finish_part(child)
         if second is None:  # the helper failed: this process reads its half too
-            second = _scan_part(shards[half:], half, want, reader.metrics)
-        out = _merge_parts(out, second)
+            second = scan_part(shards[half:], half, want, reader.metrics)
+        out = merge_parts(out, second)
     else:
-        out = _scan_part(shards, 0, want, reader.metrics)
+        out = scan_part(shards, 0, want, reader.metrics)
     if reader.metrics is not None and any(k[:1] == "_" for k in reader.metrics):
         out.flag_run("a --metric that is a reserved field")
     reader.garbage = out.garbage
@@ -357,6 +156,17 @@ def scan(reader: RunReader) -> Scan:
     out.columns = {k: RESERVED_KINDS[k] for k in reader.reserved}
     out.columns.update((k, v or "str") for k, v in kinds.items())
     return out
+
+
+def installed() -> bool:
+    """Whether DuckDB looks importable, without importing it: the first pass starts
+    first, and `scan` imports DuckDB (0.13 s of CPU) while its helper process finishes."""
+    if "duckdb" in sys.modules:
+        return sys.modules["duckdb"] is not None
+    try:
+        return importlib.util.find_spec("duckdb") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def available() -> Any:
@@ -421,16 +231,69 @@ def file_exprs(shards: list[RunShard], prefix: str = "expr_export") -> tuple[str
             f"(CASE {streams} ELSE {stream_sql(last[3])} END)")
 
 
-def select_sql(reader: RunReader, shards: list[RunShard], columns: dict[str, str]) -> str:
+TRANSFORM_SCAN = True  # on DuckDB 2.0, each line as JSON text typed by json_transform
+
+
+def transform_scan(first: Scan) -> bool:
+    """Whether DuckDB is to read the rows as JSON text typed once by `json_transform`
+    (DuckDB 2.0 on, and no line that may name a key twice), not by `read_json` with
+    `columns`.
+
+    DuckDB 2.0 binds `read_json` again for each file of a list, parsing the type of every
+    entry of `columns` each time (see `views.sql._given_source`): over 4,096 shards that
+    was most of the export's DuckDB pass, 2.3-3.1 s of CPU against 1.1-1.6 s for the same
+    COPY through `read_ndjson_objects` and `json_transform`. Both type a value with the
+    same code; they differ where a line names a key twice (`read_json` refuses the line,
+    `json_transform` keeps the first value, orjson the last) and where a value does not
+    cast (`read_json` refuses, `json_transform` gives NULL): the first pass saw every
+    exported value's type, so only records that are not exported can hold such a value,
+    and the rows are the same (`tests/test_export_duckdb.py` compares both scans).
+    """
+    if not TRANSFORM_SCAN or first.keys_twice:
+        return False
+    duckdb = available()
+    try:
+        return int(getattr(duckdb, "__version__", "0").split(".")[0]) >= 2
+    except ValueError:
+        return False
+
+
+# A line that starts so is a rank record as DuckDB reads it (`json_transform` takes a
+# key's first value), never a step row; the SDK writes `_kind` first. Left out before
+# the transform, a scan of the step rows skips parsing them (half the lines of a run
+# that logs rank records). A rank record written otherwise is parsed and filtered out.
+NOT_RANK_LINE = """NOT starts_with(json, '{"_kind":"rank",')"""
+
+
+def transformed(keep: str, structure: str, objects: str, where: str | None = None) -> str:
+    """A subquery of the columns `keep` of the table function `objects` (a row of JSON
+    text per line, column `json`) and the fields of each line typed by `json_transform`
+    to `structure` (SQL text of a JSON structure).
+
+    The struct goes through `unnest` of a one-element list: DuckDB pushes a filter on
+    its fields (`_kind IS NULL AND _step IS NOT NULL`) below a plain projection, and there
+    rewrites each field as `struct_extract(json_transform(json, ...))`, transforming
+    every line up to three times (0.8 s more CPU over 4,096 shards: a third of the scan);
+    it does not push a filter below an UNNEST (`OFFSET 0` fences too, but DuckDB then
+    scans on one thread). `where`: a filter on the line's text
+    (`json`), before any transform.
+    """
+    cond = f" WHERE {where}" if where else ""
+    return (f"(SELECT {keep}, unnest(s) FROM (SELECT {keep}, unnest([json_transform(json, "
+            f"{structure})]) AS s FROM {objects}{cond}))")
+
+
+def select_sql(reader: RunReader, shards: list[RunShard], columns: dict[str, str],
+               transform: bool = False) -> str:
     """The SELECT of the rows of `shards` with `columns`, in their order, reading the
-    files of the variable `expr_export_files` (set by `duck_batches`)."""
+    files of the variable `expr_export_files` (set by `_set_files`), by `read_json` with
+    the columns given, or with `transform` by `json_transform` over each line's text."""
     rank_records = reader.rank_records
     spec = {"_kind": "VARCHAR", "_step": "BIGINT", "_rank": "BIGINT", "_time": "DOUBLE"}
     if rank_records:
         spec.update(_world_size="BIGINT", _local_rank="BIGINT", _weight="DOUBLE")
     keys = [k for k in columns if k not in RESERVED_KINDS]
     spec.update((k, _SQL_TYPES[columns[k]]) for k in keys)
-    struct = "{" + ", ".join(f"{_literal(k)}: {_literal(t)}" for k, t in spec.items()) + "}"
     file_rank, file_stream = file_exprs(shards)
     cols = [f'CASE WHEN "_rank" >= 0 THEN "_rank" ELSE {file_rank} END AS "_rank"',
             f'{file_stream} AS "_stream"', '"_step"', '"_time"']
@@ -441,8 +304,13 @@ def select_sql(reader: RunReader, shards: list[RunShard], columns: dict[str, str
     if reader.metrics is not None:
         present = [f"{_ident(k)} IS NOT NULL" for k in dict.fromkeys(reader.metrics) if k in keys]
         where.append("(" + (" OR ".join(present) or "false") + ")")
-    source = (f"read_json(getvariable('expr_export_files'), format='newline_delimited', "
-              f"columns={struct}, maximum_object_size={MAX_OBJECT})")
+    files = f"getvariable('expr_export_files'), maximum_object_size={MAX_OBJECT}"
+    if transform:
+        source = transformed("file_index", _literal(json.dumps(spec)), f"read_ndjson_objects({files})",
+                             None if rank_records else NOT_RANK_LINE)
+    else:
+        struct = "{" + ", ".join(f"{_literal(k)}: {_literal(t)}" for k, t in spec.items()) + "}"
+        source = f"read_json({files}, format='newline_delimited', columns={struct})"
     return f"SELECT {', '.join(cols)} FROM {source} WHERE {' AND '.join(where)}"
 
 
@@ -467,15 +335,21 @@ MAX_GROUPS = 16  # DuckDB queries per export: more (shards to read in Python bet
 # the Python path writes it all
 
 
-def duck_batches(con: Any, reader: RunReader, shards: list[RunShard], columns: dict[str, str],
-                 batch_rows: int) -> Any:
-    """Arrow RecordBatches of the rows of `shards`, read by DuckDB on `con`."""
+def _set_files(con: Any, shards: list[RunShard]) -> None:
+    """The variables `select_sql` reads: the files, and each one's rank and stream (for
+    `file_exprs`' lookup)."""
     con.execute("SET VARIABLE expr_export_files = ?", [[str(s.path) for s in shards]])
     con.execute("SET VARIABLE expr_export_ranks = ?::BIGINT[]", [[s.rank for s in shards]])
     con.execute("SET VARIABLE expr_export_streams = ?::VARCHAR[]", [[s.stream for s in shards]])
+
+
+def duck_batches(con: Any, reader: RunReader, shards: list[RunShard], columns: dict[str, str],
+                 batch_rows: int, transform: bool = False) -> Any:
+    """Arrow RecordBatches of the rows of `shards`, read by DuckDB on `con`."""
+    _set_files(con, shards)
     duckdb = available()
     try:
-        rel = con.sql(select_sql(reader, shards, columns))
+        rel = con.sql(select_sql(reader, shards, columns, transform))
         stream = (rel.to_arrow_reader(batch_rows) if hasattr(rel, "to_arrow_reader")
                   else rel.fetch_arrow_reader(batch_rows))  # DuckDB < 1.4
         it = iter(stream)
@@ -492,17 +366,14 @@ def duck_batches(con: Any, reader: RunReader, shards: list[RunShard], columns: d
 
 
 def copy_parquet(con: Any, reader: RunReader, columns: dict[str, str], out: Path,
-                 row_group: int) -> int:
+                 row_group: int, transform: bool = False) -> int:
     """Every row written by DuckDB's own `COPY ... TO` (parallel, no Arrow in between),
     when DuckDB reads every shard: the number of rows. Refused when DuckDB refuses."""
     duckdb = available()
-    shards = reader.shards
     try:
-        con.execute("SET VARIABLE expr_export_files = ?", [[str(s.path) for s in shards]])
-        con.execute("SET VARIABLE expr_export_ranks = ?::BIGINT[]", [[s.rank for s in shards]])
-        con.execute("SET VARIABLE expr_export_streams = ?::VARCHAR[]",
-                    [[s.stream for s in shards]])
-        row = con.execute(f"COPY ({select_sql(reader, shards, columns)}) TO {_literal(str(out))} "
+        _set_files(con, reader.shards)
+        sql = select_sql(reader, reader.shards, columns, transform)
+        row = con.execute(f"COPY ({sql}) TO {_literal(str(out))} "
                           f"(FORMAT parquet, ROW_GROUP_SIZE {int(row_group)})").fetchone()
     except duckdb.Error as exc:
         raise Refused(str(exc)) from None

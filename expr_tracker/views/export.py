@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import importlib.util
 import math
 import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -64,6 +66,17 @@ def need_pyarrow() -> Any:
     except ImportError:
         raise ImportError("needs pyarrow: pip install 'expr-tracker[export]'") from None
     return pyarrow
+
+
+def have_pyarrow() -> bool:
+    """Whether pyarrow can be imported, without importing it (0.15-0.2 s of CPU, which
+    an export that DuckDB writes whole never needs)."""
+    if "pyarrow" in sys.modules:
+        return sys.modules["pyarrow"] is not None
+    try:
+        return importlib.util.find_spec("pyarrow") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _json_text(v: Any) -> str | None:
@@ -130,17 +143,19 @@ def write_parquet(reader: RunReader, out: str | os.PathLike[str], batch_rows: in
     """
     if engine not in ("auto", "python"):
         raise ValueError(f"engine must be 'auto' or 'python', not {engine!r}")
-    need_pyarrow()
+    if not have_pyarrow():
+        need_pyarrow()  # the ImportError naming the extra
     columns = None
     if engine == "auto":
         from expr_tracker.views import duckcopy
 
-        if duckcopy.available() is not None:
+        if duckcopy.installed():
             first = duckcopy.scan(reader)
             columns = first.columns
             groups = duckcopy.plan(reader, first)
             if groups is not None:
-                n = _write_parquet_duck(reader, Path(out), batch_rows, columns, groups)
+                n = _write_parquet_duck(reader, Path(out), batch_rows, columns, groups,
+                                        duckcopy.transform_scan(first))
                 if n is not None:
                     reader.garbage = first.garbage
                     return n
@@ -167,17 +182,16 @@ def _write_batches(out: Path, schema: Any, batches: Iterator[Any]) -> int:
 
 
 def _write_parquet_duck(reader: RunReader, out: Path, batch_rows: int, columns: dict[str, str],
-                        groups: list[tuple[bool, list[Any]]]) -> int | None:
+                        groups: list[tuple[bool, list[Any]]], transform: bool) -> int | None:
     """The parquet file with DuckDB reading the groups it can; None (and no file) when
     DuckDB refused one, as it does a line with a duplicate key or a value that does not
     cast (in a record that is not exported)."""
     from expr_tracker.views import duckcopy
 
-    pa = need_pyarrow()
     duckdb = duckcopy.available()
-    schema = arrow_schema(columns)
 
     def python_batches(shards: list[Any]) -> Iterator[Any]:
+        schema = arrow_schema(columns)
         batch: list[dict[str, Any]] = []
         for shard in shards:
             for row in reader._rows_of(shard):
@@ -191,9 +205,11 @@ def _write_parquet_duck(reader: RunReader, out: Path, batch_rows: int, columns: 
     def duck_rows(con: Any, shards: list[Any]) -> Iterator[Any]:
         # DuckDB streams a small batch per file: gathered into batches of batch_rows
         # rows (a row group each, as on the Python path), cast to the schema once each
+        pa = need_pyarrow()
+        schema = arrow_schema(columns)
         held: list[Any] = []
         rows = 0
-        for batch in duckcopy.duck_batches(con, reader, shards, columns, batch_rows):
+        for batch in duckcopy.duck_batches(con, reader, shards, columns, batch_rows, transform):
             held.append(batch)
             rows += batch.num_rows
             if rows >= batch_rows:
@@ -215,8 +231,8 @@ def _write_parquet_duck(reader: RunReader, out: Path, batch_rows: int, columns: 
             if len(groups) == 1 and groups[0][0]:
                 with _atomic_output(out, binary=True) as (tmp, fh):
                     fh.close()  # DuckDB writes the file itself
-                    return duckcopy.copy_parquet(con, reader, columns, tmp, batch_rows)
-            return _write_batches(out, schema, batches(con))
+                    return duckcopy.copy_parquet(con, reader, columns, tmp, batch_rows, transform)
+            return _write_batches(out, arrow_schema(columns), batches(con))
     except (duckdb.Error, duckcopy.Refused):
         return None
 
