@@ -100,8 +100,10 @@ def rss_of(argv: list[str], env: dict[str, str]) -> tuple[float, float, str]:
         "sys.stdout.write(json.dumps({'wall': wall, 'rss': ru.ru_maxrss / 1024, "
         "'code': p.returncode, 'out': out.decode()}))\n"
     )
+    # from the run cache, not the checkout: `python -m` puts the working directory ahead
+    # of PYTHONPATH, and EXPR_BENCH_BEFORE's tree would import this one
     res = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, env=env,
-                         check=True)
+                         check=True, cwd=CACHE)
     data = json.loads(res.stdout)
     if data["code"] not in (0, 1):
         raise RuntimeError(f"{argv} exited {data['code']}")
