@@ -83,3 +83,22 @@ def test_answers_from_fork_server_workers_match_one_process(
     assert got["answers"] == alone
     assert alone["summary"]["world_size"] == WORLD and len(alone["ranks"]) == WORLD
     assert ("crashed", (7,), STEPS // 2 - 1) in alone["incidents"]
+
+
+def test_no_idle_core_while_every_core_spins() -> None:
+    """The fork server's workers run only while a core is idle now (`/proc/stat` over a
+    tenth of a second): with a busy process per CPU there is none."""
+    import os
+    import subprocess
+    import time
+
+    assert parallel._cpu_times() is not None
+    spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(os.cpu_count() or 1)]
+    try:
+        time.sleep(0.3)
+        assert not parallel._idle_core()
+    finally:
+        for p in spin:
+            p.kill()
+            p.wait()

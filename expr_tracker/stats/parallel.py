@@ -121,16 +121,42 @@ def _context() -> Any:
 
 
 def _idle_core() -> bool:
-    """Some core is idle (the load average is under the cores by half a core or more).
-    On a busy machine a fork server's workers got a long-lived server no more CPU, and
-    cost their pickling: a 16,384-rank page built in workers took 15 s of CPU and 22 s
-    where one process took 12 s of each (bench/RESULTS.md, issue 19)."""
+    """Some core is idle now: half a core or more of idle time over the last tenth of a
+    second (`/proc/stat`), else, where that cannot be read, a 1-minute load average half
+    a core under the cores. On a busy machine a fork server's workers got a long-lived
+    server no more CPU, and cost their pickling: a 16,384-rank page built in workers took
+    15 s of CPU and 22 s where one process took 12 s of each (bench/RESULTS.md, issue 19).
+    The load average alone lags by a minute: a server asked for its first page right after
+    other work read in one process on an idle machine (the first render took twice the
+    CLI's `expr summary` of the same run)."""
+    import time
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    first = _cpu_times()
+    if first is not None:
+        time.sleep(0.1)
+        second = _cpu_times()
+        if second is not None and second[1] > first[1]:
+            idle = (second[0] - first[0]) / (second[1] - first[1])  # of all the machine's CPUs
+            return idle * (os.cpu_count() or 1) >= 0.5
     try:
         load = os.getloadavg()[0]
     except OSError:
         return False
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return load <= (cpus or 1) - 0.5
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    """(idle, total) clock ticks of every CPU since boot, from /proc/stat (Linux)."""
+    try:
+        with open("/proc/stat", "rb") as fh:
+            fields = fh.readline().split()
+    except OSError:
+        return None
+    if fields[:1] != [b"cpu"] or len(fields) < 5:
+        return None
+    ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    return ticks[3] + ticks[4], sum(ticks)
 
 
 def map_forked(fn: Callable[[list[T]], list[R]], items: Sequence[T],
