@@ -6,7 +6,6 @@ answers as before, on the same synthetic runs."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import pytest
 from expr_tracker.store import records
 from expr_tracker.views import duckcopy, sql
 from tests.conftest import T0
+from tests.test_views_schema import _answers
 from tests.views_runs import shard_name
 
 RANKS = 12
@@ -85,17 +85,6 @@ def _run(run):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"\n".join(lines) + b"\n")
     return run
-
-
-def _answers(run):
-    out = {}
-    with sql.connect(run) as con:
-        for view in ("metrics", "ranks"):
-            out[view, "describe"] = sql.run_query(con, f"DESCRIBE {view}").fetchall()
-            rows = sql.run_query(con, f"SELECT * FROM {view} ORDER BY ALL").fetchall()
-            out[view] = [tuple("nan" if isinstance(v, float) and math.isnan(v) else v
-                               for v in row) for row in rows]
-    return out
 
 
 def test_leaving_rank_lines_out_by_their_text_changes_no_answer(tmp_path, monkeypatch):
