@@ -259,8 +259,9 @@ def test_chart_reducers_are_those_of_each_step(tmp_path: Path) -> None:
 
 def test_heatmap_cells_are_those_of_the_rank_table(tmp_path: Path) -> None:
     """`ColumnTable.heatmap` against `reduce.heatmap` of its `rank_table([key])` (the path
-    before): a bucket per step (read in C) and buckets of several steps, NaN, infinities,
-    -0.0, a late and a crashed rank, the odd run's blocks."""
+    before): a bucket per step (read in C) and buckets of several steps (their slices summed
+    in C), NaN, infinities, -0.0, a sum past the largest float, a late and a crashed rank,
+    the odd run's blocks."""
     from expr_tracker.stats import reduce
 
     steps = array("q", range(100, 150))
@@ -271,6 +272,8 @@ def test_heatmap_cells_are_those_of_the_rank_table(tmp_path: Path) -> None:
             vals[10], vals[20], vals[30], vals[40] = math.nan, math.inf, -math.inf, -0.0
         if r == 4:
             vals[5] = -0.0
+        if r == 5:  # a bucket whose sum overflows a float, another with one NaN only
+            vals[0], vals[1], vals[49] = 1.5e308, 1.7e308, math.nan
         blocks.append(scan.Block(r, 48, steps, 1.0, {"step_time": vals}))
     mixed = [b if b.rank not in (7, 30) else scan.Block(
         b.rank, 48, array("q", range(90 + b.rank, 140 + b.rank, 2)), 1.0,

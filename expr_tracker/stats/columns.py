@@ -83,8 +83,10 @@ def heatmap(table: Any, key: str, n_buckets: int, steps: Sequence[int] | None = 
     buckets of several steps go through `reduce.heatmap` itself."""
 
     chosen = table.key_steps(key) if steps is None else sorted(set(steps))
-    if n_buckets < 1 or min(n_buckets, len(chosen)) != len(chosen) or not chosen:
+    if n_buckets < 1 or not chosen:
         return reduce.heatmap(table.rank_table([key]), key, n_buckets, steps)
+    if n_buckets < len(chosen):
+        return _bucketed(table, key, chosen, n_buckets)
     nb = len(chosen)
     grid: dict[int, list[float | None]] = {r: [None] * nb for r in range(table.world_size)}
     mine = [b for b in table.blocks if key in b.columns]
@@ -110,3 +112,52 @@ def heatmap(table: Any, key: str, n_buckets: int, steps: Sequence[int] | None = 
                 v = col[i]
                 row[k] = v + 0.0 if v - v == 0.0 else math.nan  # (`_mean` of one value)
     return [(s, s) for s in chosen], grid
+
+
+def _bucketed(table: Any, key: str, chosen: list[int], n_buckets: int
+              ) -> tuple[list[tuple[int, int]], dict[int, list[float | None]]]:
+    """`reduce.heatmap`'s buckets of several steps (a terminal's 40 columns over 50
+    steps): per rank and bucket the mean of its finite values there (`reduce._mean`, the
+    same bits), NaN when it has only non-finite ones, None when none. A block with the
+    usual steps sums each bucket's slice of its column in C; at 16,384 ranks the cell by
+    cell loop of `reduce.heatmap` took 4 s."""
+    nb = n_buckets
+    groups = [chosen[b * len(chosen) // nb: (b + 1) * len(chosen) // nb] for b in range(nb)]
+    grid: dict[int, list[float | None]] = {r: [None] * nb for r in range(table.world_size)}
+    mine = [b for b in table.blocks if key in b.columns]
+    usual = mine[len(mine) // 2].steps if mine else array("q")
+    where = {s: i for i, s in enumerate(usual)}
+    spans = []  # each bucket's (start, end) in the usual steps, when it is a run of them
+    for group in groups:
+        first, last = where.get(group[0]), where.get(group[-1])
+        ok = first is not None and last is not None and last - first + 1 == len(group)
+        spans.append((first, last + 1) if ok else None)  # type: ignore[operator]
+    whole = None not in spans
+    for b in mine:
+        col = b.columns[key]
+        row = grid[b.rank]
+        if whole and b.steps == usual:
+            grid[b.rank] = [_cell(col[i:j]) for i, j in spans]  # type: ignore[misc]
+            continue
+        for k, group in enumerate(groups):
+            xs = []
+            for s in group:
+                i = bisect_left(b.steps, s)
+                if i < len(b.steps) and b.steps[i] == s:
+                    xs.append(col[i])
+            if xs:
+                row[k] = _cell(xs)
+    return [(g[0], g[-1]) for g in groups], grid
+
+
+def _cell(xs: Sequence[float]) -> float:
+    """`reduce.heatmap`'s cell of the values `xs` (at least one)."""
+    try:
+        total = math.fsum(xs)
+    except (OverflowError, ValueError):
+        total = math.nan
+    if total - total != 0.0:  # an infinity or NaN among them (or an overflowing sum)
+        good = [x for x in xs if math.isfinite(x)]
+        return reduce._mean(good) if good else math.nan
+    return total / len(xs)  # (`_mean`: the same sum, divided)
+
