@@ -8,10 +8,8 @@ implementation modules when a backend is opened.
 from __future__ import annotations
 
 import email.utils
-import importlib.util
 import logging
 import math
-import sys
 import threading
 import time
 import warnings
@@ -19,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from expr_tracker.optional import importable
 from expr_tracker.store.layout import validate_name, validate_stream
 
 log = logging.getLogger("expr_tracker.backends")
@@ -167,13 +166,7 @@ def require(module: str, extra: str) -> bool:
     Uses `find_spec`, so nothing heavy is imported. Call it on the caller's
     thread: the warning names the install command.
     """
-    if sys.modules.get(module) is not None:
-        return True  # imported already (find_spec raises for a module without __spec__)
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        found = False
-    if found:
+    if importable(module):
         return True
     with _WARNED_LOCK:
         first = module not in _WARNED_MISSING

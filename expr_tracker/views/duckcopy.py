@@ -31,7 +31,6 @@ rows but not in the column types, as on the Python path.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import shutil
@@ -43,6 +42,7 @@ from typing import Any
 
 import orjson
 
+from expr_tracker.optional import importable
 from expr_tracker.store.runread import RESERVED_KINDS, RunReader, RunShard
 from expr_tracker.views.firstpass import MAX_OBJECT, Scan, merge_parts, scan_part
 
@@ -161,12 +161,7 @@ def scan(reader: RunReader) -> Scan:
 def installed() -> bool:
     """Whether DuckDB looks importable, without importing it: the first pass starts
     first, and `scan` imports DuckDB (0.13 s of CPU) while its helper process finishes."""
-    if "duckdb" in sys.modules:
-        return sys.modules["duckdb"] is not None
-    try:
-        return importlib.util.find_spec("duckdb") is not None
-    except (ImportError, ValueError):
-        return False
+    return importable("duckdb")
 
 
 def available() -> Any:

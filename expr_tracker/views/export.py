@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import importlib.util
 import math
 import os
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -30,6 +28,7 @@ from typing import IO, Any
 import orjson
 
 from expr_tracker.errors import RunNotFoundError
+from expr_tracker.optional import importable
 from expr_tracker.outputs import output_kind
 from expr_tracker.store import records
 from expr_tracker.store.runread import ALL_STREAMS, BATCH_ROWS, RunReader
@@ -71,12 +70,7 @@ def need_pyarrow() -> Any:
 def have_pyarrow() -> bool:
     """Whether pyarrow can be imported, without importing it (0.15-0.2 s of CPU, which
     an export that DuckDB writes whole never needs)."""
-    if "pyarrow" in sys.modules:
-        return sys.modules["pyarrow"] is not None
-    try:
-        return importlib.util.find_spec("pyarrow") is not None
-    except (ImportError, ValueError):
-        return False
+    return importable("pyarrow")
 
 
 def _json_text(v: Any) -> str | None:
