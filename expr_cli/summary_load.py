@@ -196,7 +196,7 @@ def _read_window(
         lo = window_lo(step, window, state.frontier)
         return state, lo, parallel.ScanJob(paths, lo, expected_bytes=expected if lo else 1 << 62).result()
     if job is None:
-        job = parallel.ScanJob(paths, recent=RECENT, expected_bytes=expected)
+        job = start_scan(shards)
     if state is None:
         state = read_run(run_dir, stream, window=2)
     scans = job.result()

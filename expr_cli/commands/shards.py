@@ -49,6 +49,7 @@ def _inspect_run(found: list[ShardRef], run_path: Any) -> list[dict[str, Any]]:
     streams = sorted({s.stream for s in found}, key=lambda x: x or "")
     readers = {st: RunReader(run_path, st, window=4) for st in streams}
     states = {st: reader.read() for st, reader in readers.items()}
+    names = {st: frozenset(reader.names) for st, reader in readers.items()}
 
     def row(s: ShardRef) -> dict[str, Any]:
         # what the state's pass read of the shard, else the shard read again
@@ -58,7 +59,6 @@ def _inspect_run(found: list[ShardRef], run_path: Any) -> list[dict[str, Any]]:
             return inspect_tail(s, tail, names[s.stream], last)
         return inspect_shard(s, last)
 
-    names = {st: frozenset(reader.names) for st, reader in readers.items()}
     rows = [row(s) for s in found]  # (threads cost more than the few reads left)
     for stream, state in states.items():
         mine = [r for r in rows if r["stream"] == stream]
