@@ -80,7 +80,7 @@ def heatmap(table: Any, key: str, n_buckets: int, steps: Sequence[int] | None = 
     """`reduce.heatmap` over `rank_table([key])`, without building that table: with a
     bucket per step (a page's 60 columns over the 50 recent steps) a cell is the rank's
     value there (NaN when not finite), read in C for the blocks of the usual steps;
-    buckets of several steps go through `reduce.heatmap` itself."""
+    buckets of several steps: `_bucketed`."""
 
     chosen = table.key_steps(key) if steps is None else sorted(set(steps))
     if n_buckets < 1 or not chosen:
@@ -89,9 +89,7 @@ def heatmap(table: Any, key: str, n_buckets: int, steps: Sequence[int] | None = 
         return _bucketed(table, key, chosen, n_buckets)
     nb = len(chosen)
     grid: dict[int, list[float | None]] = {r: [None] * nb for r in range(table.world_size)}
-    mine = [b for b in table.blocks if key in b.columns]
-    usual = mine[len(mine) // 2].steps if mine else array("q")
-    where = {s: i for i, s in enumerate(usual)}
+    mine, usual, where = _usual_steps(table, key)
     pos = [where.get(s) for s in chosen]
     get = itemgetter(*pos) if nb > 1 and None not in pos else None
     for b in mine:
@@ -124,9 +122,7 @@ def _bucketed(table: Any, key: str, chosen: list[int], n_buckets: int
     nb = n_buckets
     groups = [chosen[b * len(chosen) // nb: (b + 1) * len(chosen) // nb] for b in range(nb)]
     grid: dict[int, list[float | None]] = {r: [None] * nb for r in range(table.world_size)}
-    mine = [b for b in table.blocks if key in b.columns]
-    usual = mine[len(mine) // 2].steps if mine else array("q")
-    where = {s: i for i, s in enumerate(usual)}
+    mine, usual, where = _usual_steps(table, key)
     spans = []  # each bucket's (start, end) in the usual steps, when it is a run of them
     for group in groups:
         first, last = where.get(group[0]), where.get(group[-1])
@@ -135,10 +131,10 @@ def _bucketed(table: Any, key: str, chosen: list[int], n_buckets: int
     whole = None not in spans
     for b in mine:
         col = b.columns[key]
-        row = grid[b.rank]
         if whole and b.steps == usual:
             grid[b.rank] = [_cell(col[i:j]) for i, j in spans]  # type: ignore[misc]
             continue
+        row = grid[b.rank]
         for k, group in enumerate(groups):
             xs = []
             for s in group:
@@ -148,6 +144,14 @@ def _bucketed(table: Any, key: str, chosen: list[int], n_buckets: int
             if xs:
                 row[k] = _cell(xs)
     return [(g[0], g[-1]) for g in groups], grid
+
+
+def _usual_steps(table: Any, key: str) -> tuple[list[Any], array[int], dict[int, int]]:
+    """The blocks holding `key`, the steps most of them have (the median block's: every
+    rank at every step, usually) and each of those steps' index."""
+    mine = [b for b in table.blocks if key in b.columns]
+    usual = mine[len(mine) // 2].steps if mine else array("q")
+    return mine, usual, {s: i for i, s in enumerate(usual)}
 
 
 def _cell(xs: Sequence[float]) -> float:
