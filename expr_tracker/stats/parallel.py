@@ -32,7 +32,7 @@ def scan_shards(paths: Sequence[str | os.PathLike[str]], lo: int | None = None,
             sizes.append(os.path.getsize(name))
         except OSError:
             sizes.append(0)  # let the reader raise the error
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = cpus_here()
     workers = min(cpus or 1, MAX_WORKERS, len(names))
     total = sum(sizes) if expected_bytes is None else expected_bytes
     ctx = _context() if workers >= 2 and total >= PARALLEL_BYTES else None
@@ -66,6 +66,11 @@ def scan_shards(paths: Sequence[str | os.PathLike[str]], lo: int | None = None,
             if out[share[0]] is None:
                 put(share, scan_all([names[i] for i in share], lo))  # a real read error raises here
     return cast("list[ShardScan]", out)
+
+
+def cpus_here() -> int | None:
+    """The CPUs this process may run on (None if unknown)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def can_fork() -> bool:
@@ -131,7 +136,7 @@ def _idle_core() -> bool:
     CLI's `expr summary` of the same run)."""
     import time
 
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = cpus_here()
     first = _cpu_times()
     if first is not None:
         time.sleep(0.1)
@@ -165,7 +170,7 @@ def map_forked(fn: Callable[[list[T]], list[R]], items: Sequence[T],
     one share in this process and the others in forked worker processes at the same time;
     `fn` returns one result per item, in order. In this process alone when there is one
     CPU or fork is not safe, and for the shares of a worker that failed."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = cpus_here()
     workers = min(cpus or 1, max_workers, len(items))
     ctx = _context() if workers >= 2 else None
     if ctx is None:
@@ -206,7 +211,7 @@ class ScanJob:
         self.lo, self.recent = lo, recent
         self._pool: Any = None
         self._futures: list[tuple[list[int], Any]] = []
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        cpus = cpus_here()
         workers = min(cpus or 1, MAX_WORKERS, len(self.names))
         ctx = _context() if workers >= 2 and expected_bytes >= PARALLEL_BYTES else None
         if ctx is None:

@@ -114,11 +114,9 @@ def _part_main() -> None:
 
 
 def _helpers() -> int:
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return cores - 1
+    from expr_tracker.stats.parallel import cpus_here
+
+    return (cpus_here() or 1) - 1
 
 
 def scan(reader: RunReader) -> Scan:
