@@ -367,11 +367,7 @@ class RunReader:
         if len(parsed) > 2 * len(names) + 1024:  # bounded by what the directory holds
             parsed.clear()
         for name in names:
-            hit = parsed.get(name, _UNPARSED)
-            if hit is _UNPARSED:
-                shard = parse_shard_name(name)
-                ok = shard is not None and shard.stream == self.stream
-                hit = parsed[name] = (shard.rank, self.run_dir / name) if ok and shard else None
+            hit = self._entry(name)
             if hit is not None:
                 out[hit[0]] = hit[1]
         self.names = names
@@ -453,12 +449,18 @@ class RunReader:
         """The shard rank of an entry name (a shard or its sidecar) of this stream."""
         if name.endswith(".meta.json"):
             name = name[: -len(".meta.json")] + ".jsonl"
+        hit = self._entry(name)
+        return hit[0] if hit is not None else None
+
+    def _entry(self, name: str) -> tuple[int, Path] | None:
+        """(shard rank, path) of an entry name that is a shard of this stream, else None;
+        each name parsed once for the reader's life."""
         hit = self._parsed.get(name, _UNPARSED)
         if hit is _UNPARSED:
             shard = parse_shard_name(name)
             ok = shard is not None and shard.stream == self.stream
             hit = self._parsed[name] = (shard.rank, self.run_dir / name) if ok and shard else None
-        return hit[0] if hit is not None else None
+        return hit
 
     def _dirty_pass(self, now: float, at: float) -> RunState:
         """A pass over what the kernel said changed (and no listing: no shard appeared,
