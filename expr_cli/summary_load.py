@@ -197,9 +197,13 @@ def _read_window(
         return state, lo, parallel.ScanJob(paths, lo, expected_bytes=expected if lo else 1 << 62).result()
     if job is None:
         job = start_scan(shards)
-    if state is None:
-        state = read_run(run_dir, stream, window=2)
-    scans = job.result()
+    try:
+        if state is None:
+            state = read_run(run_dir, stream, window=2)
+        scans = job.result()
+    except BaseException:  # Ctrl-C while the workers read: stop them, not wait for them
+        job.abandon()
+        raise
     lo = window_lo(None, None, state.frontier)
     if lo is not None:
         for i, sc in enumerate(scans):

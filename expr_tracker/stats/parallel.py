@@ -9,7 +9,8 @@ caller can read something else (the live state of the run) while they work.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, TypeVar, cast
 
 from expr_tracker.stats.scan import ShardScan, scan_all, scan_shard
@@ -38,7 +39,7 @@ def scan_shards(paths: Sequence[str | os.PathLike[str]], lo: int | None = None,
     ctx = _context() if workers >= 2 and total >= PARALLEL_BYTES else None
     if ctx is None:
         return scan_all(names, lo)
-    from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
+    from concurrent.futures import BrokenExecutor
 
     # largest first onto the least loaded share: shares of about equal bytes
     shares: list[list[int]] = [[] for _ in range(workers)]
@@ -54,18 +55,98 @@ def scan_shards(paths: Sequence[str | os.PathLike[str]], lo: int | None = None,
             out[i] = result
 
     try:
-        with ProcessPoolExecutor(workers - 1, mp_context=ctx) as pool:
-            futures = [(share, pool.submit(scan_all, [names[i] for i in share], lo))
-                       for share in shares[1:]]
+        pool = _start_pool(workers - 1, ctx)
+        try:
+            with _forking():
+                futures = [(share, pool.submit(scan_all, [names[i] for i in share], lo))
+                           for share in shares[1:]]
             # this process reads the first share itself instead of waiting
             put(shares[0], scan_all([names[i] for i in shares[0]], lo))
             for share, future in futures:
                 put(share, future.result())
+        except BaseException:
+            _abandon(pool)
+            raise
+        pool.shutdown()
     except (OSError, BrokenExecutor):  # no fork allowed, a worker killed
         for share in shares:
             if out[share[0]] is None:
                 put(share, scan_all([names[i] for i in share], lo))  # a real read error raises here
     return cast("list[ShardScan]", out)
+
+
+def _worker_start() -> None:
+    """A worker dies quietly at Ctrl-C: the terminal signals the whole process group, and
+    the parent reports the interrupt once (a worker's own KeyboardInterrupt would print a
+    traceback from every worker). SIGINT was held from the fork (`_forking`) until here.
+    And a worker dies with its parent: one whose parent was killed (`kill -9`, the OOM
+    killer) would otherwise wait for work for ever."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    _die_with_parent()
+
+
+def _die_with_parent() -> None:
+    """SIGKILL to this process when its parent ends (Linux `PR_SET_PDEATHSIG`)."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent ended before the call
+        os._exit(1)
+
+
+@contextmanager
+def _forking() -> Iterator[None]:
+    """SIGINT held while this thread forks workers (a pool's first `submit`): one that
+    came between a fork and the worker's `_worker_start` would raise KeyboardInterrupt in
+    the child's after-fork code; held, it waits, and kills the worker once it is started.
+    In this process it is delivered as the block ends (the caller's KeyboardInterrupt)."""
+    import signal
+
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _start_pool(workers: int, ctx: Any) -> Any:
+    from concurrent.futures import ProcessPoolExecutor
+
+    return ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_start)
+
+
+def _abandon(pool: Any) -> None:
+    """Stop a pool at once (Ctrl-C in this process): its workers killed, its manager thread
+    freed. A worker killed in the middle of writing its result leaves the manager thread
+    reading the rest of the message for ever, so waiting for the pool (and the
+    interpreter's exit, which joins that thread) would hang: with the workers dead and
+    this process's own end of their result pipe closed, the read ends."""
+    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+        try:
+            proc.kill()
+            proc.join()
+        except (OSError, ValueError, AssertionError):  # already reaped
+            pass
+    writer = getattr(getattr(pool, "_result_queue", None), "_writer", None)
+    if writer is not None:
+        writer.close()
+    pool.shutdown(wait=False, cancel_futures=True)
 
 
 def cpus_here() -> int | None:
@@ -175,7 +256,7 @@ def map_forked(fn: Callable[[list[T]], list[R]], items: Sequence[T],
     ctx = _context() if workers >= 2 else None
     if ctx is None:
         return fn(list(items))
-    from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
+    from concurrent.futures import BrokenExecutor
 
     shares = [list(range(k, len(items), workers)) for k in range(workers)]
     out: list[Any] = [None] * len(items)
@@ -187,11 +268,18 @@ def map_forked(fn: Callable[[list[T]], list[R]], items: Sequence[T],
         done[k] = True
 
     try:
-        with ProcessPoolExecutor(workers - 1, mp_context=ctx) as pool:
-            futures = [(k, pool.submit(fn, [items[i] for i in shares[k]])) for k in range(1, workers)]
+        pool = _start_pool(workers - 1, ctx)
+        try:
+            with _forking():
+                futures = [(k, pool.submit(fn, [items[i] for i in shares[k]]))
+                           for k in range(1, workers)]
             put(0, fn([items[i] for i in shares[0]]))
             for k, future in futures:
                 put(k, future.result())
+        except BaseException:
+            _abandon(pool)
+            raise
+        pool.shutdown()
     except (OSError, BrokenExecutor):  # no fork allowed, a worker killed
         pass
     for k in range(workers):
@@ -216,22 +304,30 @@ class ScanJob:
         ctx = _context() if workers >= 2 and expected_bytes >= PARALLEL_BYTES else None
         if ctx is None:
             return
-        from concurrent.futures import ProcessPoolExecutor
-
         try:
-            self._pool = ProcessPoolExecutor(workers, mp_context=ctx)
-            # interleaved shares: neighbouring ranks (similar sizes) spread over the workers
-            for k in range(workers):
-                share = list(range(k, len(self.names), workers))
-                names = [self.names[i] for i in share]
-                self._futures.append((share, self._pool.submit(scan_all, names, lo, recent)))
+            self._pool = _start_pool(workers, ctx)
+            with _forking():
+                # interleaved shares: neighbouring ranks (similar sizes) over the workers
+                for k in range(workers):
+                    share = list(range(k, len(self.names), workers))
+                    names = [self.names[i] for i in share]
+                    self._futures.append((share, self._pool.submit(scan_all, names, lo, recent)))
         except OSError:
             self._pool, self._futures = None, []
+        except BaseException:
+            self.abandon()
+            raise
 
     def close(self) -> None:
         """Drop a job whose result nobody will ask for: its workers stop."""
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool, self._futures = None, []
+
+    def abandon(self) -> None:
+        """Stop the workers now (the caller was interrupted): `_abandon`."""
+        if self._pool is not None:
+            _abandon(self._pool)
             self._pool, self._futures = None, []
 
     def result(self) -> list[ShardScan]:
@@ -247,8 +343,10 @@ class ScanJob:
                     out[i] = result
         except (OSError, BrokenExecutor):  # a worker killed: read the rest here
             pass
-        finally:
-            self._pool.shutdown()
+        except BaseException:
+            self.abandon()
+            raise
+        self._pool.shutdown()
         for i, sc in enumerate(out):
             if sc is None:
                 out[i] = scan_shard(self.names[i], self.lo, self.recent)
