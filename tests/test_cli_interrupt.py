@@ -46,6 +46,17 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _first_workers(proc: subprocess.Popen) -> list[int]:
+    """The worker processes of `proc`, as soon as it has started one."""
+    deadline = time.monotonic() + 60
+    workers: list[int] = []
+    while not workers and proc.poll() is None and time.monotonic() < deadline:
+        workers = _children(proc.pid)
+        time.sleep(0.002)
+    assert workers, f"{proc.args}: no worker process was started (exit {proc.poll()})"
+    return workers
+
+
 def _interrupt(root: Path, args: tuple[str, ...], delay: float) -> tuple[int, str, list[int]]:
     """Run `expr ARGS`, Ctrl-C it `delay` s after its first worker started; (exit code,
     stderr, the workers seen)."""
@@ -55,12 +66,7 @@ def _interrupt(root: Path, args: tuple[str, ...], delay: float) -> tuple[int, st
                             stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)  # its own group, as a shell's job
     try:
-        deadline = time.monotonic() + 60
-        workers: list[int] = []
-        while not workers and proc.poll() is None and time.monotonic() < deadline:
-            workers = _children(proc.pid)
-            time.sleep(0.002)
-        assert workers, f"{args}: no worker process was started (exit {proc.poll()})"
+        workers = _first_workers(proc)
         time.sleep(delay)
         seen = set(workers) | set(_children(proc.pid))
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C at a terminal
@@ -96,12 +102,7 @@ def test_workers_die_with_a_killed_parent(root: Path) -> None:
     proc = subprocess.Popen([str(EXPR), "summary", "big"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env=env, start_new_session=True)
     try:
-        deadline = time.monotonic() + 60
-        workers: list[int] = []
-        while not workers and proc.poll() is None and time.monotonic() < deadline:
-            workers = _children(proc.pid)
-            time.sleep(0.002)
-        assert workers, "no worker process was started"
+        workers = _first_workers(proc)
         os.kill(proc.pid, signal.SIGKILL)  # the parent alone, not its group
         proc.wait()
         deadline = time.monotonic() + 10

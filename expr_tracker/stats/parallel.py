@@ -64,10 +64,10 @@ def scan_shards(paths: Sequence[str | os.PathLike[str]], lo: int | None = None,
             put(shares[0], scan_all([names[i] for i in shares[0]], lo))
             for share, future in futures:
                 put(share, future.result())
+            pool.shutdown()
         except BaseException:
             _abandon(pool)
             raise
-        pool.shutdown()
     except (OSError, BrokenExecutor):  # no fork allowed, a worker killed
         for share in shares:
             if out[share[0]] is None:
@@ -136,7 +136,8 @@ def _abandon(pool: Any) -> None:
     freed. A worker killed in the middle of writing its result leaves the manager thread
     reading the rest of the message for ever, so waiting for the pool (and the
     interpreter's exit, which joins that thread) would hang: with the workers dead and
-    this process's own end of their result pipe closed, the read ends."""
+    this process's own end of their result pipe closed, the read ends, and the thread
+    with it."""
     for proc in list((getattr(pool, "_processes", None) or {}).values()):
         try:
             proc.kill()
@@ -146,7 +147,12 @@ def _abandon(pool: Any) -> None:
     writer = getattr(getattr(pool, "_result_queue", None), "_writer", None)
     if writer is not None:
         writer.close()
+    manager = getattr(pool, "_executor_manager_thread", None)
     pool.shutdown(wait=False, cancel_futures=True)
+    if manager is not None:
+        # ended before this process exits: the exit's wake-up of a manager thread closing
+        # its pipe at that moment fails (EBADF, "Exception ignored" on stderr; Python 3.11)
+        manager.join(5.0)
 
 
 def cpus_here() -> int | None:
@@ -276,10 +282,10 @@ def map_forked(fn: Callable[[list[T]], list[R]], items: Sequence[T],
             put(0, fn([items[i] for i in shares[0]]))
             for k, future in futures:
                 put(k, future.result())
+            pool.shutdown()
         except BaseException:
             _abandon(pool)
             raise
-        pool.shutdown()
     except (OSError, BrokenExecutor):  # no fork allowed, a worker killed
         pass
     for k in range(workers):
@@ -338,15 +344,16 @@ class ScanJob:
             return scan_all(self.names, self.lo, self.recent)
         out: list[ShardScan | None] = [None] * len(self.names)
         try:
-            for share, future in self._futures:
-                for i, result in zip(share, future.result(), strict=True):
-                    out[i] = result
-        except (OSError, BrokenExecutor):  # a worker killed: read the rest here
-            pass
+            try:
+                for share, future in self._futures:
+                    for i, result in zip(share, future.result(), strict=True):
+                        out[i] = result
+            except (OSError, BrokenExecutor):  # a worker killed: read the rest here
+                pass
+            self._pool.shutdown()
         except BaseException:
             self.abandon()
             raise
-        self._pool.shutdown()
         for i, sc in enumerate(out):
             if sc is None:
                 out[i] = scan_shard(self.names[i], self.lo, self.recent)
