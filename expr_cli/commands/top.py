@@ -26,11 +26,15 @@ def top_command(run: str, dir: str | None, stream: str | None, metric: str | Non
     view = TopView(ref, stream, metric, health_config(config, {}))
     try:
         if once:
-            frame = view()
-            if as_json:
-                render.print_json({k: v for k, v in frame.items() if k != "nodes"} | {"nodes": frame["nodes"]})
-            else:
-                render_health.top_print(frame, agg)
+            from expr_tracker.gcpause import paused_gc
+
+            with paused_gc():  # (a row per rank printed: `gcpause`)
+                frame = view()
+                if as_json:
+                    render.print_json({k: v for k, v in frame.items() if k != "nodes"}
+                                      | {"nodes": frame["nodes"]})
+                else:
+                    render_health.top_print(frame, agg)
             return 0
         render_health.top_live(view, refresh, agg)
     except KeyboardInterrupt:

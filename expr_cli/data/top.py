@@ -109,7 +109,13 @@ class TopView:
 
     def __call__(self, state: Any = None) -> dict[str, Any]:
         """One frame; `state`: this pass's live state when the caller read it already
-        (from `self.reader`)."""
+        (from `self.reader`). No cyclic collections meanwhile (`gcpause`)."""
+        from expr_tracker.gcpause import paused_gc
+
+        with paused_gc():
+            return self._frame(state)
+
+    def _frame(self, state: Any) -> dict[str, Any]:
         from expr_tracker.health.detect import detect, ended
         from expr_tracker.health.incidents import plan
 
