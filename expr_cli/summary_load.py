@@ -186,7 +186,7 @@ def _read_window(
     window: tuple[int | None, int | None] | None, state: RunState | None, job: Any,
 ) -> tuple[RunState, int | None, list[Any]]:
     from expr_tracker.health.state import read_run
-    from expr_tracker.stats import parallel, scan
+    from expr_tracker.stats import parallel
 
     paths = [s.path for s in shards]
     expected = len(shards) * RECENT * _TAIL_GUESS
@@ -195,6 +195,9 @@ def _read_window(
             state = read_run(run_dir, stream, window=2)
         lo = window_lo(step, window, state.frontier)
         return state, lo, parallel.ScanJob(paths, lo, expected_bytes=expected if lo else 1 << 62).result()
+    if job is None and state is None:
+        state, scans = _read_scanned(run_dir, stream, shards)
+        return state, *_reach_window(state, paths, scans)
     if job is None:
         job = start_scan(shards)
     try:
@@ -204,13 +207,48 @@ def _read_window(
     except BaseException:  # Ctrl-C while the workers read: stop them, not wait for them
         job.abandon()
         raise
+    return state, *_reach_window(state, paths, scans)
+
+
+def _reach_window(state: RunState, paths: list[Any], scans: list[Any]) -> tuple[
+        int | None, list[Any]]:
+    """The window's first step, and `scans` (each shard's own last `RECENT` steps) with
+    those that do not reach back to it read again from it."""
+    from expr_tracker.stats import scan
+
     lo = window_lo(None, None, state.frontier)
     if lo is not None:
         for i, sc in enumerate(scans):
             firsts = [b.steps[0] for b in sc.blocks or () if len(b.steps)]
             if firsts and min(firsts) > lo:
                 scans[i] = scan.scan_shard(paths[i], lo)
-    return state, lo, scans
+    return lo, scans
+
+
+def _read_scanned(run_dir: Any, stream: str | None, shards: list[ShardRef]) -> tuple[
+        RunState, list[Any]]:
+    """The live state (window 2) and each shard's last `RECENT` steps scanned, from one
+    read of each shard's tail (`tail.read_scanned`; many shards in worker processes)."""
+    from functools import partial
+
+    from expr_tracker.health.state import RunReader, share_reads
+    from expr_tracker.health.tail import ShardTail, read_scanned
+    from expr_tracker.stats import scan
+
+    scanned: dict[int, Any] = {}
+
+    def first_reads(fresh: list[ShardTail]) -> list[ShardTail]:
+        pairs = share_reads(partial(read_scanned, recent=RECENT), fresh)
+        scanned.update((t.rank, sc) for t, sc in pairs)
+        return [t for t, _ in pairs]
+
+    reader = RunReader(run_dir, stream, window=2)
+    reader.first_reads = first_reads
+    state = reader.read()
+    # (by rank: a shard's name says its rank, and the reader lists the same directory)
+    scans = [sc if (sc := scanned.get(s.rank)) is not None else
+             scan.scan_shard(s.path, recent=RECENT) for s in shards]
+    return state, scans
 
 
 def window_lo(step: int | None, window: tuple[int | None, int | None] | None,

@@ -225,6 +225,35 @@ def test_each_shard_reads_the_same_tail_and_scan(tmp_path: Path, window: int) ->
     assert big.refresh() and big.last_step == 189
 
 
+def test_one_read_of_each_shard_gives_the_tail_and_scan_of_two(tmp_path: Path) -> None:
+    """`tail.read_scanned` (what `expr summary` reads of each shard: the state's tail and
+    the scan from one `pread`) against a tail's own first read and `scan_shard`, here and
+    sent back from a worker process (pickled as `parallel.map_forked` sends it)."""
+    import pickle
+
+    run = _odd_run(tmp_path)
+    shards = sorted(run.glob("metrics*.jsonl"))
+    (run / "metrics.rank19.jsonl").unlink()  # listed, then gone: no tail, no scan
+    fresh = [tail.ShardTail(path, i, None, 2) for i, path in enumerate(shards)]
+    got = tail.read_scanned(fresh, RECENT)
+    back = pickle.loads(pickle.dumps(got))
+    assert len(got) == len(back) == len(shards)
+    for i, path in enumerate(shards):
+        alone = tail.ShardTail(path, i, None, 2)
+        ok = alone.refresh()
+        for t, sc in (got[i], back[i]):
+            assert t.ok is ok, path.name
+            if not ok:
+                assert sc is None
+                continue
+            assert _tail_view(t) == _tail_view(alone), path.name
+            assert sc is not None and _scan_view(sc) == _scan_view(_old_scan(path, RECENT)), path.name
+    assert sum(t.ok for t, _ in got) == len(shards) - 1
+    # the shard whose last steps reach back beyond the read was scanned from the file
+    long = run / "metrics.rank5.jsonl"
+    assert os.path.getsize(long) - os.path.getsize(run / "metrics.rank6.jsonl") > 100_000
+
+
 def test_chart_reducers_are_those_of_each_step(tmp_path: Path) -> None:
     """`ColumnTable.reduce_steps` (the chart's 50 steps at once) against `reduce_step` at
     each step: blocks of the same steps (NaN, infinities, weights per step or one per

@@ -28,11 +28,11 @@ import os
 import socket
 from array import array
 from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from expr_tracker.gcpause import paused_gc
 from expr_tracker.health.clock import PassClock, Seen, mtime_on_our_clock
@@ -325,6 +325,10 @@ class RunReader:
         self._pending: set[str] = set()  # names drained after a stat pass: read next pass
         self._verify_at = -math.inf  # wall clock of the last stat pass with a watch
         self._last: RunState | None = None
+        # reads the tails of shards never read (first reads of many: in worker processes),
+        # and returns them; a caller that reads more of each shard from the same read sets
+        # its own (`expr summary`: `tail.read_scanned`)
+        self.first_reads: Callable[[list[ShardTail]], Sequence[ShardTail]] | None = None
 
     def watch_changes(self) -> bool:
         """Learn from the kernel (inotify, `health.changes`) which shards and sidecars
@@ -428,10 +432,8 @@ class RunReader:
         live = []
         # never read: a whole tail each (none on a quiet pass: no shard appeared)
         fresh = [t for t in tails.values() if t.ino is None] if full else []
-        if len(fresh) >= _FORK_MIN:
-            from expr_tracker.stats.parallel import map_forked
-
-            for t in map_forked(refresh_all, fresh):
+        if fresh and (len(fresh) >= _FORK_MIN or self.first_reads is not None):
+            for t in (self.first_reads or _forked_refresh)(fresh):
                 tails[t.rank] = t  # a copy, from a worker process
                 if t.ok:
                     live.append(t)
@@ -637,6 +639,23 @@ class RunReader:
             self._records = dict(sorted(records.items()))
             if self.series is not None:
                 self._series = dict(sorted(series.items()))
+
+
+R = TypeVar("R")
+
+
+def share_reads(read: Callable[[list[ShardTail]], list[R]], fresh: list[ShardTail]) -> list[R]:
+    """`read(fresh)` (one result per tail, in order), shared among forked processes from
+    `_FORK_MIN` tails on."""
+    if len(fresh) < _FORK_MIN:
+        return read(fresh)
+    from expr_tracker.stats.parallel import map_forked
+
+    return map_forked(read, fresh)
+
+
+def _forked_refresh(fresh: list[ShardTail]) -> list[ShardTail]:
+    return share_reads(refresh_all, fresh)
 
 
 def _logged_size(recs: list[dict[str, Any]] | None) -> int | None:

@@ -18,15 +18,19 @@ import math
 import os
 from array import array
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 import orjson
 
 from expr_tracker.gcpause import paused_gc
 from expr_tracker.store import records
 from expr_tracker.store.cursor import read_sidecar
-from expr_tracker.store.window import Short, TailBytes
+from expr_tracker.store.window import WINDOW_BLOCK, Short, TailBytes
+
+if TYPE_CHECKING:
+    from expr_tracker.stats.scan import ShardScan
 
 MAX_CATCHUP = 4 << 20  # bytes read forward per shard and pass; beyond it, re-read the tail
 MAX_TAIL_LINES = 100_000  # records parsed by one tail read
@@ -385,11 +389,16 @@ class ShardTail:
         self.ok = True
         return True
 
-    def _first_read(self) -> bool:
+    def _first_read(self, steps: int = 0,
+                    also: Callable[[BinaryIO, BinaryIO], None] | None = None) -> bool:
         """The first refresh: one open, `fstat` and `pread` of the shard's tail, which the
         reverse read then reads from memory; the file itself only when it reaches back
         further (`window.Short`). What `refresh` does for a shard never read, in fewer
-        system calls (and no file object per read): at 16,384 shards they add up."""
+        system calls (and no file object per read): at 16,384 shards they add up.
+
+        `also(tail, file)`: called with the same read of the tail (a `TailBytes`) and the
+        file, open, for a caller that reads more of it (`read_scanned`); the read then
+        takes about the shard's last `steps` steps too (`_bytes_for`)."""
         try:
             fd = os.open(self._shard_name, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
@@ -402,7 +411,7 @@ class ShardTail:
             self.version += 1
             self.read_now = True
             size = st.st_size
-            want = min(size, self._tail_bytes())
+            want = min(size, max(self._tail_bytes(), self._bytes_for(steps)))
             data = os.pread(fd, want, size - want) if want else b""
             with open(fd, "rb", closefd=False) as fh:
                 held = cast("BinaryIO", TailBytes(data, size - want) if len(data) == want else fh)
@@ -410,6 +419,8 @@ class ShardTail:
                     self._read_tail(records.complete_end(held, self._first_block()), held)
                 except Short:
                     self._read_tail(records.complete_end(fh, self._first_block()), fh)
+                if also is not None:
+                    also(held, fh)
         except OSError:
             return False
         finally:
@@ -421,6 +432,21 @@ class ShardTail:
         """How much of the end of a shard a first read takes in one `pread`: the last line's
         end and the first reverse block (and, for a long window, the next ones)."""
         return 2 * self._first_block() if self.window <= SMALL_WINDOW else 4 * TAIL_BLOCK
+
+    def _bytes_for(self, steps: int) -> int:
+        """About the bytes of the shard's last `steps` steps (0 for none), by its sidecar's
+        cursor (the bytes and steps written so far) and a quarter more, and at least the
+        block in which `window.window_start` looks for a window's start: where a guess
+        falls short, the reader reads the file itself."""
+        if steps <= 0:
+            return 0
+        guess = 4 * TAIL_BLOCK
+        cursor = (self.sidecar or {}).get("cursor")
+        if isinstance(cursor, dict):
+            n, last = cursor.get("bytes"), cursor.get("last_step")
+            if type(n) is int and type(last) is int and n > 0 and last >= 0:
+                guess = int(n / (last + 1) * steps * 1.25)
+        return min(MAX_CATCHUP, max(WINDOW_BLOCK, guess))
 
     def _refresh_sidecar(self, first: bool = False) -> bool:
         """Read the sidecar again if it changed (it is rewritten by a rename: a new inode);
@@ -476,6 +502,44 @@ class TailList(list[ShardTail]):
 
 def _unpack_tails(blob: bytes) -> TailList:
     return TailList(ShardTail._unpacked(state) for state in marshal.loads(blob))
+
+
+class ScannedTails(list[tuple[ShardTail, "ShardScan | None"]]):
+    """(tail, scan) pairs of `read_scanned`, sent back from a worker process as a
+    `TailList` is (the scans pickled as they are)."""
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes, list[ShardScan | None]]]:
+        return _unpack_scanned, (marshal.dumps([t._packed() for t, _ in self]),
+                                 [sc for _, sc in self])
+
+
+def _unpack_scanned(blob: bytes, scans: list[ShardScan | None]) -> ScannedTails:
+    tails = [ShardTail._unpacked(state) for state in marshal.loads(blob)]
+    return ScannedTails(zip(tails, scans, strict=True))
+
+
+def read_scanned(tails: list[ShardTail], recent: int) -> ScannedTails:
+    """The first read of each tail (`refresh` of a tail never read), and from the same
+    read of the shard the rank records of its last `recent` steps as columns
+    (`stats.scan.scan_tail`; None where the shard could not be read): what `expr summary`
+    reads of each shard, one open and one `pread` of each where two readers took three
+    opens and half a dozen reads. Run in worker processes too (`parallel.map_forked`)."""
+    from expr_tracker.stats.scan import scan_tail
+
+    out = ScannedTails()
+    with paused_gc():
+        for t in tails:
+            got: list[ShardScan] = []
+            name = t._shard_name
+
+            def scan(held: BinaryIO, fh: BinaryIO, name: str = name,
+                     got: list[ShardScan] = got) -> None:
+                got.append(scan_tail(held, fh, name, recent))
+
+            t.ok = t.read_now = t.side_read_now = False
+            t._first_read(recent, scan)
+            out.append((t, got[0] if t.ok and got else None))
+    return out
 
 
 def refresh_all(tails: list[ShardTail], sidecars: bool = True) -> TailList:

@@ -20,6 +20,7 @@ R = TypeVar("R")
 
 PARALLEL_BYTES = 8 << 20  # below this, starting worker processes costs more than it saves
 MAX_WORKERS = 4
+PIECES = 4  # a worker's share of `map_forked` is sent back in this many pieces
 
 
 def scan_shards(paths: Sequence[str | os.PathLike[str]], lo: int | None = None,
@@ -264,9 +265,13 @@ def map_forked(fn: Callable[[list[T]], list[R]], items: Sequence[T],
         return fn(list(items))
     from concurrent.futures import BrokenExecutor
 
-    shares = [list(range(k, len(items), workers)) for k in range(workers)]
+    every = [list(range(k, len(items), workers)) for k in range(workers)]
+    # a worker's share in pieces, each sent back when done: this process takes in (and
+    # unpickles) the first pieces while it reads its own share, and then waits for the
+    # last piece only, not for a whole share's results to be written and read
+    shares = [every[0], *(piece for share in every[1:] for piece in _pieces(share, PIECES))]
     out: list[Any] = [None] * len(items)
-    done = [False] * workers
+    done = [False] * len(shares)
 
     def put(k: int, results: list[R]) -> None:
         for i, result in zip(shares[k], results, strict=True):
@@ -278,7 +283,7 @@ def map_forked(fn: Callable[[list[T]], list[R]], items: Sequence[T],
         try:
             with _forking():
                 futures = [(k, pool.submit(fn, [items[i] for i in shares[k]]))
-                           for k in range(1, workers)]
+                           for k in range(1, len(shares))]
             put(0, fn([items[i] for i in shares[0]]))
             for k, future in futures:
                 put(k, future.result())
@@ -288,10 +293,16 @@ def map_forked(fn: Callable[[list[T]], list[R]], items: Sequence[T],
             raise
     except (OSError, BrokenExecutor):  # no fork allowed, a worker killed
         pass
-    for k in range(workers):
+    for k in range(len(shares)):
         if not done[k]:
             put(k, fn([items[i] for i in shares[k]]))
     return cast("list[R]", out)
+
+
+def _pieces(share: list[int], n: int) -> list[list[int]]:
+    """`share` in at most `n` pieces of about equal length, in order."""
+    n = max(1, min(n, len(share)))
+    return [share[j * len(share) // n:(j + 1) * len(share) // n] for j in range(n)]
 
 
 class ScanJob:

@@ -22,8 +22,8 @@ from bisect import bisect_left
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
 from itertools import compress, islice, repeat
-from operator import eq, lt
-from typing import Any, cast
+from operator import eq, itemgetter, lt
+from typing import Any, BinaryIO, cast
 
 import orjson
 
@@ -33,7 +33,7 @@ from expr_tracker.stats.ranktable import TableShape
 # `reduce`'s bounds and mean, so that both readers agree to the last bit
 from expr_tracker.stats.reduce import _MAX_INT, _MAX_RANKS, RankTable, Stats, _mean, reduce_values
 from expr_tracker.store import records
-from expr_tracker.store.window import last_step, window_start
+from expr_tracker.store.window import Short, TailBytes, last_step, window_start
 
 _CHUNK = 4 << 20  # bytes parsed at a time: bounds the parsed records held in memory
 _RANK_MARK = b'"rank"'  # a rank record holds `"_kind": "rank"`; step rows mostly do not
@@ -134,9 +134,26 @@ class _Acc:
         self.keys: tuple[str, ...] | None = None  # every key of the records, metric or not
 
     def add(self, recs: list[dict[str, Any]]) -> None:
-        """Append the records of this rank (file order); _Irregular if they don't fit."""
+        """Append the records of this rank (file order); _Irregular if they don't fit.
+
+        The records are turned into columns in C: each record's values of the first
+        record's keys (`itemgetter`; a missing key is a KeyError), then those rows
+        transposed (`zip`)."""
         n = len(recs)
-        steps = cast("list[int]", list(map(_get, recs, repeat("_step"))))
+        keys = tuple(recs[0])
+        if self.keys is None:
+            self.keys = keys
+        elif set(keys) != set(self.keys):
+            raise _Irregular
+        if n > 1 and set(map(len, recs)) != {len(keys)}:
+            raise _Irregular
+        try:
+            # (a rank record holds `_kind`, `_step` and `_rank`: rows of 3 or more values)
+            values = dict(zip(keys, zip(*map(itemgetter(*keys), recs), strict=True),
+                              strict=True))
+        except KeyError:
+            raise _Irregular from None  # the same number of keys, but other keys
+        steps = cast("tuple[int, ...]", values["_step"])
         if set(map(type, steps)) != {int}:
             raise _Irregular
         try:
@@ -147,35 +164,23 @@ class _Acc:
             map(lt, steps, islice(steps, 1, None))
         ):
             raise _Irregular  # a repeated step: the later record wins, per key
-        keys = tuple(recs[0])
-        if self.keys is None:
-            self.keys = keys
-        elif set(keys) != set(self.keys):
-            raise _Irregular
-        if n > 1 and set(map(len, recs)) != {len(keys)}:
-            raise _Irregular
         cols: dict[str, array[float]] = {}
-        for key in keys:
-            if key in ("_kind", "_step", "_rank"):
-                continue  # present in every record: checked by the caller and above
+        for key, col in values.items():
             if key[:1] == "_" and key not in ("_weight", "_world_size"):
-                if sum(map(dict.__contains__, recs, repeat(key))) != n:
-                    raise _Irregular  # the same number of keys, but other keys
-                continue
-            col = list(map(_get, recs, repeat(key), repeat(_ABSENT)))
+                continue  # `_kind`, `_step`, `_rank` checked above and by the caller
             types = set(map(type, col))
-            if _Absent in types:
-                raise _Irregular  # the same number of keys, but other keys
             if key[:1] == "_":
                 if key == "_weight":
                     self._add_weights(col, types)
-                elif key == "_world_size":
+                elif types == {int} and max(col) <= _MAX_RANKS:  # `_world_size`, as usual
+                    self.world = max(self.world, max(col))
+                else:
                     sizes = [w for w in col if w.__class__ is int and w <= _MAX_RANKS]
                     self.world = max([self.world, *sizes])
                 continue
             if str in types:
                 # non-finite values are written as "NaN", "Infinity", "-Infinity"
-                col = [_NONFINITE.get(x, x) if x.__class__ is str else x for x in col]
+                col = tuple([_NONFINITE.get(x, x) if x.__class__ is str else x for x in col])
                 types = set(map(type, col))
             if types <= _NUMBER:
                 try:
@@ -185,14 +190,14 @@ class _Acc:
             elif types & _NUMBER:
                 raise _Irregular  # a number at some steps only
         if "_weight" not in keys:
-            self._add_weights([1.0] * n, {float})
+            self._add_weights((1.0,) * n, {float})
         if self.steps and set(cols) != set(self.columns):
             raise _Irregular
-        for key, values in cols.items():
-            self.columns.setdefault(key, array("d")).extend(values)
+        for key, col_values in cols.items():
+            self.columns.setdefault(key, array("d")).extend(col_values)
         self.steps.extend(step_array)
 
-    def _add_weights(self, col: list[Any], types: set[type]) -> None:
+    def _add_weights(self, col: Sequence[Any], types: set[type]) -> None:
         distinct = set(col) if types <= _NUMBER else None  # (a JSON list is not hashable)
         one = _clean_weight(col[0]) if distinct is not None and len(distinct) == 1 else None
         if self.weights is None and one is not None:
@@ -240,25 +245,41 @@ def scan_shard(
     """Read one shard's rank records as blocks (an unterminated last line is ignored); with
     `lo`, only the shard's tail from about step `lo` on (see `window_start`); with
     `recent`, only its last `recent` steps."""
+    with open(path, "rb") as fh:
+        return _scan_open(fh, os.fspath(path), lo, recent)
+
+
+def scan_tail(held: BinaryIO, fh: BinaryIO, name: str, recent: int) -> ShardScan:
+    """`scan_shard(name, recent=recent)` of a shard open as `fh`, from `held`, the last
+    bytes of it read already (`window.TailBytes`), where they reach back far enough (the
+    same reads, from memory: the same answer)."""
+    if isinstance(held, TailBytes):
+        try:
+            return _scan_open(held, name, None, recent)
+        except Short:
+            pass
+    return _scan_open(fh, name, None, recent)
+
+
+def _scan_open(fh: BinaryIO, name: str, lo: int | None, recent: int | None) -> ShardScan:
     accs: dict[int, _Acc] = {}
     garbage = 0
     regular = True
-    with open(path, "rb") as fh:
-        if recent is not None and lo is None:
-            top = last_step(fh)
-            lo = None if top is None else top - recent + 1
-        start = window_start(fh, lo) if lo is not None else 0
-        for _, data in records.complete_blocks(fh, _CHUNK, start):
-            recs, bad = parse_rank_lines(data)
-            garbage += bad
-            if regular:
-                try:
-                    _add_chunk(accs, recs)
-                except _Irregular:
-                    regular = False
-                    accs.clear()
+    if recent is not None and lo is None:
+        top = last_step(fh)
+        lo = None if top is None else top - recent + 1
+    start = window_start(fh, lo) if lo is not None else 0
+    for _, data in records.complete_blocks(fh, _CHUNK, start):
+        recs, bad = parse_rank_lines(data)
+        garbage += bad
+        if regular:
+            try:
+                _add_chunk(accs, recs)
+            except _Irregular:
+                regular = False
+                accs.clear()
     blocks = [acc.block() for acc in accs.values()] if regular else None
-    return ShardScan(os.fspath(path), blocks, garbage)
+    return ShardScan(name, blocks, garbage)
 
 
 def scan_all(paths: Sequence[str], lo: int | None = None,
