@@ -360,6 +360,15 @@ def test_plain_z_never_exceeds_sqrt_n_minus_1(xs: list[float]) -> None:
         assert o.z is None or abs(o.z) <= bound * (1 + 1e-9) + 1e-12
 
 
+@SETTINGS
+@given(st.lists(st.one_of(st.floats(-1e3, 1e3), st.sampled_from([0.5, 0.5, 7.0, NAN])),
+                min_size=0, max_size=40), st.floats(0.0, 5.0))
+def test_flagged_only_is_the_flagged_subset(xs: list[float], threshold: float) -> None:
+    values = dict(enumerate(xs))
+    every = outliers(values, threshold)
+    assert outliers(values, threshold, flagged_only=True) == [o for o in every if o.flagged]
+
+
 def test_outliers_mad_zero_rule_and_nonfinite() -> None:
     assert not any(o.flagged for o in outliers(dict.fromkeys(range(8), 0.1)))
     assert all(o.robust == 0.0 and o.z is None for o in outliers(dict.fromkeys(range(8), 3.0)))

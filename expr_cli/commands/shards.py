@@ -112,7 +112,7 @@ def _slow_ranks(state: Any) -> dict[int, float]:
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 values[r] = float(v)
                 break
-    return {o.rank: o.ratio for o in outliers(values) if o.flagged and o.ratio and o.ratio > 1}
+    return {o.rank: o.ratio for o in outliers(values, flagged_only=True) if o.ratio and o.ratio > 1}
 
 
 def _attention(row: dict[str, Any], slow: float | None) -> list[str]:

@@ -132,7 +132,7 @@ def build_panel(metric: str, per_rank: dict[int, tuple[list[int], list[float]]],
         lo.append(stats.p05)
         hi.append(stats.p95)
     means = {r: sum(ys) / len(ys) for r, (_, ys) in per_rank.items() if ys}
-    flagged = sorted((o for o in outliers(means) if o.flagged), key=lambda o: -abs(o.robust))
+    flagged = sorted(outliers(means, flagged_only=True), key=lambda o: -abs(o.robust))
     lines = [Line(f"median of {len(per_rank)} ranks", steps, med, "median")]
     lines += [Line(f"rank {o.rank} (outlier)", *per_rank[o.rank], "outlier")
               for o in flagged[:MAX_OUTLIERS]]

@@ -269,7 +269,7 @@ def build_view(
     for key in keys if keys is not None else list(tables):
         table = tables[key]
         stats, values = _stats(table, key, at, span)
-        outs = reduce.outliers(values, THRESHOLD, min_rel)
+        outs = reduce.outliers(values, THRESHOLD, min_rel, flagged_only=not show_all)
         flagged = [o for o in outs if o.flagged]
         flagged_all.update(o.rank for o in flagged)
         shown = outs if show_all else flagged

@@ -337,11 +337,14 @@ def latest_values(table: RankTable, key: str, step: int) -> dict[int, float]:
 
 
 def outliers(
-    values: Mapping[int, float], threshold: float = 3.5, min_rel: float = 0.05
+    values: Mapping[int, float], threshold: float = 3.5, min_rel: float = 0.05,
+    flagged_only: bool = False,
 ) -> list[Outlier]:
     """Per rank delta, z, robust score and ratio to the median (DESIGN 10), sorted by rank;
     finite values only. Flagged: |robust| > threshold and a relative difference from the
-    median of at least `min_rel`; with a MAD of 0, the relative difference alone."""
+    median of at least `min_rel`; with a MAD of 0, the relative difference alone.
+    `flagged_only`: the flagged ones alone (16,384 ranks: an object each is a tenth of a
+    summary)."""
     if not threshold >= 0.0:
         raise ValueError(f"threshold must be >= 0, got {threshold}")
     if not min_rel >= 0.0:
@@ -373,6 +376,8 @@ def outliers(
             # no typical spread: a 0.3% difference among ranks that agree exactly is noise
             robust = 0.0 if delta == 0.0 else None
             flagged = far
+        if flagged_only and not flagged:
+            continue
         z = (x - mean) / std if std > 0.0 else None
         ratio = x / med if med != 0.0 else None
         out.append(Outlier(r, x, x - mean, z, robust, ratio, flagged))
