@@ -237,10 +237,10 @@ def _read_scanned(run_dir: Any, stream: str | None, shards: list[ShardRef]) -> t
 
     scanned: dict[int, Any] = {}
 
-    def first_reads(fresh: list[ShardTail]) -> list[ShardTail]:
-        pairs = share_reads(partial(read_scanned, recent=RECENT), fresh)
-        scanned.update((t.rank, sc) for t, sc in pairs)
-        return [t for t, _ in pairs]
+    def first_reads(fresh: list[ShardTail]) -> Iterator[list[ShardTail]]:
+        for pairs in share_reads(partial(read_scanned, recent=RECENT), fresh):
+            scanned.update((t.rank, sc) for t, sc in pairs)
+            yield [t for t, _ in pairs]
 
     reader = RunReader(run_dir, stream, window=2)
     reader.first_reads = first_reads

@@ -228,7 +228,7 @@ def test_each_shard_reads_the_same_tail_and_scan(tmp_path: Path, window: int) ->
 def test_one_read_of_each_shard_gives_the_tail_and_scan_of_two(tmp_path: Path) -> None:
     """`tail.read_scanned` (what `expr summary` reads of each shard: the state's tail and
     the scan from one `pread`) against a tail's own first read and `scan_shard`, here and
-    sent back from a worker process (pickled as `parallel.map_forked` sends it)."""
+    sent back from a worker process (pickled as `parallel.iter_forked` sends it)."""
     import pickle
 
     run = _odd_run(tmp_path)

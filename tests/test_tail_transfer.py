@@ -79,7 +79,13 @@ def test_a_forked_first_read_equals_one_in_process(tmp_path: Path, monkeypatch) 
     from expr_tracker.stats import parallel
 
     run = _run(tmp_path)
+    for rank, shard in enumerate(sorted(run.glob("metrics*.jsonl"))):
+        # a `_rank` every shard names (read in different pieces: merged as they come)
+        with shard.open("a") as fh:
+            fh.write("\n" + json.dumps({"_kind": "rank", "_step": 20 + rank, "_rank": 99,
+                                        "step_time": 0.5 + rank}) + "\n")
     one = RunReader(run, series="step_time").read()
+    assert 99 in one.rank_records
     monkeypatch.setattr(st, "_FORK_MIN", 2)
     # a fork server's workers: this process may have threads (no fork then)
     monkeypatch.setattr(parallel, "_context", lambda: multiprocessing.get_context("forkserver"))

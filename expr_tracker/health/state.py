@@ -28,7 +28,7 @@ import os
 import socket
 from array import array
 from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
@@ -326,9 +326,10 @@ class RunReader:
         self._verify_at = -math.inf  # wall clock of the last stat pass with a watch
         self._last: RunState | None = None
         # reads the tails of shards never read (first reads of many: in worker processes),
-        # and returns them; a caller that reads more of each shard from the same read sets
-        # its own (`expr summary`: `tail.read_scanned`)
-        self.first_reads: Callable[[list[ShardTail]], Sequence[ShardTail]] | None = None
+        # and gives them back in pieces, as they are read; a caller that reads more of each
+        # shard from the same read sets its own (`expr summary`: `tail.read_scanned`)
+        self.first_reads: Callable[[list[ShardTail]], Iterable[Sequence[ShardTail]]] | None = (
+            None)
 
     def watch_changes(self) -> bool:
         """Learn from the kernel (inotify, `health.changes`) which shards and sidecars
@@ -429,20 +430,26 @@ class RunReader:
             for rank, path in found.items():
                 if rank not in tails:
                     tails[rank] = ShardTail(path, rank, self.stream, self.window, self.series)
-        live = []
+        live: list[ShardTail] = []
+        first: list[int] = []  # the ranks of the first reads, brought up to date already
         # never read: a whole tail each (none on a quiet pass: no shard appeared)
         fresh = [t for t in tails.values() if t.ino is None] if full else []
         if fresh and (len(fresh) >= _FORK_MIN or self.first_reads is not None):
-            for t in (self.first_reads or _forked_refresh)(fresh):
-                tails[t.rank] = t  # a copy, from a worker process
-                if t.ok:
-                    live.append(t)
+            for piece in (self.first_reads or _forked_refresh)(fresh):
+                # each piece as it comes from a worker: its state is built meanwhile
+                mine = []
+                for t in piece:
+                    tails[t.rank] = t  # a copy, from a worker process
+                    if t.ok:
+                        mine.append(t)
+                first += self._update(mine, at, gone_from=[])
+                live += mine
             fresh_ranks = {t.rank for t in fresh}
             rest = [t for r, t in tails.items() if r not in fresh_ranks]
         else:
             rest = list(tails.values())
         live.extend(t for t in refresh_all(rest, full) if t.ok)
-        changed = self._update(live, at)
+        changed = [*first, *self._update(live, at)]
         if feed is not None:
             self._verify(feed, changed, now)
         return self._state(now, changed)
@@ -644,17 +651,20 @@ class RunReader:
 R = TypeVar("R")
 
 
-def share_reads(read: Callable[[list[ShardTail]], list[R]], fresh: list[ShardTail]) -> list[R]:
-    """`read(fresh)` (one result per tail, in order), shared among forked processes from
-    `_FORK_MIN` tails on."""
+def share_reads(read: Callable[[list[ShardTail]], list[R]], fresh: list[ShardTail]) -> Iterator[
+        list[R]]:
+    """`read` of pieces of `fresh` (one result per tail, in order), each piece given as it
+    is read; shared among forked processes from `_FORK_MIN` tails on."""
     if len(fresh) < _FORK_MIN:
-        return read(fresh)
-    from expr_tracker.stats.parallel import map_forked
+        yield read(fresh)
+        return
+    from expr_tracker.stats.parallel import iter_forked
 
-    return map_forked(read, fresh)
+    for _, results in iter_forked(read, fresh):
+        yield results
 
 
-def _forked_refresh(fresh: list[ShardTail]) -> list[ShardTail]:
+def _forked_refresh(fresh: list[ShardTail]) -> Iterator[list[ShardTail]]:
     return share_reads(refresh_all, fresh)
 
 

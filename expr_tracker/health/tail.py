@@ -523,7 +523,7 @@ def read_scanned(tails: list[ShardTail], recent: int) -> ScannedTails:
     read of the shard the rank records of its last `recent` steps as columns
     (`stats.scan.scan_tail`; None where the shard could not be read): what `expr summary`
     reads of each shard, one open and one `pread` of each where two readers took three
-    opens and half a dozen reads. Run in worker processes too (`parallel.map_forked`)."""
+    opens and half a dozen reads. Run in worker processes too (`parallel.iter_forked`)."""
     from expr_tracker.stats.scan import scan_tail
 
     out = ScannedTails()

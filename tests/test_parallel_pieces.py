@@ -1,0 +1,79 @@
+"""`parallel.iter_forked`: every item read once, in pieces from this process and from real
+forked workers; a killed worker's pieces read here; a caller that stops early leaves no
+worker behind."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+
+from expr_tracker.stats import parallel
+
+PARENT = os.getpid()
+
+
+def _square(xs: list[int]) -> list[tuple[int, int, int]]:
+    """(x, x squared, the pid that computed it) of each x."""
+    return [(x, x * x, os.getpid()) for x in xs]
+
+
+def _dies_in_a_worker(xs: list[int]) -> list[tuple[int, int, int]]:
+    if os.getpid() != PARENT and 7 in xs:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _square(xs)
+
+
+@pytest.fixture
+def forked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers by fork, whatever threads pytest has, and as if on two cores or more."""
+    monkeypatch.setattr(parallel, "_context", lambda: multiprocessing.get_context("fork"))
+    monkeypatch.setattr(parallel, "cpus_here", lambda: 2)
+
+
+def _children() -> set[int]:
+    with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as fh:
+        return {int(p) for p in fh.read().split()}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 10, 101])
+def test_every_item_once_some_from_a_worker(forked: None, n: int) -> None:
+    pieces = list(parallel.iter_forked(_square, list(range(n))))
+    positions = [i for piece, _ in pieces for i in piece]
+    assert sorted(positions) == list(range(n))
+    for piece, results in pieces:
+        assert [(x, y) for x, y, _ in results] == [(i, i * i) for i in piece]
+    pids = {pid for _, results in pieces for _, _, pid in results}
+    # this process and one worker (2 cores), or this process alone for one item
+    assert PARENT in pids and len(pids) == min(n, 2)
+    # this process's share is the smaller one (it takes in the worker's pieces too)
+    mine = sum(len(p) for p, r in pieces if r[0][2] == PARENT)
+    assert mine <= n - mine + 1
+
+
+def test_a_killed_workers_pieces_are_read_here(forked: None) -> None:
+    pieces = list(parallel.iter_forked(_dies_in_a_worker, list(range(40))))
+    assert sorted(i for piece, _ in pieces for i in piece) == list(range(40))
+    (with7,) = [results for piece, results in pieces if 7 in piece]
+    assert {pid for _, _, pid in with7} == {PARENT}
+    assert not _children()
+
+
+def test_a_caller_that_stops_early_leaves_no_worker(forked: None) -> None:
+    it = parallel.iter_forked(_square, list(range(1000)))
+    next(it)
+    assert _children()
+    it.close()
+    deadline = time.monotonic() + 10
+    while _children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _children()
+
+
+def test_one_cpu_reads_everything_here_in_one_piece(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(parallel, "cpus_here", lambda: 1)
+    ((piece, results),) = parallel.iter_forked(_square, [3, 4])
+    assert piece == [0, 1] and results == [(3, 9, PARENT), (4, 16, PARENT)]
