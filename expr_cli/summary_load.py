@@ -244,6 +244,7 @@ def _read_scanned(run_dir: Any, stream: str | None, shards: list[ShardRef]) -> t
 
     reader = RunReader(run_dir, stream, window=2)
     reader.first_reads = first_reads
+    reader.listed = {s.rank: s.path for s in shards if s.stream == stream}
     state = reader.read()
     # (by rank: a shard's name says its rank, and the reader lists the same directory)
     scans = [sc if (sc := scanned.get(s.rank)) is not None else

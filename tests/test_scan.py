@@ -95,6 +95,9 @@ def test_columnar_reader_matches_collect(tmp_path_factory, shards):
             assert all(_same(got[r], want[r]) for r in want)
             _same_stats(table.reduce_step(key, step) if hasattr(table, "reduce_step")
                         else reduce_step(table, key, step), reduce_step(expected, key, step))
+            again = table.values(key, step)  # (after `reduce_step`: what it gathered)
+            assert again.keys() == want.keys() and all(_same(again[r], want[r]) for r in want)
+        assert table.key_steps(key) == expected.key_steps(key)
         _same_stats(table.reduce_window(key, 0, last) if hasattr(table, "reduce_window")
                     else reduce_window(table, key, 0, last), reduce_window(expected, key, 0, last))
 

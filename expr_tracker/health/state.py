@@ -295,6 +295,10 @@ class RunReader:
         self._tails: dict[int, ShardTail] = {}
         self._here = socket.gethostname()
         self.names: list[str] = []  # the run directory's entries at the last pass
+        # shards of this stream by rank that the caller has just listed itself: the next
+        # pass takes them as its listing (`expr summary` lists 16,384 shards once, not
+        # twice; `names` are then the shards' alone)
+        self.listed: dict[int, Path] | None = None
         self._parsed: dict[str, Any] = {}  # entry name -> (rank, Path) | None
         # what the last pass derived, kept for the tails that did not change
         self._seen: dict[int, tuple[ShardTail, int]] = {}  # shard rank -> (tail, version)
@@ -362,7 +366,11 @@ class RunReader:
 
     def _list(self) -> dict[int, Path]:
         """`list_shards`, with each entry name parsed once for the reader's life."""
-        out: dict[int, Path] = {}
+        if self.listed is not None:
+            out, self.listed = self.listed, None
+            self.names = [p.name for p in out.values()]
+            return out
+        out = {}
         try:
             names = os.listdir(self.run_dir)
         except OSError:

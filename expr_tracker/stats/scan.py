@@ -323,7 +323,8 @@ class ColumnTable(TableShape):
         if len(set(ranks)) != len(ranks):
             raise ValueError("several blocks of one rank")
         first = self._blocks[0].steps if self._blocks else array("q")
-        if all(b.steps == first for b in self._blocks):
+        self._one_steps = all(b.steps == first for b in self._blocks)
+        if self._one_steps:
             self._steps = list(first)  # every rank at every step: the usual case
         else:
             self._steps = sorted(set().union(*(b.steps for b in self._blocks)))
@@ -338,9 +339,12 @@ class ColumnTable(TableShape):
         self._wconst = next(iter(distinct)) if len(distinct) == 1 else None
         self._last_window: tuple[Any, Any] = (None, None)
         self._last_at: tuple[Any, list[tuple[Block, int]]] = (None, [])
+        self._last_values: tuple[Any, dict[int, float]] = (None, {})
 
     def key_steps(self, key: str) -> list[int]:
         """Sorted steps at which some rank reported `key`."""
+        if self._one_steps and any(key in b.columns for b in self._blocks):
+            return list(self._steps)  # (every block has the same steps: no set of them all)
         return sorted(set().union(*(b.steps for b in self._blocks if key in b.columns)))
 
     def last_step(self, key: str) -> int | None:
@@ -361,15 +365,20 @@ class ColumnTable(TableShape):
 
     def values(self, key: str, step: int) -> dict[int, float]:
         """rank -> value of `key` at `step`, by rank (non-finite values included)."""
+        if self._last_values[0] == (key, step):
+            return dict(self._last_values[1])  # (what `reduce_step` just gathered)
         return {b.rank: b.columns[key][i] for b, i in self._at(step) if key in b.columns}
 
     def reduce_step(self, key: str, step: int) -> Stats:
         """`reduce.reduce_step`: stats of `key` across ranks at one step."""
         at = [(b, i) for b, i in self._at(step) if key in b.columns]
         values = {b.rank: b.columns[key][i] for b, i in at}
-        weights = {
-            b.rank: b.weights if isinstance(b.weights, float) else b.weights[i] for b, i in at
-        }
+        self._last_values = ((key, step), values)  # a summary asks for the values next
+        if self._wconst is not None:
+            weights: dict[int, float] = dict.fromkeys(values, self._wconst)
+        else:
+            weights = {b.rank: b.weights if isinstance(b.weights, float) else b.weights[i]
+                       for b, i in at}
         return reduce_values(values, self._world, weights)
 
     @property
