@@ -123,6 +123,67 @@ def _old_scan(path: Path, recent: int) -> scan.ShardScan:
                           garbage)
 
 
+class _OldTail(tail.ShardTail):
+    """The reference for a first read's records: the reverse read gathered them, newest
+    first, and `_take` sorted them (one loop more)."""
+
+    def _read_tail(self, end: int, fh: Any = None) -> None:
+        """`ShardTail._read_tail` as it was before (records gathered, then `_take`)."""
+        if fh is None:
+            with open(self._shard_name, "rb") as own:
+                return self._read_tail(end, own)
+        self._reset()
+        got: list[dict[str, Any]] = []  # newest first
+        n_steps = 0
+        top: int | None = None  # the largest step seen
+        oldest: int | None = None  # the step of the window-th step row from the end
+        pos, block = end, self._first_block()
+        done = False
+        while pos > 0 and not done:
+            start = max(0, pos - block)
+            fh.seek(start)
+            data = fh.read(pos - start)
+            if start > 0:
+                cut = data.find(b"\n") + 1  # the block's first line may be cut
+                if cut == 0 or cut >= len(data):
+                    block *= 2  # not one whole line in the block: a longer block
+                    continue
+                data, start = data[cut:], start + cut
+            for rec in reversed(tail._parse_lines(data)):
+                step = rec.get("_step")
+                if step.__class__ is not int:
+                    continue
+                if top is None or step > top:
+                    top = step
+                if oldest is not None and step < oldest:
+                    done = True
+                    break
+                if rec.get("_kind") is None:
+                    n_steps += 1
+                    if n_steps >= self.window:
+                        oldest = step
+                elif n_steps == 0 and step <= top - self.window:
+                    done = True
+                    break
+                got.append(rec)
+                if len(got) >= tail.MAX_TAIL_LINES:
+                    done = True
+                    break
+            if n_steps and not done:
+                # the next block sized by the bytes a step took so far (a quarter more),
+                # not doubled: parsing is most of a first read, and a doubled block can
+                # parse up to twice the lines the window needs
+                per_step = (end - start) / n_steps
+                block = min(tail.MAX_CATCHUP, max(
+                    int((self.window - n_steps) * per_step * 1.25), tail.SMALL_BLOCK))
+            else:
+                block = min(2 * block, tail.MAX_CATCHUP)
+            pos = start
+        got.reverse()
+        self._take(got)
+        self.offset = end
+
+
 def _same(v: Any) -> Any:
     """A value to compare (NaN equal to NaN, arrays as lists, text as it is)."""
     if isinstance(v, float):
@@ -223,6 +284,52 @@ def test_each_shard_reads_the_same_tail_and_scan(tmp_path: Path, window: int) ->
     big = tail.ShardTail(by_name["metrics.rank5.jsonl"], 5, None, window)
     assert os.path.getsize(big.path) > big._tail_bytes()  # read past the pread: the file itself
     assert big.refresh() and big.last_step == 189
+
+
+def _mixed_shard(path: Path) -> None:
+    """Several `_rank`s in an order that changes, system samples, step rows with and
+    without a time, steps beyond an int64, other kinds, bad ranks."""
+    lines = []
+    for s in range(120):
+        lines.append(_line({"_step": s, **({"_time": 1e9 + s} if s % 3 else {"_time": s})}
+                           if s % 7 else {"_step": s}))
+        for r in ((40, 3, 41) if s % 2 else (41, 40)):
+            lines.append(_line({"_kind": "rank", "_step": s, "_rank": r, "step_time": 0.1 * r,
+                                **({"grad_norm": 1.0} if r != 3 else {})}))
+        if s % 5 == 0:
+            lines.append(_line({"_kind": "rank", "_step": s, "_rank": 40, "system/rss_mb": s,
+                                "system/cpu_percent": 5}))
+        if s % 11 == 0:
+            lines += [_line({"_kind": "span", "_step": s, "name": "fwd"}),
+                      _line({"_kind": "rank", "_step": s, "_rank": -1, "step_time": 1.0}),
+                      _line({"_kind": "rank", "_step": s, "_rank": "x", "step_time": 1.0}),
+                      _line({"_step": 1 << 63, "_time": 1.0})]
+    path.write_text("".join(lines))
+
+
+@pytest.mark.parametrize("window", [2, 64])
+@pytest.mark.parametrize("series", [None, "step_time"])
+def test_a_first_read_keeps_the_records_take_kept(tmp_path: Path, window: int,
+                                                  series: str | None) -> None:
+    """The reverse read sorts its records as it reads them; `_take` sorted them after."""
+    from expr_tracker.store.layout import parse_shard_name
+
+    run = _odd_run(tmp_path)
+    _mixed_shard(run / "metrics.rank40.jsonl")
+    several = 0
+    for path in sorted(run.glob("metrics*.jsonl")):
+        shard = parse_shard_name(path.name)
+        assert shard is not None
+        new = tail.ShardTail(path, shard.rank, None, window, series)
+        old = _OldTail(path, shard.rank, None, window, series)
+        assert new.refresh() == old.refresh(), path.name
+        assert _tail_view(new) == _tail_view(old), path.name
+        # the same ranks in the same order (what iterates them sees no change)
+        assert list(new.rank_recs) == list(old.rank_recs), path.name
+        assert list(new.series) == list(old.series), path.name
+        assert list(new.system) == list(old.system), path.name
+        several += len(new.rank_recs or new.series) > 2
+    assert several >= 1  # the shards of several ranks were among them
 
 
 def test_one_read_of_each_shard_gives_the_tail_and_scan_of_two(tmp_path: Path) -> None:

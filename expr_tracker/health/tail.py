@@ -203,7 +203,7 @@ class ShardTail:
         """Add records read forward (oldest first). One loop sorts them, then each kind
         is added in bulk, its last `window` only: a first read takes ~130 records per
         shard, and at 16,384 shards a method call per record would be most of the pass."""
-        rank, window = self.rank, self.window
+        rank = self.rank
         row_steps: list[int] = []
         row_times: list[float] = []
         last_row = None
@@ -235,6 +235,12 @@ class ShardTail:
                 continue
             if top is None or step > top:
                 top = step
+        self._store(row_steps, row_times, last_row, top, by_rank)
+
+    def _store(self, row_steps: list[int], row_times: list[float], last_row: Any,
+               top: int | None, by_rank: dict[int, list[dict[str, Any]]]) -> None:
+        """What `_take` sorted out of its records (each list oldest first), kept."""
+        window = self.window
         self.last_step = top
         if last_row is not None:
             self.last_row = last_row
@@ -292,7 +298,14 @@ class ShardTail:
             with open(self._shard_name, "rb") as own:
                 return self._read_tail(end, own)
         self._reset()
-        got: list[dict[str, Any]] = []  # newest first
+        # the records kept, sorted as `_take` sorts them, newest first
+        row_steps: list[int] = []
+        row_times: list[float] = []
+        last_row = None
+        mine: int | None = None  # the last step of a step row or of this rank's records
+        by_rank: dict[int, list[dict[str, Any]]] = {}
+        oldest_at: dict[int, int] = {}  # `_rank` -> when its oldest record was taken
+        rank, taken = self.rank, 0
         n_steps = 0
         top: int | None = None  # the largest step seen
         oldest: int | None = None  # the step of the window-th step row from the end
@@ -317,15 +330,39 @@ class ShardTail:
                 if oldest is not None and step < oldest:
                     done = True
                     break
-                if rec.get("_kind") is None:
+                kind = rec.get("_kind")
+                if kind is None:
                     n_steps += 1
                     if n_steps >= self.window:
                         oldest = step
                 elif n_steps == 0 and step <= top - self.window:
                     done = True
                     break
-                got.append(rec)
-                if len(got) >= MAX_TAIL_LINES:
+                # what `_take` does with each record, here, newest first (one loop over
+                # the records, not two: this is most of a first read's Python)
+                if _MIN_STEP <= step <= _MAX_STEP:
+                    if kind is None:
+                        t = rec.get("_time")
+                        if t.__class__ is float or t.__class__ is int:
+                            row_steps.append(step)
+                            row_times.append(t)
+                        if last_row is None:
+                            last_row = rec
+                        if mine is None or step > mine:
+                            mine = step
+                    elif kind == "rank":
+                        r = rec.get("_rank")
+                        if r.__class__ is int and r >= 0:
+                            group = by_rank.get(r)
+                            if group is None:
+                                by_rank[r] = [rec]
+                            else:
+                                group.append(rec)
+                            oldest_at[r] = taken
+                            if r == rank and (mine is None or step > mine):
+                                mine = step
+                taken += 1
+                if taken >= MAX_TAIL_LINES:
                     done = True
                     break
             if n_steps and not done:
@@ -338,8 +375,14 @@ class ShardTail:
             else:
                 block = min(2 * block, MAX_CATCHUP)
             pos = start
-        got.reverse()
-        self._take(got)
+        row_steps.reverse()
+        row_times.reverse()
+        for group in by_rank.values():
+            group.reverse()
+        if len(by_rank) > 1:  # in the order `_take` finds them: by their oldest record
+            by_rank = {r: by_rank[r] for r in sorted(by_rank, key=oldest_at.__getitem__,
+                                                       reverse=True)}
+        self._store(row_steps, row_times, last_row, mine, by_rank)
         self.offset = end
 
     def _first_block(self) -> int:
