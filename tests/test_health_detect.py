@@ -5,6 +5,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from expr_tracker.health.config import HealthConfig
 from expr_tracker.health.detect import Memory, detect
 from expr_tracker.health.state import RankState, RunState
@@ -96,3 +99,25 @@ def test_ranks_leaving_do_not_make_the_rest_a_slowdown() -> None:
     state.ranks[0].status = state.ranks[1].status = "finished"
     found = _kinds(detect(state, [], CFG, memory, now))
     assert not any(kind == "slowdown" for kind, _ in found), found
+
+
+def _old_window_means(vals: list[float], n: int) -> list[float]:
+    """The slowdown detector's window means before issue 24 (a Python loop), the reference."""
+    if len(vals) < n:
+        return []
+    total = sum(vals[:n])
+    out = [total / n]
+    for i in range(n, len(vals)):
+        total += vals[i] - vals[i - n]
+        out.append(total / n)
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.floats(0.0, 1e6) | st.sampled_from([0.1, 0.2, 0.3, 1e-9, 7.0]),
+                max_size=80), st.integers(1, 30))
+def test_slow_windows_are_the_running_means_of_before(vals: list[float], n: int) -> None:
+    from expr_tracker.health.detect import _slow_windows
+
+    means = _old_window_means(vals, n)
+    assert _slow_windows(vals, n) == ((min(means), means[-1]) if means else None)
