@@ -33,12 +33,33 @@ def now() -> float:
     return value
 
 
+_PLAIN = frozenset((str, int, bool, type(None)))
+
+
 def jsonable(obj: Any) -> Any:
-    """Non-finite floats become "NaN"/"Infinity"/"-Infinity", as in shards (strict JSON)."""
+    """Non-finite floats become "NaN"/"Infinity"/"-Infinity", as in shards (strict JSON).
+    The usual types are told by their class first: a 16,384-rank `expr top --json` holds
+    about 190,000 values, and the `Mapping` check alone (an ABC) cost a microsecond each."""
+    cls = obj.__class__
+    if cls in _PLAIN:
+        return obj
+    if cls is float:
+        return obj if obj - obj == 0.0 else jsonable_float(obj)
+    if cls is dict:
+        return {k if k.__class__ is str else str(k): jsonable(v) for k, v in obj.items()}
+    if cls is list:
+        return [jsonable(v) for v in obj]
     if isinstance(obj, float) and not math.isfinite(obj):
-        return "NaN" if math.isnan(obj) else ("Infinity" if obj > 0 else "-Infinity")
+        return jsonable_float(obj)
     if isinstance(obj, Mapping):
         return {str(k): jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [jsonable(v) for v in obj]
     return obj
+
+
+def jsonable_float(x: float) -> Any:
+    """A float as strict JSON holds it: a non-finite one as its text."""
+    if math.isfinite(x):
+        return x
+    return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
