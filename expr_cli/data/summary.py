@@ -19,6 +19,7 @@ from expr_cli.resolve import (
     unknown_metrics,
 )
 from expr_cli.summary_load import COVERAGE_STEPS, last_rows, load_row_table, load_table, read_window
+from expr_tracker.gcpause import paused_gc
 
 if TYPE_CHECKING:
     from expr_tracker.health.state import RunState
@@ -326,8 +327,7 @@ def build_view(
     return view
 
 
-
-
+@paused_gc()
 def summary_data(
     ref: RunRef,
     stream: str | None,
@@ -356,30 +356,6 @@ def summary_data(
     No cyclic collections meanwhile (`gcpause`): the reducers' allocations at 16,384 ranks
     set off collections that walk every record read, a tenth of the command's time.
     """
-    from expr_tracker.gcpause import paused_gc
-
-    with paused_gc():
-        return _summary_data(ref, stream, metrics, step, window, heatmap_key, show_all,
-                             buckets, min_rel=min_rel, agg=agg, state=state, chart=chart,
-                             memo=memo)
-
-
-def _summary_data(
-    ref: RunRef,
-    stream: str | None,
-    metrics: list[str] | None,
-    step: int | None,
-    window: tuple[int | None, int | None] | None,
-    heatmap_key: str | None,
-    show_all: bool,
-    buckets: Callable[[int], int],
-    *,
-    min_rel: float,
-    agg: str,
-    state: RunState | None,
-    chart: bool | str,
-    memo: dict[Any, Any] | None,
-) -> tuple[dict[str, Any], list[str], bool]:
     shards = memo.get(("shards", stream)) if memo is not None else None
     if shards is None:  # (a listing of 16,384 shards is a fifth of a second: once per memo)
         shards = shards_of(ref, stream)
