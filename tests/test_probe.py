@@ -64,7 +64,9 @@ def probe_cycle(tmp_path: Path, root: Path, init: str) -> dict[str, Any]:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert sidecar(meta)["status"] == "finished" and "probe" not in sidecar(meta)
+    # (in spool mode exprd applies the finish after the process has ended: waited for)
+    wait_for(lambda: sidecar(meta).get("status") == "finished", 20, "the finished status")
+    assert "probe" not in sidecar(meta)
     return probe
 
 
