@@ -77,3 +77,30 @@ def test_one_cpu_reads_everything_here_in_one_piece(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(parallel, "cpus_here", lambda: 1)
     ((piece, results),) = parallel.iter_forked(_square, [3, 4])
     assert piece == [0, 1] and results == [(3, 9, PARENT), (4, 16, PARENT)]
+
+
+def test_no_descriptors_for_a_pool_reads_everything_here(tmp_path) -> None:
+    """Under a real descriptor limit the worker pool's pipes cannot be made: every piece
+    is read in this process, nothing raises (a process of its own: the limit is its)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import os, resource
+        from expr_tracker.stats import parallel
+        parallel.cpus_here = lambda: 2
+        def f(xs):
+            return [(x, os.getpid()) for x in xs]
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")), hard))
+        out = list(parallel.iter_forked(f, list(range(10))))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        print(sorted(i for p, _ in out for i in p), {pid for _, r in out for _, pid in r}
+              == {os.getpid()})
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("]")[0] + "]" == str(list(range(10)))
+    assert done.stdout.strip().endswith("True")

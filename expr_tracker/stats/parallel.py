@@ -280,14 +280,16 @@ def iter_forked(fn: Callable[[list[T]], list[R]], items: Sequence[T],
     pieces = [piece for share in theirs for piece in _pieces(share, PIECES)]
     pending: list[tuple[list[int], Any]] = []
     failed: list[list[int]] = []  # pieces of a worker that failed: read here at the end
-    pool = _start_pool(workers - 1, ctx)
+    pool: Any = None
     try:
         try:
+            pool = _start_pool(workers - 1, ctx)
             with _forking():
                 pending = [(piece, pool.submit(fn, [items[i] for i in piece]))
                            for piece in pieces]
-        except (OSError, BrokenExecutor):  # no fork allowed
-            _abandon(pool)
+        except (OSError, BrokenExecutor):  # no fork allowed, no descriptors for the pipes
+            if pool is not None:
+                _abandon(pool)
             pool, pending, failed = None, [], pieces
         for piece in _pieces(mine, PIECES):
             yield piece, fn([items[i] for i in piece])
