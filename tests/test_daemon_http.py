@@ -55,6 +55,21 @@ class Receiver:
             return [e["_id"] for b in self.bodies.values() for e in json.loads(b)["events"]]
 
 
+def _overlaps(recv: Receiver) -> str:
+    """The first keys whose events another key holds too (what a failure needs to show:
+    which batches were cut again, and where)."""
+    seen: dict[str, str] = {}
+    pairs = []
+    with recv.lock:
+        for key, body in recv.bodies.items():
+            for e in json.loads(body)["events"]:
+                other = seen.setdefault(e["_id"], key)
+                if other != key:
+                    pairs.append(f"{e['_id']} in {other} and {key}")
+                    break
+    return "; ".join(pairs[:5])
+
+
 def test_kill9_during_forwarding_leaves_every_event_once_by_key(
     tmp_path: Path, httpserver: Any
 ) -> None:
@@ -100,7 +115,8 @@ def test_kill9_during_forwarding_leaves_every_event_once_by_key(
     assert len(sessions) == writers
     expected = sorted(f"{s}:{q}" for s in sessions for q in range(1, n + 1))
     dupes = len(stored) - len(set(stored))
-    assert dupes == 0, f"{dupes} events stored twice under different keys"
+    assert dupes == 0, (f"{dupes} events stored twice under different keys; "
+                        f"{_overlaps(recv)}; received after each kill: {progress}")
     assert sorted(stored) == expected
     assert recv.posts > len(recv.bodies)  # restarts did re-send batches
     assert any(journaled)
