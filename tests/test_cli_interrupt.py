@@ -61,7 +61,8 @@ def _interrupt(root: Path, args: tuple[str, ...], delay: float) -> tuple[int, st
     """Run `expr ARGS`, Ctrl-C it `delay` s after its first worker started; (exit code,
     stderr, the workers seen)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("EXPR_")}
-    env.update(EXPR_DIR=str(root), COLUMNS="100", NO_COLOR="1", EXPR_SYSTEM_METRICS="0")
+    env.update(EXPR_DIR=str(root), COLUMNS="100", NO_COLOR="1", EXPR_SYSTEM_METRICS="0",
+               PYTHONFAULTHANDLER="1")  # a hang's stacks, at the SIGABRT below
     proc = subprocess.Popen([str(EXPR), *args], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)  # its own group, as a shell's job
@@ -70,7 +71,12 @@ def _interrupt(root: Path, args: tuple[str, ...], delay: float) -> tuple[int, st
         time.sleep(delay)
         seen = set(workers) | set(_children(proc.pid))
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C at a terminal
-        _, err = proc.communicate(timeout=30)  # (a hang fails here)
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a hang: fail with where each thread waits
+            proc.send_signal(signal.SIGABRT)
+            _, err = proc.communicate(timeout=30)
+            pytest.fail(f"{args} hung {delay} s after its first worker; its threads:\n{err[-6000:]}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
