@@ -12,7 +12,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from expr_cli.data.series import Panel, chart, parse_ranks, series_data
 from expr_cli.errors import CLIError
@@ -79,17 +79,35 @@ def plot_command(run: str, dir: str | None, metrics: list[str] | None, rank: str
     if not follow:
         _draw(label, chart(ref, stream, wanted, ranks, rng, window), color)
         return
+    import signal
+
     import typer
 
+    # Ctrl-C is noted as well as raised: one that lands in a destructor (plotext's pixels
+    # free C memory in `__del__`) is swallowed there ("Exception ignored in"), and the
+    # loop would go on redrawing
+    caught: list[int] = []
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        caught.append(signum)
+        raise KeyboardInterrupt
+
+    ours = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    previous = signal.signal(signal.SIGINT, on_sigint) if ours else None
     try:
-        while True:
+        while not caught:
             panels = chart(ref, stream, wanted, ranks, rng, window)
             sys.stdout.write("\x1b[H\x1b[2J")  # home and clear: redraw in place
             _draw(label + f"  {time.strftime('%H:%M:%S')}", panels, color)
-            time.sleep(interval)
+            if not caught:
+                time.sleep(interval)
     except KeyboardInterrupt:
-        sys.stdout.write("\n")
-        raise typer.Exit(130) from None
+        pass
+    finally:
+        if ours:
+            signal.signal(signal.SIGINT, previous)
+    sys.stdout.write("\n")
+    raise typer.Exit(130)
 
 
 def _draw(title: str, panels: list[Panel], color: bool) -> None:
