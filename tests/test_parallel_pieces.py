@@ -22,7 +22,7 @@ def _square(xs: list[int]) -> list[tuple[int, int, int]]:
 
 
 def _dies_in_a_worker(xs: list[int]) -> list[tuple[int, int, int]]:
-    if os.getpid() != PARENT and 7 in xs:
+    if os.getpid() != PARENT:  # the worker's first piece
         os.kill(os.getpid(), signal.SIGKILL)
     return _square(xs)
 
@@ -57,9 +57,49 @@ def test_every_item_once_some_from_a_worker(forked: None, n: int) -> None:
 def test_a_killed_workers_pieces_are_read_here(forked: None) -> None:
     pieces = list(parallel.iter_forked(_dies_in_a_worker, list(range(40))))
     assert sorted(i for piece, _ in pieces for i in piece) == list(range(40))
-    (with7,) = [results for piece, results in pieces if 7 in piece]
-    assert {pid for _, _, pid in with7} == {PARENT}
+    # the worker's pieces too (it died at its first): it had more than half of them
+    assert {pid for _, results in pieces for _, _, pid in results} == {PARENT}
+    assert len(pieces) > parallel.PIECES
     assert not _children()
+
+
+def test_a_worker_killed_while_it_sends_its_result_does_not_hang_the_read(tmp_path) -> None:
+    """A worker killed halfway through writing its result (the Ctrl-C that stops this
+    process too, the OOM killer) leaves the pool's reader waiting for the rest of the
+    message for ever, and the pool never breaks: its pieces are read here all the same,
+    soon, and no worker is left. Half a message written by hand into the worker's real
+    result pipe, then a real SIGKILL (a process of its own: before the fix it hung)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import os, signal, struct, time
+        from expr_tracker.stats import parallel
+        parallel.cpus_here = lambda: 2
+        pools = []
+        start = parallel._start_pool
+        parallel._start_pool = lambda *a: pools.append(start(*a)) or pools[-1]
+        parent = os.getpid()
+        def f(xs):
+            if os.getpid() != parent:  # the worker's first piece
+                fd = pools[-1]._result_queue._writer.fileno()  # this worker's copy of it
+                os.write(fd, struct.pack("!i", 1 << 20) + bytes(1000))  # 1 MiB announced
+                os.kill(os.getpid(), signal.SIGKILL)
+            return [(x, os.getpid()) for x in xs]
+        t = time.monotonic()
+        out = list(parallel.iter_forked(f, list(range(40))))
+        took = time.monotonic() - t
+        kids = open(f"/proc/{parent}/task/{parent}/children").read().split()
+        here = {pid for _, r in out for _, pid in r} == {parent}
+        print(sorted(i for p, _ in out for i in p) == list(range(40)), here, kids, took)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 0, done.stderr
+    every, here, kids, took = done.stdout.split(" ", 3)
+    assert (every, here, kids) == ("True", "True", "[]"), done.stdout
+    assert float(took) < 30, done.stdout  # STUCK (1 s) and the abandon, not a wait for ever
 
 
 def test_a_caller_that_stops_early_leaves_no_worker(forked: None) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar, cast
@@ -26,6 +27,8 @@ PIECES = 4  # a share of `iter_forked` is read (and sent back) in this many piec
 # too, and the caller does its work on each (RunReader: 20 us a shard, against the read's
 # 250; unpickling a tail, 20-30 us)
 OWN_SHARE = 0.85
+POLL = 0.05  # s: a wait for a worker's result looks at the pool this often (`_result`)
+STUCK = 1.0  # s a worker may be dead before a pool that has not noticed is given up
 
 
 def scan_shards(paths: Sequence[str | os.PathLike[str]], lo: int | None = None,
@@ -69,7 +72,7 @@ def scan_shards(paths: Sequence[str | os.PathLike[str]], lo: int | None = None,
             # this process reads the first share itself instead of waiting
             put(shares[0], scan_all([names[i] for i in shares[0]], lo))
             for share, future in futures:
-                put(share, future.result())
+                put(share, _result(pool, future))
             pool.shutdown()
         except BaseException:
             _abandon(pool)
@@ -135,6 +138,43 @@ def _start_pool(workers: int, ctx: Any) -> Any:
     from concurrent.futures import ProcessPoolExecutor
 
     return ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_start)
+
+
+def _result(pool: Any, future: Any) -> Any:
+    """`future.result()` of `pool`, waited for in rounds of `POLL` s; `BrokenExecutor` when
+    a worker has been dead for `STUCK` s and the pool has not noticed (then it is
+    abandoned). Both guard against a wait for ever:
+    - A worker killed while it wrote its result (by the Ctrl-C that interrupts this
+      process too, or the OOM killer) leaves the pool's manager thread reading the rest of
+      the message for ever, and the result never comes.
+    - A Ctrl-C can come and go without waking a wait that has no bound (a clean clone's
+      `expr top --once` slept in `future.result()` with its workers dead); a wait with a
+      timeout returns to the interpreter, which raises it."""
+    from concurrent.futures import BrokenExecutor, TimeoutError
+
+    dead_at: float | None = None
+    while True:
+        try:
+            return future.result(POLL)
+        except TimeoutError:
+            pass
+        procs = getattr(pool, "_processes", None)
+        if procs is None:  # shut down, or abandoned by an earlier wait
+            raise BrokenExecutor("the worker pool was stopped")
+        if dead_at is None:
+            if _any_dead(list(procs.values())):
+                dead_at = time.monotonic()
+        elif time.monotonic() - dead_at >= STUCK:
+            _abandon(pool)
+            raise BrokenExecutor("a worker died while it sent its result")
+
+
+def _any_dead(procs: list[Any]) -> bool:
+    """Some of `procs` (started `multiprocessing` processes) has ended. Its sentinel says
+    so without reaping it, which the pool's own manager thread does."""
+    from multiprocessing.connection import wait
+
+    return bool(procs) and bool(wait([p.sentinel for p in procs], timeout=0))
 
 
 def _abandon(pool: Any) -> None:
@@ -295,9 +335,9 @@ def iter_forked(fn: Callable[[list[T]], list[R]], items: Sequence[T],
             yield piece, fn([items[i] for i in piece])
             for got in [p for p in pending if p[1].done()]:
                 pending.remove(got)
-                yield from _taken(got, failed)
+                yield from _taken(pool, got, failed)
         while pending:
-            yield from _taken(pending.pop(0), failed)
+            yield from _taken(pool, pending.pop(0), failed)
         if pool is not None:
             pool.shutdown()
     except BaseException:  # Ctrl-C, an error in `fn`, a caller that stopped iterating
@@ -308,7 +348,7 @@ def iter_forked(fn: Callable[[list[T]], list[R]], items: Sequence[T],
         yield piece, fn([items[i] for i in piece])
 
 
-def _taken(sent: tuple[list[int], Any], failed: list[list[int]]) -> Iterator[
+def _taken(pool: Any, sent: tuple[list[int], Any], failed: list[list[int]]) -> Iterator[
         tuple[list[int], Any]]:
     """A worker's piece as `iter_forked` gives it; none, and the piece put in `failed`, if
     its worker failed (killed: the pool is broken, and so its other pieces too)."""
@@ -316,7 +356,7 @@ def _taken(sent: tuple[list[int], Any], failed: list[list[int]]) -> Iterator[
 
     piece, future = sent
     try:
-        results = future.result()
+        results = _result(pool, future)
     except (OSError, BrokenExecutor):
         failed.append(piece)
         return
@@ -392,7 +432,7 @@ class ScanJob:
         try:
             try:
                 for share, future in self._futures:
-                    for i, result in zip(share, future.result(), strict=True):
+                    for i, result in zip(share, _result(self._pool, future), strict=True):
                         out[i] = result
             except (OSError, BrokenExecutor):  # a worker killed: read the rest here
                 pass
