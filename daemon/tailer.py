@@ -607,6 +607,9 @@ class Tailer:
             self.durable.collect()
         slots_ok = self.pool.flush()
         now = time.monotonic()
+        # what each checkpoint put now holds of its backends: only these journals may
+        # forget batches once it is on disk (a file not put keeps the older checkpoint)
+        held: list[tuple[RunPipeline, dict[str, int]]] = []
         for tail in list(self.tails.values()):
             run = tail.run
             if run is not None and run.unsafe:
@@ -620,23 +623,25 @@ class Tailer:
             if run is not None:
                 self._settle(tail, run)
                 if tail.state in ("finished", "crashed", "refused"):
-                    if not ok or run.closing() or not run.status_written():
+                    # the status first, whatever the backends: a sidecar left "running"
+                    # by a process that is gone reads as a crash (health pages it)
+                    if not ok or not run.status_written() or run.closing():
                         # a finished file is checkpointed as such only once the shard's
-                        # status is on disk: until then a restart reads its end again
+                        # status is on disk and its backends are done: until then a
+                        # restart reads its end again
                         continue
                     run.close()
                     tail.run = None
             self.checkpoints.put(tail.key, tail.checkpoint())
+            if tail.run is not None:
+                held.append((tail.run, tail.run.checkpoint_marks()))
         self.pool.sidecars(0.0 if force else sidecar_interval)
         if force or now - self.checkpoints.saved_at >= self.cfg.checkpoint_interval:
-            # the backends' journals forget only what the checkpoint taken now holds
-            marks = [(run, run.checkpoint_marks()) for run in
-                     (tail.run for tail in self.tails.values()) if run is not None]
 
             def on_disk() -> None:
-                for run, held in marks:
+                for run, marks in held:
                     if not run.closed:
-                        run.checkpointed(held)
+                        run.checkpointed(marks)
 
             self._save(on_disk, wait=force if wait is None else wait)
 

@@ -25,9 +25,10 @@ RUN_BACKENDS = (', backend_on_rank=None, '
 class Receiver:
     """Stores one body per Idempotency-Key, as an idempotent ingest endpoint would."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, delay: tuple[float, float] = (0.002, 0.01)) -> None:
         self.lock = threading.Lock()
         self.rng = random.Random(seed)
+        self.delay = delay
         self.bodies: dict[str, bytes] = {}
         self.ids: set[str] = set()
         self.posts = 0
@@ -37,7 +38,7 @@ class Receiver:
         key = request.headers.get("Idempotency-Key", "")
         body = request.get_data()
         with self.lock:
-            delay = self.rng.uniform(0.002, 0.01)
+            delay = self.rng.uniform(*self.delay)
         time.sleep(delay)  # a slow receiver: exprd gets killed with POSTs in flight
         with self.lock:
             self.posts += 1
@@ -124,3 +125,56 @@ def test_kill9_during_forwarding_leaves_every_event_once_by_key(
     # one log line per batch would bury what matters: httpx's request lines stay out
     log_text = (tmp_path / "exprd.log").read_text()
     assert "exprd INFO ready" in log_text and "HTTP Request" not in log_text
+
+
+def test_kill9_while_a_finished_runs_backend_catches_up_cuts_no_batch_again(
+    tmp_path: Path, httpserver: Any
+) -> None:
+    """A run that finished while its backend lags: its shard is done and its status written
+    long before the last POST, and the checkpoint is not advanced meanwhile (a finished file
+    is checkpointed as such once the backend is done). A kill -9 in that window restarts
+    the backend from the checkpoint on disk, so its journal must still hold every batch
+    sent since: the events go out again under their old keys, never cut into new ones (the
+    journal had been compacted to the backend's progress in memory, and 2,331 events
+    reached a receiver twice under different keys). Nor is the run taken for crashed
+    meanwhile (its sidecar said "running" until the backend was done)."""
+    n = 37 * 54
+    recv = Receiver(seed=3, delay=(0.04, 0.06))  # 50 events a POST: about 1,000 a second
+    httpserver.expect_request("/ingest", method="POST").respond_with_handler(recv)
+    spool, state, root = tmp_path / "spool", tmp_path / "state", tmp_path / "runs"
+    backend = (f'[backends.http]\ntype = "http"\nurl = {json.dumps(httpserver.url_for("/ingest"))}\n'
+               "batch = 50\nbackoff = 0.05\n")
+    cfg = write_config(tmp_path / "exprd.toml", spool, state, [root],
+                       extra="checkpoint_interval = 0.1\n" + backend)
+    d = start_exprd(cfg)
+    try:
+        wait_ready(state, d)
+        # written live, in chunks (each read of the spool file a settle point of the
+        # backend), faster than the receiver takes them
+        run_all([spawn(writer_code(spool, root, "late", n, chunk=37, pause=0.015,
+                                   init=RUN_BACKENDS), {"RANK": "0"})])
+        time.sleep(0.3)  # checkpoint rounds after the finish, while the backend catches up
+    finally:
+        d.kill()
+        d.wait()
+    sent = len(recv.ids)
+    assert sent < n, "the backend was done before the kill: nothing tested"
+    recv.delay = (0.0, 0.001)
+    d = start_exprd(cfg)
+    try:
+        wait_ready(state, d)
+        wait_for(lambda: len(recv.ids) >= n, 30, "the receiver to hold every event")
+    finally:
+        assert stop(d) == 0
+    stored = recv.stored()
+    assert len(stored) - len(set(stored)) == 0, (
+        f"events stored twice under different keys, {sent} sent before the kill: "
+        f"{_overlaps(recv)}")
+    assert len(set(stored)) == n
+    assert recv.violations == []
+    # the run finished: its status was on disk while the backend caught up, so the
+    # process gone was never taken for a crash
+    incidents = root / "proj" / "late" / "incidents.jsonl"
+    kinds = [json.loads(line)["kind"] for line in incidents.read_text().splitlines()] \
+        if incidents.exists() else []
+    assert "crashed" not in kinds, incidents.read_text()
