@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -291,6 +292,24 @@ def test_the_event_stream_says_the_run_changed(server: Server) -> None:
         assert resp.readline().decode().strip() == "event: change"  # another server's
     finally:
         conn.close()
+
+
+def test_a_kept_top_answer_ages_the_ranks_silence_to_each_request(server: Server) -> None:
+    """Nothing written (a finished run, or a stalled job): top is served from the answer
+    kept for this version, with each rank's last-write age as of the request, not as of
+    the moment the answer was built."""
+    def top() -> Any:
+        url = f"{server.base}/api/runs/proj/four/top"
+        return json.loads(urllib.request.urlopen(url, timeout=10).read())
+
+    first = top()
+    time.sleep(1.5)
+    second = top()
+    assert second["version"] == first["version"]  # the same kept answer
+    before = {r["rank"]: r["last_write_age"] for r in first["ranks"]}
+    after = {r["rank"]: r["last_write_age"] for r in second["ranks"]}
+    assert before.keys() == after.keys() == {0, 1, 2, 3}
+    assert all(1.4 <= after[k] - before[k] <= 10 for k in before), (before, after)
 
 
 def test_another_host_needs_the_token(root: Path) -> None:

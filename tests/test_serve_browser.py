@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -147,6 +148,29 @@ def test_a_live_run_advances_without_a_reload(site: Server, page: Any) -> None:
     assert later > first
     assert page.evaluate("window.__same_page") is True  # updated in place, not reloaded
     assert page.inner_text("#tile-ranks").split("\n")[1] == "2/2"
+
+
+def test_a_quiet_runs_last_writes_keep_ageing_without_a_reload(site: Server, page: Any) -> None:
+    """A run that writes nothing more (finished here; a stalled job alike) sends no change
+    event, and its page still tells the time since each rank's last write (it said "0s
+    ago" for ever)."""
+    wait_all(train(site.root, "quiet", range(2), 2, "--steps", "5"))
+    page.goto(site.base + "/runs/demo/quiet")
+    page.wait_for_selector("body[data-loaded='1'] #rank-table")
+
+    def ages() -> list[str]:
+        return [row.split("\t")[6] for row in page.locator("#rank-table tbody tr").all_inner_texts()]
+
+    first = ages()
+    assert len(first) == 2 and all(a.endswith("s ago") for a in first), first
+    page.evaluate("window.__same_page = true")
+    deadline = time.monotonic() + 15
+    while ages() == first and time.monotonic() < deadline:
+        time.sleep(0.25)
+    later = ages()
+    assert later != first, f"the ages stayed at {first}"
+    assert [int(a.split("s")[0]) for a in later] > [int(a.split("s")[0]) for a in first]
+    assert page.evaluate("window.__same_page") is True
 
 
 def test_compare_overlays_two_runs(site: Server, page: Any) -> None:

@@ -29,7 +29,7 @@ from statistics import median
 from typing import Any
 
 from expr_cli import layout
-from expr_cli.data import jsonable
+from expr_cli.data import jsonable, now
 from expr_cli.data.runs import runs_data, runs_json
 from expr_cli.data.series import load_series, parse_ranks, series_data
 from expr_cli.data.summary import AGGS, summary_data
@@ -51,6 +51,18 @@ BOOT = secrets.token_hex(4)  # a server restarted counts its versions from 1 aga
 def version_tag(live: Any) -> str:
     """The live state's version as the API and the event stream name it."""
     return f"{BOOT}.{live.version}"
+
+
+def _aged(frame: dict[str, Any], since: float) -> dict[str, Any]:
+    """A top frame built `since` seconds ago, its ranks' last-write ages as of now: a kept
+    answer means nothing was written since it was built (a write is a new version), so
+    each rank's silence has grown by that much (a finished run's page said "0s ago" for
+    ever, a stalled rank's its age at the last change)."""
+    if since <= 0:
+        return frame
+    ranks = [r if r.get("last_write_age") is None
+             else {**r, "last_write_age": r["last_write_age"] + since} for r in frame["ranks"]]
+    return {**frame, "ranks": ranks}
 
 
 def _one(params: Params, name: str) -> str | None:
@@ -207,13 +219,13 @@ class Api:
             frame = live.top(state)
             frame["history"] = incident_lines(ref)
             frame["version"] = version_tag(live)
-            return jsonable(frame)
+            return now(), jsonable(frame)
 
-        frame = live.answer(("top",), build, ttl=TOP_TTL)
+        built, frame = live.answer(("top",), build, ttl=TOP_TTL)
         if limit is not None:
             frame = {**frame, "ranks_total": len(frame["ranks"]), "nodes_total": len(frame["nodes"]),
                      "ranks": frame["ranks"][:limit], "nodes": frame["nodes"][:limit]}
-        return frame  # type: ignore[no-any-return]
+        return _aged(frame, now() - built)
 
     def series(self, project: str, name: str, params: Params) -> dict[str, Any]:
         """`expr plot --json` (`metric`, `ranks`, `steps`, `smooth`)."""

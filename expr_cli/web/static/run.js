@@ -25,6 +25,9 @@ const page = { metric: new URLSearchParams(window.location.search).get("metric")
 
 const RETRY_MS = 2000; // a run not there yet (the job is starting): look again this often
 const TOP_POLL_MS = 1000; // top still reading its detectors' window: ask again this often
+// what moves with no file changing (no change event): each rank's silence, a silent rank's
+// steps/s, and the incidents of time (hang, stall); top again this often
+const TOP_REFRESH_MS = 5000;
 
 function missing(message) {
   $("content").hidden = true;
@@ -161,6 +164,7 @@ function start() {
     page.following = true;
     follow(page.version ? `${base}/events?version=${encodeURIComponent(page.version)}` : `${base}/events`,
       () => load(), (s) => drawLive(s));
+    setInterval(() => { if (!page.busy) pollTop(); }, TOP_REFRESH_MS);
   });
 }
 
