@@ -151,3 +151,51 @@ def test_many_shards_use_the_thread_pool(tmp_path: Path) -> None:
     assert len(state.ranks) == 200
     assert state.frontier == 2
     assert state.ranks[6].last_step == 8
+
+
+def _gone_writer(run: Path, rank: int, *, spooled: bool, ago: float = 0.0) -> None:
+    """A running shard of `rank` whose writer (a real process, reaped) is gone; written
+    `ago` seconds ago; `spooled`: by exprd from a spool, naming the training process."""
+    done = subprocess.Popen(["true"])
+    done.wait()
+    stem = "metrics" if rank == 0 else f"metrics.rank{rank}"
+    write_shard(run / f"{stem}.jsonl", [_row(s) for s in range(10)])
+    side = run / f"{stem}.meta.json"
+    write_sidecar(side, rank=rank, stream=None, rows=10, nbytes=0, last_step=9,
+                  status="running", world=3)
+    meta = json.loads(side.read_text())
+    here = os.uname().nodename
+    if spooled:
+        meta.update(source="spool", origin_host=here, origin_pid=done.pid, host=here, pid=1)
+    else:
+        meta.update(host=here, pid=done.pid)
+    side.write_text(json.dumps(meta))
+    t = time.time() - ago
+    for f in (run / f"{stem}.jsonl", side):
+        os.utime(f, (t, t))
+
+
+def test_a_spooled_rank_whose_process_just_ended_is_not_taken_for_crashed_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In spool mode the training process ends right after writing its finish into the
+    spool, and exprd applies it a moment later: a pass between the two saw a running
+    sidecar and a gone process, and paged a crash. A spooled rank counts as crashed once
+    its process has been gone for SPOOL_GRACE, or when exprd has not written it for that
+    long; a direct-mode rank (the SDK writes its own finish) at once."""
+    from expr_tracker.health import state as state_mod
+
+    monkeypatch.setattr(state_mod, "SPOOL_GRACE", 1.0)
+    run = tmp_path / "p" / "r"
+    _gone_writer(run, 0, spooled=True)  # just written by exprd
+    _gone_writer(run, 1, spooled=True, ago=60.0)  # exprd has not written it for a minute
+    _gone_writer(run, 2, spooled=False)
+    reader = RunReader(run)
+    first = reader.read()
+    assert first.ranks[0].status == "running"
+    assert first.ranks[1].status == "crashed" and first.ranks[1].status_reason == "process gone"
+    assert first.ranks[2].status == "crashed" and first.ranks[2].status_reason == "process gone"
+    time.sleep(1.1)
+    later = reader.read()
+    assert later.ranks[0].status == "crashed" and later.ranks[0].status_reason == "process gone"
+    # a one-shot read of the same files, now quiet for over a second: crashed at once
+    assert read_run(run).ranks[0].status == "crashed"

@@ -60,6 +60,7 @@ class RankState:
     pid: int | None = None  # the writing (training) process; in spool mode the SDK's, not exprd's
     status: str = "running"  # running | finished | crashed | corrupt (its sidecar)
     status_reason: str | None = None  # why: "exception", "process gone", ...
+    spooled: bool = False  # written by exprd from a spool (its pid is the training process's)
     exit: dict[str, Any] | None = None  # the sidecar's {type, message, time} after a crash
     world_size: int | None = None
     local_rank: int | None = None
@@ -214,6 +215,7 @@ def _rank_state(tail: ShardTail) -> RankState:
     pid = meta.get("origin_pid" if spool else "pid")
     out.host = host if isinstance(host, str) else None
     out.pid = pid if type(pid) is int and pid > 0 else None
+    out.spooled = spool
     out.world_size = _int(meta.get("world_size"))
     out.local_rank = _int(meta.get("local_rank"), zero=True)
     out.local_world_size = _int(meta.get("local_world_size"))
@@ -234,6 +236,12 @@ def _rank_state(tail: ShardTail) -> RankState:
         # writer rewrites its sidecar within seconds)
         out.status, out.status_reason = "corrupt", "corrupt sidecar"
     return out
+
+
+def _wrote_within(rs: RankState, now: float, seconds: float) -> bool:
+    """Its shard or sidecar was written in the last `seconds` (on the reader's clock)."""
+    when = [t for t in (rs.last_write, rs.sidecar_write) if t is not None]
+    return bool(when) and now - max(when) < seconds
 
 
 def _int(value: Any, zero: bool = False) -> int | None:
@@ -272,6 +280,9 @@ FULL_EVERY = 30.0
 # it named; every VERIFY_EVERY seconds a pass `stat`s every shard anyway, and drops the
 # watch if that finds a change the kernel did not report (a network filesystem)
 VERIFY_EVERY = 10.0
+# s a spooled rank's process may be gone before it counts as crashed: its finish may be in
+# the spool still, not yet applied by exprd (a training process ends right after writing it)
+SPOOL_GRACE = 5.0
 
 
 class RunReader:
@@ -304,6 +315,7 @@ class RunReader:
         self._seen: dict[int, tuple[ShardTail, int]] = {}  # shard rank -> (tail, version)
         self._states: dict[int, RankState] = {}  # shard rank -> RankState (no pid check)
         self._local: dict[int, set[int]] = {}  # pid -> shard ranks it writes on this host
+        self._dead_at: dict[int, float] = {}  # pid -> when a pass first found it gone
         self._gone: dict[int, tuple[RankState, RankState]] = {}  # shard rank -> (base, crashed)
         self._keys: dict[int, frozenset[int]] = {}  # shard rank -> the `_rank`s it holds
         self._owners: dict[int, dict[int, ShardTail]] = {}  # `_rank` -> shards holding it
@@ -517,10 +529,17 @@ class RunReader:
         self.shards_read = sum(tails[r].read_now for r in changed if r in tails)
         self.sidecars_read = sum(tails[r].side_read_now for r in changed if r in tails)
         ranks = self._states.copy()
+        dead_at = self._dead_at
         for pid, mine in self._local.items():  # one check per pid and pass
-            if not pid_alive(pid):
+            if pid_alive(pid):
+                dead_at.pop(pid, None)
+            else:
+                since = dead_at.setdefault(pid, now)
                 for r in mine:
                     base = ranks[r]
+                    if base.spooled and now - since < SPOOL_GRACE and _wrote_within(
+                            base, now, SPOOL_GRACE):
+                        continue  # exprd wrote it a moment ago: its finish may be next
                     got = self._gone.get(r)
                     if got is None or got[0] is not base:  # the same copy while nothing changes
                         got = self._gone[r] = (base, base.gone())
@@ -626,6 +645,7 @@ class RunReader:
             mine.discard(rs.rank)
             if not mine:
                 del self._local[rs.pid]
+                self._dead_at.pop(rs.pid, None)
 
     def _merge(self, dirty: set[int]) -> None:
         """Merge again the rank records (or series) of the `_rank`s in `dirty`."""
