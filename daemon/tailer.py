@@ -607,9 +607,9 @@ class Tailer:
             self.durable.collect()
         slots_ok = self.pool.flush()
         now = time.monotonic()
-        # what each checkpoint put now holds of its backends: only these journals may
-        # forget batches once it is on disk (a file not put keeps the older checkpoint)
-        held: list[tuple[RunPipeline, dict[str, int]]] = []
+        # the runs whose checkpoint is put now: only their journals may forget batches
+        # once it is on disk (a file not put keeps the older checkpoint)
+        put: list[RunPipeline] = []
         for tail in list(self.tails.values()):
             run = tail.run
             if run is not None and run.unsafe:
@@ -634,9 +634,11 @@ class Tailer:
                     tail.run = None
             self.checkpoints.put(tail.key, tail.checkpoint())
             if tail.run is not None:
-                held.append((tail.run, tail.run.checkpoint_marks()))
+                put.append(tail.run)
         self.pool.sidecars(0.0 if force else sidecar_interval)
         if force or now - self.checkpoints.saved_at >= self.cfg.checkpoint_interval:
+            # what those checkpoints hold of the backends (nothing settled since the puts)
+            held = [(run, run.checkpoint_marks()) for run in put]
 
             def on_disk() -> None:
                 for run, marks in held:

@@ -49,7 +49,7 @@ def jsonable(obj: Any) -> Any:
         return {k if k.__class__ is str else str(k): jsonable(v) for k, v in obj.items()}
     if cls is list:
         return [jsonable(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
+    if isinstance(obj, float):  # a subclass
         return jsonable_float(obj)
     if isinstance(obj, Mapping):
         return {str(k): jsonable(v) for k, v in obj.items()}

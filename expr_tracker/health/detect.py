@@ -317,13 +317,12 @@ def crashes(state: RunState) -> list[Finding]:
         elif why == "process gone":
             why = f"its process{f' {rs.pid}' if rs.pid else ''} is gone without a finish"
         at = f" at step {rs.last_step}" if rs.last_step is not None else ""
-        when = [t for t in (rs.last_write, rs.sidecar_write) if t is not None]
         t = ex.get("time")
         info = {"rank": rs.rank, "host": rs.host,
                 "type": kind if isinstance(kind, str) else None,
                 "message": message if isinstance(message, str) else why,
                 "time": t if isinstance(t, (int, float)) and not isinstance(t, bool) else None,
-                "at": max(when) if when else None}
+                "at": rs.wrote_at}
         out.append(Finding("crashed", (rs.rank,), f"rank {rs.rank} crashed{at}: {why}",
                            rs.last_step, rs.host, LEVELS["crashed"], group=False, info=info))
     return out

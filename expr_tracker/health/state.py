@@ -85,6 +85,12 @@ class RankState:
             self.advanced = self.last_write
 
     @property
+    def wrote_at(self) -> float | None:
+        """When its shard or sidecar was last written (the reader's clock), if known."""
+        when = [t for t in (self.last_write, self.sidecar_write) if t is not None]
+        return max(when) if when else None
+
+    @property
     def step_times(self) -> list[tuple[int, float]]:
         """The recent step rows' (step, _time), oldest first (built on each call: the
         reader keeps them as arrays)."""
@@ -236,12 +242,6 @@ def _rank_state(tail: ShardTail) -> RankState:
         # writer rewrites its sidecar within seconds)
         out.status, out.status_reason = "corrupt", "corrupt sidecar"
     return out
-
-
-def _wrote_within(rs: RankState, now: float, seconds: float) -> bool:
-    """Its shard or sidecar was written in the last `seconds` (on the reader's clock)."""
-    when = [t for t in (rs.last_write, rs.sidecar_write) if t is not None]
-    return bool(when) and now - max(when) < seconds
 
 
 def _int(value: Any, zero: bool = False) -> int | None:
@@ -537,8 +537,9 @@ class RunReader:
                 since = dead_at.setdefault(pid, now)
                 for r in mine:
                     base = ranks[r]
-                    if base.spooled and now - since < SPOOL_GRACE and _wrote_within(
-                            base, now, SPOOL_GRACE):
+                    wrote = base.wrote_at
+                    if (base.spooled and now - since < SPOOL_GRACE and wrote is not None
+                            and now - wrote < SPOOL_GRACE):
                         continue  # exprd wrote it a moment ago: its finish may be next
                     got = self._gone.get(r)
                     if got is None or got[0] is not base:  # the same copy while nothing changes
