@@ -199,3 +199,25 @@ def test_a_spooled_rank_whose_process_just_ended_is_not_taken_for_crashed_at_onc
     assert later.ranks[0].status == "crashed" and later.ranks[0].status_reason == "process gone"
     # a one-shot read of the same files, now quiet for over a second: crashed at once
     assert read_run(run).ranks[0].status == "crashed"
+
+
+def test_a_write_seen_by_a_late_pass_is_dated_when_it_happened(tmp_path: Path) -> None:
+    """Passes can be far apart (`expr serve` passes only when a page asks): a shard that
+    grew between two passes is dated by its mtime within that span, not by the pass that
+    saw it (a crash seen by the first request after it read "0s ago")."""
+    run = tmp_path / "p" / "r"
+    shard = run / "metrics.jsonl"
+    write_shard(shard, [_row(s) for s in range(10)])
+    write_sidecar(run / "metrics.meta.json", rank=0, stream=None, rows=10, nbytes=0,
+                  last_step=9, status="running", world=1)
+    reader = RunReader(run)
+    reader.read()
+    time.sleep(0.5)
+    with shard.open("ab") as fh:
+        fh.write(b'{"_step": 10, "_time": 1010.0, "loss": 1.0}\n')
+    wrote = time.time()
+    time.sleep(1.5)
+    rs = reader.read().ranks[0]
+    assert rs.last_step == 10
+    assert rs.last_write is not None and abs(rs.last_write - wrote) < 0.5, (rs.last_write, wrote)
+    assert rs.advanced == rs.last_write

@@ -54,14 +54,16 @@ class Seen:
         self.side = side  # its sidecar was rewritten (the SDK does every few seconds)
         self.step = step
 
-    def update(self, now: float, wrote: bool, side_changed: bool, step: int | None) -> None:
-        """A pass at `now` saw the shard grow (`wrote`) and/or its sidecar change."""
+    def update(self, now: float, wrote: bool, side_changed: bool, step: int | None,
+               wrote_at: float | None = None, side_at: float | None = None) -> None:
+        """A pass at `now` saw the shard grow (`wrote`) and/or its sidecar change (at
+        `wrote_at`, `side_at` when the caller knows better, else `now`)."""
         if wrote:
-            self.write = now
+            self.write = now if wrote_at is None else wrote_at
             if step is not None and (self.step is None or step > self.step):
-                self.advance = now
+                self.advance = self.write
         if side_changed:
-            self.side = now
+            self.side = now if side_at is None else side_at
         if step is not None:
             self.step = step if self.step is None else max(self.step, step)
 

@@ -244,6 +244,13 @@ def _rank_state(tail: ShardTail) -> RankState:
     return out
 
 
+def _within(t: float | None, lo: float | None, hi: float) -> float:
+    """`t` brought into [lo, hi] (`hi` when it is unknown)."""
+    if t is None:
+        return hi
+    return min(hi, t if lo is None else max(lo, t))
+
+
 def _int(value: Any, zero: bool = False) -> int | None:
     ok = type(value) is int and (value >= 0 if zero else value > 0)
     return value if ok else None
@@ -316,6 +323,8 @@ class RunReader:
         self._states: dict[int, RankState] = {}  # shard rank -> RankState (no pid check)
         self._local: dict[int, set[int]] = {}  # pid -> shard ranks it writes on this host
         self._dead_at: dict[int, float] = {}  # pid -> when a pass first found it gone
+        self._pass_at: float | None = None  # the reader's clock at this pass ...
+        self._since: float | None = None  # ... and at the one before
         self._gone: dict[int, tuple[RankState, RankState]] = {}  # shard rank -> (base, crashed)
         self._keys: dict[int, frozenset[int]] = {}  # shard rank -> the `_rank`s it holds
         self._owners: dict[int, dict[int, ShardTail]] = {}  # `_rank` -> shards holding it
@@ -412,6 +421,7 @@ class RunReader:
 
         now = time.time()
         at = self.clock() if at is None else at
+        self._since, self._pass_at = self._pass_at, at  # (the last pass's time: `_date`)
         feed = self.changes
         if feed is not None and self._tails and now - self._verify_at < VERIFY_EVERY:
             got = feed.drain()
@@ -621,12 +631,17 @@ class RunReader:
     def _date(self, rs: RankState, t: ShardTail, at: float) -> None:
         """Set `rs`'s times of writing, advancing and sidecar (see `health.clock`)."""
         w = self._when.get(t.rank)
+        side = t.sidecar_stat[0] if t.sidecar_stat is not None else None
+        wrote = mtime_on_our_clock(t.mtime_ns, self.fs_offset)
+        side_at = mtime_on_our_clock(side, self.fs_offset)
         if w is None:
-            side = t.sidecar_stat[0] if t.sidecar_stat is not None else None
-            w = self._when[t.rank] = Seen(mtime_on_our_clock(t.mtime_ns, self.fs_offset),
-                                          mtime_on_our_clock(side, self.fs_offset), t.last_step)
+            w = self._when[t.rank] = Seen(wrote, side_at, t.last_step)
         else:
-            w.update(at, t.read_now, t.side_read_now, t.last_step)
+            # a change seen now came after the last pass: dated by its mtime within that
+            # span (passes can be far apart: `expr serve` passes only when asked, and a
+            # crash seen by the first request after it read "0s ago")
+            w.update(at, t.read_now, t.side_read_now, t.last_step,
+                     _within(wrote, self._since, at), _within(side_at, self._since, at))
         rs.last_write, rs.advanced, rs.sidecar_write = w.write, w.advance, w.side
         quiet = quiet_since(rs)
         if quiet is not None:
