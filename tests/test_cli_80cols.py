@@ -73,16 +73,46 @@ def test_summary_at_80_columns(cli80, golden) -> None:  # type: ignore[no-untype
 
 def test_status_at_80_columns(tmp_path: Path, cli80) -> None:  # type: ignore[no-untyped-def]
     spool, root, state = tmp_path / "spool", tmp_path / "runs", tmp_path / "state"
-    files = [make_spool(spool, root, name, 20) for name in ("a-run-with-a-long-name", "b")]
+    long_run = "llama-70b-pretrain-lr3e-4-warmup2000-bs4096"
+    files = [make_spool(spool, root, name, 20) for name in (long_run, "b")]
     exprd_once(write_config(tmp_path / "exprd.toml", spool, state, [root]))
     out = cli80("status", "--state", str(state))
-    # the numbers of a file agree: every event read is in the shard
-    rows = [line.split() for line in out.splitlines() if "finished" in line.split()[1:2]]
-    assert len(rows) == 2 and all(r[2] == r[3] for r in rows), out
-    # a long file name folds onto the next line, whole
-    joined = "".join(line.split()[0] if line.split() else "" for line in out.splitlines())
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("file "))
+    assert lines[header].split()[1:] == ["state", "seq", "in", "shard", "lag", "lag", "s",
+                                         "quarantined"], out
+    # each run is a line of its own, its files under it: one line each, whole, with the
+    # numbers in their columns (a spool file's path in one cell folded in two before)
     for f in files:
-        assert f.name in joined, out
+        run = f"{f.parent.parent.name}/{f.parent.name}"
+        at = lines.index(run)
+        row = lines[at + 1]
+        assert row.startswith("  " + f.name.removesuffix(".jsonl") + " "), out
+        assert row.split()[1:] == ["finished", "21", "21", "0", "B", "0.0", "0"], out
+        # the columns line up with the header's
+        assert row.rindex("0") == len(lines[header]) - 1, out
+    assert len(lines) == header + 1 + 4 + 1, out  # two runs of one file each, the channel
+
+
+def test_status_folds_a_file_name_longer_than_its_column(tmp_path: Path) -> None:
+    from io import StringIO
+
+    from rich.console import Console
+
+    from expr_cli.render import exprd
+
+    doc = {"pid": 1, "mode": "inotify", "spool": "/s", "updated": None, "totals": {},
+           "files": {"/s/p/r/" + "x" * 50 + ".jsonl": {"state": "live", "seq": 3}}}
+    buf = StringIO()
+    console = Console(file=buf, width=60, color_system=None)
+    exprd._files(console, exprd.file_rows(doc["files"], "/s"))
+    lines = buf.getvalue().splitlines()
+    assert all(len(line) <= 60 for line in lines), lines
+    assert lines[1] == "p/r"
+    # the name goes on in the lines after its row, indented like it; nothing is cut
+    assert lines[2].split()[0] + "".join(line.strip() for line in lines[3:]) == "x" * 50
+    assert lines[2].split()[1:] == ["live", "3", "0", "B", "0.0", "0"], lines
+    assert all(line.startswith("  x") for line in lines[3:]), lines
 
 
 def test_top_at_80_columns(tmp_path: Path, cli80, golden, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]

@@ -118,7 +118,10 @@ def test_status_shows_the_daemon_status(tmp_path: Path, invoke) -> None:  # type
     res = invoke("status", "--state", str(state))
     assert res.exit_code == 0, res.output
     assert "2 files: 0 live, 2 finished" in res.output
-    assert "proj/a/metrics." in res.output and "finished" in res.output
+    lines = res.output.splitlines()
+    # each file under its run's line, named by the rest of its path
+    at = lines.index("proj/a")
+    assert lines[at + 1].startswith("  metrics.") and "finished" in lines[at + 1], res.output
     res = invoke("status", "--state", str(state), "--json")
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
@@ -147,7 +150,8 @@ def test_status_finds_the_state_directory_from_the_spools_heartbeat(
     assert res.exit_code == 0, res.output
     assert "2 files: 0 live, 2 finished" in res.output
     # a finished file: every event it holds is in its shard, and no spooled run is waiting
-    row = next(line for line in res.output.splitlines() if "proj/a/" in line).split()
+    lines = res.output.splitlines()
+    row = lines[lines.index("proj/a") + 1].split()
     header = next(line for line in res.output.splitlines() if line.startswith("file")).split()
     assert header[:5] == ["file", "state", "seq", "in", "shard"], header
     assert row[1] == "finished" and row[2] == row[3], row

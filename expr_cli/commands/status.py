@@ -55,10 +55,8 @@ def read(state: Path) -> dict[str, Any]:
 
 
 def status_command(state: str | None, json: bool, spool: str | None = None) -> None:
-    from rich.table import Table
-    from rich.text import Text
-
     from expr_cli import render, spooled
+    from expr_cli.render import exprd as render_exprd
 
     where = Path(state) if state else default_state(spool)
     try:
@@ -84,49 +82,10 @@ def status_command(state: str | None, json: bool, spool: str | None = None) -> N
     if json:
         render.print_json({**doc, "running": running, "spooled": waiting})
         return
-    out = render.console()
-    totals = doc.get("totals", {})
-    head = (f"exprd pid {doc.get('pid')} ({'running' if running else 'not running'}), "
-            f"{doc.get('mode')}, spool {doc.get('spool')}, updated {render.fmt_age(doc.get('updated'))}")
-    out.print(Text(head, style="bold"))
-    out.print(Text(
-        f"{totals.get('files', 0)} files: {totals.get('live', 0)} live, "
-        f"{totals.get('finished', 0)} finished, {totals.get('crashed', 0)} crashed, "
-        f"{totals.get('refused', 0)} refused, {totals.get('blocked', 0)} blocked; "
-        f"lag {render.fmt_bytes(totals.get('lag_bytes', 0))}; "
-        f"{totals.get('quarantined', 0)} quarantined", style="dim"))
-    spool = str(doc.get("spool") or "")
-    table = Table(box=None, pad_edge=False, header_style="bold")
-    for col, right in (("file", False), ("state", False), ("seq", True), ("in shard", True),
-                       ("lag", True), ("lag s", True), ("quarantined", True)):
-        table.add_column(col, justify="right" if right else "left", no_wrap=right,
-                         overflow="fold" if col == "file" else "ellipsis")
-    for path, f in doc.get("files", {}).items():
-        name = os.path.relpath(path, spool) if spool and path.startswith(spool) else path
-        state_name = "blocked" if f.get("blocked") else str(f.get("state"))
-        style = "bold red" if f.get("blocked") else render.STATUS_STYLE.get(
-            {"live": "running"}.get(f.get("state"), f.get("state")), "")
-        table.add_row(name, Text(state_name, style=style), str(f.get("seq")),
-                      str(f.get("committed_seq", "")), render.fmt_bytes(int(f.get("lag_bytes", 0))),
-                      f"{float(f.get('lag_seconds', 0.0)):.1f}", str(f.get("quarantined", 0)))
-    out.print(table)
-    for path, f in doc.get("files", {}).items():
-        if f.get("blocked") or f.get("reason"):
-            name = os.path.relpath(path, spool) if spool and path.startswith(spool) else path
-            why = f"blocked: {f['blocked']}" if f.get("blocked") else str(f.get("reason"))
-            out.print(Text(f"{name}: {why}", style="red" if f.get("blocked") else "dim"),
-                      soft_wrap=True)
+    render_exprd.status(doc, running)
     if waiting:
         render.note(spooled.mention(waiting, spool_root))
-    for name, b in (doc.get("backends") or {}).items():
-        out.print(f"backend {name}: {b.get('pending', 0)} queued, {b.get('sent', 0)} sent, "
-                  f"{b.get('failed', 0)} failed, {b.get('dropped', 0)} dropped",
-                  soft_wrap=True, highlight=False)
-    for name, a in (doc.get("alerts") or {}).items():
-        out.print(f"alert channel {name}: {a.get('sent', 0)} sent, {a.get('failed', 0)} failed, "
-                  f"{a.get('pending', 0)} pending", soft_wrap=True, highlight=False)
-    for cause, n in (doc.get("errors") or {}).items():
-        out.print(Text(f"error {cause}: {n}", style="red"), soft_wrap=True)
+    render_exprd.services(doc)
 
 
 def register(app: typer.Typer) -> None:
