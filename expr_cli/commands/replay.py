@@ -127,8 +127,6 @@ def run_exprd(argv: list[str], on_progress: Callable[[dict[str, Any]], None],
 
 def replay_command(spool_dir: str, dry_run: bool, state: str | None, config: str | None,
                    json: bool) -> None:
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     from expr_cli import render
 
     spool = Path(spool_dir).absolute()
@@ -136,19 +134,7 @@ def replay_command(spool_dir: str, dry_run: bool, state: str | None, config: str
         raise CLIError(f"no spool directory at {spool}")
     where = Path(state).absolute() if state else default_state()
     argv = exprd_argv(spool, where, config, dry_run)
-    with Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(),
-        TextColumn("{task.completed}/{task.total} files"),
-        TextColumn("{task.fields[events]} events ({task.fields[rate]}/s)"),
-        TimeElapsedColumn(), console=render.console(stderr=True), transient=True,
-        disable=json,
-    ) as bar:
-        task = bar.add_task("dry run" if dry_run else "replay", total=None, events=0, rate=0)
-
-        def progress(p: dict[str, Any]) -> None:
-            bar.update(task, completed=p.get("files_done", 0), total=p.get("files_total"),
-                       events=p.get("events", 0), rate=int(p.get("events_per_s", 0)))
-
+    with render.replay_progress("dry run" if dry_run else "replay", disable=json) as progress:
         code, summary, error, crash = run_exprd(argv, progress)
     if code != 0 or summary is None:
         if os.environ.get("EXPR_DEBUG"):

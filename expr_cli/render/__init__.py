@@ -11,7 +11,8 @@ import json
 import math
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from expr_cli.data import jsonable, now
@@ -159,6 +160,28 @@ def note(message: str) -> None:
     from rich.text import Text
 
     console(soft_wrap=True).print(Text(message, style="dim"))
+
+
+@contextmanager
+def replay_progress(description: str, disable: bool) -> Iterator[Callable[[Mapping[str, Any]], None]]:
+    """A transient progress bar on stderr for `expr replay`: files done of the total,
+    events and their rate, the time so far. Yields the call that takes exprd's progress
+    lines (`files_done`, `files_total`, `events`, `events_per_s`)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(),
+        TextColumn("{task.completed}/{task.total} files"),
+        TextColumn("{task.fields[events]} events ({task.fields[rate]}/s)"),
+        TimeElapsedColumn(), console=console(stderr=True), transient=True, disable=disable,
+    ) as bar:
+        task = bar.add_task(description, total=None, events=0, rate=0)
+
+        def update(p: Mapping[str, Any]) -> None:
+            bar.update(task, completed=p.get("files_done", 0), total=p.get("files_total"),
+                       events=p.get("events", 0), rate=int(p.get("events_per_s", 0)))
+
+        yield update
 
 
 def _table(headers: Sequence[str], right: Iterable[str] = (), keep: Iterable[str] = ()) -> Table:
