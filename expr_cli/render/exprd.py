@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import STATUS_STYLE, console, fmt_age, fmt_bytes
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 COLUMNS = ("state", "seq", "in shard", "lag", "lag s", "quarantined")
 INDENT = "  "  # a file under its run
@@ -28,11 +31,12 @@ def file_rows(files: Mapping[str, Mapping[str, Any]], spool: str) -> list[dict[s
     for path, f in files.items():
         rel = os.path.relpath(path, spool) if spool and path.startswith(spool) else path
         run, _, name = rel.rpartition(os.sep)
-        state = "blocked" if f.get("blocked") else str(f.get("state"))
+        raw = str(f.get("state"))
+        state = "blocked" if f.get("blocked") else raw
         rows.append({
-            "run": run, "file": name.removesuffix(".jsonl"), "path": rel, "state": state,
+            "run": run, "file": name.removesuffix(".jsonl"), "path": rel,
             "style": "bold red" if f.get("blocked") else STATUS_STYLE.get(
-                {"live": "running"}.get(str(f.get("state")), str(f.get("state"))), ""),
+                {"live": "running"}.get(raw, raw), ""),
             "cells": [state, str(f.get("seq")), str(f.get("committed_seq", "")),
                       fmt_bytes(int(f.get("lag_bytes", 0))),
                       f"{float(f.get('lag_seconds', 0.0)):.1f}", str(f.get("quarantined", 0))],
@@ -76,7 +80,7 @@ def status(doc: Mapping[str, Any], running: bool) -> None:
                       soft_wrap=True)
 
 
-def _files(out: Any, rows: Sequence[Mapping[str, Any]]) -> None:
+def _files(out: Console, rows: Sequence[Mapping[str, Any]]) -> None:
     """The file table: numbers right-aligned in columns as wide as their widest cell, the
     file name in the room left (folded, never cut, when a name is longer than that)."""
     from rich.text import Text
