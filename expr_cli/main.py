@@ -75,6 +75,17 @@ def is_ours(argv: list[str]) -> bool:
     return bool(difflib.get_close_matches(first, COMMAND_MODULES, n=1, cutoff=0.75))
 
 
+def hoisted(argv: list[str]) -> list[str]:
+    """`expr --dir DIR COMMAND ...` as `expr COMMAND --dir DIR ...`: the run root named
+    before the command, as `git -C DIR` is (coreutils `expr` has no such option: it
+    could only fail on it). Other arguments are as given."""
+    first = argv[0] if argv else ""
+    n = 2 if first == "--dir" else 1 if first.startswith("--dir=") else 0
+    if n and len(argv) > n and argv[n] in COMMAND_MODULES:
+        return [argv[n], *argv[:n], *argv[n + 1:]]
+    return argv
+
+
 def coreutils_expr() -> str | None:
     """The system's `expr` on PATH, skipping this console script (and any copy of it)."""
     import shutil
@@ -120,6 +131,12 @@ def entry() -> None:
     argv = sys.argv[1:]
     command = argv[0] if argv else None
     if not os.environ.get(COMPLETE_VAR):
+        if command is not None and (command == "--dir" or command.startswith("--dir=")):
+            sys.argv[1:] = argv = hoisted(argv)
+            command = argv[0]
+            if command not in COMMAND_MODULES:
+                sys.exit(_report("--dir goes with a command: expr --dir DIR runs (or set "
+                                 "$EXPR_DIR)", 2))
         if not is_ours(argv):
             _fall_through(argv)
         if argv == ["--version"]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from expr_cli.completions import SHELLS, script
-from expr_cli.main import build_app, is_ours
+from expr_cli.main import build_app, hoisted, is_ours
 from tests.procs import env_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,6 +88,37 @@ def test_coreutils_fallthrough():
     assert (zero.returncode, zero.stdout) == (1, "0\n")
     bad = _run("1", "+")
     assert bad.returncode == 2 and bad.stderr.startswith("expr: ")
+
+
+@pytest.mark.parametrize(
+    ("argv", "want"),
+    [
+        (["--dir", "d", "runs", "--json"], ["runs", "--dir", "d", "--json"]),
+        (["--dir=d", "summary", "r"], ["summary", "--dir=d", "r"]),
+        (["--dir", "d"], ["--dir", "d"]),  # no command: left as it is (an error)
+        (["--dir", "d", "1", "+", "2"], ["--dir", "d", "1", "+", "2"]),
+        (["runs", "--dir", "d"], ["runs", "--dir", "d"]),
+    ],
+)
+def test_a_run_root_before_the_command(argv, want):
+    assert hoisted(argv) == want
+
+
+def test_the_real_script_takes_dir_before_the_command(cli_root):
+    """`expr --dir DIR runs` is `expr runs --dir DIR` (coreutils expr could only fail on
+    it, as it did before: "syntax error: unexpected argument"), and `--dir` without a
+    command is one usage line."""
+    after = _run("runs", "--json", "--dir", str(cli_root))
+    before = _run("--dir", str(cli_root), "runs", "--json")
+    assert before.returncode == 0, before.stderr
+    assert before.stdout == after.stdout and json.loads(before.stdout)
+    joined = _run(f"--dir={cli_root}", "runs", "--json")
+    assert (joined.returncode, joined.stdout) == (0, after.stdout)
+    alone = _run("--dir", str(cli_root))
+    assert alone.returncode == 2
+    assert alone.stderr == "error: --dir goes with a command: expr --dir DIR runs (or set $EXPR_DIR)\n"
+    other = _run("--dir", str(cli_root), "status")  # a command without --dir says so
+    assert other.returncode == 2 and "No such option: --dir" in other.stderr
 
 
 def test_errors_from_the_real_script_have_no_traceback(tmp_path):
