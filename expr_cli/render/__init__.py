@@ -200,12 +200,31 @@ def _table(headers: Sequence[str], right: Iterable[str] = (), keep: Iterable[str
     return table
 
 
+def prose(out: Console, text: str | Text, style: str = "") -> None:
+    """One line of prose: to a pipe whole (a line for grep); on a terminal wrapped at its
+    words, each wrapped part indented as the line itself is (its leading spaces), so that
+    a long line under an indented block stays in it."""
+    from rich.cells import cell_len
+    from rich.padding import Padding
+    from rich.text import Text
+
+    text = text if isinstance(text, Text) else Text(text, style=style)
+    if not out.is_terminal:
+        out.print(text, soft_wrap=True)
+        return
+    indent = len(text.plain) - len(text.plain.lstrip(" "))
+    if not indent or cell_len(text.plain) <= out.width:
+        out.print(text)
+        return
+    out.print(Padding(text[indent:], (0, 0, 0, indent), expand=False))
+
+
 def _show(out: Console, title: str | Text | None, table: Table, style: str = "bold") -> None:
     """A title line (never squeezed to the table's width), then the table."""
     from rich.text import Text
 
     if title is not None:
-        out.print(title if isinstance(title, Text) else Text(title, style=style), soft_wrap=not out.is_terminal)
+        prose(out, title if isinstance(title, Text) else Text(title, style=style))
     out.print(table)
 
 
@@ -294,7 +313,7 @@ def alerts(rows: Sequence[Mapping[str, Any]], counts: Sequence[Mapping[str, Any]
     days = {fmt_time(a.get("time"))[:10] for a in rows}
     one_day = len(days) == 1
     title = f"alerts of {label}" + (f" on {days.pop()}" if one_day and "-" not in days else "")
-    out.print(Text(title, style="bold"), soft_wrap=not out.is_terminal)
+    prose(out, Text(title, style="bold"))
     for a in rows:
         when = fmt_time(a.get("time"))
         head = Text(when[11:] if one_day else when[5:], style="dim")

@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import STATUS_STYLE, console, fmt_age, fmt_bytes
+from . import STATUS_STYLE, console, fmt_age, fmt_bytes, prose
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -106,7 +106,7 @@ def _files(out: Console, rows: Sequence[Mapping[str, Any]]) -> None:
     for r in rows:
         if r["run"] != run:
             run = r["run"]
-            out.print(Text(run or ".", style="bold"), soft_wrap=not out.is_terminal)
+            prose(out, Text(run or ".", style="bold"))
         parts = _fold(r["file"], name_w)
         out.print(line(parts[0], r["cells"], state_style=r["style"]), no_wrap=True, crop=False)
         for more in parts[1:]:

@@ -8,7 +8,7 @@ from typing import Any
 
 from expr_cli.resolve import compact_ranks
 
-from . import _show, _status, _table, console, fmt_age, fmt_bytes, fmt_num
+from . import _show, _status, _table, console, fmt_age, fmt_bytes, fmt_num, prose
 
 NODE_ROWS = 10  # nodes listed, worst first
 ATTENTION_ROWS = 20  # shards needing attention listed; the rest are counted
@@ -40,7 +40,7 @@ def overview(rows: Sequence[Mapping[str, Any]], label: str) -> None:
     steps = [r["last_step"] for r in rows if r["last_step"] is not None]
     if steps:
         head.append(f" · last steps {min(steps)}..{max(steps)}")
-    out.print(head, soft_wrap=not out.is_terminal)
+    prose(out, head)
 
     # the nodes with a crashed, stale or otherwise notable shard; the healthy ones in a line
     troubled = [n for n in nodes if any(r["attention"] for r in nodes[n])]
@@ -71,8 +71,8 @@ def overview(rows: Sequence[Mapping[str, Any]], label: str) -> None:
         span = "" if not last else (f", last step {min(last)}" if min(last) == max(last)
                                     else f", last steps {min(last)}..{max(last)}")
         size = f"{per.pop()} shards each" if len(per) == 1 else "shards"
-        out.print(Text(f"{len(healthy):,} node{'s' if len(healthy) != 1 else ''} without trouble "
-                       f"({size}{span})", style="green"), soft_wrap=not out.is_terminal)
+        prose(out, Text(f"{len(healthy):,} node{'s' if len(healthy) != 1 else ''} without trouble "
+                        f"({size}{span})", style="green"))
 
     need = sorted((r for r in rows if r["attention"]),
                   key=lambda r: (_ORDER.get(r["status"] or "", 9), -(r["behind"] or 0), r["rank"]))
@@ -89,8 +89,8 @@ def overview(rows: Sequence[Mapping[str, Any]], label: str) -> None:
           style="bold yellow")
     if len(need) > ATTENTION_ROWS:
         more = compact_ranks(sorted(r["rank"] for r in need[ATTENTION_ROWS:]))
-        out.print(Text(f"  ... and {len(need) - ATTENTION_ROWS:,} more: ranks {more} (--all)",
-                       style="dim"), soft_wrap=not out.is_terminal)
+        prose(out, Text(f"  ... and {len(need) - ATTENTION_ROWS:,} more: ranks {more} (--all)",
+                        style="dim"))
 
 
 def table(rows: Sequence[Mapping[str, Any]], label: str) -> None:

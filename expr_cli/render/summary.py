@@ -25,6 +25,7 @@ from . import (
     fmt_cell,
     fmt_num,
     fmt_signed,
+    prose,
 )
 
 if TYPE_CHECKING:
@@ -65,10 +66,10 @@ def summary(view: Mapping[str, Any]) -> None:
     head = Text()
     head.append(view["run"], style="bold")
     head.append(f" · {where} · world size {view['world_size']:,} · stream {view['stream_text']}")
-    out.print(head, soft_wrap=not out.is_terminal)  # a pipe: one line; a terminal wraps at words
+    prose(out, head)  # a pipe: one line; a terminal wraps at words
     why = view.get("why")
     if why and why != "as asked":
-        out.print(Text(f"  {where}: {why}", style="dim"), soft_wrap=not out.is_terminal)
+        prose(out, Text(f"  {where}: {why}", style="dim"))
     _ranks_line(out, view.get("ranks") or {})
     narrow = _narrow_width(out.width, view["world_size"], [i["stats"] for i in view["keys"]])
     for item in view["keys"]:
@@ -102,7 +103,7 @@ def _ranks_line(out: Console, ranks: Mapping[str, Any]) -> None:
         text.append(", 0 crashed")
     if ranks.get("no_shard"):
         text.append(f"; no shard: ranks {compact_ranks(list(ranks['no_shard']))}", style="yellow")
-    out.print(text, soft_wrap=not out.is_terminal)
+    prose(out, text)
 
 
 def _narrow_width(width: int, world: int, stats: Sequence[Mapping[str, Any]]) -> int | None:
@@ -158,7 +159,7 @@ def _key_stats(
     if item.get("note"):
         notes.insert(0, item["note"])
     for note in notes:
-        out.print(Text("  " + note, style="yellow"), soft_wrap=not out.is_terminal)
+        prose(out, Text("  " + note, style="yellow"))
     _weighted(out, item)
     _outliers(out, item, view)
     if item.get("variability") is not None:
@@ -173,10 +174,10 @@ def _weighted(out: Console, item: Mapping[str, Any]) -> None:
     if not w or not w["differs"]:
         return
     st = item["stats"]
-    out.print(Text(f"  weighted: wmean {fmt_num(st['wmean'])} differs from mean "
-                   f"{fmt_num(st['mean'])} by {fmt_signed(w['gap'])}, more than the spread "
-                   f"explains (> {fmt_num(w['z'])} x std/sqrt(n) = {fmt_num(w['z'] * w['se'])}):"
-                   " the weights go with the values", style="yellow"), soft_wrap=not out.is_terminal)
+    prose(out, Text(f"  weighted: wmean {fmt_num(st['wmean'])} differs from mean "
+                    f"{fmt_num(st['mean'])} by {fmt_signed(w['gap'])}, more than the spread "
+                    f"explains (> {fmt_num(w['z'])} x std/sqrt(n) = {fmt_num(w['z'] * w['se'])}):"
+                    " the weights go with the values", style="yellow"))
 
 
 def fmt_variability(by: str, value: float | None) -> str:
@@ -193,19 +194,17 @@ def _noisier(out: Console, var: Mapping[str, Any]) -> None:
     if not var["n_ranks"]:
         return
     if not var["noisier"]:
-        out.print(Text(f"  no rank noisier ({what} of each rank across the steps; median "
-                       f"{fmt_num(med, 2 if by == 'cv' else 3)})", style="dim"), soft_wrap=not out.is_terminal)
+        prose(out, Text(f"  no rank noisier ({what} of each rank across the steps; median "
+                        f"{fmt_num(med, 2 if by == 'cv' else 3)})", style="dim"))
         return
     for o in var["noisier"][:OUTLIER_ROWS]:
         node = f" ({o['node']})" if o.get("node") else ""
-        out.print(Text(f"  rank {o['rank']}{node} noisier: {fmt_variability(by, o[by])} vs "
-                       f"{fmt_num(med, 2 if by == 'cv' else 3)} median", style="bold red"),
-                  soft_wrap=not out.is_terminal)
+        prose(out, Text(f"  rank {o['rank']}{node} noisier: {fmt_variability(by, o[by])} vs "
+                        f"{fmt_num(med, 2 if by == 'cv' else 3)} median", style="bold red"))
     rest = var["noisier"][OUTLIER_ROWS:]
     if rest:
-        out.print(Text(f"  ... and {len(rest):,} more noisier: ranks "
-                       f"{compact_ranks(sorted(o['rank'] for o in rest))}", style="red"),
-                  soft_wrap=not out.is_terminal)
+        prose(out, Text(f"  ... and {len(rest):,} more noisier: ranks "
+                        f"{compact_ranks(sorted(o['rank'] for o in rest))}", style="red"))
 
 
 def _outliers(out: Console, item: Mapping[str, Any], view: Mapping[str, Any]) -> None:
@@ -227,7 +226,7 @@ def _outliers(out: Console, item: Mapping[str, Any], view: Mapping[str, Any]) ->
         ot.add_row(str(o["rank"]), str(o.get("node") or "-"), fmt_num(o["value"]),
                    fmt_ratio(o.get("ratio")), _fmt_robust(o["robust"]),
                    Text("◀ outlier" if o["flagged"] else "", style=style), style=style or None)
-    out.print(Text(title, style="bold red" if flagged else "dim"), soft_wrap=not out.is_terminal)
+    prose(out, Text(title, style="bold red" if flagged else "dim"))
     out.print(ot)
     rest = shown[OUTLIER_ROWS:]
     if rest:
@@ -235,7 +234,7 @@ def _outliers(out: Console, item: Mapping[str, Any], view: Mapping[str, Any]) ->
         text = f"  ... and {len(rest):,} more"
         if more:
             text += f"; flagged: ranks {compact_ranks(sorted(more))}"
-        out.print(Text(text + " (--json lists them)", style="dim"), soft_wrap=not out.is_terminal)
+        prose(out, Text(text + " (--json lists them)", style="dim"))
 
 
 def _fmt_robust(x: float | None) -> str:
@@ -275,8 +274,8 @@ def _system_hint(out: Console, keys: Sequence[str]) -> None:
 
     if keys:
         shown = ", ".join(keys[:4]) + (", ..." if len(keys) > 4 else "")
-        out.print(Text(f"system metrics: {len(keys)} keys ({shown}); -m KEY to show them",
-                       style="dim"), soft_wrap=not out.is_terminal)
+        prose(out, Text(f"system metrics: {len(keys)} keys ({shown}); -m KEY to show them",
+                        style="dim"))
 
 
 def heatmap_buckets(width: int, world: int) -> int:
@@ -302,7 +301,7 @@ def heatmap(out: Console, hm: Mapping[str, Any]) -> None:
     grouped = any(r["kind"] != "rank" for r in rows)
     if grouped:
         title.append(f"; by node, {hm.get('agg', 'max')} per row", style="dim")
-    out.print(title, soft_wrap=not out.is_terminal)
+    prose(out, title)
     if not buckets:
         out.print(Text("  no values", style="dim"))
         return
@@ -374,10 +373,10 @@ def spans(view: Mapping[str, Any]) -> None:
     head.append(view["run"], style="bold")
     head.append(f" · span times, per-rank means over steps {lo}:{hi} · world size "
                 f"{view['world_size']:,}")
-    out.print(head, soft_wrap=not out.is_terminal)
+    prose(out, head)
     if straggler is not None:
-        out.print(Text(f"  straggler: rank {straggler} (the most time over the median in "
-                       "top-level spans)", style="dim"), soft_wrap=not out.is_terminal)
+        prose(out, Text(f"  straggler: rank {straggler} (the most time over the median in "
+                        "top-level spans)", style="dim"))
     table = Table(box=None, pad_edge=False, header_style="bold")
     for col, justify in (("span", "left"), ("median ms", "right"), (f"rank {straggler} ms", "right"),
                          ("excess ms", "right"), ("x median", "right"), ("slowest", "right"),

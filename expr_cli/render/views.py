@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from . import _table, console, fmt_num
+from . import _table, console, fmt_num, prose
 
 
 def cell(v: Any) -> str:
@@ -37,4 +37,4 @@ def query_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], more: int
     tail = f" ({more} not shown: use --csv, --json or LIMIT)" if more else ""
     from rich.text import Text
 
-    out.print(Text(f"{n} row{'s' if n != 1 else ''}{tail}", style="dim"), soft_wrap=not out.is_terminal)
+    prose(out, Text(f"{n} row{'s' if n != 1 else ''}{tail}", style="dim"))
