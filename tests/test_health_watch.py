@@ -152,6 +152,32 @@ def test_watch_flags_and_errors(tmp_path: Path) -> None:
     assert bad.returncode == 1 and "straggler_ratio" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_a_thresholds_only_config_leaves_the_page_to_a_watcher_with_channels(
+        tmp_path: Path, httpserver: Any) -> None:
+    """A config of `[health]` thresholds and no `[channels]` makes `expr watch` print
+    only: no second copy of each incident on stderr (its default log channel), and the
+    incident is recorded undelivered, so the watcher with a webhook (exprd, here another
+    `expr watch`) still pages it, once."""
+    from tests.synthetic import write_run
+
+    httpserver.expect_request("/hook", method="POST").respond_with_data("ok")
+    run = write_run(tmp_path / "runs" / "p" / "r", 4, 30, crashed=2, status="finished")
+    thresholds = tmp_path / "health.toml"
+    thresholds.write_text('[health]\nhang_after = "8s"\n')
+    first = expr("watch", str(run), "--once", "--config", str(thresholds))
+    assert first.returncode == 1, first.stderr
+    assert "crashed rank 2" in first.stdout
+    assert "expr alert" not in first.stderr, first.stderr
+    (crash,) = [i for i in _lines(run / "incidents.jsonl") if i["kind"] == "crashed"]
+    assert crash["delivered"] is False
+    assert not httpserver.log
+    paged = expr("watch", str(run), "--once", "--config",
+                 str(_config(tmp_path / "alert.toml", httpserver.url_for("/hook"))))
+    assert paged.returncode == 1, paged.stderr
+    assert [json.loads(req.get_data())["rule"] for req, _ in httpserver.log] == ["health:crashed:2"]
+    assert [i["delivered"] for i in _lines(run / "incidents.jsonl") if i["kind"] == "crashed"][-1]
+
+
 def test_watch_spool_mode_with_exprd_watching(tmp_path: Path, job: Any, httpserver: Any) -> None:
     from tests.test_daemon import start_exprd, stop, write_config
 

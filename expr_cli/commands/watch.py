@@ -2,8 +2,9 @@
 
 Each pass reads the sidecars and shard tails, detects, records what opened or resolved in
 `{run}/incidents.jsonl` and delivers it once through the alert channels of `--config` (or
-`$EXPR_ALERT_CONFIG`); with neither it only prints, and leaves the delivery to a watcher that
-has channels. Thresholds come from that file's `[health]` table; flags override them.
+`$EXPR_ALERT_CONFIG`); with neither, or one without channels, it only prints, and leaves
+the delivery to a watcher that has channels. Thresholds come from that file's `[health]`
+table; flags override them.
 """
 
 from __future__ import annotations
@@ -42,17 +43,21 @@ def health_config(config: str | None, overrides: dict[str, Any]) -> Any:
 
 
 def dispatcher(config: str | None) -> Any:
-    """The alert channels of `config` (or `$EXPR_ALERT_CONFIG`); None without either.
+    """The alert channels of `config` (or `$EXPR_ALERT_CONFIG`); None without either, or
+    when it configures none (thresholds only).
 
-    Without a config the terminal is the only reader: incidents are printed and recorded
-    undelivered, so a watcher that has channels (exprd) still delivers them.
+    Then the terminal is the only reader: incidents are printed and recorded undelivered,
+    so a watcher that has channels (exprd) still delivers them. (The default channel of
+    such a file, a line on stderr, repeated each incident this command prints, and
+    marked it delivered: exprd's Slack then never paged it.)
     """
     from expr_tracker.alerts import CONFIG_ENV, Dispatcher, load_config
 
     if not (config or os.environ.get(CONFIG_ENV)):
         return None
     try:
-        return Dispatcher.from_config(load_config(None, path=config))
+        cfg = load_config(None, path=config)
+        return None if cfg.default_channels else Dispatcher.from_config(cfg)
     except (TypeError, ValueError) as exc:
         raise CLIError(str(exc)) from None
 

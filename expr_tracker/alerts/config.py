@@ -115,6 +115,9 @@ class AlertConfig:
     channels: tuple[ChannelConfig, ...]
     policy: Policy
     source: str | None = None
+    # no channel was configured: `channels` is the default "log" one (a config of rule
+    # policy or `[health]` thresholds only)
+    default_channels: bool = False
 
 
 def _policy(where: str, raw: Mapping[str, Any], base: Policy) -> Policy:
@@ -312,5 +315,6 @@ def load_config(
     channels = tuple(_channel(name, table, policy) for name, table in raw_chans.items())
     if not channels:
         channels = (ChannelConfig(name="log", type="log", policy=policy),)
+        return AlertConfig(channels=channels, policy=policy, source=path, default_channels=True)
     return AlertConfig(channels=channels, policy=policy, source=path)
 
