@@ -81,6 +81,42 @@ def test_many_ranks_draw_median_band_and_outliers(cli, tmp_path):
     assert "median of 24 ranks" in text and "rank 17 (outlier)" in text and "rank 5 " not in text
 
 
+def test_a_rank_metric_is_drawn_per_rank_from_the_rank_records(cli, tmp_path, monkeypatch):
+    """`step_time` logged with `log_rank_metrics` (no step row holds it): a line per
+    `_rank` of the records, wherever they sit (rank 0's shard holds an all-gathered copy
+    of every rank's), one point per step with the latest record winning (a repeated
+    system sample at the last step)."""
+    import expr_tracker as et
+
+    root = tmp_path / "runs"
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    for rank in range(3):
+        monkeypatch.setenv("RANK", str(rank))
+        with et.init("p", "ranked", dir=root, system_metrics=False) as run:
+            for s in range(6):
+                et.log({"loss": 1.0 / (s + 1)}, step=s)
+                run.log_rank_metrics({"step_time": 0.1 * (rank + 1) + s / 100}, step=s)
+                if rank == 0:  # an all-gather: rank 0 writes every rank's record again
+                    for r in (1, 2):
+                        run.log_rank_metrics({"step_time": 0.1 * (r + 1) + s / 100}, step=s,
+                                             rank=r)
+            run.log_rank_metrics({"step_time": 9.0}, step=5)  # a later record of step 5
+    result = cli("plot", str(root / "p" / "ranked"), "-m", "step_time", "--json")
+    assert result.exit_code == 0, result.output
+    (panel,) = json.loads(result.stdout)["panels"]
+    lines = {line["label"]: line for line in panel["lines"]}
+    assert sorted(lines) == ["rank 0", "rank 1", "rank 2"]
+    for r in range(3):
+        assert lines[f"rank {r}"]["steps"] == list(range(6))
+        assert lines[f"rank {r}"]["values"][:5] == pytest.approx(
+            [0.1 * (r + 1) + s / 100 for s in range(5)])
+    assert [lines[f"rank {r}"]["values"][5] for r in range(3)] == [9.0, 9.0, 9.0]
+    loss = json.loads(cli("plot", str(root / "p" / "ranked"), "-m", "loss", "--json").stdout)
+    assert [line["label"] for line in loss["panels"][0]["lines"]] == ["rank 0", "rank 1", "rank 2"]
+    bad = cli("plot", str(root / "p" / "ranked"), "-m", "step_tim")
+    assert bad.exit_code == 1 and "did you mean step_time?" in bad.stderr
+
+
 @pytest.mark.parametrize(("args", "code", "message"), [
     (["-m", "los"], 1, "unknown metric los (did you mean loss?)"),
     ([], 2, "name at least one metric"),

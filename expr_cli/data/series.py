@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -90,10 +91,23 @@ Series = dict[str, dict[int, tuple[list[int], list[float]]]]
 
 def load_series(run_dir: Path, stream: str | None, metrics: list[str], ranks: list[int] | None,
                 steps: tuple[int | None, int | None] | None) -> Series:
-    """metric -> rank -> (steps, values): the finite numbers of each rank's step rows."""
+    """metric -> rank -> (steps, values): the finite numbers of each rank's step rows (`log`)
+    or, for a metric no step row holds, of its rank records (`log_rank_metrics`, system
+    metrics), by their own `_rank` (DESIGN 4), the latest record of a step winning."""
     from expr_tracker.store.runread import RunReader
 
-    reader = RunReader(run_dir, stream=stream, metrics=metrics, ranks=ranks, step_range=steps)
+    out = _series(RunReader(run_dir, stream=stream, metrics=metrics, ranks=ranks,
+                            step_range=steps), metrics)
+    rest = [m for m in metrics if not out[m]]
+    if rest:
+        more = _series(RunReader(run_dir, stream=stream, rank_records=True, metrics=rest,
+                                 ranks=ranks, step_range=steps), rest)
+        out.update({m: {r: _last_of_each_step(xs, ys) for r, (xs, ys) in by_rank.items()}
+                    for m, by_rank in more.items()})
+    return out
+
+
+def _series(reader: Any, metrics: list[str]) -> Series:
     out: Series = {m: {} for m in metrics}
     for row in reader.rows():
         r = row["_rank"]
@@ -104,6 +118,17 @@ def load_series(run_dir: Path, stream: str | None, metrics: list[str], ranks: li
                 xs.append(row["_step"])
                 ys.append(float(v))
     return out
+
+
+def _last_of_each_step(xs: list[int], ys: list[float]) -> tuple[list[int], list[float]]:
+    """A rank's points in step order, one per step: rank records of one step repeat (a
+    system sample every few seconds at the last step; rank 0's all-gathered copy of a
+    rank's own record), and the latest one read wins, as in the reducers."""
+    if all(a < b for a, b in pairwise(xs)):
+        return xs, ys
+    last = dict(zip(xs, ys, strict=True))
+    order = sorted(last)
+    return order, [last[x] for x in order]
 
 
 def _by_step(per_rank: dict[int, tuple[list[int], list[float]]]) -> dict[int, dict[int, float]]:
@@ -143,14 +168,15 @@ def build_panel(metric: str, per_rank: dict[int, tuple[list[int], list[float]]],
 
 
 def _available_metrics(run_dir: Path, stream: str | None) -> set[str]:
-    """Numeric step-row keys of the first few shards (for the unknown-metric error)."""
+    """Numeric keys of the step rows and rank records of the first few shards (for the
+    unknown-metric error)."""
     from expr_tracker.store.reader import ShardReader
     from expr_tracker.store.runread import run_shards
 
     keys: set[str] = set()
     for shard in run_shards(run_dir, stream)[:8]:
         for _, rec in ShardReader(shard.path).iter_records():
-            if "_kind" not in rec:
+            if rec.get("_kind") in (None, "rank"):
                 keys.update(k for k, v in rec.items() if k[:1] != "_" and type(v) in (int, float))
     return keys
 
