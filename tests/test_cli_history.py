@@ -53,6 +53,18 @@ def test_unknown_metric_lists_the_available_ones(cli):
     assert result.stderr == "error: unknown metric los (did you mean loss?); available: loss, lr\n"
 
 
+def test_a_rank_metric_says_where_it_can_be_seen(cli):
+    """`grad_norm` is in the run, logged with log_rank_metrics: not "unknown", but where to
+    look (history shows step rows only)."""
+    result = cli("history", "run-1", "--metrics", "grad_norm")
+    assert result.exit_code == 1
+    assert result.stderr == (
+        "error: grad_norm is a rank metric (log_rank_metrics), not a key of the step rows "
+        "history shows: expr summary RUN -m grad_norm (across ranks), expr plot RUN -m "
+        "grad_norm (each rank over the steps), expr export RUN --rank-records (every record)\n")
+    assert cli("plot", "run-1", "-m", "grad_norm", "--json").exit_code == 0
+
+
 def test_step_range_outside_the_shard(cli):
     result = cli("history", "run-1", "--step-range", "100:200")
     assert result.exit_code == 1

@@ -87,6 +87,13 @@ def read_history(
         return rows
     keys, steps = shard_keys(shard)
     if metrics and any(m not in keys for m in metrics):
+        ranked = [m for m in metrics if m not in keys and m in shard_keys(shard, "rank")[0]]
+        if ranked:
+            m = ranked[0]
+            what = f"{m} is a rank metric" if len(ranked) == 1 else f"{', '.join(ranked)} are rank metrics"
+            raise CLIError(f"{what} (log_rank_metrics), not a key of the step rows history shows: "
+                           f"expr summary RUN -m {m} (across ranks), expr plot RUN -m {m} (each "
+                           "rank over the steps), expr export RUN --rank-records (every record)")
         raise unknown_metrics(metrics, keys)
     if rows:
         return rows
