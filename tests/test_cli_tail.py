@@ -65,6 +65,17 @@ def test_rank_records_on_request(cli):
     assert "[rank 0]" in last and "train/loss=" in last
 
 
+def test_a_named_rank_metric_shows_without_the_flag(cli):
+    """`-m grad_norm`, a key only rank records hold: its records, marked (before: nothing
+    at all, then a silent wait)."""
+    result = cli("tail", "run-1", "-n", "2", "--no-follow", "-m", "grad_norm")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2 and all("[rank 0]" in ln and "grad_norm=" in ln for ln in lines)
+    plain = cli("tail", "run-1", "-n", "2", "--no-follow", "-m", "loss").stdout.splitlines()
+    assert len(plain) == 2 and not any("[rank" in ln for ln in plain)
+
+
 def test_bad_rank(cli):
     result = cli("tail", "run-1", "--rank", "two")
     assert result.exit_code == 2

@@ -47,12 +47,14 @@ T = TypeVar("T")
 
 
 def make_filter(metrics: list[str] | None, rank_records: bool) -> Keep:
-    """Which records tail shows, projected to `metrics` when given (like `select_rows`)."""
+    """Which records tail shows, projected to `metrics` when given (like `select_rows`):
+    step rows, and rank records with `rank_records` or when they hold a named metric (a
+    key logged with `log_rank_metrics` is in no step row: `-m step_time` shows it)."""
     want = set(metrics) if metrics else None
 
     def keep(rec: dict[str, Any]) -> dict[str, Any] | None:
         kind = rec.get("_kind")
-        if kind is not None and not (rank_records and kind == "rank"):
+        if kind is not None and not (kind == "rank" and (rank_records or want is not None)):
             return None
         if want is None:
             return rec
@@ -301,7 +303,9 @@ _RANK_OPT = typer.Option(None, "--rank", "-r", show_default=False, metavar="RANK
 _ROWS_OPT = typer.Option(10, "-n", "--rows",
                          help="How many of the last rows to print first (per rank with --rank all).")
 _FOLLOW_OPT = typer.Option(True, "--follow/--no-follow", help="Keep printing new rows.")
-_RANK_RECORDS_OPT = typer.Option(False, "--rank-records", help="Also show rank records (log_rank_metrics).")
+_RANK_RECORDS_OPT = typer.Option(False, "--rank-records",
+                                 help="Also show rank records (log_rank_metrics); with --metrics, "
+                                      "those holding a named metric show anyway.")
 
 
 def register(app: typer.Typer) -> None:
