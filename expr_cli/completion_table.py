@@ -719,7 +719,8 @@ TABLE: dict[str, dict[str, Any]] = {'': {'commands': {'runs': 'Projects and runs
                        'complete': None},
                       {'opts': ['--rank-records'],
                        'secondary': [],
-                       'help': 'Also show rank records (log_rank_metrics).',
+                       'help': 'Also show rank records (log_rank_metrics); with --metrics, those '
+                               'holding a named metric show anyway.',
                        'multiple': False,
                        'takes_value': False,
                        'choices': None,
