@@ -34,10 +34,10 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def cli(*args: str):  # type: ignore[no-untyped-def]
+def cli(*args: str, columns: int = 100):  # type: ignore[no-untyped-def]
     from expr_cli.main import build_app
 
-    return CliRunner().invoke(build_app(), list(args), env={"COLUMNS": "100"})
+    return CliRunner().invoke(build_app(), list(args), env={"COLUMNS": str(columns)})
 
 
 def test_trace_writes_one_chrome_trace_with_a_process_per_rank(traced: Path, tmp_path: Path) -> None:
@@ -82,6 +82,13 @@ def test_summary_spans_names_the_phase_that_makes_the_straggler_slow(traced: Pat
     text = cli("summary", "traced", "--dir", str(traced), "--spans")
     assert text.exit_code == 0, text.output
     assert "straggler: rank 1" in text.stdout and text.stdout.index("data") < text.stdout.index("forward")
+    # at 80 columns every row on one line, the span names whole (the title, a pipe's one line)
+    narrow = cli("summary", "traced", "--dir", str(traced), "--spans", columns=80).stdout
+    rows = narrow.splitlines()[4:]
+    assert len(rows) == 3 and all(len(r) <= 80 for r in rows), narrow
+    assert sorted(r.split()[0] for r in rows) == ["data", "step", "step/forward"]
+    assert "2 ranks report each span" in narrow
+    assert rows[0].split()[0] == "data" and rows[0].split()[-3:-1] == ["rank", "1"], narrow
 
 
 def test_trace_and_spans_of_a_run_without_spans_are_one_line_errors(tmp_path: Path) -> None:

@@ -362,33 +362,39 @@ def last_values(rows: Sequence[Mapping[str, Any]], label: str,
 
 def spans(view: Mapping[str, Any]) -> None:
     """`expr summary --spans`: per span key, the ranks' median, the straggler's excess over
-    it and the slowest rank, worst phase first."""
-    from rich.table import Table
+    it and the slowest rank, worst phase first; milliseconds, in 80 columns (the span
+    names whole: the unit in the title, the count of ranks there too when every span has
+    the same)."""
     from rich.text import Text
 
     out = console()
     lo, hi = view["steps"]
     straggler = view.get("straggler")
+    counts = {row["ranks"] for row in view["spans"]}
     head = Text()
     head.append(view["run"], style="bold")
-    head.append(f" · span times, per-rank means over steps {lo}:{hi} · world size "
+    head.append(f" · span times in ms, per-rank means over steps {lo}:{hi} · world size "
                 f"{view['world_size']:,}")
+    if len(counts) == 1:
+        (n,) = counts
+        head.append(f" · {n:,} rank{'s' if n != 1 else ''} report each span")
     prose(out, head)
     if straggler is not None:
         prose(out, Text(f"  straggler: rank {straggler} (the most time over the median in "
                         "top-level spans)", style="dim"))
-    table = Table(box=None, pad_edge=False, header_style="bold")
-    for col, justify in (("span", "left"), ("median ms", "right"), (f"rank {straggler} ms", "right"),
-                         ("excess ms", "right"), ("x median", "right"), ("slowest", "right"),
-                         ("ranks", "right")):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    headers = ["span", "median", f"rank {straggler}", "excess", "x median", "slowest", "its ms"]
+    if len(counts) > 1:
+        headers.append("ranks")
+    table = _table(headers, right=headers[1:], keep=["span"])
     for row in view["spans"]:
         excess = row["excess_ms"]
-        table.add_row(
+        cells: list[Any] = [
             row["path"], fmt_num(row["median_ms"]), fmt_num(row["straggler_ms"]),
             Text(fmt_signed(excess) if excess is not None else "-",
                  style="bold red" if excess is not None and excess > 0.1 * row["median_ms"] else ""),
-            fmt_ratio(row["ratio"]),
-            f"rank {row['max_rank']} ({fmt_num(row['max_ms'])})", str(row["ranks"]),
-        )
+            fmt_ratio(row["ratio"]), f"rank {row['max_rank']}", fmt_num(row["max_ms"]),
+        ]
+        if len(counts) > 1:
+            cells.append(str(row["ranks"]))
+        table.add_row(*cells)
     out.print(table)
