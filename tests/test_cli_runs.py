@@ -9,9 +9,29 @@ def test_runs_table(cli):
     result = cli("runs")
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
-    row = next(line for line in lines if " run-1 " in line).split()
-    assert row == ["proj", "run-1", "0-7", "(default),", "data", "39", "running", "2h", "ago"]
-    assert any(line.split()[:2] == ["other", "run-3"] for line in lines)
+    assert lines[1].split() == ["run", "ranks", "streams", "last", "step", "status", "last", "write"]
+    row = next(line for line in lines if line.startswith("proj/run-1 ")).split()
+    assert row == ["proj/run-1", "0-7", "(default),", "data", "39", "running", "2h", "ago"]
+    assert any(line.split()[:1] == ["other/run-3"] for line in lines)
+
+
+def test_a_long_run_name_folds_and_the_other_columns_stay_whole(cli, tmp_path):
+    """At 80 columns a 43-character name folds in its column; before, the others were
+    cut to "p…", "r…" and "…". Without a stream besides the default, no streams column."""
+    import expr_tracker as et
+
+    name = "rules-run-with-a-rather-long-name-for-width"
+    et.init("al", name, dir=tmp_path, system_metrics=False)
+    et.log({"loss": 1.0})
+    et.finish()
+    result = cli("runs", "--dir", str(tmp_path), COLUMNS="80")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines), result.stdout
+    assert lines[1].split() == ["run", "ranks", "last", "step", "status", "last", "write"]
+    row = lines[3].split()
+    assert row[1:4] == ["0", "0", "finished"] and "…" not in result.stdout
+    assert "".join(line.split()[0] for line in lines[3:]) == f"al/{name}"
 
 
 def test_runs_json(cli, cli_root):

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from expr_cli.data import jsonable, now
+from expr_cli.resolve import stream_label
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -237,17 +238,27 @@ def _status(status: str | None) -> Text:
 # -- commands ----------------------------------------------------------------
 
 
+RUN_MIN = 12  # characters the run column keeps, however narrow the terminal
+
+
 def runs(rows: Sequence[Mapping[str, Any]], root: str) -> None:
-    """`expr runs`: a row per run."""
+    """`expr runs`: a row per run, named `project/name` as the commands take it. Every
+    column stays whole but the run's, which folds a name too long for the terminal (the
+    others were cut to "p…" and "r…" beside a 43-character name at 80 columns); the
+    streams only when a run has one besides the default."""
     from rich.text import Text
 
-    table = _table(
-        ["project", "run", "ranks", "streams", "last step", "status", "last write"],
-        right=["last step"], keep=["run", "status"],
-    )
+    streams = any(r["streams_text"] != [stream_label(None)] for r in rows)
+    headers = ["run", "ranks", *(["streams"] * streams), "last step", "status", "last write"]
+    table = _table(headers, right=["last step"], keep=headers[1:])
+    widest = max((len(r["project"]) + 1 + len(r["name"]) for r in rows), default=3)
+    table.columns[0].overflow = "fold"
+    table.columns[0].min_width = min(widest, RUN_MIN)
     for r in rows:
+        label = Text(f"{r['project']}/", style="dim")
+        label.append(r["name"], style="bold")
         table.add_row(
-            r["project"], Text(r["name"], style="bold"), r["ranks_text"], ", ".join(r["streams_text"]),
+            label, r["ranks_text"], *([", ".join(r["streams_text"])] * streams),
             fmt_num(r["last_step"]), _status(r["status"]), fmt_age(r["last_write"]),
         )
     _show(console(), f"runs under {root}", table)
