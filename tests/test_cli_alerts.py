@@ -51,3 +51,20 @@ def test_alerts_show_the_message_and_fit_80_columns(cli):
     first = lines.index(next(line for line in lines if "rank 3" in line))
     assert "error" in lines[first] and "suppressed" in lines[first] and "step 3" in lines[first]
     assert lines[first + 1].startswith("    grad_norm 1.2 > 1.15")
+
+
+def test_a_rule_without_a_message_is_said_once(cli, tmp_path):
+    """A rule with no message alerts with its condition as the text: its second line is
+    the condition, not "isnan(grad_norm)  rule: isnan(grad_norm)"; no trailing blanks."""
+    import expr_tracker as et
+
+    et.init("p", "nan", dir=tmp_path, system_metrics=False,
+            alert_rules=["isnan(grad_norm) => critical: NaN gradient"])
+    et.log({"grad_norm": float("nan")})
+    et.finish()
+    result = cli("alerts", "p/nan", "--dir", str(tmp_path), COLUMNS="80")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    (head,) = [i for i, line in enumerate(lines) if "NaN gradient" in line]
+    assert lines[head + 1] == "    isnan(grad_norm)"
+    assert result.stdout.count("isnan(grad_norm)") == 1

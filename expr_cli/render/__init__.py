@@ -341,10 +341,12 @@ def alerts(rows: Sequence[Mapping[str, Any]], counts: Sequence[Mapping[str, Any]
         out.print(head)
         # the message, then the rule, indented (wrapped lines too)
         body = Text(str(a.get("text") or "").strip())
-        if a.get("rule") and a.get("rule") != a.get("title"):
+        # the rule unless the title or the message says it already (a rule without a
+        # message of its own alerts with its condition as the text)
+        if a.get("rule") and a.get("rule") not in (a.get("title"), body.plain):
             body.append(("  " if body else "") + f"rule: {a.get('rule')}", style="dim")
         if body:
-            out.print(Padding(body, (0, 0, 0, 4)))
+            out.print(Padding(body, (0, 0, 0, 4), expand=False))
     shown = sorted(counts, key=lambda c: (-c["fired"], c["rank"]))[:ALERT_RANKS]
     by_rank = _table(["rank", "fired", "delivered", "suppressed"],
                      right=["rank", "fired", "delivered", "suppressed"])
