@@ -62,7 +62,30 @@ def test_alerts_and_incidents_views(cli, cli_root):
         {"kind": "straggler", "ranks": [6], "hosts": ["node-1"], "step": 36, "first_seen": 1.0,
          "last_seen": 2.0, "detail": {"ratio": 1.6}, "state": "open", "delivered": True}])
     rows = _json(cli, "run-1", "SELECT kind, ranks, detail.ratio AS ratio FROM incidents")
-    assert rows == [{"kind": "straggler", "ranks": [6], "ratio": "1.6"}]
+    # a JSON value comes out as the value (it was its text: "1.6")
+    assert rows == [{"kind": "straggler", "ranks": [6], "ratio": 1.6}]
+
+
+def test_a_json_column_prints_its_value_not_its_text(cli, cli_root):
+    """`incidents.detail` is JSON (a watcher writes text there, others may write objects):
+    `--json` gave the text of a JSON string, "\\"rank 6 ...\\"", and the table and CSV
+    showed it in quotes."""
+    write_shard(cli_root / "proj" / "run-1" / "incidents.jsonl", [
+        {"kind": "straggler", "ranks": [6], "hosts": ["node-1"], "step": 36, "first_seen": 1.0,
+         "last_seen": 2.0, "detail": "rank 6 is 1.6x the median", "state": "open",
+         "delivered": True},
+        {"kind": "hang", "ranks": [2], "hosts": ["node-0"], "step": 30, "first_seen": 1.0,
+         "last_seen": 2.0, "detail": {"ratio": 1.6}, "state": "open", "delivered": True}])
+    sql = "SELECT kind, detail FROM incidents ORDER BY kind DESC"
+    assert _json(cli, "run-1", sql) == [
+        {"kind": "straggler", "detail": "rank 6 is 1.6x the median"},
+        {"kind": "hang", "detail": {"ratio": 1.6}}]
+    rows = list(csv.reader(io.StringIO(cli("query", "run-1", sql, "--csv").stdout)))
+    assert rows == [["kind", "detail"], ["straggler", "rank 6 is 1.6x the median"],
+                    ["hang", '{"ratio": 1.6}']]
+    table = cli("query", "run-1", sql).stdout
+    assert "straggler  rank 6 is 1.6x the median" in table and '"rank 6' not in table
+    assert 'hang       {"ratio": 1.6}' in table
 
 
 def test_table_and_csv_output(cli):

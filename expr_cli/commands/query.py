@@ -42,8 +42,11 @@ def plain(v: Any) -> Any:
 
 
 def _chunks(result: Any) -> Any:
+    """The result's rows, a chunk at a time, JSON-typed columns decoded (`incidents.detail`
+    came out as text holding JSON: "\\"rank 2 ...\\"" in `--json`, quoted in the table)."""
     from expr_tracker.views.sql import query_error
 
+    decode = [i for i, d in enumerate(result.description) if str(d[1]) == "JSON"]
     while True:
         try:
             rows = result.fetchmany(_FETCH)
@@ -51,7 +54,18 @@ def _chunks(result: Any) -> Any:
             raise query_error(exc) from None
         if not rows:
             return
-        yield rows
+        yield [_decoded(row, decode) for row in rows] if decode else rows
+
+
+def _decoded(row: Sequence[Any], columns: list[int]) -> Sequence[Any]:
+    out = list(row)
+    for i in columns:
+        if isinstance(out[i], str):
+            try:
+                out[i] = json.loads(out[i])
+            except ValueError:
+                pass  # (DuckDB checks JSON values; kept as text if one is not)
+    return out
 
 
 def query_command(run: str, sql: str, dir: str | None, as_json: bool, as_csv: bool, *,

@@ -17,6 +17,10 @@ def cell(v: Any) -> str:
         return ""
     if isinstance(v, (int, float)):
         return fmt_num(v, 6)
+    if isinstance(v, (dict, list)):  # a JSON value, a STRUCT or a LIST: as JSON, not repr
+        import json
+
+        return json.dumps(v, default=str)
     return str(v)
 
 
