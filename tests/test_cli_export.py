@@ -81,3 +81,14 @@ def test_missing_pyarrow_names_the_extra(cli_root, tmp_path):
     assert proc.returncode == 1
     assert proc.stderr == "error: expr export needs pyarrow: pip install 'expr-tracker[export]'\n"
     assert not out.exists()
+
+
+def test_the_note_counts_one_shard_and_one_row_in_the_singular(cli, tmp_path):
+    import expr_tracker as et
+
+    et.init("p", "one", dir=tmp_path, system_metrics=False)
+    et.log({"loss": 1.0})
+    et.finish()
+    result = cli("export", "p/one", "--dir", str(tmp_path), "--out", str(tmp_path / "one.csv"))
+    assert result.exit_code == 0, result.output
+    assert result.stdout == f"wrote 1 row of p/one (1 shard, 1 rank) to {tmp_path / 'one.csv'} (csv)\n"

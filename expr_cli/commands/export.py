@@ -86,8 +86,11 @@ def export_command(
         render.print_json({"run": ref.label, "out": str(out_path), "format": kind, "rows": rows,
                            "kind": "rank" if rank_records else "step", "shards": len(reader.shards)})
     else:
-        render.note(f"wrote {rows} {what} of {ref.label} ({len(reader.shards)} shards, "
-                    f"{ranks} rank{'s' if ranks != 1 else ''}) to {out_path} ({kind})")
+        n = len(reader.shards)
+        if rows == 1:
+            what = what.removesuffix("s")
+        render.note(f"wrote {rows:,} {what} of {ref.label} ({n:,} shard{'s' if n != 1 else ''}, "
+                    f"{ranks:,} rank{'s' if ranks != 1 else ''}) to {out_path} ({kind})")
 
 
 def register(app: typer.Typer) -> None:
