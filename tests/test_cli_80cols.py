@@ -124,3 +124,24 @@ def test_top_at_80_columns(tmp_path: Path, cli80, golden, monkeypatch: pytest.Mo
     header = next(line for line in out.splitlines() if line.lstrip().startswith("rank"))
     assert "step" in header.split(), out
     golden("top_run1_80.txt", out)
+
+
+def test_top_cuts_a_long_run_name_not_the_numbers_after_it(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The header of `expr top` at 80 columns with a 43-character run name: the name gives
+    way ("…"), the frontier and the lead stay (before: "frontier 19  l…")."""
+    import expr_tracker as et
+
+    name = "rules-run-with-a-rather-long-name-for-width"
+    for rank in range(2):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        with et.init("al", name, dir=tmp_path, system_metrics=False):
+            for s in range(20):
+                et.log({"loss": 1.0}, step=s)
+    monkeypatch.setenv("COLUMNS", "80")
+    result = CliRunner().invoke(build_app(), ["top", f"al/{name}", "--once", "--dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    head = result.output.splitlines()[0]
+    assert len(head) <= 80 and head.endswith("frontier 19  lead 19"), head
+    assert head.startswith("al/rules-run-with") and "…" in head

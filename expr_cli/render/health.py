@@ -106,9 +106,14 @@ def top_frame(view: Mapping[str, Any], height: int, agg: str = "worst",
     parts: list[Any] = []
     ranks: list[Mapping[str, Any]] = view["ranks"]
     incidents: list[Mapping[str, Any]] = view["incidents"]
-    head = Text(f"{view['run']}  ", style="bold")
-    head.append(f"{len(ranks)} ranks, {view['live']} live  frontier {fmt_num(view['frontier'])}"
-                f"  lead {fmt_num(view['lead'])}", style="")
+    stats = (f"{len(ranks)} ranks, {view['live']} live  frontier {fmt_num(view['frontier'])}"
+             f"  lead {fmt_num(view['lead'])}")
+    # a run name too long for the line gives way, not the numbers after it
+    label, room = str(view["run"]), (width or console().width) - len(stats) - 2
+    if len(label) > room >= 8:
+        label = label[: room - 1] + "…"
+    head = Text(f"{label}  ", style="bold")
+    head.append(stats, style="")
     parts.append(_line(head))
     job = view.get("job") or {}
     if job.get("text"):
