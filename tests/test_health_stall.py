@@ -413,3 +413,43 @@ def test_a_probe_left_from_the_last_stall_is_old_even_before_the_rows_arrive(tmp
     opened = [*w.check(now + 40), *w.check(now + 44)]
     assert [(i.kind, i.ranks) for i in opened] == [("stall", (3,))], opened
     assert "rank 3 left only an old probe" in opened[0].detail, opened[0].detail
+
+
+def _timed(run: Path, last: int, wrote: float, slow: dict[int, float]) -> None:
+    """Every rank's shard, steps 0..last, with a `step_time` rank record per step: 0.5 s,
+    rank 2 twice that (a straggler), and the times in `slow` ({step: s}) for rank 3's
+    step that waited out a stall."""
+    for r in range(WORLD):
+        write_rank(run, r, last, wrote)
+        shard = run / f"{_stem(r)}.jsonl"
+        rows = [json.loads(x) for x in shard.read_text().splitlines()]
+        out = []
+        for row in rows:
+            out.append(row)
+            s = row["_step"]
+            st = slow.get(s, 0.5) if r == 3 else (1.0 if r == 2 else 0.5)
+            out.append({"_kind": "rank", "_step": s, "_time": row["_time"], "_rank": r,
+                        "step_time": st})
+        shard.write_text("".join(json.dumps(x) + "\n" for x in out))
+        os.utime(shard, (wrote, wrote))
+
+
+def test_a_straggler_stays_one_incident_through_a_stall(tmp_path: Path) -> None:
+    """The step-time windows hold the stall's one huge step for a while after it; the
+    straggler open before the stall stays open through that while, as one incident (it
+    was resolved at the stall's end and opened again, a second page, 20 steps later)."""
+    run = tmp_path / "p" / "r"
+    now = time.time()
+    _timed(run, 20, now - 1, {})
+    w = Watcher(run, CFG)
+    assert [(i.kind, i.ranks) for i in w.check(now)] == [("straggler", (2,))]
+    assert [i.kind for i in w.check(now + 25)] == ["stall"]  # nobody advanced for 20 s
+    _timed(run, 22, now + 26, {21: 25.0})  # resumed: rank 3's step 21 waited out the stall
+    assert [(i.kind, i.state) for i in w.check(now + 26)] == [("stall", "resolved")]
+    _timed(run, 24, now + 27, {21: 25.0})
+    assert w.check(now + 27) == []  # the windows still hold step 21: the straggler held
+    _timed(run, 40, now + 28, {21: 25.0})
+    assert w.check(now + 28) == []  # past it: still the same straggler
+    strag = [i for i in _lines(run) if i["kind"] == "straggler"]
+    assert len({i["id"] for i in strag}) == 1 and {i["state"] for i in strag} == {"open"}
+    assert [(i.kind, i.ranks) for i in w.open] == [("straggler", (2,))]

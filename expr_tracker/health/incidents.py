@@ -312,7 +312,7 @@ def plan(open_incidents: Iterable[Incident], findings: Iterable[Finding], now: f
         fresh: dict[Any, list[Finding]] = {}
         for f in group:
             left = tuple(r for r in f.ranks if (kind, r) not in taken)
-            if not left:
+            if not left or f.hold:
                 continue
             f = replace(f, ranks=left) if left != f.ranks else f
             gkey: Any = ("host", f.host) if f.group and f.host else ("one", id(f))
