@@ -391,6 +391,26 @@ def test_a_terminal_watcher_does_not_take_the_page_from_one_with_channels(
     assert again.returncode == 1 and len(httpserver.log) == 1 and len(_lines(run)) == 2
 
 
+def test_the_watcher_that_pages_late_returns_what_it_paged(tmp_path: Path, httpserver: Any) -> None:
+    """A watcher with channels pages an incident another recorded first, and says so
+    (`check()` returns it, delivered): exprd's log names every page it sent (it named
+    none of those before)."""
+    from expr_tracker.alerts import Dispatcher, load_config
+
+    cfg, run, now = _rank_1_crashed(tmp_path, httpserver)
+    assert [i.kind for i in Watcher(run, CFG).check(now)] == ["crashed"]  # no channels
+    disp = Dispatcher.from_config(load_config(None, path=str(cfg)))
+    try:
+        paging = Watcher(run, CFG, disp)
+        got = paging.check(now + 1)
+        assert [(i.kind, i.ranks, i.delivered) for i in got] == [("crashed", (1,), True)]
+        disp.flush(10)
+        assert len(httpserver.log) == 1
+        assert paging.check(now + 2) == []  # paged once, said once
+    finally:
+        disp.close(2.0)
+
+
 def test_a_probe_left_from_the_last_stall_is_old_even_before_the_rows_arrive(tmp_path: Path) -> None:
     """Rank 3 sleeps (a stall it is named in), wakes, runs 35 steps in a blink and holds
     the GIL in C code: its tracker thread never ran in between, so neither its probe was

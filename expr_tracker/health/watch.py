@@ -187,7 +187,7 @@ class IncidentLog:
         watch` with no alert config) nothing is delivered and the openings are recorded
         undelivered; a watcher with channels then delivers each open incident that nobody
         delivered, once, and appends its line again with `delivered` true, so a terminal
-        that saw the stall first does not take its page away.
+        that saw the stall first does not take its page away (those lines are returned too).
         """
         done: list[Incident] = []
         with self._locked() as fd:
@@ -221,6 +221,7 @@ class IncidentLog:
                     if deliver(inc):
                         late = replace(inc, delivered=True)
                         os.write(fd, orjson.dumps(late.as_line(), option=orjson.OPT_APPEND_NEWLINE))
+                        done.append(late)  # (exprd logs what it paged, whoever saw it first)
             self.sync(fd)
         return done
 
