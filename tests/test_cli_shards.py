@@ -86,3 +86,16 @@ def test_rows_from_the_state_pass_equal_rows_read_again(cli_root):
             assert got == want, s.path.name
             checked.add(want["sidecar"].split(" ")[0])
     assert checked >= {"ok", "behind", "torn", "missing", "corrupt", "needs"}
+
+
+def test_no_stream_column_for_a_run_of_the_default_stream_only(cli, tmp_path):
+    import expr_tracker as et
+
+    et.init("p", "plain", dir=tmp_path, system_metrics=False)
+    et.log({"loss": 1.0})
+    et.finish()
+    result = cli("shards", "p/plain", "--dir", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    header = result.stdout.splitlines()[1].split()
+    assert header == ["rank", "file", "rows", "step", "size", "status", "written", "sidecar"]
+    assert "stream" in cli("shards", "run-1").stdout.splitlines()[1]  # run-1 has a data stream

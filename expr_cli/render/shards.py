@@ -103,9 +103,12 @@ def table(rows: Sequence[Mapping[str, Any]], label: str) -> None:
              for r in rows]
     headers = ["rank", "stream", "file", "rows", "step", "size", "status", "written", "sidecar"]
     widths = [max([len(h), *(len(c[i]) for c in cells)]) for i, h in enumerate(headers)]
-    # every column stays whole but the sidecar's note, which folds; on a narrow terminal the
-    # stream column goes first (the file name says the stream too)
-    drop = {"stream"} if sum(widths[:-1]) + 2 * len(widths) + 8 > out.width else set()
+    # every column stays whole but the sidecar's note, which folds; the stream column only
+    # for a run with a stream besides the default (as `expr runs`), and on a narrow
+    # terminal it goes first (the file name says the stream too)
+    narrow = sum(widths[:-1]) + 2 * len(widths) + 8 > out.width
+    one = all(r["stream"] is None for r in rows)
+    drop = {"stream"} if narrow or one else set()
     shown = [h for h in headers if h not in drop]
     table = _table(shown, right=["rank", "rows", "step", "size"], keep=shown[:-1])
     table.columns[-1].overflow = "fold"
