@@ -73,7 +73,7 @@ def test_text_summary_with_heatmap_fits_100_lines_and_names_the_straggler(run_cl
     assert any(line.lstrip().startswith(f"{STRAGGLER} ") and "1.6" in line for line in lines), out
     heat = lines[next(i for i, line in enumerate(lines) if line.startswith("heatmap of")):]
     assert any(line.lstrip().startswith(f"r{STRAGGLER} ") for line in heat), out
-    assert "crashed (rank 17)" in out and "behind: ranks 17 (step 29, crashed)" in out
+    assert "crashed (rank 17)" in out and "behind: rank 17 (step 29, crashed)" in out
 
 
 def test_shards_fits_100_lines_and_names_the_straggler_and_the_crash(run_cli):

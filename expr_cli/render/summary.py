@@ -122,7 +122,7 @@ def _behind_text(behind: Sequence[Mapping[str, Any]]) -> str:
     if len(behind) <= LIST_RANKS:
         parts = [f"{b['rank']} (step {fmt_cell(b['step'])}"
                  + (f", {b['status']})" if b["status"] != "running" else ")") for b in behind]
-        return "behind: ranks " + ", ".join(parts)
+        return f"behind: rank{'s' if len(parts) != 1 else ''} " + ", ".join(parts)
     return f"behind: {len(behind):,} ranks {compact_ranks([b['rank'] for b in behind])}"
 
 
