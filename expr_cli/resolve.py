@@ -44,6 +44,11 @@ class RunRef(NamedTuple):
     shard: Path | None = None
 
 
+def ranks_phrase(ranks: list[int]) -> str:
+    """`rank 3` or `ranks 0-2,5`: the words before a list of ranks agree with it."""
+    return f"rank{'s' if len(ranks) != 1 else ''} {compact_ranks(ranks)}"
+
+
 def root_dir(option: str | os.PathLike[str] | None) -> Path:
     """The run root: the `--dir` option, else `$EXPR_DIR`, else `./tracker/jsonl`."""
     return Path(option) if option else default_dir()

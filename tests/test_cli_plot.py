@@ -121,7 +121,7 @@ def test_a_rank_metric_is_drawn_per_rank_from_the_rank_records(cli, tmp_path, mo
     (["-m", "los"], 1, "unknown metric los (did you mean loss?)"),
     ([], 2, "name at least one metric"),
     (["-m", "loss", "--rank", "x"], 2, "--rank must be"),
-    (["-m", "loss", "--rank", "9"], 1, "no finite values of loss in ranks 9"),
+    (["-m", "loss", "--rank", "9"], 1, "no finite values of loss in rank 9"),
     (["-m", "loss", "--rank", "100000000000"], 2, "--rank 100000000000 is past the largest world"),
     (["-m", "loss", "-o", "x.pdf"], 2, "--out must end in .png or .svg"),
     (["-m", "loss", "--smooth", "0"], 2, "--smooth must be >= 1"),

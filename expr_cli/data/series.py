@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from expr_cli.errors import CLIError
-from expr_cli.resolve import RunRef, compact_ranks, unknown_metrics
+from expr_cli.resolve import RunRef, ranks_phrase, unknown_metrics
 
 MAX_LINES = 8
 MAX_OUTLIERS = 5
@@ -190,7 +190,7 @@ def chart(ref: RunRef, stream: str | None, metrics: list[str], ranks: list[int] 
         have = _available_metrics(ref.path, stream)
         if any(m not in have for m in empty):
             raise unknown_metrics(empty, have)
-        where = f" in ranks {compact_ranks(ranks)}" if ranks is not None else ""
+        where = f" in {ranks_phrase(ranks)}" if ranks is not None else ""
         where += " in that step range" if steps is not None else ""
         raise CLIError(f"no finite values of {', '.join(empty)}{where}")
     return [build_panel(m, series[m], window) for m in metrics]

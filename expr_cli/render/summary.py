@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from expr_cli.layout import coverage_runs
-from expr_cli.resolve import compact_ranks
+from expr_cli.resolve import compact_ranks, ranks_phrase
 
 from . import (
     GLYPHS,
@@ -102,7 +102,7 @@ def _ranks_line(out: Console, ranks: Mapping[str, Any]) -> None:
     else:
         text.append(", 0 crashed")
     if ranks.get("no_shard"):
-        text.append(f"; no shard: ranks {compact_ranks(list(ranks['no_shard']))}", style="yellow")
+        text.append(f"; no shard: {ranks_phrase(list(ranks['no_shard']))}", style="yellow")
     prose(out, text)
 
 
@@ -149,7 +149,7 @@ def _key_stats(
     if behind:
         notes.append(_behind_text(behind))
     if missing:
-        notes.append(f"missing ranks {compact_ranks(list(missing))}")
+        notes.append(f"missing {ranks_phrase(list(missing))}")
     if st["nonfinite"]:
         bad = st["nonfinite_ranks"]
         notes.append(f"non-finite {st['nonfinite']} (rank{'s' if len(bad) != 1 else ''} "
@@ -233,7 +233,7 @@ def _outliers(out: Console, item: Mapping[str, Any], view: Mapping[str, Any]) ->
         more = [o["rank"] for o in rest if o["flagged"]]
         text = f"  ... and {len(rest):,} more"
         if more:
-            text += f"; flagged: ranks {compact_ranks(sorted(more))}"
+            text += f"; flagged: {ranks_phrase(sorted(more))}"
         prose(out, Text(text + " (--json lists them)", style="dim"))
 
 
