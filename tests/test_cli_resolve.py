@@ -80,3 +80,10 @@ def test_a_file_that_is_not_a_shard(cli, cli_root):
     result = cli("history", str(cli_root / "proj" / "run-1" / "metrics.meta.json"))
     assert result.exit_code == 1
     assert "is not a shard file" in result.stderr
+
+
+def test_ranks_phrase_agrees_with_the_list():
+    from expr_cli.resolve import ranks_phrase
+
+    assert ranks_phrase([3]) == "rank 3"
+    assert ranks_phrase([0, 1, 2, 5]) == "ranks 0-2,5"
