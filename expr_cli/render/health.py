@@ -63,7 +63,7 @@ def watching(label: str, state: Any, delivering: bool) -> None:
     ranks = len(state.ranks) if state is not None else 0
     world = state.world_size if state is not None else None
     seen = f"{ranks}/{world} ranks" if world else f"{ranks} rank{'s' if ranks != 1 else ''}"
-    how = "paging through the alert channels" if delivering else "printing only: no alert channel configured"
+    how = "paging through the alert channels" if delivering else "printing only: no alert channels"
     status(f"watching {label} ({seen}, {how}); Ctrl-C stops")
 
 
