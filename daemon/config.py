@@ -138,7 +138,11 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
     """Validate a parsed config table; unknown keys are errors."""
     for key in raw:
         if key not in KEYS:
-            raise ConfigError(f"unknown key {key!r} (allowed: {', '.join(KEYS)})")
+            import difflib
+
+            close = difflib.get_close_matches(str(key), KEYS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"unknown key {key!r} ({hint}allowed: {', '.join(KEYS)})")
     cfg = Config(source=source)
     if "spool" in raw:
         cfg.spool = _path(raw["spool"], "spool")

@@ -515,3 +515,15 @@ def test_exprd_started_before_any_run_creates_the_spool_root_and_beats(tmp_path:
         assert out.strip() == "0"
     finally:
         assert stop(d) == 0
+
+
+def test_a_misspelt_config_key_is_one_line_naming_the_key_it_meant(tmp_path: Path) -> None:
+    config = tmp_path / "exprd.toml"
+    config.write_text(f'spool = "{tmp_path / "s"}"\nstate = "{tmp_path / "st"}"\n'
+                      "rescan_intervall = 5\n")
+    proc = subprocess.run([*EXPRD, "--config", str(config), "--once"], env=env_for(),
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("exprd: unknown key 'rescan_intervall' (did you mean "
+                                  "'rescan_interval'? allowed: spool, state,"), proc.stderr
+    assert proc.stderr.count("\n") == 1 and not (tmp_path / "st").exists()
