@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from expr_tracker.errors import unknown_key
+
 _DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*\Z")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 KEYS = ("spool", "state", "allowed_roots", "rescan_interval", "retention", "crash_silence",
@@ -138,11 +140,7 @@ def from_mapping(raw: Mapping[str, Any], source: str | None = None) -> Config:
     """Validate a parsed config table; unknown keys are errors."""
     for key in raw:
         if key not in KEYS:
-            import difflib
-
-            close = difflib.get_close_matches(str(key), KEYS, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ConfigError(f"unknown key {key!r} ({hint}allowed: {', '.join(KEYS)})")
+            raise ConfigError(unknown_key("", key, KEYS))
     cfg = Config(source=source)
     if "spool" in raw:
         cfg.spool = _path(raw["spool"], "spool")

@@ -2,6 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+
+def unknown_key(where: str, key: object, allowed: Iterable[str]) -> str:
+    """`{where}: unknown key 'hang_afer' (did you mean 'hang_after'? allowed: ...)`: the
+    message of every config table's unknown key."""
+    import difflib
+
+    choices = list(allowed)
+    close = difflib.get_close_matches(str(key), choices, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"{where + ': ' if where else ''}unknown key {key!r} ({hint}allowed: {', '.join(choices)})"
+
 
 class TrackerError(Exception):
     """Base class of every error expr-tracker raises on purpose."""

@@ -49,6 +49,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from expr_tracker.errors import unknown_key
+
 LEVELS = ("debug", "info", "warning", "error", "critical")
 CHANNEL_TYPES = ("log", "webhook", "slack", "command", "callable")
 CONFIG_ENV = "EXPR_ALERT_CONFIG"
@@ -169,9 +171,7 @@ def _channel(name: object, raw: object, base: Policy) -> ChannelConfig:
     allowed = ("type", "min_level", *_TYPE_KEYS[kind], *_POLICY_RULES)
     for key in raw:
         if key not in allowed:
-            raise ValueError(
-                f"{where}: unknown key {key!r} for type {kind!r} (allowed: {', '.join(allowed)})"
-            )
+            raise ValueError(unknown_key(f"{where} (type {kind!r})", key, allowed))
     level = raw.get("min_level", "debug")
     if not isinstance(level, str) or level not in _RANK:
         raise ValueError(f"{where}: key 'min_level' must be one of {', '.join(LEVELS)}, got {level!r}")
@@ -300,7 +300,7 @@ def load_config(
     merged = _merge(from_file, explicit)
     for key in merged:
         if key not in ("channels", "policy"):
-            raise ValueError(f"alert config: unknown key {key!r} (allowed: channels, policy)")
+            raise ValueError(unknown_key("alert config", key, ("channels", "policy")))
     raw_policy = merged.get("policy", {})
     raw_chans = merged.get("channels", {})
     for key, value in (("policy", raw_policy), ("channels", raw_chans)):
@@ -308,9 +308,7 @@ def load_config(
             raise ValueError(f"alert config: key {key!r} must be a table, got {type(value).__name__}")
     for key in raw_policy:
         if key not in _POLICY_RULES:
-            raise ValueError(
-                f"alert policy: unknown key {key!r} (allowed: {', '.join(_POLICY_RULES)})"
-            )
+            raise ValueError(unknown_key("alert policy", key, _POLICY_RULES))
     policy = _policy("alert policy", raw_policy, Policy())
     channels = tuple(_channel(name, table, policy) for name, table in raw_chans.items())
     if not channels:

@@ -26,6 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from expr_tracker.errors import unknown_key
+
 _DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*\Z")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 HANG_FLOOR = 300.0  # the default hang_after is at least 5 minutes ...
@@ -85,7 +87,7 @@ def parse_health(raw: Mapping[str, Any] | None, base: HealthConfig | None = None
     values: dict[str, Any] = {}
     for key, value in raw.items():
         if key not in KEYS:
-            raise ValueError(f"health: unknown key {key!r} (allowed: {', '.join(KEYS)})")
+            raise ValueError(unknown_key("health", key, KEYS))
         if key in _RATIOS:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not ok or not math.isfinite(value) or value <= 1.0:
