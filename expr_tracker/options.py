@@ -233,7 +233,8 @@ def parse_options(
         raise ValueError(f"resume must be one of {', '.join(RESUME_MODES)}; got {resume!r}")
     mode = upload_mode if upload_mode is not None else (os.environ.get("EXPR_MODE") or "direct")
     if mode not in UPLOAD_MODES:
-        raise ValueError(f"upload_mode must be 'direct' or 'spool', got {mode!r}")
+        where = "upload_mode" if upload_mode is not None else "EXPR_MODE"  # (the one it came from)
+        raise ValueError(f"{where} must be 'direct' or 'spool', got {mode!r}")
     _path(spool_dir, "spool_dir")
     spool_root = (Path(spool_dir) if spool_dir is not None else default_spool()).absolute()
     for field, value in (("idle_timeout", idle_timeout), ("time_rule_interval", time_rule_interval)):

@@ -162,6 +162,16 @@ def test_bad_init_raises_naming_the_field_and_writes_nothing(tmp_path, kwargs, e
     assert not (tmp_path / "d").exists()
 
 
+def test_a_bad_expr_mode_names_the_variable(tmp_path, monkeypatch):
+    """EXPR_MODE set in a job script: the error names it, not the argument nobody passed."""
+    monkeypatch.setenv("EXPR_MODE", "spol")
+    with pytest.raises(ValueError, match=r"^EXPR_MODE must be 'direct' or 'spool', got 'spol'$"):
+        et.init("p", "r", dir=tmp_path / "d")
+    with pytest.raises(ValueError, match=r"^upload_mode must be"):
+        et.init("p", "r", dir=tmp_path / "d", upload_mode="s3")
+    assert not (tmp_path / "d").exists()
+
+
 @pytest.mark.parametrize(
     ("args", "kwargs", "exc", "match"),
     [
