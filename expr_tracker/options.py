@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -167,6 +168,22 @@ def with_backend_kwargs(specs: list[Any], kwargs: object) -> list[Any]:
     return out
 
 
+def _a_directory(root: Path, field: str) -> None:
+    """The run root, or the nearest of its parents that exists, is a directory: a file in
+    the way is misuse, said at `init`, not a shard kept in memory and retried for ever."""
+    for path in (root, *root.parents):
+        try:
+            st = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # (below a file: the file is found further up)
+        except OSError:
+            return  # (unreadable, a network filesystem's error: the writer reports it)
+        if not stat.S_ISDIR(st.st_mode):
+            where = "it" if path == root else str(path)
+            raise ValueError(f"{field} {root} is not a directory: {where} is a file")
+        return
+
+
 def _path(value: object, field: str) -> None:
     if value is not None and not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{field} must be a path, got {type(value).__name__}")
@@ -235,8 +252,13 @@ def parse_options(
     if mode not in UPLOAD_MODES:
         where = "upload_mode" if upload_mode is not None else "EXPR_MODE"  # (the one it came from)
         raise ValueError(f"{where} must be 'direct' or 'spool', got {mode!r}")
+    if mode == "direct":  # (spool mode touches no shared filesystem at init)
+        _a_directory(root, "dir" if dir is not None or not os.environ.get("EXPR_DIR") else "EXPR_DIR")
     _path(spool_dir, "spool_dir")
     spool_root = (Path(spool_dir) if spool_dir is not None else default_spool()).absolute()
+    if mode == "spool":  # (node-local: a stat is cheap)
+        _a_directory(spool_root, "spool_dir" if spool_dir is not None or not os.environ.get(
+            "EXPR_SPOOL") else "EXPR_SPOOL")
     for field, value in (("idle_timeout", idle_timeout), ("time_rule_interval", time_rule_interval)):
         seconds(value, field)
     for field, flag in (("span_count", span_count), ("trace_spans", trace_spans)):

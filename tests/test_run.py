@@ -162,6 +162,29 @@ def test_bad_init_raises_naming_the_field_and_writes_nothing(tmp_path, kwargs, e
     assert not (tmp_path / "d").exists()
 
 
+def test_a_file_where_the_run_root_or_the_spool_should_be_is_an_error_at_init(tmp_path, monkeypatch):
+    """A file in the way of the run root (or of the spool) is said at `init`, naming where
+    it came from; before, init went on and every row was kept in memory, retried, and
+    counted as not written at finish."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match=rf"^dir {blocker}/runs is not a directory: {blocker} is a file$"):
+        et.init("p", "r", dir=blocker / "runs")
+    monkeypatch.setenv("EXPR_DIR", str(blocker))
+    with pytest.raises(ValueError, match=rf"^EXPR_DIR {blocker} is not a directory: it is a file$"):
+        et.init("p", "r")
+    with pytest.raises(ValueError, match=r"^spool_dir .* is not a directory"):
+        et.init("p", "r", dir=tmp_path / "d", upload_mode="spool", spool_dir=blocker)
+    monkeypatch.setenv("EXPR_SPOOL", str(blocker / "spool"))
+    with pytest.raises(ValueError, match=r"^EXPR_SPOOL .* is not a directory"):
+        et.init("p", "r", dir=tmp_path / "d", upload_mode="spool")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+    # a spooled run's root is exprd's to check (no stat of a shared filesystem at init)
+    monkeypatch.setenv("EXPR_SPOOL", str(tmp_path / "spool"))
+    with et.init("p", "r", dir=blocker, upload_mode="spool", system_metrics=False):
+        et.log({"loss": 1.0})
+
+
 def test_a_bad_expr_mode_names_the_variable(tmp_path, monkeypatch):
     """EXPR_MODE set in a job script: the error names it, not the argument nobody passed."""
     monkeypatch.setenv("EXPR_MODE", "spol")
