@@ -47,7 +47,14 @@ def default_backends() -> list[str]:
     asked; expr-tracker 0.4 defaulted to wandb, and a site restores that with either)."""
     env = os.environ.get("EXPR_BACKENDS")
     if env is not None:
-        return [b.strip() for b in env.split(",") if b.strip()]
+        from expr_tracker.backends.registry import _SPEC_KEYS
+
+        listed = [b.strip() for b in env.split(",") if b.strip()]
+        for n in listed:  # named here: the backend's own check cannot say where it came from
+            if n not in _SPEC_KEYS:
+                raise ValueError(f"EXPR_BACKENDS: backend {n!r} is unknown; expected one of: "
+                                 f"{', '.join(sorted(_SPEC_KEYS))}")
+        return listed
     path = os.environ.get("EXPR_ALERT_CONFIG")
     if not path:
         return []

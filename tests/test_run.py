@@ -185,6 +185,13 @@ def test_a_file_where_the_run_root_or_the_spool_should_be_is_an_error_at_init(tm
         et.log({"loss": 1.0})
 
 
+def test_a_bad_expr_backends_names_the_variable(tmp_path, monkeypatch):
+    monkeypatch.setenv("EXPR_BACKENDS", "wandb, wandbb")
+    with pytest.raises(ValueError, match=r"^EXPR_BACKENDS: backend 'wandbb' is unknown; expected one of: .*wandb"):
+        et.init("p", "r", dir=tmp_path / "d")
+    assert not (tmp_path / "d").exists()
+
+
 def test_a_bad_expr_mode_names_the_variable(tmp_path, monkeypatch):
     """EXPR_MODE set in a job script: the error names it, not the argument nobody passed."""
     monkeypatch.setenv("EXPR_MODE", "spol")
