@@ -40,6 +40,8 @@ def incident_text(inc: Mapping[str, Any]) -> Any:
         line.append(f" on {', '.join(hosts[:3])}{' ...' if len(hosts) > 3 else ''}", style="dim")
     if inc.get("step") is not None:
         line.append(f" step {inc['step']}", style="dim")
+    if state == "resolved" and inc.get("reason"):
+        line.append(f" ({inc['reason']})", style="green")  # not its own detector's: "run ended"
     line.append(f": {inc.get('detail') or ''}")
     return line
 

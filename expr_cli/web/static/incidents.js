@@ -11,6 +11,7 @@ function line(inc) {
     badge(String(inc.kind)), " ", badge(inc.state || "?"), " ",
     ranks.length ? h("strong", {}, `rank${ranks.length > 1 ? "s" : ""} ${ranksText(ranks)}`) : null, hosts,
     inc.step !== null && inc.step !== undefined ? h("span", { class: "muted" }, ` at step ${inc.step}`) : null,
+    inc.state === "resolved" && inc.reason ? h("span", { class: "muted" }, ` (${inc.reason})`) : null,
     inc.detail ? h("div", {}, String(inc.detail)) : null, root);
 }
 
