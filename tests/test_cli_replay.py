@@ -165,7 +165,7 @@ def test_replay_passes_exprd_warnings_through_and_config_errors_are_one_line(
     res = invoke("replay", str(spool), "--state", str(tmp_path / "state"))
     assert res.exit_code == 0, res.output
     assert f"warning: refusing {spool / 'proj' / 'b'}: writable by other users" in res.stderr
-    assert res.stdout.startswith("1 spool files: applied 40 events")
+    assert res.stdout.startswith("1 spool file: applied 40 events")
     check_shard(root / "proj" / "a" / "metrics.jsonl", 40)
     assert not (root / "proj" / "b").exists()
     bad = tmp_path / "bad.toml"
@@ -174,6 +174,24 @@ def test_replay_passes_exprd_warnings_through_and_config_errors_are_one_line(
     assert res.exit_code == 1
     assert res.stdout == ""
     assert res.stderr.startswith("error: unknown key 'bogus'") and res.stderr.count("\n") == 1
+
+
+def test_the_spool_is_the_argument_or_spool_or_expr_spool(tmp_path: Path, invoke,
+                                                          monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`expr replay` takes its spool root as `exprd --spool` and `expr status --spool` do,
+    or from `$EXPR_SPOOL` (before: a required argument; `--spool` was "No such option")."""
+    spool, root, _ = _spools(tmp_path)
+    res = invoke("replay", "--spool", str(spool), "--state", str(tmp_path / "s1"))
+    assert res.exit_code == 0, res.output
+    assert res.stdout.startswith("2 spool files: applied ")
+    monkeypatch.setenv("EXPR_SPOOL", str(spool))
+    again = invoke("replay", "--state", str(tmp_path / "s2"), "--json")
+    assert again.exit_code == 0, again.output
+    assert json.loads(again.stdout)["files"] == 2
+    both = invoke("replay", str(spool), "--spool", str(tmp_path / "other"))
+    assert both.exit_code == 2
+    assert both.stderr == (f"error: two spool roots: {spool} and --spool {tmp_path / 'other'}; "
+                           "give one\n")
 
 
 def test_exprd_replay_progress_json_is_json_lines_on_stdout(tmp_path: Path) -> None:

@@ -125,11 +125,12 @@ def run_exprd(argv: list[str], on_progress: Callable[[dict[str, Any]], None],
     return code, summary, error, crash
 
 
-def replay_command(spool_dir: str, dry_run: bool, state: str | None, config: str | None,
+def replay_command(spool_dir: str | None, dry_run: bool, state: str | None, config: str | None,
                    json: bool) -> None:
     from expr_cli import render
+    from expr_cli.spooled import spool_root
 
-    spool = Path(spool_dir).absolute()
+    spool = spool_root(spool_dir).absolute()  # (None: $EXPR_SPOOL, else the default spool)
     if not spool.is_dir():
         raise CLIError(f"no spool directory at {spool}")
     where = Path(state).absolute() if state else default_state()
@@ -146,7 +147,8 @@ def replay_command(spool_dir: str, dry_run: bool, state: str | None, config: str
         return
     verb = "would apply" if dry_run else "applied"
     render.console().print(
-        f"{summary['files']} spool files: {verb} {summary['applied']} events, "
+        f"{summary['files']} spool file{'s' if summary['files'] != 1 else ''}: {verb} "
+        f"{summary['applied']} event{'s' if summary['applied'] != 1 else ''}, "
         f"{summary['skipped']} already in shards, {summary['quarantined']} quarantined, "
         f"{summary['crashed']} crashed, {summary['refused']} refused",
         soft_wrap=True, highlight=False,
@@ -165,8 +167,13 @@ def register(app: typer.Typer) -> None:
 
     @app.command("replay", epilog="Example: expr replay ~/.local/state/expr/spool --dry-run")
     def replay(
-        spool_dir: str = typer.Argument(..., metavar="SPOOL_DIR",
-                                        help="The spool root (what exprd --spool would tail)."),
+        spool_dir: str | None = typer.Argument(
+            None, metavar="[SPOOL_DIR]", show_default=False,
+            help="The spool root (what exprd --spool would tail); default --spool, else "
+                 "$EXPR_SPOOL or ~/.local/state/expr/spool."),
+        spool: str | None = typer.Option(None, "--spool", metavar="DIR", show_default=False,
+                                         help="The spool root, named as exprd and expr status "
+                                              "name it."),
         dry_run: bool = typer.Option(False, "--dry-run",
                                      help="Read and check everything; write nothing."),
         state: str | None = typer.Option(None, "--state", metavar="DIR", show_default=False,
@@ -178,4 +185,6 @@ def register(app: typer.Typer) -> None:
         json: bool = JSON_OPT,
     ) -> None:
         """Apply a spool directory once, as exprd would; safe to repeat."""
-        replay_command(spool_dir, dry_run, state, config, json)
+        if spool_dir is not None and spool is not None and Path(spool_dir) != Path(spool):
+            raise CLIError(f"two spool roots: {spool_dir} and --spool {spool}; give one", 2)
+        replay_command(spool_dir or spool, dry_run, state, config, json)
