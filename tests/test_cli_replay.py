@@ -182,6 +182,7 @@ def test_the_spool_is_the_argument_or_spool_or_expr_spool(tmp_path: Path, invoke
     or from `$EXPR_SPOOL` (before: a required argument; `--spool` was "No such option")."""
     spool, root, _ = _spools(tmp_path)
     res = invoke("replay", "--spool", str(spool), "--state", str(tmp_path / "s1"))
+    check_shard(root / "proj" / "a" / "metrics.jsonl", 40)
     assert res.exit_code == 0, res.output
     assert res.stdout.startswith("2 spool files: applied ")
     monkeypatch.setenv("EXPR_SPOOL", str(spool))
