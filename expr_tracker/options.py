@@ -47,14 +47,7 @@ def default_backends() -> list[str]:
     asked; expr-tracker 0.4 defaulted to wandb, and a site restores that with either)."""
     env = os.environ.get("EXPR_BACKENDS")
     if env is not None:
-        from expr_tracker.backends.registry import _SPEC_KEYS
-
-        listed = [b.strip() for b in env.split(",") if b.strip()]
-        for n in listed:  # named here: the backend's own check cannot say where it came from
-            if n not in _SPEC_KEYS:
-                raise ValueError(f"EXPR_BACKENDS: backend {n!r} is unknown; expected one of: "
-                                 f"{', '.join(sorted(_SPEC_KEYS))}")
-        return listed
+        return [b.strip() for b in env.split(",") if b.strip()]
     path = os.environ.get("EXPR_ALERT_CONFIG")
     if not path:
         return []
@@ -173,6 +166,33 @@ def with_backend_kwargs(specs: list[Any], kwargs: object) -> list[Any]:
     if unused:
         raise ValueError(f"backend_kwargs: {', '.join(sorted(unused))} is not among the backends")
     return out
+
+
+def _backends(specs: list[Any], mode: str) -> list[Any]:
+    """The backends this process runs (direct mode), each spec checked; in spool mode none
+    (exprd runs them) and each spec checked as far as this process can."""
+    if specs and mode == "spool":
+        # exprd sends, with its own [backends.NAME] (URLs and tokens live there): a bare
+        # name is that name, checked here only as a name; a mapping is checked in full
+        from expr_tracker.backends.registry import make_backend
+
+        for spec in specs:
+            if isinstance(spec, str):
+                validate_name(spec, "backends")
+            elif isinstance(spec, Mapping):
+                make_backend(spec)
+            else:
+                raise ValueError("backends: a backend object cannot travel through the "
+                                 "spool; use a name from exprd's config or a mapping")
+        return []
+    if not specs:
+        return []
+    from expr_tracker.backends.registry import check_environment, make_backend
+
+    objs = [make_backend(spec) for spec in specs]
+    for backend in objs:
+        check_environment(backend)  # this process connects: its variables must be set
+    return objs
 
 
 def _a_directory(root: Path, field: str) -> None:
@@ -313,26 +333,12 @@ def parse_options(
     if isinstance(backends, (str, Mapping)):
         backends = [backends]
     backend_specs = with_backend_kwargs(list(backends) or default_backends(), backend_kwargs)
-    backend_objs: list[Any] = []
-    if backend_specs and mode == "spool":
-        # exprd sends, with its own [backends.NAME] (URLs and tokens live there): a bare
-        # name is that name, checked here only as a name; a mapping is checked in full
-        from expr_tracker.backends.registry import make_backend
-
-        for spec in backend_specs:
-            if isinstance(spec, str):
-                validate_name(spec, "backends")
-            elif isinstance(spec, Mapping):
-                make_backend(spec)
-            else:
-                raise ValueError("backends: a backend object cannot travel through the "
-                                 "spool; use a name from exprd's config or a mapping")
-    elif backend_specs:
-        from expr_tracker.backends.registry import check_environment, make_backend
-
-        backend_objs = [make_backend(spec) for spec in backend_specs]
-        for backend in backend_objs:
-            check_environment(backend)  # this process connects: its variables must be set
+    try:
+        backend_objs = _backends(backend_specs, mode)
+    except (TypeError, ValueError) as exc:
+        if backends or os.environ.get("EXPR_BACKENDS") is None:
+            raise
+        raise type(exc)(f"EXPR_BACKENDS: {exc}") from None  # (where the names came from)
     return Options(
         project=project, name=name, stream=stream, root=root, spool_root=spool_root,
         config=config_copy, rank_aware=rank_aware, resume=resume, mode=mode,

@@ -187,9 +187,17 @@ def test_a_file_where_the_run_root_or_the_spool_should_be_is_an_error_at_init(tm
 
 def test_a_bad_expr_backends_names_the_variable(tmp_path, monkeypatch):
     monkeypatch.setenv("EXPR_BACKENDS", "wandb, wandbb")
-    with pytest.raises(ValueError, match=r"^EXPR_BACKENDS: backend 'wandbb' is unknown; expected one of: .*wandb"):
+    with pytest.raises(ValueError, match=r"^EXPR_BACKENDS: backend type 'wandbb' is unknown; expected one of: .*wandb"):
         et.init("p", "r", dir=tmp_path / "d")
     assert not (tmp_path / "d").exists()
+    # in spool mode a bare name is one of exprd's [backends.NAME], checked as a name only
+    monkeypatch.setenv("EXPR_BACKENDS", "team-store")
+    monkeypatch.setenv("EXPR_SPOOL", str(tmp_path / "spool"))
+    with et.init("p", "r", dir=tmp_path / "d", upload_mode="spool", system_metrics=False):
+        et.log({"loss": 1.0})
+    monkeypatch.setenv("EXPR_BACKENDS", "team store")
+    with pytest.raises(ValueError, match=r"^EXPR_BACKENDS: backends "):
+        et.init("p", "r", dir=tmp_path / "d", upload_mode="spool")
 
 
 def test_a_bad_expr_mode_names_the_variable(tmp_path, monkeypatch):
