@@ -150,6 +150,23 @@ def last_rows(shards: list[ShardRef], garbage: dict[str, int]) -> list[dict[str,
     return out
 
 
+SAMPLED_SHARDS = 8  # shards whose last step row names a run's keys (ranks log the same keys)
+_SPAN_PREFIXES = ("time_ms/", "count/")
+
+
+def step_row_keys(shards: list[ShardRef]) -> tuple[list[str], list[str]]:
+    """The numeric keys of the last step rows of the first few shards, in the order
+    logged: the metrics a run that logs with `et.log` only reduces across its ranks; and,
+    apart, the span keys among them (`expr summary --spans` reduces those)."""
+    keys: dict[str, None] = {}
+    spans: dict[str, None] = {}
+    for row in last_rows(shards[:SAMPLED_SHARDS], {}):
+        for k, v in row["values"].items():
+            if type(v) is int or type(v) is float:
+                (spans if k.startswith(_SPAN_PREFIXES) else keys)[k] = None
+    return list(keys), list(spans)
+
+
 def start_scan(shards: list[ShardRef]) -> Any:
     """The default window's scan of `shards` (`read_window` with neither step nor
     window), started now in worker processes: a caller about to read the live state

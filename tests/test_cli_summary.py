@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 
@@ -108,6 +109,41 @@ def test_run_without_rank_records_shows_last_values(cli):
     assert result.stderr == "warning: skipped 1 line that did not parse (metrics.jsonl: 1)\n"
     data = json.loads(cli("summary", "run-2", "--json").stdout)
     assert data["rank_records"] == 0 and data["last"][0]["values"] == {"loss": 0.1, "acc": 0.9}
+
+
+def test_ranks_that_log_step_rows_only_are_reduced_across_ranks(cli, cli_root, monkeypatch):
+    """A job whose ranks only call et.log: the default summary reduces their step rows (it
+    showed one table of last values per shard, 16,384 of them at 16,384 ranks)."""
+    import expr_tracker as et
+
+    world = 4
+    for rank in range(world):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        et.init("p", name="rows", dir=str(cli_root), system_metrics=False)
+        for _step in range(60):
+            with et.span("forward"):
+                pass
+            et.log({"loss": 1.0 + rank * (10.0 if rank == 3 else 0.01), "lr": 0.1,
+                    "phase": "train"})
+        et.finish()
+    result = cli("summary", "p/rows")
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "has no rank records" not in out and "metrics.rank1.jsonl" not in out
+    assert "loss (step rows)" in out and "lr (step rows)" in out and "phase" not in out
+    assert "outliers: 1 rank" in out and re.search(r"^ +3 +\S+ +31 +30.5x", out, re.M), out
+    assert "span times: 1 key (time_ms/forward); --spans to compare the ranks" in out
+    view = json.loads(cli("summary", "p/rows", "--json").stdout)
+    assert view["step"] == 59 and view["span_keys"] == ["time_ms/forward"]
+    assert [i["key"] for i in view["keys"]] == ["loss", "lr"]
+    loss = view["keys"][0]
+    xs = np.array([1.0, 1.01, 1.02, 31.0])
+    assert loss["stats"]["n"] == world and math.isclose(loss["stats"]["mean"], xs.mean())
+    assert math.isclose(loss["stats"]["p50"], float(np.percentile(xs, 50)))
+    assert [o["rank"] for o in loss["outliers"]] == [3]
+    # one rank's step rows: its last values, as before
+    assert "has no rank records" in cli("summary", "run-2").stdout
 
 
 def test_summary_of_an_empty_shard(cli):

@@ -18,7 +18,14 @@ from expr_cli.resolve import (
     stream_label,
     unknown_metrics,
 )
-from expr_cli.summary_load import COVERAGE_STEPS, last_rows, load_row_table, load_table, read_window
+from expr_cli.summary_load import (
+    COVERAGE_STEPS,
+    last_rows,
+    load_row_table,
+    load_table,
+    read_window,
+    step_row_keys,
+)
 from expr_tracker.gcpause import paused_gc
 
 if TYPE_CHECKING:
@@ -394,10 +401,22 @@ def summary_data(
         warnings.append(f"skipped {n} line{'s' if n != 1 else ''} that did not parse ({where})")
     system_keys = [k for k in table.keys if is_system(k)]
     user_keys = [k for k in table.keys if not is_system(k)]
+    defaults: list[str] = []
+    span_keys: list[str] = []
+    if rows is None and not asked and not user_keys and len({s.rank for s in shards}) > 1:
+        # ranks that log with et.log only: their step rows are what to reduce (a shard's
+        # last values each would be a table per rank, 16,384 of them)
+        defaults, span_keys = step_row_keys(shards)
+        if defaults:
+            world = max(table.world_size, state.world_size or 0)
+            rows, bad = load_row_table(shards, set(defaults), lo, world)
+            garbage.update(bad)
+            defaults = [k for k in defaults if k in set(rows.keys)]
+            row_keys = set(defaults)
     # system metrics alone do not make rank records of a run that logs none
     records_asked = bool(user_keys) or any(is_system(k) for k in asked)
     primary: Table = table if (table.steps and records_asked) or rows is None else rows
-    if not primary.steps or not (user_keys or asked):
+    if not primary.steps or not (user_keys or asked or defaults):
         last = last_rows(shards, {})
         if not last:
             raise CLIError(f"run {ref.label} has no rows in stream {stream_label(stream)}: its shards are empty")
@@ -405,7 +424,7 @@ def summary_data(
                  "system_keys": system_keys}, warnings, False)
     # system metrics are shown when asked for (-m system/cpu_percent): they would double
     # the summary of every run
-    keys = wanted or user_keys
+    keys = wanted or user_keys or defaults
     tables: dict[str, Table] = {
         k: rows if rows is not None and k in row_keys else table for k in [*keys, *asked]
     }
@@ -415,6 +434,7 @@ def summary_data(
                       keys=keys, row_keys=row_keys, state=state, min_rel=min_rel, agg=agg,
                       world_sizes=worlds, chart=chart)
     view["system_keys"] = [] if wanted else system_keys
+    view["span_keys"] = span_keys
     if view["world_sizes"]:
         warnings.append(layout.world_size_warning(view["world_sizes"], view["world_size"]))
     if view["world_size_mismatch"]:

@@ -78,6 +78,12 @@ def summary(view: Mapping[str, Any]) -> None:
     out.print()
     _coverage(out, view["coverage"], view["coverage_checked"])
     _system_hint(out, view.get("system_keys") or [])
+    spans = view.get("span_keys") or []
+    if spans:
+        shown = ", ".join(spans[:3]) + (", ..." if len(spans) > 3 else "")
+        prose(out, Text(f"span times: {len(spans)} key{'s' if len(spans) != 1 else ''} ({shown}); "
+                        "--spans to compare the ranks",
+                        style="dim"))
     if view.get("heatmap"):
         out.print()
         heatmap(out, view["heatmap"])
