@@ -44,9 +44,18 @@ class RunRef(NamedTuple):
     shard: Path | None = None
 
 
-def ranks_phrase(ranks: list[int]) -> str:
-    """`rank 3` or `ranks 0-2,5`: the words before a list of ranks agree with it."""
-    return f"rank{'s' if len(ranks) != 1 else ''} {compact_ranks(ranks)}"
+def ranks_phrase(ranks: list[int], limit: int | None = None) -> str:
+    """`rank 3` or `ranks 0-2,5`: the words before a list of ranks agree with it. With
+    `limit`, a phrase longer than that many characters is counted and its list cut after
+    a whole range: `4,096 ranks (0-2,5,9,...)`."""
+    text = compact_ranks(ranks)
+    words = f"rank{'s' if len(ranks) != 1 else ''} {text}"
+    if limit is None or len(words) <= limit:
+        return words
+    count = f"{len(set(ranks)):,} ranks ("
+    room = max(limit - len(count) - len(",...)"), 0)
+    head = text[:room + 1].rpartition(",")[0] or text.partition(",")[0]
+    return f"{count}{head},...)"
 
 
 def root_dir(option: str | os.PathLike[str] | None) -> Path:

@@ -68,3 +68,38 @@ def test_a_rule_without_a_message_is_said_once(cli, tmp_path):
     (head,) = [i for i, line in enumerate(lines) if "NaN gradient" in line]
     assert lines[head + 1] == "    isnan(grad_norm)"
     assert result.stdout.count("isnan(grad_norm)") == 1
+
+
+def test_a_rule_that_fires_on_every_rank_is_one_entry(cli, tmp_path, monkeypatch):
+    """A loss that goes high on all 64 ranks at once: one entry per step naming the ranks
+    (rank 0 delivered, the rest suppressed), not an entry per rank; `--json` keeps each."""
+    import expr_tracker as et
+
+    world = 64
+    for rank in range(world):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        et.init("p", "wide", dir=tmp_path, system_metrics=False,
+                alert_rules=["loss > 2 => warning: loss high"])
+        for step in range(30):
+            # every rank at step 10; every third rank at step 20
+            et.log({"loss": 3.0 if step == 10 or (step == 20 and rank % 3 == 0) else 1.0})
+        et.finish()
+    result = cli("alerts", "p/wide", "--dir", str(tmp_path), COLUMNS="80")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    heads = [line for line in lines if "loss high" in line]
+    assert len(heads) == 2, result.stdout
+    assert heads[0].endswith("  ranks 0-63  warning  step 10  1 delivered, 63 suppressed  loss high")
+    # a list of ranks too long for the line is cut after a whole range, and counted
+    # a list of ranks too long for the line is counted, and cut after a whole range (rank
+    # 0's own second alert is suppressed too: the policy's cooldown)
+    assert heads[1].endswith("  22 ranks (0,3,6,9,...)  warning  step 20  22 suppressed  loss high")
+    assert max(len(line.rstrip()) for line in lines) <= 80
+    # narrower: the title goes under the line, with the message
+    narrow = cli("alerts", "p/wide", "--dir", str(tmp_path), COLUMNS="70").stdout.splitlines()
+    at = narrow.index(next(line for line in narrow if "ranks 0-63" in line))
+    assert narrow[at].endswith("ranks 0-63  warning  step 10  1 delivered, 63 suppressed")
+    assert narrow[at + 1:at + 3] == ["    loss high", "    loss > 2"]
+    data = json.loads(cli("alerts", "p/wide", "--dir", str(tmp_path), "--json").stdout)
+    assert len(data["alerts"]) == world + 22

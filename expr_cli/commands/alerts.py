@@ -47,6 +47,27 @@ def counts_by_rank(alerts: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [by[r] for r in sorted(by)]
 
 
+def group_alerts(alerts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The alerts of one rule at one step, one entry whatever the number of ranks that
+    raised it (a loss that goes NaN on 16,384 ranks is one line, not 16,384), in the
+    order of their first: `alert` (the delivered one if any, else the first), `ranks`,
+    `delivered` and `suppressed` counts. Alerts without a rule (`et.alert`) group only
+    with the same text."""
+    groups: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for a in alerts:
+        rule = a.get("rule")
+        key = (rule, a.get("title"), a.get("level"), a.get("kind"), a.get("step"),
+               None if rule else a.get("text"))
+        g = groups.get(key)
+        if g is None:
+            g = groups[key] = {"alert": a, "ranks": [], "delivered": 0, "suppressed": 0}
+        elif a.get("delivered") and not g["alert"].get("delivered"):
+            g["alert"] = a
+        g["ranks"].append(a["rank"])
+        g["delivered" if a.get("delivered") else "suppressed"] += 1
+    return list(groups.values())
+
+
 def alerts_command(run: str, dir: str | None, rank: int | None, as_json: bool) -> None:
     """List the alerts of RUN."""
     from expr_cli import render
@@ -63,7 +84,7 @@ def alerts_command(run: str, dir: str | None, rank: int | None, as_json: bool) -
     elif not alerts:
         render.note(f"no alerts in {ref.label}" + (f" from rank {rank}" if rank is not None else ""))
     else:
-        render.alerts(alerts, counts, ref.label)
+        render.alerts(group_alerts(alerts), counts, ref.label)
 
 
 _RANK_OPT = typer.Option(None, "--rank", "-r", min=0, show_default=False, metavar="RANK",

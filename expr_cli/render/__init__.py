@@ -310,35 +310,54 @@ def tail_line(row: Mapping[str, Any], rank: int | None, metrics: Sequence[str] |
 
 
 ALERT_RANKS = 20  # ranks in the "by rank" table (the most alerts first)
+RANKS_SHOWN = 24  # characters of an alert's list of ranks (`ranks 0-3,7`) before it is cut
 _LEVEL_STYLE = {"critical": "bold red", "error": "red", "warning": "yellow", "info": "blue",
                 "debug": "dim"}
 
 
-def alerts(rows: Sequence[Mapping[str, Any]], counts: Sequence[Mapping[str, Any]], label: str) -> None:
-    """`expr alerts`: every alert in time order, two lines each (what and when; the
-    message), so it reads at 80 columns; then counts by rank."""
+def alerts(groups: Sequence[Mapping[str, Any]], counts: Sequence[Mapping[str, Any]],
+           label: str) -> None:
+    """`expr alerts`: the alerts in time order, those of one rule at one step from many
+    ranks as one (`group_alerts`), two lines each (what and when; the message), so it
+    reads at 80 columns; then counts by rank."""
+    from rich.cells import cell_len
     from rich.padding import Padding
     from rich.text import Text
 
+    from expr_cli.resolve import ranks_phrase
+
     out = console()
-    days = {fmt_time(a.get("time"))[:10] for a in rows}
+    days = {fmt_time(g["alert"].get("time"))[:10] for g in groups}
     one_day = len(days) == 1
     title = f"alerts of {label}" + (f" on {days.pop()}" if one_day and "-" not in days else "")
     prose(out, Text(title, style="bold"))
-    for a in rows:
+    for g in groups:
+        a = g["alert"]
         when = fmt_time(a.get("time"))
         head = Text(when[11:] if one_day else when[5:], style="dim")
-        head.append(f"  rank {fmt_cell(a.get('rank'))}  ")
+        ranks = sorted(set(g["ranks"]))
+        head.append(f"  {ranks_phrase(ranks, RANKS_SHOWN)}  ")
         level = str(a.get("level") or "-")
         head.append(f"{level:<8}", style=_LEVEL_STYLE.get(level, ""))
         if a.get("step") is not None:
             head.append(f" step {fmt_cell(a.get('step'))}")
-        head.append("  delivered" if a.get("delivered") else "  suppressed",
-                    style="green" if a.get("delivered") else "dim")
-        head.append(f"  {a.get('title') or '-'}", style="bold")
+        if len(g["ranks"]) == 1:
+            head.append("  delivered" if a.get("delivered") else "  suppressed",
+                        style="green" if a.get("delivered") else "dim")
+        else:  # the alerting rank delivers, the others' are suppressed (DESIGN 7)
+            if g["delivered"]:
+                head.append(f"  {g['delivered']:,} delivered", style="green")
+            if g["suppressed"]:
+                head.append(f"{',' if g['delivered'] else ' '} {g['suppressed']:,} suppressed",
+                            style="dim")
+        what = Text(str(a.get("title") or "-"), style="bold")
         if a.get("kind") and a.get("kind") != "fire":
-            head.append(f" ({a.get('kind')})", style="dim")
-        out.print(head)
+            what.append(f" ({a.get('kind')})", style="dim")
+        if cell_len(head.plain) + 2 + cell_len(what.plain) <= out.width:
+            out.print(head + Text("  ") + what)
+        else:  # (the counts of thousands of ranks) the title under it, as the message is
+            out.print(head)
+            out.print(Padding(what, (0, 0, 0, 4), expand=False))
         # the message, then the rule, indented (wrapped lines too)
         body = Text(str(a.get("text") or "").strip())
         # the rule unless the title or the message says it already (a rule without a
