@@ -206,6 +206,27 @@ def failure_code(exc: Exception) -> int:
 _APP: typer.Typer | None = None
 
 
+def reflow_help(command: Any) -> None:
+    """A command's help (and its subcommands') as typer 0.28 should draw it: the lines of
+    each paragraph joined, so rich wraps them at the terminal's width (typer keeps the
+    docstring's line breaks after the first paragraph: ragged lines at 80 columns), and
+    brackets shown as written (`[rank N]`, not rich markup)."""
+    import inspect
+    import re
+
+    text = command.help
+    if text:
+        body, cut, rest = inspect.cleandoc(text).partition("\f")
+        paragraphs = [p if p.startswith("\b") else " ".join(p.split("\n"))
+                      for p in body.strip().split("\n\n")]
+        # rich.markup.escape's rule, without importing rich for every command run
+        body = re.sub(r"(\\*)(\[[a-z#/@][^[]*?])", lambda m: f"{m[1]}{m[1]}\\{m[2]}",
+                      "\n\n".join(paragraphs))
+        command.help = body + cut + rest
+    for sub in getattr(command, "commands", {}).values():
+        reflow_help(sub)
+
+
 def _group_class() -> type[Any]:
     from typer.core import TyperGroup
     from typer.exceptions import Abort
@@ -227,6 +248,7 @@ def _group_class() -> type[Any]:
             for name, command in self.commands.items():
                 if name in FAST_COMMANDS:
                     check_fast_path(name, command)
+                reflow_help(command)
 
         def main(  # type: ignore[override]
             self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -181,6 +182,26 @@ def test_every_command_has_help_with_an_example_and_a_readme_mention():
         assert (cmd.help or "").strip(), f"{label} has no help text"
         assert "Example" in (cmd.epilog or "") + (cmd.help or ""), f"{label} --help has no example"
         assert f"`{label}" in readme, f"README does not mention {label}"
+
+
+def test_help_prose_is_wrapped_at_80_columns_and_shows_brackets(cli):
+    """Each paragraph of a command's help fills its lines at 80 columns (typer kept the
+    docstring's line breaks: "every rank" then "rank" alone on a line), and `[rank N]`
+    is shown, not taken for rich markup."""
+    for path, _ in _commands():
+        out = cli(*path, "--help", COLUMNS="80").stdout
+        prose = out.split("\u256d", 1)[0].splitlines()[3:]  # after the usage, before a box
+        paragraphs: list[list[str]] = [[]]
+        for line in prose:
+            if line.strip():
+                paragraphs[-1].append(line.strip())
+            else:
+                paragraphs.append([])
+        for para in paragraphs:
+            for line, after in itertools.pairwise(para):
+                # greedy wrapping: the next line's first word did not fit on this one
+                assert len(line) + 1 + len(after.split()[0]) > 78 - 2, (path, line, after)
+    assert "are marked [rank N]" in cli("tail", "--help", COLUMNS="80").stdout.replace("\n ", " ")
 
 
 def test_registered_commands_are_known_to_the_fallthrough():
