@@ -179,6 +179,8 @@ def ratios(rows: list[dict[str, object]], env: dict[str, str]) -> None:
         "floor: sidecars + last 100 lines of every shard, orjson": [sys.executable, "-c", FLOOR,
                                                                      str(run)],
         "`expr summary --json`": [*EXPR, "summary", "big", "--json"],
+        "`expr summary -m loss --json` (step rows)": [*EXPR, "summary", "big", "-m", "loss",
+                                                      "--json"],
         "`expr shards`": [*EXPR, "shards", "big"],
         "`expr watch --once --json`": [*EXPR, "watch", "big", "--once", "--json"],
         "`expr top --once --json`": [*EXPR, "top", "big", "--once", "--json"],

@@ -100,37 +100,9 @@ def load_row_table(
     """The numeric `keys` of each shard's step rows (ordinary `et.log` metrics) from about
     step `lo` on, as a table of that shard's rank (issue 11: `--metric loss`); with
     `prefix`, every key starting with it instead (`--spans`: `time_ms/`)."""
-    from expr_tracker.stats.reduce import collect
-    from expr_tracker.store import records
-    from expr_tracker.store.window import window_start
+    from expr_tracker.stats.steprows import row_table
 
-    garbage: dict[str, int] = {}
-    marks = [b'"' + k.encode() + b'"' for k in keys] if prefix is None else [b'"' + prefix.encode()]
-
-    def rows() -> Iterator[dict[str, Any]]:
-        for shard in shards:
-            bad = 0
-            with open(shard.path, "rb") as fh:
-                start = window_start(fh, lo) if lo is not None else 0
-                for _, data in records.complete_blocks(fh, _BLOCK, start):
-                    for _, line in records.iter_lines(data):
-                        if not any(m in line for m in marks):
-                            continue
-                        try:
-                            rec = records.loads(line)
-                        except ValueError:
-                            bad += 1
-                            continue
-                        if type(rec) is not dict or rec.get("_kind") is not None:
-                            continue
-                        picked = ({k: rec[k] for k in keys if k in rec} if prefix is None
-                                  else {k: v for k, v in rec.items() if k.startswith(prefix)})
-                        yield {"_kind": "rank", "_step": rec.get("_step"), "_rank": shard.rank,
-                               "_world_size": world, **picked}
-            if bad:
-                garbage[shard.path.name] = bad
-
-    return collect(rows()), garbage
+    return row_table([(s.path, s.rank) for s in shards], keys, lo, world, prefix)
 
 
 def last_rows(shards: list[ShardRef], garbage: dict[str, int]) -> list[dict[str, Any]]:

@@ -202,3 +202,26 @@ def test_robust_scores_read_as_numbers() -> None:
     assert _fmt_robust(2570.4) == "+2570"
     assert _fmt_robust(-13.42) == "-13.4"
     assert _fmt_robust(None) == "MAD 0"
+
+
+def test_rank_records_long_ago_do_not_hide_the_step_rows_at_the_frontier(cli, tmp_path, monkeypatch):
+    """Ranks that logged rank records at their first steps only, and step rows since: the
+    default summary reduces the step rows at the frontier (it read every shard whole for
+    the old rank records, and showed step 4); a rank-record key asked for is still found."""
+    import expr_tracker as et
+
+    for rank in range(3):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "3")
+        run = et.init("p", "early", dir=tmp_path, system_metrics=False)
+        for step in range(200):
+            if step < 5:
+                run.log_rank_metrics({"grad": 1.0 + rank}, step=step)
+            et.log({"loss": 2.0 + rank})
+        et.finish()
+    view = json.loads(cli("summary", "p/early", "--dir", str(tmp_path), "--json").stdout)
+    assert view["step"] == 199 and [i["key"] for i in view["keys"]] == ["loss"]
+    assert view["keys"][0]["source"] == "step rows" and view["keys"][0]["stats"]["n"] == 3
+    grad = json.loads(cli("summary", "p/early", "--dir", str(tmp_path), "-m", "grad", "--json").stdout)
+    assert grad["step"] == 4 and grad["keys"][0]["source"] == "rank records"
+    assert grad["keys"][0]["stats"]["mean"] == 2.0

@@ -139,3 +139,23 @@ def test_window_start_finds_the_first_line_of_a_recent_window() -> None:
             assert all(s < lo for s in steps[:k])  # never cuts off a line of the window
             if block >= 64:  # blocks that hold whole lines: exactly the window
                 assert all(s >= lo for s in steps[k:]), (lo, block)
+
+
+def test_step_rows_alone_are_told_apart_without_a_loop_and_garbage_still_counted() -> None:
+    """A block without rank records: no records and no garbage when every line is an
+    object (counted in C), else the careful path's count, as before."""
+    from expr_tracker.stats.scan import _parse_lines, parse_rank_lines
+
+    bodies = [
+        b'{"_step":1,"loss":1.0}\n{"_step":2,"loss":2.0}\n',
+        b'{"_step":1,"loss":1.0}\nnot json\n{"_step":2}\n',
+        b'  {"_step":1}  \n\n{"_step":2}\n',
+        b'{"_step":1}\n{"a":"}\\n{"}\n',
+        b'{"_step":1}\n{\n}\n',
+        b"",
+    ]
+    for body in bodies:
+        lines = body.split(b"\n")
+        lines.pop()
+        assert parse_rank_lines(body) == _parse_lines(lines), body
+    assert parse_rank_lines(bodies[1]) == ([], 1)

@@ -13,6 +13,7 @@ from expr_cli import layout
 from expr_cli.errors import CLIError
 from expr_cli.resolve import (
     RunRef,
+    ShardRef,
     parse_metrics,
     shards_of,
     stream_label,
@@ -335,6 +336,14 @@ def build_view(
 
 
 @paused_gc()
+def _rows_answer(shards: list[ShardRef], asked: list[str]) -> bool:
+    """Whether the step rows hold the keys asked (by default: any), by the last rows of
+    a few shards (`step_row_keys`), so that a run without rank records in its recent steps
+    is not read whole for them."""
+    keys, spans = step_row_keys(shards)
+    return set(asked) <= {*keys, *spans} if asked else bool(keys)
+
+
 def summary_data(
     ref: RunRef,
     stream: str | None,
@@ -378,12 +387,22 @@ def summary_data(
             and window is None else None  # (started before the live state was read)
         state, lo, scans = read_window(ref.path, stream, shards, step, window, state, job)
         table, garbage, worlds = load_table(shards, lo, scans)
-        if lo is not None and not table.steps and state.frontier is not None:
-            table, garbage, worlds = load_table(shards, None)  # sparse rank records: read it all
         if memo is not None:
             memo[("table", step, window)] = (lo, table, dict(garbage), worlds)
     assert state is not None
     asked = [*(wanted or ()), *([heatmap_key] if heatmap_key else [])]
+    if lo is not None and not table.steps and state.frontier is not None and not (
+            step is None and window is None and _rows_answer(shards, asked)):
+        # sparse rank records (every 100th step, or system metrics alone), or a step or
+        # window asked without them: the rank records of the whole shards; not at the
+        # frontier of a run whose step rows hold what was asked (a run that logs with
+        # et.log only was read whole)
+        full = memo.get(("all", step, window)) if memo is not None else None
+        if full is None:
+            full = load_table(shards, None)
+            if memo is not None:
+                memo[("all", step, window)] = full
+        table, garbage, worlds = full[0], dict(full[1]), full[2]
     have = set(table.keys)
     row_keys = {k for k in asked if k not in have}
     rows = None

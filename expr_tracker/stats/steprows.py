@@ -1,0 +1,209 @@
+"""Step rows (`et.log` metrics) of many shards as one `RankTable`, each shard's rows under its
+rank (issue 11: `expr summary -m loss`; the default summary of a job that logs no rank records).
+
+A block of whole lines is parsed by one `orjson.loads` (`records.loads_block`) and each key's
+values are taken from its records with C-level `map` calls: no Python runs per value where
+a key holds numbers, as it does at almost every step. What is not that (text, booleans,
+nulls, non-finite text, a step that is not an int) goes value by value, by the rules of
+`ranktable.collect`; a block that is not one JSON object per line goes line by line, the
+lines naming none of the keys left unparsed and uncounted, as `expr summary` always has.
+`tests/test_steprows.py` holds both to `collect` of the records the line-by-line reader made.
+"""
+
+from __future__ import annotations
+
+import os
+from array import array
+from collections.abc import Collection, Sequence
+from functools import partial
+from itertools import compress, repeat
+from operator import contains, is_
+from typing import Any
+
+from expr_tracker.gcpause import paused_gc
+from expr_tracker.stats.ranktable import _MAX_RANKS, RankTable
+from expr_tracker.store import records
+from expr_tracker.store.window import window_start
+
+_BLOCK = 4 << 20  # bytes parsed at a time: bounds the records held in memory
+_NONFINITE = records.DECODE_NONFINITE
+_get = dict.get
+_FLOATS = frozenset((float,))
+_NUMBERS = frozenset((float, int))
+
+
+class _Rows:
+    """key -> rank -> step -> value and rank -> step -> weight, as `collect` builds them."""
+
+    def __init__(self) -> None:
+        self.cols: dict[str, dict[int, dict[int, float]]] = {}
+        self.weights: dict[int, dict[int, float]] = {}
+        self.skipped = 0
+
+    def add(self, rank: int, recs: list[dict[str, Any]], keys: Collection[str],
+            prefix: str | None) -> None:
+        """The step rows among `recs` (records of one shard, file order) under `rank`: each
+        row holding one of `keys` (or a key starting with `prefix`) gives the step a weight
+        of 1.0, and each number of those keys its value (later rows win)."""
+        kinds = list(map(_get, recs, repeat("_kind")))
+        if kinds.count(None) != len(recs):
+            recs = list(compress(recs, map(is_, kinds, repeat(None))))
+        if not recs:
+            return
+        if prefix is not None:
+            keys = sorted(k for k in set().union(*recs) if k.startswith(prefix))
+        if not keys:
+            return
+        steps: list[Any] = list(map(_get, recs, repeat("_step")))
+        if set(map(type, steps)) != {int}:
+            # (`collect` skips a record without an int step, once per record)
+            good = [s.__class__ is int for s in steps]
+            held = [any(k in r for k in keys) for r in recs]
+            self.skipped += sum(h and not g for g, h in zip(good, held, strict=True))
+            recs = list(compress(recs, good))
+            steps = list(compress(steps, good))
+            if not recs:
+                return
+        holds = [list(map(contains, recs, repeat(k))) for k in keys]
+        held = holds[0] if len(holds) == 1 else [any(h) for h in zip(*holds, strict=True)]
+        seen = dict.fromkeys(compress(steps, held), 1.0)
+        if not seen:
+            return
+        self.weights.setdefault(rank, {}).update(seen)
+        for key, has in zip(keys, holds, strict=True):
+            values = list(map(_get, compress(recs, has), repeat(key)))
+            if values:
+                self._add_values(key, rank, list(compress(steps, has)), values)
+
+    def _add_values(self, key: str, rank: int, steps: Sequence[int], values: list[Any]) -> None:
+        types = set(map(type, values))
+        if not types <= _FLOATS:
+            if str in types:
+                values = [_NONFINITE.get(x, x) if x.__class__ is str else x for x in values]
+                types = set(map(type, values))
+            if not types <= _NUMBERS:
+                # text, booleans, null, lists: only the numbers count (`collect`)
+                keep = [v.__class__ is float or v.__class__ is int for v in values]
+                steps = list(compress(steps, keep))
+                values = list(compress(values, keep))
+                if not values:
+                    return
+            if int in types:
+                values = list(map(float, values))
+        col = self.cols.setdefault(key, {}).get(rank)
+        if col is None:
+            self.cols[key][rank] = dict(zip(steps, values, strict=True))
+        else:
+            col.update(zip(steps, values, strict=True))
+
+
+def _line_records(data: bytes, marks: Sequence[bytes]) -> tuple[list[dict[str, Any]], int]:
+    """The records of the lines of `data` naming one of `marks`, parsed one by one (bare
+    NaN tokens accepted), and how many of those did not parse."""
+    out: list[dict[str, Any]] = []
+    bad = 0
+    for _, line in records.iter_lines(data):
+        if not any(m in line for m in marks):
+            continue
+        try:
+            rec = records.loads(line)
+        except ValueError:
+            bad += 1
+            continue
+        if rec.__class__ is dict:
+            out.append(rec)
+    return out, bad
+
+
+# what one shard gives: its file name, unparseable lines, skipped rows, the steps of its
+# rows (a weight of 1.0 each) and per key the steps and values; arrays where they fit
+# (sent back from a worker process at a fraction of a dict's pickling)
+_Part = tuple[str, int, int, Any, dict[str, tuple[Any, Any]]]
+
+
+def _read_shard(path: str, rank: int, keys: Collection[str], lo: int | None,
+                prefix: str | None) -> _Part:
+    rows = _Rows()
+    marks = [b'"' + k.encode() + b'"' for k in keys] if prefix is None else [b'"' + prefix.encode()]
+    bad = 0
+    with open(path, "rb") as fh:
+        start = window_start(fh, lo) if lo is not None else 0
+        for _, data in records.complete_blocks(fh, _BLOCK, start):
+            recs = records.loads_block(data)  # (non-finite text: decoded per key)
+            if recs is None:  # a torn or foreign line, bare NaN: line by line
+                recs, n_bad = _line_records(data, marks)
+                bad += n_bad
+            rows.add(rank, recs, keys, prefix)
+    seen = rows.weights.get(rank, {})
+    cols = {key: (by_rank[rank].keys(), by_rank[rank].values()) for key, by_rank in rows.cols.items()}
+    try:
+        steps: Any = array("q", seen)
+        cols = {key: (array("q", ks), array("d", vs)) for key, (ks, vs) in cols.items()}
+    except OverflowError:  # a step past int64: as they are
+        steps = list(seen)
+        cols = {key: (list(ks), list(vs)) for key, (ks, vs) in cols.items()}
+    return os.path.basename(path), bad, rows.skipped, steps, cols
+
+
+def _read_shards(items: list[tuple[str, int]], keys: Collection[str], lo: int | None,
+                 prefix: str | None) -> list[_Part]:
+    return [_read_shard(path, rank, keys, lo, prefix) for path, rank in items]
+
+
+def row_table(
+    shards: Sequence[tuple[str | os.PathLike[str], int]],
+    keys: Collection[str],
+    lo: int | None,
+    world: int,
+    prefix: str | None = None,
+) -> tuple[RankTable, dict[str, int]]:
+    """The numeric `keys` of the step rows of each (path, rank) in `shards` from about step
+    `lo` on, as a table of that rank, and the lines that did not parse per file name; with
+    `prefix`, every key starting with it instead (`expr summary --spans`: `time_ms/`).
+
+    Shards of many ranks are read in worker processes too (`parallel.iter_forked`), when
+    what they would read is worth the start (`parallel.PARALLEL_BYTES`)."""
+    from expr_tracker.stats import parallel
+
+    items = [(os.fspath(p), r) for p, r in shards]
+    read = partial(_read_shards, keys=tuple(keys), lo=lo, prefix=prefix)
+    expected = len(items) * _WINDOW_BYTES if lo is not None else sum(map(_size, items))
+    parts: list[_Part | None] = [None] * len(items)
+    if len(items) > 1 and expected >= parallel.PARALLEL_BYTES:
+        with paused_gc():
+            for where, got in parallel.iter_forked(read, items):
+                for i, part in zip(where, got, strict=True):
+                    parts[i] = part
+    else:
+        parts[:] = read(items)
+    cols: dict[str, dict[int, dict[int, float]]] = {}
+    weights: dict[int, dict[int, float]] = {}
+    garbage: dict[str, int] = {}
+    skipped = 0
+    for (_, rank), part in zip(items, parts, strict=True):  # in order: later shards win
+        assert part is not None
+        name, bad, n_skipped, steps, by_key = part
+        if bad:
+            garbage[name] = bad
+        skipped += n_skipped
+        if steps:
+            weights.setdefault(rank, {}).update(dict.fromkeys(steps, 1.0))
+        for key, (ks, vs) in by_key.items():
+            col = cols.setdefault(key, {}).get(rank)
+            if col is None:
+                cols[key][rank] = dict(zip(ks, vs, strict=True))
+            else:
+                col.update(zip(ks, vs, strict=True))
+    # (`collect` took the world size from the records: none, or one past the cap, is 0)
+    world = world if weights and world <= _MAX_RANKS else 0
+    return RankTable(cols, weights, world, skipped), garbage
+
+
+_WINDOW_BYTES = 50 * 256  # what the tail of a shard from `lo` holds, about (50 steps)
+
+
+def _size(item: tuple[str, int]) -> int:
+    try:
+        return os.path.getsize(item[0])
+    except OSError:
+        return 0
