@@ -135,13 +135,14 @@ def _read_shard(path: str, rank: int, keys: Collection[str], lo: int | None,
                 bad += n_bad
             rows.add(rank, recs, keys, prefix)
     seen = rows.weights.get(rank, {})
-    cols = {key: (by_rank[rank].keys(), by_rank[rank].values()) for key, by_rank in rows.cols.items()}
+    mine = {key: by_rank[rank] for key, by_rank in rows.cols.items()}
+    cols: dict[str, tuple[Any, Any]]
     try:
         steps: Any = array("q", seen)
-        cols = {key: (array("q", ks), array("d", vs)) for key, (ks, vs) in cols.items()}
+        cols = {key: (array("q", col), array("d", col.values())) for key, col in mine.items()}
     except OverflowError:  # a step past int64: as they are
         steps = list(seen)
-        cols = {key: (list(ks), list(vs)) for key, (ks, vs) in cols.items()}
+        cols = {key: (list(col), list(col.values())) for key, col in mine.items()}
     return os.path.basename(path), bad, rows.skipped, steps, cols
 
 
@@ -171,8 +172,8 @@ def row_table(
     parts: list[_Part | None] = [None] * len(items)
     if len(items) > 1 and expected >= parallel.PARALLEL_BYTES:
         with paused_gc():
-            for where, got in parallel.iter_forked(read, items):
-                for i, part in zip(where, got, strict=True):
+            for where, done in parallel.iter_forked(read, items):
+                for i, part in zip(where, done, strict=True):
                     parts[i] = part
     else:
         parts[:] = read(items)
@@ -180,9 +181,9 @@ def row_table(
     weights: dict[int, dict[int, float]] = {}
     garbage: dict[str, int] = {}
     skipped = 0
-    for (_, rank), part in zip(items, parts, strict=True):  # in order: later shards win
-        assert part is not None
-        name, bad, n_skipped, steps, by_key = part
+    for (_, rank), read_part in zip(items, parts, strict=True):  # in order: later shards win
+        assert read_part is not None
+        name, bad, n_skipped, steps, by_key = read_part
         if bad:
             garbage[name] = bad
         skipped += n_skipped
