@@ -10,9 +10,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from expr_tracker.stats import parallel
 from expr_tracker.stats.ranktable import RankTable, collect
 from expr_tracker.stats.steprows import row_table
 from expr_tracker.store import records
@@ -75,7 +77,7 @@ def _write(path: Path, lines: list[str]) -> None:
     path.write_text("".join(line + "\n" for line in lines))
 
 
-def test_odd_rows_give_the_old_readers_table(tmp_path: Path) -> None:
+def test_odd_rows_give_the_old_readers_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Ints, NaN and infinities as text, bare NaN tokens, booleans, text, nulls, keys that
     come and go, a repeated step, rank records among the rows, a line that does not parse,
     a step that is not an int, a torn last line; several ranks."""
@@ -104,6 +106,11 @@ def test_odd_rows_give_the_old_readers_table(tmp_path: Path) -> None:
             _same(row_table(shards, keys, lo, 4), _old_table(shards, keys, lo, 4))
     _same(row_table(shards, set(), None, 3, prefix="time_ms/"),
           _old_table(shards, set(), None, 3, prefix="time_ms/"))
+    # read in worker processes (as for thousands of ranks): the same table, shards in order
+    monkeypatch.setattr(parallel, "PARALLEL_BYTES", 0)
+    many = shards * 3
+    _same(row_table(many, {"loss", "lr"}, None, 4), _old_table(many, {"loss", "lr"}, None, 4))
+    monkeypatch.undo()
     table, garbage = row_table(shards, {"loss"}, None, 4)
     assert garbage == {"metrics.rank1.jsonl": 1}
     assert table.values("loss", 3) == {0: 1.25}  # the later row of step 3 wins
