@@ -335,7 +335,6 @@ def build_view(
     return view
 
 
-@paused_gc()
 def _rows_answer(shards: list[ShardRef], asked: list[str]) -> bool:
     """Whether the step rows hold the keys asked (by default: any), by the last rows of
     a few shards (`step_row_keys`), so that a run without rank records in its recent steps
@@ -344,6 +343,7 @@ def _rows_answer(shards: list[ShardRef], asked: list[str]) -> bool:
     return set(asked) <= {*keys, *spans} if asked else bool(keys)
 
 
+@paused_gc()
 def summary_data(
     ref: RunRef,
     stream: str | None,
