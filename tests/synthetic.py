@@ -31,11 +31,13 @@ def write_run(
     status: str = "running",
     noisy: int | None = None,
     weights: dict[int, float] | None = None,
+    rank_records: bool = True,
 ) -> Path:
     """Write `world` shards of `steps` steps each into `run_dir`; rank `straggler` has a
     `slow`x step time, rank `crashed` stopped half-way with an exception, rank `noisy` a
     step time of the same mean that swings +-40% from step to step; `weights` gives some
-    ranks a `_weight` other than 1."""
+    ranks a `_weight` other than 1. Without `rank_records`, step rows alone (a job that
+    logs with `et.log` only), the straggler's rows `slow`x further apart."""
     run_dir.mkdir(parents=True, exist_ok=True)
     name, project = run_dir.name, run_dir.parent.name
     for r in range(world):
@@ -51,6 +53,10 @@ def write_run(
             if r == noisy:
                 st = round(st * (1.4 if s % 2 else 0.6), 6)
             loss = round(2.0 / (s + 1) + 0.3 + 0.0001 * (r % 13), 6)
+            if not rank_records:
+                parts.append(f'{{"_step":{s},"_time":{T0 + s * factor},"loss":{loss},'
+                             f'"tokens":{4096 * (s + 1)}}}\n')
+                continue
             parts.append(f'{{"_step":{s},"_time":{t},"loss":{loss},"tokens":{4096 * (s + 1)}}}\n'
                          f'{{"_kind":"rank","_step":{s},"_time":{t + 0.5},"_rank":{r},'
                          f'"_world_size":{world},"_local_rank":{r % PER_NODE},"_weight":{weight},'
@@ -63,7 +69,8 @@ def write_run(
             "version": 1, "project": project, "name": name, "stream": None, "rank": r,
             "world_size": world, "local_rank": r % PER_NODE, "session": f"s{r}",
             "rank_aware": True, "config": {}, "host": host_of(r), "pid": 1_000_000 + r,
-            "cursor": {"bytes": len(body), "rows": 2 * last, "last_step": last - 1,
+            "cursor": {"bytes": len(body), "rows": (2 if rank_records else 1) * last,
+                       "last_step": last - 1,
                        "next_step": last, "applied": {}},
             "status": st_status, "start_time": T0, "end_time": None if st_status == "running" else T0 + last,
             "last_write": T0 + last,
