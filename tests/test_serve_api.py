@@ -32,8 +32,11 @@ SECRET = "top-secret-4417"
 
 @pytest.fixture
 def root(cli_root: Path) -> Path:
-    """The CLI test runs plus proj/four: 4 ranks, rank 2 a 1.6x straggler, finished."""
+    """The CLI test runs plus proj/four: 4 ranks, rank 2 a 1.6x straggler, finished; and
+    proj/rows, the same logging step rows only."""
     write_run(cli_root / "proj" / "four", 4, 60, straggler=2, status="finished")
+    write_run(cli_root / "proj" / "rows", 4, 60, straggler=2, status="finished",
+              rank_records=False)
     return cli_root.resolve()
 
 
@@ -64,7 +67,7 @@ def test_runs_are_the_cli_runs_with_their_open_incidents(cli: Any, client: TestC
     assert "proj/four" in {f"{r['project']}/{r['name']}" for r in got}
 
 
-@pytest.mark.parametrize("run", ["four", "run-1"])
+@pytest.mark.parametrize("run", ["four", "run-1", "rows"])
 def test_summary_is_expr_summary_json(cli: Any, client: TestClient, run: str) -> None:
     want = cli_json(cli, "summary", f"proj/{run}")
     got = api(client, f"/api/runs/proj/{run}/summary")
@@ -75,6 +78,9 @@ def test_summary_is_expr_summary_json(cli: Any, client: TestClient, run: str) ->
     assert chart["key"] == first["key"] and chart["step"][-1] == want["step"]
     assert chart["mean"][-1] == first["stats"]["mean"]
     assert chart["p95"][-1] == first["stats"]["p95"]
+    if run == "rows":  # et.log alone: its step rows, reduced across the ranks
+        assert [(k["key"], k["source"]) for k in want["keys"]] == [("loss", "step rows"),
+                                                                   ("tokens", "step rows")]
 
 
 def test_summary_of_one_metric_at_a_step_and_over_a_window(cli: Any, client: TestClient) -> None:

@@ -40,11 +40,13 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """demo/sft-1 (4 ranks, rank 2 a straggler, finished), demo/sft-2 (2 ranks, finished),
     demo/live-2 (2 ranks still training), demo/wide (WIDE synthetic ranks on WIDE/8 nodes,
     rank WIDE_SLOW a straggler), demo/mixed (4 synthetic ranks: rank 1 noisier, rank 2
-    slower and 20x heavier), served by `expr serve --port 0`."""
+    slower and 20x heavier), demo/rows (4 synthetic ranks logging step rows only), served
+    by `expr serve --port 0`."""
     root = tmp_path_factory.mktemp("serve-site") / "runs"
     write_run(root / "demo" / "wide", WIDE, 30, straggler=WIDE_SLOW, status="finished")
     write_run(root / "demo" / "mixed", 4, 40, straggler=2, noisy=1, weights={2: 20.0},
               status="finished")
+    write_run(root / "demo" / "rows", 4, 40, straggler=2, status="finished", rank_records=False)
     done = [*train(root, "sft-1", range(4), 4, "--steps", "60", "--slow-rank", "2", "--sleep", "0.005"),
             *train(root, "sft-2", range(2), 2, "--steps", "40", "--sleep", "0.005")]
     live = train(root, "live-2", range(2), 2, "--steps", "100000", "--sleep", "0.2")
@@ -122,6 +124,19 @@ def test_the_run_page_shows_the_ranks_the_straggler_the_heatmap_and_the_chart(
     (tmp_path / "serve.png").write_bytes(shot)
     if _UPDATE:
         (ROOT / "docs" / "serve.png").write_bytes(shot)
+
+
+def test_a_run_of_step_rows_only_gets_the_reducers_of_its_metrics(site: Server, page: Any) -> None:
+    """Ranks that log with et.log only: the tiles, the chart and the picker are those of
+    their step rows, from the run's first summary (`expr summary --json` reduces them)."""
+    page.goto(site.base + "/runs/demo/rows")
+    page.wait_for_selector("body[data-loaded='1']")
+    assert page.inner_text("#tile-ranks").split("\n")[1] == "4/4"
+    assert page.inner_text("#frontier") == "step 39"
+    assert [o.inner_text() for o in page.query_selector_all("#metric option")] == ["loss", "tokens"]
+    page.wait_for_selector("#chart canvas")
+    assert page.inner_text("#chart-note") == "loss, last 40 steps"
+    assert colours(page.locator("#chart").screenshot()) >= 8
 
 
 def _step(page: Any, ok: Any, within: float) -> int:
