@@ -237,10 +237,10 @@ def test_when_the_run_ends_its_incidents_resolve_and_watch_once_exits_0(tmp_path
     done = w.check(now + 2)
     assert [(i.kind, i.state, i.reason) for i in done] == [("behind", "resolved", "run ended")]
     assert _lines(run)[-1]["reason"] == "run ended"
-    from expr_cli.render.health import incident_text  # the line says why it resolved
+    from expr_cli.render.health import incident_text  # why it resolved, how long it was open
 
     text = incident_text(done[0].as_line()).plain
-    assert text.startswith("resolved behind rank 2 on node-1 step 30 (run ended): "), text
+    assert text.startswith("resolved behind rank 2 on node-1 step 30 (run ended, open 2s): "), text
     again = expr("watch", str(run), "--once", "--behind-steps", "100")
     assert again.returncode == 0, again.stdout + again.stderr
     assert "no open incidents" in again.stdout

@@ -97,6 +97,17 @@ def fmt_age(t: Any) -> str:
     return f"{int(s)}s ago"
 
 
+def fmt_span(seconds: float) -> str:
+    """A length of time: `42s`, `5m`, `1.5h`, `2d` (as the page's `age`)."""
+    if seconds < 60:
+        return f"{round(seconds)}s"
+    if seconds < 3600:
+        return f"{round(seconds / 60)}m"
+    if seconds < 86400:
+        return f"{seconds / 3600:.1f}h"
+    return f"{round(seconds / 86400)}d"
+
+
 def fmt_bytes(n: int) -> str:
     """`512 B`, `1.5 KiB`, `3.2 MiB`."""
     size = float(n)

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import _status, _table, console, fmt_num, jsonable, now
+from . import _status, _table, console, fmt_num, fmt_span, jsonable, now
 
 if TYPE_CHECKING:
     from rich.console import RenderableType
@@ -40,8 +40,15 @@ def incident_text(inc: Mapping[str, Any]) -> Any:
         line.append(f" on {', '.join(hosts[:3])}{' ...' if len(hosts) > 3 else ''}", style="dim")
     if inc.get("step") is not None:
         line.append(f" step {inc['step']}", style="dim")
-    if state == "resolved" and inc.get("reason"):
-        line.append(f" ({inc['reason']})", style="green")  # not its own detector's: "run ended"
+    if state == "resolved":
+        # why, when not its own detector ("run ended"), and how long it was open (a stall's
+        # detail tells its length when it opened: "for 12s")
+        why = [str(inc["reason"])] if inc.get("reason") else []
+        first, last = inc.get("first_seen"), inc.get("last_seen")
+        if isinstance(first, (int, float)) and isinstance(last, (int, float)) and last >= first:
+            why.append(f"open {fmt_span(last - first)}")
+        if why:
+            line.append(f" ({', '.join(why)})", style="green")
     line.append(f": {inc.get('detail') or ''}")
     return line
 

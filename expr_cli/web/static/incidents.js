@@ -1,6 +1,15 @@
 // Incidents: the open ones (`expr top`), then the resolved ones from incidents.jsonl. Kinds
 // and fields this page does not know are shown as they come (kind, ranks, detail).
-import { badge, h, ranksText, replace } from "./dom.js";
+import { age, badge, h, ranksText, replace } from "./dom.js";
+
+// why it resolved, when not its own detector ("run ended"), and how long it was open
+function resolvedWhy(inc) {
+  const why = inc.reason ? [String(inc.reason)] : [];
+  if (typeof inc.first_seen === "number" && typeof inc.last_seen === "number" && inc.last_seen >= inc.first_seen) {
+    why.push(`open ${age(inc.last_seen - inc.first_seen)}`);
+  }
+  return why.length ? h("span", { class: "muted" }, ` (${why.join(", ")})`) : null;
+}
 
 function line(inc) {
   const ranks = Array.isArray(inc.ranks) ? inc.ranks : [];
@@ -11,7 +20,7 @@ function line(inc) {
     badge(String(inc.kind)), " ", badge(inc.state || "?"), " ",
     ranks.length ? h("strong", {}, `rank${ranks.length > 1 ? "s" : ""} ${ranksText(ranks)}`) : null, hosts,
     inc.step !== null && inc.step !== undefined ? h("span", { class: "muted" }, ` at step ${inc.step}`) : null,
-    inc.state === "resolved" && inc.reason ? h("span", { class: "muted" }, ` (${inc.reason})`) : null,
+    inc.state === "resolved" ? resolvedWhy(inc) : null,
     inc.detail ? h("div", {}, String(inc.detail)) : null, root);
 }
 
