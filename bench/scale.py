@@ -203,6 +203,7 @@ def ratios(rows: list[dict[str, object]], env: dict[str, str]) -> None:
         "`expr summary --json` of a run of step rows only": [*EXPR, "--dir", str(rows_root),
                                                              "summary", "rows", "--json"],
         "`expr shards`": [*EXPR, "shards", "big"],
+        "`expr runs --json` (the root of that one run)": [*EXPR, "runs", "--json"],
         "`expr watch --once --json`": [*EXPR, "watch", "big", "--once", "--json"],
         "`expr top --once --json`": [*EXPR, "top", "big", "--once", "--json"],
     }

@@ -56,3 +56,12 @@ def test_runs_without_a_root(cli, tmp_path):
     result = cli("runs", "--dir", str(tmp_path / "nowhere"))
     assert result.exit_code == 1
     assert result.stderr == f"error: no run root at {tmp_path / 'nowhere'} (set --dir or $EXPR_DIR)\n"
+
+
+def test_runs_of_many_shards_read_in_worker_processes_agree(cli, monkeypatch):
+    """The shards of a big run are inspected in worker processes too: the same answer."""
+    from expr_cli.data import runs
+
+    alone = json.loads(cli("runs", "--json").stdout)
+    monkeypatch.setattr(runs, "PARALLEL_SHARDS", 1)
+    assert json.loads(cli("runs", "--json").stdout) == alone
