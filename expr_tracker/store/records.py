@@ -9,7 +9,6 @@ as floats. numpy scalars and 0-d tensors are unwrapped with `.item()`.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator, Mapping
 from typing import Any, BinaryIO
 
@@ -258,23 +257,12 @@ def complete_blocks(fh: BinaryIO, size: int, start: int = 0) -> Iterator[tuple[i
     About `size` bytes at a time; an unterminated last line (a writer mid-append, or a
     torn tail) is never yielded.
     """
-    # each read asks for what the file holds (and 64 KiB past it: lines appended
-    # meanwhile), not `size`: a read of 4 MiB allocates 4 MiB for the 14 KiB of a
-    # shard's tail, 30 us a shard (half of reading 16,384 tails)
-    left = size
-    fileno = getattr(fh, "fileno", None)
-    if fileno is not None:
-        try:
-            left = os.fstat(fileno()).st_size - start
-        except (OSError, ValueError):
-            pass
     fh.seek(start)
     pos, carry = start, b""
     while True:
-        block = fh.read(min(size, max(left, 1 << 16)))
+        block = fh.read(size)
         if not block:
             return
-        left -= len(block)
         data = carry + block
         end = data.rfind(b"\n") + 1
         if end:
