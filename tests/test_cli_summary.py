@@ -142,6 +142,14 @@ def test_ranks_that_log_step_rows_only_are_reduced_across_ranks(cli, cli_root, m
     assert loss["stats"]["n"] == world and math.isclose(loss["stats"]["mean"], xs.mean())
     assert math.isclose(loss["stats"]["p50"], float(np.percentile(xs, 50)))
     assert [o["rank"] for o in loss["outliers"]] == [3]
+    # the heatmap of one of them, with the tables of all; a window, a step
+    heat = json.loads(cli("summary", "p/rows", "--heatmap", "loss", "--json").stdout)
+    assert [i["key"] for i in heat["keys"]] == ["loss", "lr"] and heat["heatmap"]["key"] == "loss"
+    assert len(heat["heatmap"]["cells"]) == world
+    window = json.loads(cli("summary", "p/rows", "--steps", "10:40", "-m", "loss", "--json").stdout)
+    assert window["steps"] == [10, 40] and window["keys"][0]["stats"]["n"] == world
+    at = json.loads(cli("summary", "p/rows", "--step", "30", "--json").stdout)
+    assert at["step"] == 30 and [i["key"] for i in at["keys"]] == ["loss", "lr"]
     # one rank's step rows: its last values, as before
     assert "has no rank records" in cli("summary", "run-2").stdout
 

@@ -392,10 +392,10 @@ def summary_data(
     assert state is not None
     asked = [*(wanted or ()), *([heatmap_key] if heatmap_key else [])]
     if lo is not None and not table.steps and state.frontier is not None and not (
-            step is None and window is None and _rows_answer(shards, asked)):
+            (asked or (step is None and window is None)) and _rows_answer(shards, asked)):
         # sparse rank records (every 100th step, or system metrics alone), or a step or
-        # window asked without them: the rank records of the whole shards; not at the
-        # frontier of a run whose step rows hold what was asked (a run that logs with
+        # window asked without them: the rank records of the whole shards; not when the
+        # step rows hold the keys asked (or, at the frontier, any: a run that logs with
         # et.log only was read whole)
         full = memo.get(("all", step, window)) if memo is not None else None
         if full is None:
@@ -422,16 +422,17 @@ def summary_data(
     user_keys = [k for k in table.keys if not is_system(k)]
     defaults: list[str] = []
     span_keys: list[str] = []
-    if rows is None and not asked and not user_keys and len({s.rank for s in shards}) > 1:
+    if not wanted and not user_keys and len({s.rank for s in shards}) > 1:
         # ranks that log with et.log only: their step rows are what to reduce (a shard's
-        # last values each would be a table per rank, 16,384 of them)
+        # last values each would be a table per rank, 16,384 of them); with the heatmap's
+        # key, if it is one of theirs
         defaults, span_keys = step_row_keys(shards)
         if defaults:
             world = max(table.world_size, state.world_size or 0)
-            rows, bad = load_row_table(shards, set(defaults), lo, world)
+            rows, bad = load_row_table(shards, {*defaults, *row_keys}, lo, world)
             garbage.update(bad)
             defaults = [k for k in defaults if k in set(rows.keys)]
-            row_keys = set(defaults)
+            row_keys = {*defaults, *row_keys}
     # system metrics alone do not make rank records of a run that logs none
     records_asked = bool(user_keys) or any(is_system(k) for k in asked)
     primary: Table = table if (table.steps and records_asked) or rows is None else rows
