@@ -201,3 +201,17 @@ def test_watch_spool_mode_with_exprd_watching(tmp_path: Path, job: Any, httpserv
         _check_job(run, _config(tmp_path / "alert.toml", url), httpserver)
     finally:
         assert stop(daemon) == 0
+
+
+def test_an_incident_of_thousands_of_scattered_ranks_is_one_short_line() -> None:
+    """500 nodes that never started (8 ranks each, every other node): the line counts the
+    ranks and cuts their list after a whole range, where it was 4,000 characters long."""
+    from expr_cli.render.health import incident_text
+
+    ranks = [r for node in range(0, 8000, 16) for r in range(node, node + 8)]
+    text = incident_text({"kind": "missing", "state": "open", "ranks": ranks, "hosts": [],
+                          "step": None, "detail": "no shard after 10m"}).plain
+    assert text == "missing 4,000 ranks (0-7,16-23,32-39,48-55,64-71,...): no shard after 10m"
+    whole = incident_text({"kind": "crashed", "ranks": list(range(16384)), "hosts": ["gpu-0"],
+                           "step": 3, "detail": "x"}).plain
+    assert whole == "crashed ranks 0-16383 on gpu-0 step 3: x"

@@ -24,9 +24,14 @@ def _ranks_text(ranks: Sequence[int]) -> str:
     return compact_ranks(list(ranks))
 
 
+INCIDENT_RANKS = 48  # characters of an incident's list of ranks before it is counted and cut
+
+
 def incident_text(inc: Mapping[str, Any]) -> Any:
     """One incident as a line of text: state, kind, ranks (and hosts), detail."""
     from rich.text import Text
+
+    from expr_cli.resolve import ranks_phrase
 
     state = str(inc.get("state") or "open")
     kind = str(inc.get("kind"))
@@ -34,7 +39,9 @@ def incident_text(inc: Mapping[str, Any]) -> Any:
     line.append("resolved " if state == "resolved" else "", style="green")
     line.append(kind, style="dim" if state == "resolved" else KIND_STYLE.get(kind, "bold"))
     ranks = inc.get("ranks") or []
-    line.append(f" rank{'s' if len(ranks) != 1 else ''} {_ranks_text(ranks)}")
+    # (missing ranks of 500 nodes that never started: one range each, thousands of
+    # characters; `--json` has them all)
+    line.append(f" {ranks_phrase(list(ranks), INCIDENT_RANKS)}")
     hosts = inc.get("hosts") or []
     if hosts:
         line.append(f" on {', '.join(hosts[:3])}{' ...' if len(hosts) > 3 else ''}", style="dim")
