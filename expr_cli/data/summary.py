@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from expr_cli import layout
 from expr_cli.errors import CLIError
 from expr_cli.resolve import (
     RunRef,
-    ShardRef,
     parse_metrics,
     shards_of,
     stream_label,
@@ -335,11 +335,11 @@ def build_view(
     return view
 
 
-def _rows_answer(shards: list[ShardRef], asked: list[str]) -> bool:
+def _rows_answer(sampled: tuple[list[str], list[str]], asked: list[str]) -> bool:
     """Whether the step rows hold the keys asked (by default: any), by the last rows of
-    a few shards (`step_row_keys`), so that a run without rank records in its recent steps
-    is not read whole for them."""
-    keys, spans = step_row_keys(shards)
+    a few shards (`sampled`: `step_row_keys`), so that a run without rank records in its
+    recent steps is not read whole for them."""
+    keys, spans = sampled
     return set(asked) <= {*keys, *spans} if asked else bool(keys)
 
 
@@ -391,8 +391,9 @@ def summary_data(
             memo[("table", step, window)] = (lo, table, dict(garbage), worlds)
     assert state is not None
     asked = [*(wanted or ()), *([heatmap_key] if heatmap_key else [])]
+    sampled = cache(lambda: step_row_keys(shards))  # (8 shards' last rows, read once)
     if lo is not None and not table.steps and state.frontier is not None and not (
-            (asked or (step is None and window is None)) and _rows_answer(shards, asked)):
+            (asked or (step is None and window is None)) and _rows_answer(sampled(), asked)):
         # sparse rank records (every 100th step, or system metrics alone), or a step or
         # window asked without them: the rank records of the whole shards; not when the
         # step rows hold the keys asked (or, at the frontier, any: a run that logs with
@@ -405,19 +406,6 @@ def summary_data(
         table, garbage, worlds = full[0], dict(full[1]), full[2]
     have = set(table.keys)
     row_keys = {k for k in asked if k not in have}
-    rows = None
-    if row_keys:
-        # keys logged with et.log: each rank's step rows (issue 11)
-        world = max(table.world_size, state.world_size or 0)
-        rows, bad = load_row_table(shards, row_keys, lo, world)
-        garbage.update(bad)
-        if any(k not in set(rows.keys) for k in row_keys):
-            raise unknown_metrics(asked, have | set(rows.keys))
-    warnings = []
-    if garbage:
-        where = ", ".join(f"{f}: {n}" for f, n in sorted(garbage.items()))
-        n = sum(garbage.values())
-        warnings.append(f"skipped {n} line{'s' if n != 1 else ''} that did not parse ({where})")
     system_keys = [k for k in table.keys if is_system(k)]
     user_keys = [k for k in table.keys if not is_system(k)]
     defaults: list[str] = []
@@ -426,13 +414,23 @@ def summary_data(
         # ranks that log with et.log only: their step rows are what to reduce (a shard's
         # last values each would be a table per rank, 16,384 of them); with the heatmap's
         # key, if it is one of theirs
-        defaults, span_keys = step_row_keys(shards)
-        if defaults:
-            world = max(table.world_size, state.world_size or 0)
-            rows, bad = load_row_table(shards, {*defaults, *row_keys}, lo, world)
-            garbage.update(bad)
-            defaults = [k for k in defaults if k in set(rows.keys)]
-            row_keys = {*defaults, *row_keys}
+        defaults, span_keys = sampled()
+    rows = None
+    if row_keys or defaults:
+        # keys logged with et.log: each rank's step rows (issue 11), read once for both
+        world = max(table.world_size, state.world_size or 0)
+        rows, bad = load_row_table(shards, {*row_keys, *defaults}, lo, world)
+        garbage.update(bad)
+        found = set(rows.keys)
+        if any(k not in found for k in row_keys):
+            raise unknown_metrics(asked, have | found)
+        defaults = [k for k in defaults if k in found]
+        row_keys.update(defaults)
+    warnings = []
+    if garbage:
+        where = ", ".join(f"{f}: {n}" for f, n in sorted(garbage.items()))
+        n = sum(garbage.values())
+        warnings.append(f"skipped {n} line{'s' if n != 1 else ''} that did not parse ({where})")
     # system metrics alone do not make rank records of a run that logs none
     records_asked = bool(user_keys) or any(is_system(k) for k in asked)
     primary: Table = table if (table.steps and records_asked) or rows is None else rows
