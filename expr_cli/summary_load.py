@@ -102,7 +102,8 @@ def load_row_table(
     `prefix`, every key starting with it instead (`--spans`: `time_ms/`)."""
     from expr_tracker.stats.steprows import row_table
 
-    return row_table([(s.path, s.rank) for s in shards], keys, lo, world, prefix)
+    expected = None if lo is None else len(shards) * COVERAGE_STEPS * _TAIL_GUESS
+    return row_table([(s.path, s.rank) for s in shards], keys, lo, world, prefix, expected)
 
 
 def last_rows(shards: list[ShardRef], garbage: dict[str, int]) -> list[dict[str, Any]]:

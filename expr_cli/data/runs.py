@@ -205,12 +205,8 @@ def runs_data(root: Path) -> list[dict[str, Any]]:
         if len(shards) < PARALLEL_SHARDS:
             rows = _inspect_all(shards)
         else:
-            got: list[dict[str, Any] | None] = [None] * len(shards)
             with paused_gc():
-                for where, done in parallel.iter_forked(_inspect_all, shards):
-                    for i, row in zip(where, done, strict=True):
-                        got[i] = row
-            rows = [row for row in got if row is not None]
+                rows = parallel.map_forked(_inspect_all, shards)
         out.append(run_row(r.label, str(r.path), rows))
     return out
 

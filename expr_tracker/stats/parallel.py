@@ -348,6 +348,16 @@ def iter_forked(fn: Callable[[list[T]], list[R]], items: Sequence[T],
         yield piece, fn([items[i] for i in piece])
 
 
+def map_forked(fn: Callable[[list[T]], list[R]], items: Sequence[T],
+               max_workers: int = MAX_WORKERS) -> list[R]:
+    """`fn` over `items` as `iter_forked` shares it out, the results in `items`' order."""
+    out: list[Any] = [None] * len(items)
+    for where, done in iter_forked(fn, items, max_workers):
+        for i, result in zip(where, done, strict=True):
+            out[i] = result
+    return out
+
+
 def _taken(pool: Any, sent: tuple[list[int], Any], failed: list[list[int]]) -> Iterator[
         tuple[list[int], Any]]:
     """A worker's piece as `iter_forked` gives it; none, and the piece put in `failed`, if

@@ -90,6 +90,10 @@ class _Rows:
                     return
             if int in types:
                 values = list(map(float, values))
+        self.put(key, rank, steps, values)
+
+    def put(self, key: str, rank: int, steps: Sequence[int], values: Sequence[float]) -> None:
+        """`rank`'s numbers of `key` at `steps` (later ones win)."""
         col = self.cols.setdefault(key, {}).get(rank)
         if col is None:
             self.cols[key][rank] = dict(zip(steps, values, strict=True))
@@ -157,50 +161,39 @@ def row_table(
     lo: int | None,
     world: int,
     prefix: str | None = None,
+    expected_bytes: int | None = None,
 ) -> tuple[RankTable, dict[str, int]]:
     """The numeric `keys` of the step rows of each (path, rank) in `shards` from about step
     `lo` on, as a table of that rank, and the lines that did not parse per file name; with
     `prefix`, every key starting with it instead (`expr summary --spans`: `time_ms/`).
 
-    Shards of many ranks are read in worker processes too (`parallel.iter_forked`), when
-    what they would read is worth the start (`parallel.PARALLEL_BYTES`)."""
+    Shards of many ranks are read in worker processes too (`parallel.map_forked`), when
+    what they would read (`expected_bytes`, else the shards' sizes) is worth the start
+    (`parallel.PARALLEL_BYTES`), as `parallel.scan_shards` decides."""
     from expr_tracker.stats import parallel
 
     items = [(os.fspath(p), r) for p, r in shards]
     read = partial(_read_shards, keys=tuple(keys), lo=lo, prefix=prefix)
-    expected = len(items) * _WINDOW_BYTES if lo is not None else sum(map(_size, items))
-    parts: list[_Part | None] = [None] * len(items)
+    expected = expected_bytes if expected_bytes is not None else sum(map(_size, items))
     if len(items) > 1 and expected >= parallel.PARALLEL_BYTES:
         with paused_gc():
-            for where, done in parallel.iter_forked(read, items):
-                for i, part in zip(where, done, strict=True):
-                    parts[i] = part
+            parts = parallel.map_forked(read, items)
     else:
-        parts[:] = read(items)
-    cols: dict[str, dict[int, dict[int, float]]] = {}
-    weights: dict[int, dict[int, float]] = {}
+        parts = read(items)
+    rows = _Rows()
     garbage: dict[str, int] = {}
-    skipped = 0
-    for (_, rank), read_part in zip(items, parts, strict=True):  # in order: later shards win
-        assert read_part is not None
-        name, bad, n_skipped, steps, by_key = read_part
+    for (_, rank), (name, bad, skipped, steps, by_key) in zip(items, parts, strict=True):
+        # in order: later shards win
         if bad:
             garbage[name] = bad
-        skipped += n_skipped
+        rows.skipped += skipped
         if steps:
-            weights.setdefault(rank, {}).update(dict.fromkeys(steps, 1.0))
+            rows.weights.setdefault(rank, {}).update(dict.fromkeys(steps, 1.0))
         for key, (ks, vs) in by_key.items():
-            col = cols.setdefault(key, {}).get(rank)
-            if col is None:
-                cols[key][rank] = dict(zip(ks, vs, strict=True))
-            else:
-                col.update(zip(ks, vs, strict=True))
+            rows.put(key, rank, ks, vs)
     # (`collect` took the world size from the records: none, or one past the cap, is 0)
-    world = world if weights and world <= _MAX_RANKS else 0
-    return RankTable(cols, weights, world, skipped), garbage
-
-
-_WINDOW_BYTES = 50 * 256  # what the tail of a shard from `lo` holds, about (50 steps)
+    world = world if rows.weights and world <= _MAX_RANKS else 0
+    return RankTable(rows.cols, rows.weights, world, rows.skipped), garbage
 
 
 def _size(item: tuple[str, int]) -> int:
