@@ -48,17 +48,21 @@ def metric_keys(rows: list[dict[str, Any]]) -> list[str]:
     return list(seen)
 
 
-def shard_keys(shard: ShardRef, kind: str | None = None) -> tuple[set[str], list[int]]:
-    """Every metric key of the shard's rows of `kind`, and their steps (sorted)."""
+def shard_keys(shard: ShardRef) -> tuple[set[str], list[int], set[str]]:
+    """Every metric key of the shard's step rows and their steps (sorted), and every
+    metric key of its rank records, in one read."""
     keys: set[str] = set()
     steps: set[int] = set()
+    rank_keys: set[str] = set()
     for _, rec in ShardReader(shard.path).iter_records():
-        if kind != "*" and rec.get("_kind") != kind:
-            continue
-        keys.update(k for k in rec if not k.startswith("_"))
-        if type(rec.get("_step")) is int:
-            steps.add(rec["_step"])
-    return keys, sorted(steps)
+        kind = rec.get("_kind")
+        if kind == "rank":
+            rank_keys.update(k for k in rec if not k.startswith("_"))
+        elif kind is None:
+            keys.update(k for k in rec if not k.startswith("_"))
+            if type(rec.get("_step")) is int:
+                steps.add(rec["_step"])
+    return keys, sorted(steps), rank_keys
 
 
 def warn_garbage(reader: ShardReader) -> None:
@@ -85,9 +89,9 @@ def read_history(
     missing = [m for m in metrics or () if all(m not in r for r in rows)]
     if rows and not missing:
         return rows
-    keys, steps = shard_keys(shard)
+    keys, steps, rank_keys = shard_keys(shard)
     if metrics and any(m not in keys for m in metrics):
-        ranked = [m for m in metrics if m not in keys and m in shard_keys(shard, "rank")[0]]
+        ranked = [m for m in metrics if m not in keys and m in rank_keys]
         if ranked:
             m = ranked[0]
             what = f"{m} is a rank metric" if len(ranked) == 1 else f"{', '.join(ranked)} are rank metrics"
