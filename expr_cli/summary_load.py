@@ -95,15 +95,25 @@ def load_table(
 
 
 def load_row_table(
-    shards: list[ShardRef], keys: set[str], lo: int | None, world: int, prefix: str | None = None
-) -> tuple[RankTable, dict[str, int]]:
+    shards: list[ShardRef], keys: set[str], lo: int | None, world: int
+) -> tuple[Table, dict[str, int]]:
     """The numeric `keys` of each shard's step rows (ordinary `et.log` metrics) from about
-    step `lo` on, as a table of that shard's rank (issue 11: `--metric loss`); with
-    `prefix`, every key starting with it instead (`--spans`: `time_ms/`)."""
+    step `lo` on, as a table of that shard's rank (issue 11: `--metric loss`): columns
+    where the rows are regular (`steprows.row_columns`)."""
+    from expr_tracker.stats.steprows import row_columns
+
+    expected = None if lo is None else len(shards) * COVERAGE_STEPS * _TAIL_GUESS
+    return row_columns([(s.path, s.rank) for s in shards], keys, lo, world, expected)
+
+
+def load_span_table(
+    shards: list[ShardRef], lo: int | None, world: int, prefix: str
+) -> tuple[RankTable, dict[str, int]]:
+    """`load_row_table` of every key starting with `prefix` (`--spans`: `time_ms/`)."""
     from expr_tracker.stats.steprows import row_table
 
     expected = None if lo is None else len(shards) * COVERAGE_STEPS * _TAIL_GUESS
-    return row_table([(s.path, s.rank) for s in shards], keys, lo, world, prefix, expected)
+    return row_table([(s.path, s.rank) for s in shards], set(), lo, world, prefix, expected)
 
 
 def last_rows(shards: list[ShardRef], garbage: dict[str, int]) -> list[dict[str, Any]]:

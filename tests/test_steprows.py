@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from expr_tracker.stats import parallel
 from expr_tracker.stats.ranktable import RankTable, collect
-from expr_tracker.stats.steprows import row_table
+from expr_tracker.stats.scan import ColumnTable
+from expr_tracker.stats.steprows import row_columns, row_table
 from expr_tracker.store import records
 from expr_tracker.store.window import window_start
 
@@ -71,6 +72,30 @@ def _same(new: tuple[RankTable, dict[str, int]], old: tuple[RankTable, dict[str,
     for key in a.keys:  # and the reducers over them
         for step in a.steps:
             assert a.values(key, step).keys() == b.values(key, step).keys()
+
+
+def _same_columns(new: tuple[Any, dict[str, int]], old: tuple[RankTable, dict[str, int]]) -> bool:
+    """`row_columns`' table (a ColumnTable, or the RankTable) is the old reader's, and
+    reduces to its answers; whether it was a ColumnTable."""
+    from expr_tracker.stats import reduce
+
+    table, garbage = new
+    if not isinstance(table, ColumnTable):
+        _same(new, old)
+        return False
+    ranks = table.rank_table(table.keys)
+    _same((RankTable(ranks._cols, ranks._wrank, table.world_size), garbage), old)
+    ref = old[0]
+    for key in ref.keys:
+        steps = ref.key_steps(key)
+        for step in steps:
+            assert table.reduce_step(key, step) == reduce.reduce_step(ref, key, step), (key, step)
+        if steps:
+            lo, hi = steps[0], steps[-1] + 1
+            assert table.reduce_window(key, lo, hi) == reduce.reduce_window(ref, key, lo, hi)
+            assert table.heatmap(key, 3) == reduce.heatmap(ref, key, 3)
+    assert table.coverage(ref.steps) == reduce.coverage(ref, ref.steps)
+    return True
 
 
 def _write(path: Path, lines: list[str]) -> None:
@@ -144,3 +169,48 @@ def test_generated_rows_give_the_old_readers_table(tmp_path: Path, ranks: list[A
     for keys in ({"loss"}, {"loss", "lr", "acc"}):
         for lo in (None, 10):
             _same(row_table(shards, keys, lo, len(ranks)), _old_table(shards, keys, lo, len(ranks)))
+
+
+_NUMBER = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-(2**53), 2**53),
+                    st.sampled_from(["NaN", "Infinity", "-Infinity"]))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ranks=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 40), st.booleans(),
+                                st.sampled_from(["none", "other row", "repeat", "text", "torn"])),
+                      min_size=1, max_size=5),
+       values=st.lists(_NUMBER, min_size=1, max_size=8))
+def test_row_columns_give_the_old_readers_table(tmp_path: Path, ranks: list[Any],
+                                                values: list[Any]) -> None:
+    """Step rows as `et.log` of the same keys writes them (each rank's rows at increasing
+    steps, every key a number at each), some with one thing that breaks the block (a key
+    missing at a step, a repeated step, text, a torn line): `row_columns` is the old
+    reader's table (as a ColumnTable when nothing breaks it), with the same reductions."""
+    shards = []
+    for rank, (first, n, with_other, odd) in enumerate(ranks):
+        lines = []
+        for i, step in enumerate(range(first, first + n)):
+            row = {"loss": values[(i + rank) % len(values)], "lr": values[i % len(values)]}
+            if odd == "none" or i != n // 2:
+                lines.append(json.dumps({"_step": step, "_time": 1.0, **row}))
+            elif odd == "other row":
+                lines.append(json.dumps({"_step": step, "_time": 1.0, "loss": 1.0}))
+            elif odd == "repeat":
+                lines += [json.dumps({"_step": step, **row}), json.dumps({"_step": step, **row})]
+            elif odd == "text":
+                lines.append(json.dumps({"_step": step, "loss": "high", "lr": 0.1}))
+            else:
+                lines.append('{"_step": 1, "loss"')
+            if with_other:  # rows of other keys, and rank records, between them
+                lines.append(json.dumps({"_step": step, "eval": 2.0}))
+                lines.append(json.dumps({"_kind": "rank", "_step": step, "_rank": rank, "loss": 7.0}))
+        path = tmp_path / f"metrics.rank{rank}.jsonl"
+        _write(path, lines)
+        shards.append((path, rank))
+    regular = all(odd == "none" for *_, odd in ranks)
+    for keys in ({"loss"}, {"loss", "lr"}, {"eval"}, {"loss", "eval"}):
+        for lo in (None, 10):
+            old = _old_table(shards, keys, lo, len(ranks) + 1)
+            columns = _same_columns(row_columns(shards, keys, lo, len(ranks) + 1), old)
+            if keys != {"loss", "eval"} and regular:
+                assert columns, keys

@@ -117,14 +117,14 @@ def spans_view(ref: RunRef, stream: str | None, shards: list[Any], step: int | N
                window: tuple[int | None, int | None] | None) -> dict[str, Any]:
     """`--spans`: every `time_ms/*` key (et.span) as per-rank means over the recent steps
     (up to the frontier), the window or one step, reduced across ranks (stats.phases)."""
-    from expr_cli.summary_load import load_row_table, window_lo
+    from expr_cli.summary_load import load_span_table, window_lo
     from expr_tracker.health.state import read_run
     from expr_tracker.stats import phases, reduce
 
     state = read_run(ref.path, stream, window=2)
     world = max([state.world_size or 0, *(s.rank + 1 for s in shards)])
-    table, _ = load_row_table(shards, set(), window_lo(step, window, state.frontier), world,
-                              prefix=phases.PREFIX)
+    table, _ = load_span_table(shards, window_lo(step, window, state.frontier), world,
+                               phases.PREFIX)
     all_steps = table.steps
     if not table.keys or not all_steps:
         raise CLIError(f"run {ref.label} has no span times (time_ms/* keys): time phases "

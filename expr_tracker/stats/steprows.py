@@ -16,12 +16,13 @@ import os
 from array import array
 from collections.abc import Collection, Sequence
 from functools import partial
-from itertools import compress, repeat
-from operator import contains, is_
+from itertools import compress, islice, repeat
+from operator import contains, is_, lt
 from typing import Any
 
 from expr_tracker.gcpause import paused_gc
 from expr_tracker.stats.ranktable import _MAX_RANKS, RankTable
+from expr_tracker.stats.scan import Block, ColumnTable
 from expr_tracker.store import records
 from expr_tracker.store.window import window_start
 
@@ -119,14 +120,83 @@ def _line_records(data: bytes, marks: Sequence[bytes]) -> tuple[list[dict[str, A
     return out, bad
 
 
+def _block_columns(recs: list[dict[str, Any]], keys: Sequence[str]) -> tuple[
+        list[int], list[list[Any]]] | None:
+    """The steps and each key's numbers of the step rows among `recs` (file order), taken in
+    C, when they make a `scan.Block`: the rows holding any of `keys` hold every one, at
+    strictly increasing int steps, as numbers (non-finite ones as text too). None when
+    not (a key that comes and goes, a repeated step, text): `_Rows` then."""
+    kinds = list(map(_get, recs, repeat("_kind")))
+    if kinds.count(None) != len(recs):
+        recs = list(compress(recs, map(is_, kinds, repeat(None))))
+    holds = [list(map(contains, recs, repeat(k))) for k in keys]
+    counts = [h.count(True) for h in holds]
+    if counts and min(counts) != len(recs):
+        if min(counts) != max(counts):
+            return None  # (held rows hold every key only if each key has as many)
+        every = [all(h) for h in zip(*holds, strict=True)]
+        if every.count(True) != counts[0]:
+            return None
+        recs = list(compress(recs, every))
+    steps: list[Any] = list(map(_get, recs, repeat("_step")))
+    if steps and (set(map(type, steps)) != {int}
+                  or not all(map(lt, steps, islice(steps, 1, None)))):
+        return None
+    columns = []
+    for key in keys:
+        values: list[Any] = list(map(_get, recs, repeat(key)))
+        types = set(map(type, values))
+        if str in types:
+            values = [_NONFINITE.get(x, x) if x.__class__ is str else x for x in values]
+            types = set(map(type, values))
+        if not types <= _NUMBERS:
+            return None
+        columns.append(values)
+    return steps, columns
+
+
+def _read_block(path: str, keys: Sequence[str], lo: int | None) -> tuple[
+        Any, list[Any]] | None:
+    """A shard's step rows of `keys` from about step `lo` on as arrays (its steps, each
+    key's values), as `_block_columns` takes them; None where they do not make a block
+    or a block of lines is not one JSON object per line."""
+    steps: Any = array("q")
+    columns = [array("d") for _ in keys]
+    with open(path, "rb") as fh:
+        start = window_start(fh, lo) if lo is not None else 0
+        for _, data in records.complete_blocks(fh, _BLOCK, start):
+            recs = records.loads_block(data)
+            got = None if recs is None else _block_columns(recs, keys)
+            if got is None or (got[0] and steps and got[0][0] <= steps[-1]):
+                return None
+            try:
+                steps.extend(got[0])
+                for col, values in zip(columns, got[1], strict=True):
+                    col.extend(values)
+            except OverflowError:  # a step past int64, a number past a double
+                return None
+    return steps, columns
+
+
 # what one shard gives: its file name, unparseable lines, skipped rows, the steps of its
 # rows (a weight of 1.0 each) and per key the steps and values; arrays where they fit
-# (sent back from a worker process at a fraction of a dict's pickling)
-_Part = tuple[str, int, int, Any, dict[str, tuple[Any, Any]]]
+# (sent back from a worker process at a fraction of a dict's pickling); and whether it is
+# a block (`_read_block`: strictly increasing steps, every key at each)
+_Part = tuple[str, int, int, Any, dict[str, tuple[Any, Any]], bool]
 
 
 def _read_shard(path: str, rank: int, keys: Collection[str], lo: int | None,
                 prefix: str | None) -> _Part:
+    block = _read_block(path, list(keys), lo) if prefix is None and keys else None
+    if block is None:
+        return _read_rows(path, rank, keys, lo, prefix)
+    steps, columns = block
+    by_key = {k: (steps, col) for k, col in zip(keys, columns, strict=True)} if steps else {}
+    return os.path.basename(path), 0, 0, steps, by_key, True
+
+
+def _read_rows(path: str, rank: int, keys: Collection[str], lo: int | None,
+               prefix: str | None) -> _Part:
     rows = _Rows()
     marks = [b'"' + k.encode() + b'"' for k in keys] if prefix is None else [b'"' + prefix.encode()]
     bad = 0
@@ -147,7 +217,7 @@ def _read_shard(path: str, rank: int, keys: Collection[str], lo: int | None,
     except OverflowError:  # a step past int64: as they are
         steps = list(seen)
         cols = {key: (list(col), list(col.values())) for key, col in mine.items()}
-    return os.path.basename(path), bad, rows.skipped, steps, cols
+    return os.path.basename(path), bad, rows.skipped, steps, cols, False
 
 
 def _read_shards(items: list[tuple[str, int]], keys: Collection[str], lo: int | None,
@@ -170,6 +240,35 @@ def row_table(
     Shards of many ranks are read in worker processes too (`parallel.map_forked`), when
     what they would read (`expected_bytes`, else the shards' sizes) is worth the start
     (`parallel.PARALLEL_BYTES`), as `parallel.scan_shards` decides."""
+    items, parts = _read_all(shards, keys, lo, prefix, expected_bytes)
+    return _merged(items, parts, world)
+
+
+def row_columns(
+    shards: Sequence[tuple[str | os.PathLike[str], int]],
+    keys: Collection[str],
+    lo: int | None,
+    world: int,
+    expected_bytes: int | None = None,
+) -> tuple[RankTable | ColumnTable, dict[str, int]]:
+    """`row_table`'s table, as a `scan.ColumnTable` (its reducers work on the arrays read,
+    with no dict of every value to build) when each shard is a rank of its own whose rows
+    make a block (`_read_block`: what `et.log` of the same keys at each step writes);
+    else that `RankTable`. Both give the same answers (`ColumnTable`)."""
+    items, parts = _read_all(shards, keys, lo, None, expected_bytes)
+    ranks = [r for _, r in items]
+    if not all(p[5] for p in parts) or len(set(ranks)) != len(ranks):
+        return _merged(items, parts, world)
+    world = world if world <= _MAX_RANKS else 0
+    blocks = [Block(rank, world, steps, 1.0, {key: vs for key, (_, vs) in by_key.items()})
+              for rank, (_, _, _, steps, by_key, _) in zip(ranks, parts, strict=True) if steps]
+    return ColumnTable(blocks), {}
+
+
+def _read_all(
+    shards: Sequence[tuple[str | os.PathLike[str], int]], keys: Collection[str],
+    lo: int | None, prefix: str | None, expected_bytes: int | None,
+) -> tuple[list[tuple[str, int]], list[_Part]]:
     from expr_tracker.stats import parallel
 
     items = [(os.fspath(p), r) for p, r in shards]
@@ -177,12 +276,16 @@ def row_table(
     expected = expected_bytes if expected_bytes is not None else sum(map(_size, items))
     if len(items) > 1 and expected >= parallel.PARALLEL_BYTES:
         with paused_gc():
-            parts = parallel.map_forked(read, items)
-    else:
-        parts = read(items)
+            return items, parallel.map_forked(read, items)
+    return items, read(items)
+
+
+def _merged(items: list[tuple[str, int]], parts: list[_Part], world: int) -> tuple[
+        RankTable, dict[str, int]]:
+    """The shards' parts as one `RankTable` (later shards win a rank's step)."""
     rows = _Rows()
     garbage: dict[str, int] = {}
-    for (_, rank), (name, bad, skipped, steps, by_key) in zip(items, parts, strict=True):
+    for (_, rank), (name, bad, skipped, steps, by_key, _) in zip(items, parts, strict=True):
         # in order: later shards win
         if bad:
             garbage[name] = bad
