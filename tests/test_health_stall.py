@@ -225,6 +225,29 @@ def test_a_cascade_seen_in_one_pass_has_the_root_that_is_not_collateral(tmp_path
     assert sorted(i.ranks for i in opened if i.kind == "crashed") == [(0,), (1,)]
 
 
+def test_an_incident_whose_rank_crashed_resolves_saying_so(tmp_path: Path) -> None:
+    """A rank behind that then crashes is not behind any more: its incident resolves with
+    the reason (it did not catch up), and the crash opens its own."""
+    run = tmp_path / "p" / "r"
+    now = time.time()
+    for r in range(WORLD):
+        write_rank(run, r, 30 if r == 2 else 200, now - 1)
+    w = Watcher(run, HealthConfig(hang_after=3600.0, behind_steps=100))
+    assert [(i.kind, i.ranks) for i in w.check(now)] == [("behind", (2,))]
+    for r in range(WORLD):
+        write_rank(run, r, 30 if r == 2 else 210, now + 1,
+                   **({"status": "crashed", "exit": {"type": "RuntimeError", "message": "oom",
+                                                     "time": now + 1}} if r == 2 else {}))
+    done = w.check(now + 2)
+    assert sorted((i.kind, i.state, i.reason) for i in done) == [
+        ("behind", "resolved", "rank crashed"), ("crashed", "open", None)]
+    from expr_cli.render.health import incident_text
+
+    behind = next(i for i in done if i.kind == "behind")
+    text = incident_text(behind.as_line()).plain
+    assert text.startswith("resolved behind rank 2 on node-1 step 30 (rank crashed, open 2s): "), text
+
+
 def test_when_the_run_ends_its_incidents_resolve_and_watch_once_exits_0(tmp_path: Path) -> None:
     run = tmp_path / "p" / "r"
     now = time.time()

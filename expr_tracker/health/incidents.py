@@ -275,6 +275,20 @@ def _stall(open_stalls: list[Incident], found: list[Finding], now: float, out: P
         out.opened.append(_merge("stall", [f], now))
 
 
+def _stopped(inc: Incident, state: RunState | None) -> str | None:
+    """Why an incident resolves when its ranks stopped rather than recovered: a straggler
+    whose rank crashed is no longer slow, but saying only "resolved" would read as if it
+    caught up ("rank crashed", "ranks finished"; None while any of them runs)."""
+    if state is None or not inc.ranks:
+        return None
+    ranks = [state.ranks.get(r) for r in inc.ranks]
+    if any(rs is None or rs.status == "running" for rs in ranks):
+        return None
+    statuses = {rs.status for rs in ranks if rs is not None}
+    what = statuses.pop() if len(statuses) == 1 else "ended"
+    return f"rank{'s' if len(ranks) > 1 else ''} {what if what in ('crashed', 'finished', 'ended') else 'stopped'}"
+
+
 def plan(open_incidents: Iterable[Incident], findings: Iterable[Finding], now: float,
          state: RunState | None = None, *, crash_window: float = 60.0,
          ended: bool = False) -> Plan:
@@ -307,7 +321,8 @@ def plan(open_incidents: Iterable[Incident], findings: Iterable[Finding], now: f
             out.still_open.append(replace(inc, last_seen=now))
             taken.update((inc.kind, r) for r in inc.ranks)
         else:
-            out.resolved.append(replace(inc, state="resolved", last_seen=now, delivered=False))
+            out.resolved.append(replace(inc, state="resolved", last_seen=now, delivered=False,
+                                        reason=_stopped(inc, state)))
     for kind, group in by_kind.items():
         fresh: dict[Any, list[Finding]] = {}
         for f in group:
