@@ -225,15 +225,21 @@ def test_a_cascade_seen_in_one_pass_has_the_root_that_is_not_collateral(tmp_path
     assert sorted(i.ranks for i in opened if i.kind == "crashed") == [(0,), (1,)]
 
 
+def _rank_2_behind(run: Path, now: float) -> Watcher:
+    """A run whose rank 2 is 170 steps behind, and a watcher that has opened its incident."""
+    for r in range(WORLD):
+        write_rank(run, r, 30 if r == 2 else 200, now - 1)
+    w = Watcher(run, HealthConfig(hang_after=3600.0, behind_steps=100))
+    assert [(i.kind, i.ranks) for i in w.check(now)] == [("behind", (2,))]
+    return w
+
+
 def test_an_incident_whose_rank_crashed_resolves_saying_so(tmp_path: Path) -> None:
     """A rank behind that then crashes is not behind any more: its incident resolves with
     the reason (it did not catch up), and the crash opens its own."""
     run = tmp_path / "p" / "r"
     now = time.time()
-    for r in range(WORLD):
-        write_rank(run, r, 30 if r == 2 else 200, now - 1)
-    w = Watcher(run, HealthConfig(hang_after=3600.0, behind_steps=100))
-    assert [(i.kind, i.ranks) for i in w.check(now)] == [("behind", (2,))]
+    w = _rank_2_behind(run, now)
     for r in range(WORLD):
         write_rank(run, r, 30 if r == 2 else 210, now + 1,
                    **({"status": "crashed", "exit": {"type": "RuntimeError", "message": "oom",
@@ -251,10 +257,7 @@ def test_an_incident_whose_rank_crashed_resolves_saying_so(tmp_path: Path) -> No
 def test_when_the_run_ends_its_incidents_resolve_and_watch_once_exits_0(tmp_path: Path) -> None:
     run = tmp_path / "p" / "r"
     now = time.time()
-    for r in range(WORLD):
-        write_rank(run, r, 30 if r == 2 else 200, now - 1)
-    w = Watcher(run, HealthConfig(hang_after=3600.0, behind_steps=100))
-    assert [(i.kind, i.ranks) for i in w.check(now)] == [("behind", (2,))]
+    w = _rank_2_behind(run, now)
     for r in range(WORLD):
         write_rank(run, r, 30 if r == 2 else 200, now + 1, status="finished")
     done = w.check(now + 2)
