@@ -377,6 +377,9 @@ def test_serve_refuses_a_missing_root_and_a_busy_port(tmp_path: Path, server: Se
     assert result.exit_code == 1 and "no run root" in result.output
     result = runner.invoke(build_app(), ["serve", "--dir", str(tmp_path), "--port", str(server.port)])
     assert result.exit_code == 1 and "cannot listen" in result.output
+    from expr_tracker.stats import parallel  # nothing started for a port it cannot have
+
+    assert not parallel._fork_server
     result = runner.invoke(build_app(), ["serve", "--dir", str(tmp_path), "--token", "short"])
     assert result.exit_code == 2 and "--token must be" in result.output
     (tmp_path / "file").write_text("")

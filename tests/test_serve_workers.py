@@ -75,9 +75,10 @@ def test_answers_from_fork_server_workers_match_one_process(
         t.start()
         t.join()
     finally:
-        from multiprocessing import forkserver
+        from multiprocessing import forkserver, resource_tracker
 
-        forkserver._forkserver._stop()  # the fork server this test started
+        forkserver._forkserver._stop()  # the fork server this test started, and the
+        resource_tracker._resource_tracker._stop()  # tracker it started: no child left
         parallel._fork_server = False
     assert got["context"] == "forkserver"
     assert got["answers"] == alone

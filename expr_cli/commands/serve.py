@@ -61,11 +61,11 @@ def serve_command(dir: str | None, host: str, port: int, token: str | None) -> i
     from expr_cli.commands.watch import health_config
     from expr_tracker.stats import parallel
 
+    sock = _bind(host, port)  # (first: a port taken is an error before anything starts)
     # while this process has one thread: uvicorn's request threads may not fork, and a
     # page of 16,384 ranks read on one core of two takes twice as long
     parallel.use_fork_server()
     app = make_app(root, token, health_config(None, {}))
-    sock = _bind(host, port)
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{bound}/" + (f"?token={token}" if token else "")
