@@ -316,6 +316,14 @@ def rank_table(blocks: Iterable[Block], keys: Collection[str] | None = None) -> 
     return RankTable(cols, weights, world)
 
 
+def _step_union(blocks: Sequence[Block]) -> list[int]:
+    """The sorted steps of any of `blocks`. Most ranks' blocks hold the same steps (a
+    rank that crashed, or joined late, makes them differ): each distinct array once,
+    not a set of 16,384 arrays' steps."""
+    distinct = {b.steps.tobytes(): b.steps for b in blocks}
+    return sorted(set().union(*distinct.values()))
+
+
 class ColumnTable(TableShape):
     """Blocks with one block per rank, with the summary queries of `reduce.RankTable`.
 
@@ -333,7 +341,7 @@ class ColumnTable(TableShape):
         if self._one_steps:
             self._steps = list(first)  # every rank at every step: the usual case
         else:
-            self._steps = sorted(set().union(*(b.steps for b in self._blocks)))
+            self._steps = _step_union(self._blocks)
         self._keys = sorted(set().union(*(b.columns for b in self._blocks)))
         self._world = max([b.world for b in self._blocks] + [r + 1 for r in ranks] + [0])
         distinct: set[float] = set()
@@ -351,7 +359,7 @@ class ColumnTable(TableShape):
         """Sorted steps at which some rank reported `key`."""
         if self._one_steps and any(key in b.columns for b in self._blocks):
             return list(self._steps)  # (every block has the same steps: no set of them all)
-        return sorted(set().union(*(b.steps for b in self._blocks if key in b.columns)))
+        return _step_union([b for b in self._blocks if key in b.columns])
 
     def last_step(self, key: str) -> int | None:
         """The last step at which some rank reported `key`."""
