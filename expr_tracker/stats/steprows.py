@@ -155,64 +155,67 @@ def _block_columns(recs: list[dict[str, Any]], keys: Sequence[str]) -> tuple[
     return steps, columns
 
 
-def _read_block(path: str, keys: Sequence[str], lo: int | None) -> tuple[
-        Any, list[Any]] | None:
-    """A shard's step rows of `keys` from about step `lo` on as arrays (its steps, each
-    key's values), as `_block_columns` takes them; None where they do not make a block
-    or a block of lines is not one JSON object per line."""
-    steps: Any = array("q")
-    columns = [array("d") for _ in keys]
-    with open(path, "rb") as fh:
-        start = window_start(fh, lo) if lo is not None else 0
-        for _, data in records.complete_blocks(fh, _BLOCK, start):
-            recs = records.loads_block(data)
-            got = None if recs is None else _block_columns(recs, keys)
-            if got is None or (got[0] and steps and got[0][0] <= steps[-1]):
-                return None
-            try:
-                steps.extend(got[0])
-                for col, values in zip(columns, got[1], strict=True):
-                    col.extend(values)
-            except OverflowError:  # a step past int64, a number past a double
-                return None
-    return steps, columns
+def _extend(steps: Any, columns: list[Any], recs: list[dict[str, Any]], keys: Sequence[str]) -> bool:
+    """Append the step rows of `recs` (the next block of lines of one shard) to its arrays,
+    its steps and each key's values, if they go on making a block (`_block_columns`);
+    False, the arrays as they were, if not."""
+    got = _block_columns(recs, keys)
+    if got is None or (got[0] and steps and got[0][0] <= steps[-1]):
+        return False
+    n = len(steps)
+    try:
+        steps.extend(got[0])
+        for col, values in zip(columns, got[1], strict=True):
+            col.extend(values)
+    except OverflowError:  # a step past int64, a number past a double
+        del steps[n:]
+        for col in columns:
+            del col[n:]
+        return False
+    return True
 
 
 # what one shard gives: its file name, unparseable lines, skipped rows, the steps of its
 # rows (a weight of 1.0 each) and per key the steps and values; arrays where they fit
 # (sent back from a worker process at a fraction of a dict's pickling); and whether it is
-# a block (`_read_block`: strictly increasing steps, every key at each)
+# a block (`_block_columns`: strictly increasing steps, every key at each)
 _Part = tuple[str, int, int, Any, dict[str, tuple[Any, Any]], bool]
 
 
 def _read_shard(path: str, rank: int, keys: Collection[str], lo: int | None,
                 prefix: str | None) -> _Part:
-    block = _read_block(path, list(keys), lo) if prefix is None and keys else None
-    if block is None:
-        return _read_rows(path, rank, keys, lo, prefix)
-    steps, columns = block
-    by_key = {k: (steps, col) for k, col in zip(keys, columns, strict=True)} if steps else {}
-    return os.path.basename(path), 0, 0, steps, by_key, True
-
-
-def _read_rows(path: str, rank: int, keys: Collection[str], lo: int | None,
-               prefix: str | None) -> _Part:
-    rows = _Rows()
+    """One read of a shard's step rows: into arrays while they make a block (`_extend`),
+    into `_Rows` from the first block of lines that does not, with what the arrays hold."""
+    names = list(keys)
+    steps: Any = array("q")
+    columns = [array("d") for _ in names]
+    rows = None if prefix is None and names else _Rows()
     marks = [b'"' + k.encode() + b'"' for k in keys] if prefix is None else [b'"' + prefix.encode()]
     bad = 0
     with open(path, "rb") as fh:
         start = window_start(fh, lo) if lo is not None else 0
         for _, data in records.complete_blocks(fh, _BLOCK, start):
             recs = records.loads_block(data)  # (non-finite text: decoded per key)
+            if rows is None:
+                if recs is not None and _extend(steps, columns, recs, names):
+                    continue
+                rows = _Rows()
+                if steps:
+                    rows.weights[rank] = dict.fromkeys(steps, 1.0)
+                    for key, col in zip(names, columns, strict=True):
+                        rows.put(key, rank, steps, col)
             if recs is None:  # a torn or foreign line, bare NaN: line by line
                 recs, n_bad = _line_records(data, marks)
                 bad += n_bad
             rows.add(rank, recs, keys, prefix)
+    if rows is None:
+        by_key = {k: (steps, col) for k, col in zip(names, columns, strict=True)} if steps else {}
+        return os.path.basename(path), 0, 0, steps, by_key, True
     seen = rows.weights.get(rank, {})
     mine = {key: by_rank[rank] for key, by_rank in rows.cols.items()}
     cols: dict[str, tuple[Any, Any]]
     try:
-        steps: Any = array("q", seen)
+        steps = array("q", seen)
         cols = {key: (array("q", col), array("d", col.values())) for key, col in mine.items()}
     except OverflowError:  # a step past int64: as they are
         steps = list(seen)
@@ -253,7 +256,7 @@ def row_columns(
 ) -> tuple[RankTable | ColumnTable, dict[str, int]]:
     """`row_table`'s table, as a `scan.ColumnTable` (its reducers work on the arrays read,
     with no dict of every value to build) when each shard is a rank of its own whose rows
-    make a block (`_read_block`: what `et.log` of the same keys at each step writes);
+    make a block (`_block_columns`: what `et.log` of the same keys at each step writes);
     else that `RankTable`. Both give the same answers (`ColumnTable`)."""
     items, parts = _read_all(shards, keys, lo, None, expected_bytes)
     ranks = [r for _, r in items]
