@@ -26,6 +26,12 @@ _BLOCK = 4 << 20
 _TAIL_GUESS = 256  # bytes a step of one rank takes in a shard, to size the parallel read
 
 
+def _window_bytes(shards: list[ShardRef], lo: int | None) -> int | None:
+    """About the bytes the shards' default window holds from step `lo` on, whether worth
+    reading in worker processes (None for whole shards: their sizes tell)."""
+    return None if lo is None else len(shards) * COVERAGE_STEPS * _TAIL_GUESS
+
+
 def iter_rank_records(shards: list[ShardRef], garbage: dict[str, int],
                       lo: int | None = None) -> Iterator[dict[str, Any]]:
     """Rank records of `shards` in file order (from about step `lo` on); lines that do not
@@ -65,8 +71,7 @@ def load_table(
     from expr_tracker.stats.reduce import collect
 
     if scans is None:
-        expected = None if lo is None else len(shards) * COVERAGE_STEPS * _TAIL_GUESS
-        scans = parallel.scan_shards([s.path for s in shards], lo, expected)
+        scans = parallel.scan_shards([s.path for s in shards], lo, _window_bytes(shards, lo))
     garbage = {s.path.name: sc.garbage for s, sc in zip(shards, scans, strict=True) if sc.garbage}
     blocks = [b for sc in scans for b in sc.blocks or ()]
     if all(sc.blocks is not None for sc in scans):
@@ -102,8 +107,8 @@ def load_row_table(
     where the rows are regular (`steprows.row_columns`)."""
     from expr_tracker.stats.steprows import row_columns
 
-    expected = None if lo is None else len(shards) * COVERAGE_STEPS * _TAIL_GUESS
-    return row_columns([(s.path, s.rank) for s in shards], keys, lo, world, expected)
+    return row_columns([(s.path, s.rank) for s in shards], keys, lo, world,
+                       _window_bytes(shards, lo))
 
 
 def load_span_table(
@@ -112,8 +117,8 @@ def load_span_table(
     """`load_row_table` of every key starting with `prefix` (`--spans`: `time_ms/`)."""
     from expr_tracker.stats.steprows import row_table
 
-    expected = None if lo is None else len(shards) * COVERAGE_STEPS * _TAIL_GUESS
-    return row_table([(s.path, s.rank) for s in shards], set(), lo, world, prefix, expected)
+    return row_table([(s.path, s.rank) for s in shards], set(), lo, world, prefix,
+                     _window_bytes(shards, lo))
 
 
 def last_rows(shards: list[ShardRef], garbage: dict[str, int]) -> list[dict[str, Any]]:

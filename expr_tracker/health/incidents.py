@@ -281,12 +281,14 @@ def _stopped(inc: Incident, state: RunState | None) -> str | None:
     caught up ("rank crashed", "ranks finished"; None while any of them runs)."""
     if state is None or not inc.ranks:
         return None
-    ranks = [state.ranks.get(r) for r in inc.ranks]
-    if any(rs is None or rs.status == "running" for rs in ranks):
+    statuses = {rs.status if (rs := state.ranks.get(r)) is not None else "running"
+                for r in inc.ranks}
+    if "running" in statuses:
         return None
-    statuses = {rs.status for rs in ranks if rs is not None}
     what = statuses.pop() if len(statuses) == 1 else "ended"
-    return f"rank{'s' if len(ranks) > 1 else ''} {what if what in ('crashed', 'finished', 'ended') else 'stopped'}"
+    if what == "corrupt":  # (its sidecar does not parse: stopped, how is not known)
+        what = "stopped"
+    return f"rank{'s' if len(inc.ranks) > 1 else ''} {what}"
 
 
 def plan(open_incidents: Iterable[Incident], findings: Iterable[Finding], now: float,
