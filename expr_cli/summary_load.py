@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from expr_tracker.store.records import is_sample
+
 from .resolve import ShardRef
 
 if TYPE_CHECKING:
@@ -91,8 +93,7 @@ def load_table(
             r, ws = rec.get("_rank"), rec.get("_world_size")
             # not the SDK's system samples: they carry the launcher's world size (the
             # sidecars'), which would hide a world size the user's records deny
-            if type(r) is int and type(ws) is int and ws > worlds.get(r, 0) and any(
-                    k[:1] != "_" and not k.startswith("system/") for k in rec):
+            if type(r) is int and type(ws) is int and ws > worlds.get(r, 0) and not is_sample(rec):
                 worlds[r] = ws
             yield rec
 

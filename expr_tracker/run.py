@@ -466,7 +466,8 @@ class Run:
                 last = self._last_step
                 step = last if last is not None else self._step
                 record, nonfinite = records.rank_record(
-                    metrics, step, self.rank, self.world_size, self.local_rank, 1.0)
+                    metrics, step, self.rank, self.world_size, self.local_rank, 1.0,
+                    records.SAMPLE_SOURCE)
                 self._rows += 1
                 self._prober.own_row()  # same thread as its tick: not the loop's activity
                 self._sink.apply(record, nonfinite)

@@ -26,6 +26,7 @@ from expr_cli.resolve import (
     resolve_run,
     root_dir,
 )
+from expr_tracker.store.records import is_sample
 
 ALL_ROWS_UP_TO = 32  # shards listed one per row without --all
 BEHIND_STEPS = 100  # DESIGN 13: `behind` from this many steps short of the frontier
@@ -76,8 +77,7 @@ def _inspect_run(found: list[ShardRef], run_path: Any) -> list[dict[str, Any]]:
             # the world size this rank's latest rank record names (vs the sidecar's), not
             # counting the SDK's system samples (they carry the sidecar's own)
             row["records_world_size"] = next(
-                (r.get("_world_size") for r in reversed(recs or ())
-                 if any(k[:1] != "_" and not k.startswith("system/") for k in r)), None)
+                (r.get("_world_size") for r in reversed(recs or ()) if not is_sample(r)), None)
             last = row["last_step"]
             row["behind"] = front - last if front is not None and last is not None else None
             row["attention"] = _attention(row, slow.get(row["rank"]))

@@ -46,17 +46,18 @@ def _key_steps(table: Table, key: str) -> list[int]:
     return table.key_steps(key)
 
 
-def is_system(key: str) -> bool:
-    """A system metric (`system/cpu_percent`, ...), sampled by the SDK every few seconds."""
-    return key.startswith(SYSTEM)
+def is_system(table: Table, key: str) -> bool:
+    """A system metric (`system/cpu_percent`, ...) sampled by the SDK every few seconds: told
+    by the records' source, not the name (a user's `system/step_time` is the user's)."""
+    return key in table.sample_keys
 
 
 def _record_steps(primary: Table, keys: list[str]) -> list[int]:
     """The steps the view is about: those of the rank records other than system metrics,
     whose samples land on any step (their steps would read as steps most ranks miss);
     every step when only system metrics are shown."""
-    user = [k for k in primary.keys if not is_system(k)]
-    if len(user) == len(primary.keys) or all(is_system(k) for k in keys):
+    user = [k for k in primary.keys if not is_system(primary, k)]
+    if len(user) == len(primary.keys) or all(is_system(primary, k) for k in keys):
         return primary.steps
     return sorted(set().union(*(_key_steps(primary, k) for k in user)))
 
@@ -74,8 +75,8 @@ def _pick_step(
             )
         return step, "as asked"
     last: list[int] = []
-    if not all(is_system(k) for k in tables):
-        tables = {k: t for k, t in tables.items() if not is_system(k)}
+    if not all(is_system(t, k) for k, t in tables.items()):
+        tables = {k: t for k, t in tables.items() if not is_system(t, k)}
     for key, table in tables.items():
         ks = _key_steps(table, key)
         if frontier is not None:
@@ -99,7 +100,7 @@ def _stats(
             return table.reduce_window(key, lo, hi), table.window_means(key, lo, hi)
         return reduce.reduce_window(table, key, lo, hi), reduce.window_means(table, key, lo, hi)
     assert step is not None
-    if is_system(key):
+    if is_system(table, key):
         # each rank's latest sample at or before the step: the samples of the ranks land on
         # different steps, a few seconds apart
         rt = table.rank_table([key]) if isinstance(table, ColumnTable) else table
@@ -198,7 +199,7 @@ def _chart(table: Table, key: str, steps: list[int]) -> dict[str, Any]:
 
     have = set(table.key_steps(key))
     steps = [s for s in steps if s in have]
-    if isinstance(table, ColumnTable) and not is_system(key):
+    if isinstance(table, ColumnTable) and not is_system(table, key):
         every = table.reduce_steps(key, steps)  # (`_stats` per step, in one pass)
     else:
         every = [_stats(table, key, s, None)[0] for s in steps]
@@ -392,7 +393,8 @@ def summary_data(
     assert state is not None
     asked = [*(wanted or ()), *([heatmap_key] if heatmap_key else [])]
     sampled = cache(lambda: step_row_keys(shards))  # (8 shards' last rows, read once)
-    if lo is not None and not table.steps and state.frontier is not None and not (
+    # (a window's read may begin a line or two early: `window_start`)
+    if lo is not None and (not table.steps or table.steps[-1] < lo) and state.frontier is not None and not (
             (asked or (step is None and window is None)) and _rows_answer(sampled(), asked)):
         # sparse rank records (every 100th step, or system metrics alone), or a step or
         # window asked without them: the rank records of the whole shards; not when the
@@ -406,8 +408,8 @@ def summary_data(
         table, garbage, worlds = full[0], dict(full[1]), full[2]
     have = set(table.keys)
     row_keys = {k for k in asked if k not in have}
-    system_keys = [k for k in table.keys if is_system(k)]
-    user_keys = [k for k in table.keys if not is_system(k)]
+    system_keys = [k for k in table.keys if is_system(table, k)]
+    user_keys = [k for k in table.keys if not is_system(table, k)]
     defaults: list[str] = []
     span_keys: list[str] = []
     if not wanted and not user_keys and len({s.rank for s in shards}) > 1:
@@ -432,7 +434,7 @@ def summary_data(
         n = sum(garbage.values())
         warnings.append(f"skipped {n} line{'s' if n != 1 else ''} that did not parse ({where})")
     # system metrics alone do not make rank records of a run that logs none
-    records_asked = bool(user_keys) or any(is_system(k) for k in asked)
+    records_asked = bool(user_keys) or any(is_system(table, k) for k in asked)
     primary: Table = table if (table.steps and records_asked) or rows is None else rows
     if not primary.steps or not (user_keys or asked or defaults):
         last = last_rows(shards, {})

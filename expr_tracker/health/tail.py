@@ -27,6 +27,7 @@ import orjson
 from expr_tracker.gcpause import paused_gc
 from expr_tracker.store import records
 from expr_tracker.store.cursor import read_sidecar
+from expr_tracker.store.records import is_sample
 from expr_tracker.store.window import WINDOW_BLOCK, Short, TailBytes
 
 if TYPE_CHECKING:
@@ -37,17 +38,14 @@ MAX_TAIL_LINES = 100_000  # records parsed by one tail read
 TAIL_BLOCK = 16 << 10  # reverse-read block: a few dozen lines, not the 256 KiB of a full read
 SMALL_WINDOW, SMALL_BLOCK = 8, 4 << 10  # ... and for a window of a few steps, a few lines
 _MIN_STEP, _MAX_STEP = -(1 << 63), (1 << 63) - 1  # steps an array("q") holds
-SYSTEM = "system/"
-# a rank record is a system-metrics sample (DESIGN 19) when it holds one of these: two
-# dict lookups per rank record, not a scan of every key of every record
-_SYSTEM_MARKS = ("system/rss_mb", "system/gpu_util", "system/cpu_percent")
 
 
 def system_values(rec: dict[str, Any]) -> dict[str, Any] | None:
-    """The `system/*` values of a sample and its `_step`; None for any other record."""
-    if not ("system/rss_mb" in rec or "system/gpu_util" in rec or "system/cpu_percent" in rec):
-        return None  # (the three of `_SYSTEM_MARKS`, without a generator per record)
-    out = {k: v for k, v in rec.items() if k.startswith(SYSTEM)}
+    """The values of a system-metrics sample (DESIGN 19, `records.is_sample`) and its
+    `_step`; None for any other record."""
+    if not (("_source" in rec or "system/rss_mb" in rec) and is_sample(rec)):
+        return None
+    out = {k: v for k, v in rec.items() if k[:1] != "_"}
     out["_step"] = rec.get("_step")
     return out
 
@@ -252,10 +250,10 @@ class ShardTail:
             self.steps = _pushed(self.steps, array("q", row_steps[-window:]), window)
             self.times = _pushed(self.times, times, window)
         for r, group in by_rank.items():
-            # the latest system-metrics sample: the marks of `_SYSTEM_MARKS` tested inline
-            # (a call of `system_values` per record was most of this loop's time)
-            sample = next((rec for rec in reversed(group) if "system/rss_mb" in rec
-                           or "system/gpu_util" in rec or "system/cpu_percent" in rec), None)
+            # the latest system-metrics sample: two lookups inline before the call (a call
+            # of `system_values` per record was most of this loop's time)
+            sample = next((rec for rec in reversed(group) if ("_source" in rec or "system/rss_mb"
+                           in rec) and is_sample(rec)), None)
             if sample is not None:
                 self.system[r] = system_values(sample)  # type: ignore[assignment]
             group = group[-window:]

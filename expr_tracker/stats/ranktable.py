@@ -7,6 +7,11 @@ built on first use.
 
 A `_weight` that is missing, not a number, non-finite or negative counts as 1.0. A rank record
 without an integer `_step`, or with `_rank` outside [0, 1048576), is skipped and counted.
+
+The weight of a key at a step is the weight of the record that carried it (DESIGN 19): a
+system-metrics sample (`records.is_sample`) at a step where the user logged a weighted record
+does not replace that record's weight, and the keys only samples carry (`sample_keys`) are
+weighted as the samples are, 1.0.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import math
 from array import array
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any, cast
+
+from expr_tracker.store.records import is_sample
 
 _NAN = math.nan
 _INF = math.inf
@@ -30,6 +37,13 @@ class TableShape:
     _world: int
     _steps: list[int]
     _keys: list[str]
+    _sample_keys: frozenset[str] = frozenset()
+
+    @property
+    def sample_keys(self) -> frozenset[str]:
+        """Keys carried only by the SDK's system-metrics samples (DESIGN 19), whatever their
+        names: a user's own `system/step_time` is not one."""
+        return self._sample_keys
 
     @property
     def world_size(self) -> int:
@@ -56,9 +70,12 @@ class RankTable(TableShape):
         weights: dict[int, dict[int, float]] | None = None,
         world_size: int = 0,
         skipped: int = 0,
+        sample_keys: frozenset[str] = frozenset(),
     ) -> None:
-        """Build from key -> rank -> step -> value and rank -> step -> weight (see `collect`)."""
+        """Build from key -> rank -> step -> value and rank -> step -> weight (see `collect`),
+        and the keys only samples carry (weighted 1.0)."""
         self._cols = cols if cols is not None else {}
+        self._sample_keys = sample_keys
         self._wrank = weights if weights is not None else {}
         self._steps: list[int] = sorted(set().union(*self._wrank.values()))
         self._index = {s: i for i, s in enumerate(self._steps)}
@@ -99,6 +116,10 @@ class RankTable(TableShape):
         if col is None:
             col = self._columns[key] = _Column(self, key)
         return col
+
+    def key_wconst(self, key: str) -> float | None:
+        """The one weight of every value of `key`, if there is one (else per rank and step)."""
+        return 1.0 if key in self._sample_keys else self._wconst
 
     def _wlist(self, rank: int) -> list[float | None]:
         wl = self._wlists.get(rank)
@@ -159,6 +180,7 @@ def collect(records: Iterable[Mapping[str, Any]]) -> RankTable:
     last = -1
     cols: dict[str, dict[int, float]] = {}
     wr: dict[int, float] = {}
+    samples: dict[int, dict[str, dict[int, float]]] = {}  # the samples' values, apart
     float_ = float
     int_ = int
     # The hot loop: files hold runs of one rank, so the rank's dicts stay at hand and each
@@ -182,6 +204,12 @@ def collect(records: Iterable[Mapping[str, Any]]) -> RankTable:
             else:
                 cols = by_rank[rank] = {}
                 wr = weights[rank] = {}
+        # (two lookups for the usual record: `_source` absent, no `system/rss_mb`)
+        if ("_source" in rec or "system/rss_mb" in rec) and is_sample(rec):
+            if step not in wr:
+                wr[step] = 1.0  # a sample never replaces the weight of the user's record
+            _put(samples.setdefault(rank, {}), rec, step)
+            continue
         w = rec.get("_weight", 1.0)
         if w.__class__ is not float_ or not 0.0 <= w < _INF:
             ok = w.__class__ is not bool and isinstance(w, (int_, float_)) and 0 <= w < _MAX_INT
@@ -199,11 +227,43 @@ def collect(records: Iterable[Mapping[str, Any]]) -> RankTable:
                 cols[key] = {step: value}
             else:
                 col[step] = value
+    sample_keys = _merge_samples(by_rank, samples)
     by_key: dict[str, dict[int, dict[int, float]]] = {}
     for rank, per_key in by_rank.items():
         for key, col in per_key.items():
             by_key.setdefault(key, {})[rank] = col
-    return RankTable(by_key, weights, world, skipped)
+    return RankTable(by_key, weights, world, skipped, sample_keys)
+
+
+def _put(cols: dict[str, dict[int, float]], rec: Mapping[str, Any], step: int) -> None:
+    """Store the numeric metric values of `rec` at `step` (later records win)."""
+    for key, value in rec.items():
+        if key[0] == "_":
+            continue
+        if value.__class__ is not float:
+            if value.__class__ is bool or not isinstance(value, (int, float)):
+                continue
+            value = float(value)
+        cols.setdefault(key, {})[step] = value
+
+
+def _merge_samples(
+    by_rank: dict[int, dict[str, dict[int, float]]],
+    samples: dict[int, dict[str, dict[int, float]]],
+) -> frozenset[str]:
+    """Put the samples' values beside the user's; the keys only samples carried. A key the
+    user logged too is the user's (their value wins at a step both wrote)."""
+    users = set().union(*by_rank.values()) if samples else set()
+    only: set[str] = set()
+    for rank, per_key in samples.items():
+        mine = by_rank.setdefault(rank, {})
+        for key, col in per_key.items():
+            if key in users:
+                col.update(mine.get(key, {}))
+            else:
+                only.add(key)
+            mine[key] = col
+    return frozenset(only)
 
 
 _FULL: dict[int, frozenset[int]] = {}

@@ -227,7 +227,7 @@ def reduce_step(table: RankTable, key: str, step: int) -> Stats:
     i = table._index.get(step)
     if i is None or not col.ranks:
         return _empty_stats(world, list(range(world)), 0, [])
-    ws: _Weights = table._wconst
+    ws: _Weights = table.key_wconst(key)
     if i not in col.gaps:
         # every rank of the key has a value here: read one row
         rk = col.ranks
@@ -260,7 +260,7 @@ def _window_parts(
     i = bisect_left(steps, lo)
     j = max(i, bisect_left(steps, hi))
     col = table._column(key)
-    wconst = table._wconst
+    wconst = table.key_wconst(key)
     got: list[int] = []
     means: list[float] = []
     wmeans: list[float] = []
@@ -302,7 +302,7 @@ def reduce_window(table: RankTable, key: str, lo: int, hi: int) -> Stats:
     """Stats of each rank's mean of `key` over steps lo <= s < hi (finite values only)."""
     got, means, wmeans, seen, nonfinite, bad = _window_parts(table, key, lo, hi)
     world = table._world
-    wconst = table._wconst
+    wconst = table.key_wconst(key)
     ws: _Weights = wconst if wconst is not None else wmeans
     stats = _reduce(got, means, world, ws, _missing(seen, world))
     return replace(stats, nonfinite=nonfinite, nonfinite_ranks=bad)

@@ -62,6 +62,7 @@ class Block:
     steps: array[int]
     weights: float | array[float]  # one weight for every step, or one per step
     columns: dict[str, array[float]]  # metric key -> value per step (non-finite kept)
+    sample: bool = False  # the SDK's system-metrics samples (`records.is_sample`), not the user's
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,7 @@ class _Acc:
         self.weights: float | array[float] | None = None
         self.columns: dict[str, array[float]] = {}
         self.keys: tuple[str, ...] | None = None  # every key of the records, metric or not
+        self.sample = False
 
     def add(self, recs: list[dict[str, Any]]) -> None:
         """Append the records of this rank (file order); _Irregular if they don't fit.
@@ -149,6 +151,8 @@ class _Acc:
         keys = tuple(recs[0])
         if self.keys is None:
             self.keys = keys
+            # samples (every record has the same keys: all samples or none)
+            self.sample = "system/rss_mb" in keys if "_source" not in keys else True
         elif set(keys) != set(self.keys):
             raise _Irregular
         if n > 1 and set(map(len, recs)) != {len(keys)}:
@@ -170,6 +174,8 @@ class _Acc:
             map(lt, steps, islice(steps, 1, None))
         ):
             raise _Irregular  # a repeated step: the later record wins, per key
+        if "_source" in values and set(values["_source"]) != {records.SAMPLE_SOURCE}:
+            raise _Irregular  # (`reduce.collect` tells each record apart)
         cols: dict[str, array[float]] = {}
         for key, col in values.items():
             if key[:1] == "_" and key not in ("_weight", "_world_size"):
@@ -219,7 +225,7 @@ class _Acc:
 
     def block(self) -> Block:
         weights = 1.0 if self.weights is None else self.weights
-        return Block(self.rank, self.world, self.steps, weights, self.columns)
+        return Block(self.rank, self.world, self.steps, weights, self.columns, self.sample)
 
 
 def _add_chunk(accs: dict[int, _Acc], recs: list[dict[str, Any]]) -> None:
@@ -302,6 +308,7 @@ def scan_all(paths: Sequence[str], lo: int | None = None,
 def rank_table(blocks: Iterable[Block], keys: Collection[str] | None = None) -> RankTable:
     """A `RankTable` of blocks in file order (a later block wins a repeated rank, step and
     key), of every key or of `keys` only (steps, ranks and world size stay those of all)."""
+    blocks = list(blocks)
     cols: dict[str, dict[int, dict[int, float]]] = {}
     weights: dict[int, dict[int, float]] = {}
     world = 0
@@ -313,7 +320,16 @@ def rank_table(blocks: Iterable[Block], keys: Collection[str] | None = None) -> 
             if keys is None or key in keys:
                 by_rank = cols.setdefault(key, {})
                 by_rank.setdefault(b.rank, {}).update(zip(b.steps, values, strict=True))
-    return RankTable(cols, weights, world)
+    return RankTable(cols, weights, world, sample_keys=sample_keys(blocks))
+
+
+def sample_keys(blocks: Iterable[Block]) -> frozenset[str]:
+    """The keys that only blocks of samples carry (`RankTable.sample_keys`)."""
+    sampled: set[str] = set()
+    users: set[str] = set()
+    for b in blocks:
+        (sampled if b.sample else users).update(b.columns)
+    return frozenset(sampled - users)
 
 
 def _step_union(blocks: Sequence[Block]) -> list[int]:
@@ -351,6 +367,7 @@ class ColumnTable(TableShape):
                 break
         # one weight on every record, as `RankTable` finds it: the statistics then ignore weights
         self._wconst = next(iter(distinct)) if len(distinct) == 1 else None
+        self._sample_keys = sample_keys(self._blocks)
         self._last_window: tuple[Any, Any] = (None, None)
         self._last_at: tuple[Any, list[tuple[Block, int]]] = (None, [])
         self._last_values: tuple[Any, dict[int, float]] = (None, {})

@@ -350,8 +350,12 @@ def rank_record(
     world_size: Any,
     local_rank: Any,
     weight: Any,
+    source: str | None = None,
 ) -> tuple[dict[str, Any], bool]:
-    """Validate `log_rank_metrics` arguments and build its record; errors name the argument."""
+    """Validate `log_rank_metrics` arguments and build its record; errors name the argument.
+
+    `source` ("system": the SDK's own samples, DESIGN 19) is written as `_source`, which
+    tells a reader the record is not the user's, whatever its keys are named."""
     import time
 
     step = check_step(step)
@@ -377,6 +381,24 @@ def rank_record(
         "_local_rank": local_rank,
         "_weight": float(weight),
     }
+    if source is not None:
+        record["_source"] = source
     record.update(row)
     return record, nonfinite
+
+
+SAMPLE_SOURCE = "system"  # `_source` of the SDK's system-metrics samples (DESIGN 19)
+# A sample written before `_source` existed holds this key: psutil is a dependency, so every
+# sample of those versions has it (and a user record with that very name is told apart by
+# `_source` once written by this version)
+_LEGACY_SAMPLE_MARK = "system/rss_mb"
+
+
+def is_sample(rec: Mapping[str, Any]) -> bool:
+    """True for a system-metrics sample of the SDK (DESIGN 19), False for a user's record,
+    by the record's `_source` (older files: by the sampler's `system/rss_mb`)."""
+    source = rec.get("_source")
+    if source is None:
+        return _LEGACY_SAMPLE_MARK in rec and rec.get("_kind") == "rank"
+    return source == SAMPLE_SOURCE
 

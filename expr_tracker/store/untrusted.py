@@ -21,6 +21,7 @@ from expr_tracker.store.records import (
     MAX_STR,
     MAX_WORLD,
     NONFINITE_TEXT,
+    SAMPLE_SOURCE,
     check_rank_fields,
     check_step,
     encode_row,
@@ -28,7 +29,7 @@ from expr_tracker.store.records import (
 
 ROW_FIELDS = frozenset(("_step", "_time", "_seq", "_rank"))  # `_rank`: rank_aware=False
 RANK_FIELDS = frozenset(("_kind", "_step", "_time", "_seq", "_rank", "_world_size",
-                         "_local_rank", "_weight"))
+                         "_local_rank", "_weight", "_source"))
 _RANK_NAMES = ("_rank", "_world_size", "_local_rank", "_weight")
 
 
@@ -103,6 +104,9 @@ def check_record(rec: Mapping[str, Any]) -> None:
         return
     check_rank_fields(rec.get("_rank"), rec.get("_world_size"), rec.get("_local_rank"),
                        rec.get("_weight", 1.0), _RANK_NAMES)
+    source = rec.get("_source", SAMPLE_SOURCE)
+    if source != SAMPLE_SOURCE:
+        raise ValueError(f"_source must be {SAMPLE_SOURCE!r} or absent, got {source!r}")
     if not user:
         raise ValueError("a rank record needs at least one metric")
     encode_row(user)

@@ -13,6 +13,7 @@ import re
 from typing import BinaryIO
 
 _STEP_RE = re.compile(rb'"_step":\s*(\d+)')
+_RANK_RE = re.compile(rb'"_kind":\s*"rank"')
 WINDOW_BLOCK = 64 << 10  # reverse-read block when looking for the start of a recent window
 
 
@@ -22,11 +23,47 @@ def _first_step(data: bytes, pos: int) -> int | None:
     return int(m.group(1)) if m is not None else None
 
 
+def _bound(data: bytes, pos: int) -> tuple[int, int | None]:
+    """The first line at or after `pos` that has a step: its offset, and the step that
+    every line before it stays under (None: not known from `data`).
+
+    Rank records are in step order, and so are step rows, but not the two together: the
+    row of step N is committed only when step N+1 opens (`et.log(step=N+1)`), after that
+    step's rank records, so those precede it. A rank record of step s bounds what precedes
+    it by s; a step row bounds it by the step of the next row (the rank records before it
+    belong to that step at most)."""
+    m = _STEP_RE.search(data, pos)
+    if m is None:
+        return len(data), None
+    line = data.rfind(b"\n", 0, m.start()) + 1
+    nl = data.find(b"\n", m.end())
+    nl = len(data) if nl < 0 else nl
+    if _RANK_RE.search(data, line, nl) is not None:
+        return line, int(m.group(1))
+    # a step row: the step of the next step row
+    pos = nl + 1
+    while pos < len(data):
+        nl = data.find(b"\n", pos)
+        nl = len(data) if nl < 0 else nl
+        m = _STEP_RE.search(data, pos, nl)
+        if m is not None and _RANK_RE.search(data, pos, nl) is None:
+            return line, int(m.group(1))
+        pos = nl + 1
+    return line, None
+
+
+def _before(bound: int | None, lo: int) -> bool:
+    """Every line before this one has a step under `lo` (see `_bound`)."""
+    return bound is not None and bound < lo
+
+
 def window_start(fh: BinaryIO, lo: int, block: int = WINDOW_BLOCK) -> int:
-    """The offset of the first line with a step >= `lo` (every line before it has a smaller
-    one), reading the open shard backwards a block at a time: a recent window costs its own
-    bytes, whatever the shard's length (DESIGN 14). Records are in (nearly) increasing step
-    order. 0 when the window reaches back to the start."""
+    """An offset before which every line has a step under `lo`, close to the first line
+    with a step >= `lo`, reading the open shard backwards a block at a time: a recent
+    window costs its own bytes, whatever the shard's length (DESIGN 14). Rank records and
+    step rows are each in increasing step order, and the two are interleaved as writers
+    append them (`_bound`); lines after the offset may still have smaller steps, which
+    readers skip or keep as they do any line. 0 when the window reaches back to the start."""
     end = fh.seek(0, 2)
     while end > 0:
         start = max(0, end - block)
@@ -37,28 +74,33 @@ def window_start(fh: BinaryIO, lo: int, block: int = WINDOW_BLOCK) -> int:
         if start > 0 and (pos == 0 or pos >= len(data)):
             end = start  # no whole line in the block (a long line): look further back
             continue
-        first = _first_step(data, pos)
-        if start == 0 or (first is not None and first < lo):
-            # the window starts in this block: at its first line with a step >= lo; halve
-            # the span while a line start falls inside it, then walk the last few lines
-            if first is not None and first < lo:
+        first, bound = _bound(data, pos)
+        if start == 0 or _before(bound, lo):
+            # the window starts in this block: after the last line that bounds what
+            # precedes it under lo; halve the span while a line start falls inside it,
+            # then walk the last few lines
+            if _before(bound, lo):
+                pos = first
                 top = len(data)
                 while top - pos > 1024:
                     nl = data.find(b"\n", (pos + top) // 2, top)
                     if nl < 0 or nl + 1 >= top:
                         break
-                    step = _first_step(data, nl + 1)
-                    if step is not None and step < lo:
-                        pos = nl + 1
+                    at, bound = _bound(data, nl + 1)
+                    if at < top and _before(bound, lo):
+                        pos = at
                     else:
                         top = nl + 1
-            nl = data.find(b"\n", pos)
-            while nl >= 0:
-                m = _STEP_RE.search(data, pos, nl)
-                if m is not None and int(m.group(1)) >= lo:
+            else:
+                pos = 0
+            while pos < len(data):
+                at, bound = _bound(data, pos)
+                if at >= len(data) or not _before(bound, lo):
+                    return start + pos
+                nl = data.find(b"\n", at)
+                if nl < 0:
                     return start + pos
                 pos = nl + 1
-                nl = data.find(b"\n", pos)
             return start + pos
         end = start + pos
     return 0
