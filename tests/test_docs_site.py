@@ -97,7 +97,7 @@ def test_site_builds_strictly_with_the_generated_cli_reference(tmp_path: Path) -
     from expr_cli.main import build_app
 
     site = tmp_path / "site"
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-d", str(site)],
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     if proc.returncode != 0 and "No module named mkdocs" in proc.stderr:
