@@ -30,9 +30,17 @@ def _run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_version(cli):
+    """The installed distribution's version (importlib.metadata), which pyproject.toml sets
+    and expr_tracker.__version__ (the fallback of a source tree without metadata) repeats."""
+    from importlib.metadata import version
+
+    import expr_tracker
+
     result = cli("--version")
     assert result.exit_code == 0, result.output
-    assert result.stdout == "expr (expr-tracker) 0.1.0\n"
+    assert result.stdout == f"expr (expr-tracker) {version('expr-tracker')}\n"
+    declared = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert declared and declared.group(1) == version("expr-tracker") == expr_tracker.__version__
 
 
 def test_no_arguments_prints_help(cli):
