@@ -47,7 +47,7 @@ def help_text(path: list[str]) -> str:
     result = CliRunner().invoke(build_app(), [*path, "--help"], env=env, prog_name="expr")
     if result.exit_code != 0:
         raise RuntimeError(f"expr {' '.join(path)} --help exited {result.exit_code}: {result.output}")
-    return "\n".join(line.rstrip() for line in result.output.strip("\n").splitlines())
+    return "\n".join(line.rstrip() for line in result.output.splitlines()).strip("\n")
 
 
 def reference() -> str:
