@@ -183,7 +183,9 @@ def _guide_section() -> str:
 
 
 def test_every_command_has_help_with_an_example_and_a_guide_mention():
-    guide = CLI_GUIDE.read_text()
+    """Each command is mentioned in prose in the docs site: the guide (docs/cli.md) or the
+    page of its own topic (the generated CLI reference does not count)."""
+    guide = "\n".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
     commands = _commands()
     names = {" ".join(path) for path, _ in commands}
     assert {"runs", "shards", "history", "tail", "summary", "alerts", "rules explain",
@@ -192,7 +194,7 @@ def test_every_command_has_help_with_an_example_and_a_guide_mention():
         label = "expr " + " ".join(path)
         assert (cmd.help or "").strip(), f"{label} has no help text"
         assert "Example" in (cmd.epilog or "") + (cmd.help or ""), f"{label} --help has no example"
-        assert f"`{label}" in guide, f"docs/cli.md does not mention {label}"
+        assert f"`{label}" in guide, f"no page of docs/ mentions {label}"
 
 
 def test_help_prose_is_wrapped_at_80_columns_and_shows_brackets(cli):
