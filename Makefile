@@ -6,12 +6,12 @@ STAMP := $(VENV)/.installed
 CONSTRAINTS := constraints.txt
 PIP := $(PY) -m pip install -q -c $(CONSTRAINTS)
 
-.PHONY: demo test lint bench bench-scale torture completions clean
+.PHONY: demo test lint docs bench bench-scale torture completions clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PIP) -e '.[dev,wandb,trackio,plot,export,query,gpu,serve]'
+	$(PIP) -e '.[dev,wandb,trackio,plot,export,query,gpu,serve,docs]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -58,6 +58,10 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports --no-cache
 
+# the documentation site (mkdocs.yml, docs/) into site/; any warning fails it
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 bench: $(STAMP)
 	$(PIP) duckdb
 	$(PY) bench/log_overhead.py
@@ -83,4 +87,4 @@ completions: $(STAMP)
 	$(PY) -m expr_cli.completions completions
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info

@@ -27,7 +27,7 @@
     url = "https://metrics.example/ingest"
     token_env = "METRICS_TOKEN"
 
-    [backends.clickhouse]                # the team store (README "Team store")
+    [backends.clickhouse]                # the team store (docs/backends.md, "Team store")
     type = "clickhouse"
     url = "http://ch.internal:8123"
     database = "expr"

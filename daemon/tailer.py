@@ -41,7 +41,7 @@ LOG_AGAIN = 3600.0  # a cause already logged is logged again (with its count) af
 TOO_LONG = object()  # the parse of a line over the spool's line limit (never read)
 # the spool read a block at a time of this size: its records (about 5x its bytes as
 # Python objects) stay in a core's cache across the block screen's passes over them; a
-# 1 MiB block's did not (1.25x the CPU per row, bench/RESULTS.md 3f)
+# 1 MiB block's did not (1.25x the CPU per row, bench/HISTORY.md 3f)
 READ_BLOCK = 128 << 10
 
 

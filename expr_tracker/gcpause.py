@@ -3,7 +3,7 @@
 A read of thousands of shard tails makes millions of dicts and lists, none in a cycle
 (reference counting frees them), and each few hundred thousand allocations set off a
 collection that walks every object alive: at 16,384 shards those collections were a
-sixth to a third of a read's CPU time (bench/RESULTS.md, issue 24). What the read leaves
+sixth to a third of a read's CPU time (bench/HISTORY.md, issue 24). What the read leaves
 behind is collected as usual once it is over.
 """
 

@@ -76,7 +76,7 @@ USERS = """<?xml version="1.0"?>
 """
 
 PASSWORD = "s3cret-test-only"  # the `writer` and `reader` users', for the credentials tests
-# `reader` has the profile `readonly` (readonly=1), as the README recommends for dashboards
+# `reader` has the profile `readonly` (readonly=1), as docs/backends.md recommends for dashboards
 
 
 def binary() -> str:

@@ -29,7 +29,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClickHouse]:
             b.log([{"_step": s, "_time": 1.0 + s, "_id": f"s{rank}:{s}", "loss": 1.0 / (s + 1),
                     "gn": float("nan") if s == 2 else 0.5} for s in range(3)])
             b.finish("finished")
-        # the README's example run: two ranks of llama/sft-1, diverging on rank 1
+        # the docs' example run (docs/backends.md): two ranks of llama/sft-1, diverging on rank 1
         now = time.time()
         for rank in range(2):
             b = ClickHouseBackend(url=ch.url)
@@ -125,8 +125,9 @@ def test_a_named_user_variable_must_be_set(store: ClickHouse) -> None:
     assert json.loads(res.stdout) == [{"u": "reader"}]
 
 
-def _readme_queries() -> list[str]:
-    text = (Path(__file__).parent.parent / "README.md").read_text()
+def _docs_queries() -> list[str]:
+    """The example queries of "Queries across runs" in docs/backends.md (the team store)."""
+    text = (Path(__file__).parent.parent / "docs" / "backends.md").read_text()
     block = text[text.index("**Queries across runs**"):]
     block = block[block.index("```sh\n") + 6 : block.index("```\n", block.index("```sh"))]
     lines = [line for line in block.splitlines() if not line.startswith("#")]
@@ -139,8 +140,8 @@ def _readme_queries() -> list[str]:
     return commands
 
 
-def test_the_readme_queries_run(store: ClickHouse) -> None:
-    commands = _readme_queries()
+def test_the_docs_queries_run(store: ClickHouse) -> None:
+    commands = _docs_queries()
     assert len(commands) == 3
     answers = []
     for command in commands:

@@ -19,10 +19,10 @@ from tests.test_daemon import EXPRD, write_config
 
 UNITS = Path(__file__).resolve().parent.parent / "daemon"
 VENV_EXPRD = Path(sys.executable).parent / "exprd"
-README = UNITS.parent / "README.md"
+GUIDE = UNITS.parent / "docs" / "systemd.md"  # "Running exprd under systemd" (was the README's)
 EXAMPLE_CONFIG = UNITS / "exprd.toml.example"
-INSTALLED_EXPRD = "/opt/exprd/venv/bin/exprd"  # where the README installs exprd
-EXPOSURE = 2.0  # `systemd-analyze security --offline` of exprd.service, as the README says
+INSTALLED_EXPRD = "/opt/exprd/venv/bin/exprd"  # where the guide installs exprd
+EXPOSURE = 2.0  # `systemd-analyze security --offline` of exprd.service, as the guide says
 
 
 def unit_values(text: str, key: str) -> list[str]:
@@ -108,7 +108,7 @@ def test_notify_ready_watchdog_stopping_over_a_real_socket(tmp_path: Path) -> No
     assert proc.stderr is not None and b"Traceback" not in proc.stderr.read()
 
 
-def test_security_exposure_is_what_the_readme_says() -> None:
+def test_security_exposure_is_what_the_guide_says() -> None:
     if shutil.which("systemd-analyze") is None:
         pytest.skip("systemd-analyze is not installed (.ci/run installs the systemd package)")
     proc = subprocess.run(["systemd-analyze", "security", "--offline=true",
@@ -118,17 +118,17 @@ def test_security_exposure_is_what_the_readme_says() -> None:
     assert last, proc.stdout + proc.stderr
     score = float(last[0].split(":")[1].split()[0])
     assert score <= EXPOSURE, last[0]
-    assert f"exposure level {EXPOSURE}" in README.read_text()
+    assert f"exposure level {EXPOSURE}" in GUIDE.read_text()
 
 
-def test_readme_installs_what_the_unit_starts() -> None:
-    readme = README.read_text()
+def test_guide_installs_what_the_unit_starts() -> None:
+    guide = GUIDE.read_text()
     text = (UNITS / "exprd.service").read_text()
     assert unit_values(text, "ExecStart")[0] == INSTALLED_EXPRD
-    assert "python3 -m venv /opt/exprd/venv" in readme
-    assert "/opt/exprd/venv/bin/pip install" in readme
-    assert "daemon/exprd.toml.example /etc/exprd/exprd.toml" in readme
-    assert "--allow-root" in readme
+    assert "python3 -m venv /opt/exprd/venv" in guide
+    assert "/opt/exprd/venv/bin/pip install" in guide
+    assert "daemon/exprd.toml.example /etc/exprd/exprd.toml" in guide
+    assert "--allow-root" in guide
 
 
 def test_example_config_loads_and_documents_every_key() -> None:
@@ -199,16 +199,16 @@ def test_retention_deletes_under_the_hardened_unit(tmp_path: Path) -> None:
     assert "deleted" in log and "Traceback" not in log
 
 
-def _readme_service_steps() -> list[str]:
-    """The shell lines of the README's "System service" block, comments dropped."""
-    readme = README.read_text()
-    section = readme[readme.index("### System service"):readme.index("### User service")]
+def _guide_service_steps() -> list[str]:
+    """The shell lines of the guide's "System service" block, comments dropped."""
+    guide = GUIDE.read_text()
+    section = guide[guide.index("## System service"):guide.index("## User service")]
     block = section.split("```sh\n", 1)[1].split("```", 1)[0]
     return [line.split("  #", 1)[0].strip() for line in block.splitlines() if line.strip()]
 
 
 def _staged(line: str, root: Path) -> list[str] | None:
-    """A README line as it runs against the staged root `root` (None: done by the test)."""
+    """A guide line as it runs against the staged root `root` (None: done by the test)."""
     import shlex
 
     words = shlex.split(line)
@@ -221,7 +221,7 @@ def _staged(line: str, root: Path) -> list[str] | None:
         return [words[0], f"--root={root}", *words[1:]]
     if words[:3] == ["systemctl", "enable", "--now"]:
         return ["systemctl", f"--root={root}", "enable", *words[3:]]  # no PID 1 to start it on
-    raise AssertionError(f"the README gained a step this test does not know: {line!r}")
+    raise AssertionError(f"the guide gained a step this test does not know: {line!r}")
 
 
 def _passwd(root: Path) -> dict[str, int]:
@@ -229,7 +229,7 @@ def _passwd(root: Path) -> dict[str, int]:
                                       (root / "etc/passwd").read_text().splitlines())}
 
 
-def test_readme_service_steps_run_top_to_bottom_in_a_staged_root(tmp_path: Path) -> None:
+def test_guide_service_steps_run_top_to_bottom_in_a_staged_root(tmp_path: Path) -> None:
     tools = ("systemd-sysusers", "systemd-tmpfiles", "systemd-analyze", "systemctl")
     if any(shutil.which(t) is None for t in tools):
         pytest.skip("systemd's tools are not installed (.ci/run installs the systemd package)")
@@ -247,7 +247,7 @@ def test_readme_service_steps_run_top_to_bottom_in_a_staged_root(tmp_path: Path)
     exprd = root / INSTALLED_EXPRD.lstrip("/")
     exprd.parent.mkdir(parents=True)
     shutil.copy(VENV_EXPRD, exprd)  # a copy: symlinks are resolved inside the staged root
-    steps = _readme_service_steps()
+    steps = _guide_service_steps()
     assert steps[-1] == "systemctl enable --now exprd", steps
     for line in steps:
         cmd = _staged(line, root)

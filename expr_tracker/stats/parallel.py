@@ -263,7 +263,7 @@ def _idle_core() -> bool:
     second (`/proc/stat`), else, where that cannot be read, a 1-minute load average half
     a core under the cores. On a busy machine a fork server's workers got a long-lived
     server no more CPU, and cost their pickling: a 16,384-rank page built in workers took
-    15 s of CPU and 22 s where one process took 12 s of each (bench/RESULTS.md, issue 19).
+    15 s of CPU and 22 s where one process took 12 s of each (bench/HISTORY.md, issue 19).
     The load average alone lags by a minute: a server asked for its first page right after
     other work read in one process on an idle machine (the first render took twice the
     CLI's `expr summary` of the same run)."""
