@@ -11,7 +11,7 @@ PIP := $(PY) -m pip install -q -c $(CONSTRAINTS)
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PIP) -e '.[dev,wandb,trackio,plot,export,query,gpu,serve]'
+	$(PIP) -e '.[dev,wandb,trackio,plot,export,query,gpu,serve,mcp]'
 	touch $(STAMP)
 
 demo: $(STAMP)

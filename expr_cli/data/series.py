@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from expr_cli.errors import CLIError
+from expr_cli.layout import outlier_order
 from expr_cli.resolve import RunRef, ranks_phrase, unknown_metrics
 
 MAX_LINES = 8
@@ -157,7 +158,8 @@ def build_panel(metric: str, per_rank: dict[int, tuple[list[int], list[float]]],
         lo.append(stats.p05)
         hi.append(stats.p95)
     means = {r: sum(ys) / len(ys) for r, (_, ys) in per_rank.items() if ys}
-    flagged = sorted(outliers(means, flagged_only=True), key=lambda o: -abs(o.robust))
+    # the furthest from the median first; a flagged rank of a MAD of 0 has no robust score
+    flagged = sorted(outliers(means, flagged_only=True), key=outlier_order)
     lines = [Line(f"median of {len(per_rank)} ranks", steps, med, "median")]
     lines += [Line(f"rank {o.rank} (outlier)", *per_rank[o.rank], "outlier")
               for o in flagged[:MAX_OUTLIERS]]
