@@ -23,11 +23,11 @@ from typing import Any
 
 from expr_cli.data import jsonable, now
 from expr_cli.data.runs import runs_data, runs_json
-from expr_cli.data.series import load_series, parse_ranks, series_data
+from expr_cli.data.series import build_panel, load_series, panels_json, parse_ranks
 from expr_cli.data.summary import summary_data
 from expr_cli.errors import CLIError
 from expr_cli.resolve import RunRef, compact_ranks, list_runs, parse_metrics
-from expr_cli.web.live import QUICK_MIN, TOP_TTL, LiveRuns, incident_lines
+from expr_cli.web.live import QUICK_MIN, LiveRuns, incident_lines
 from expr_cli.web.paths import BadRequest, NotFound, inside, no_links, run_ref
 from expr_tracker.store.layout import validate_stream
 
@@ -36,6 +36,9 @@ from .fit import Caps
 MAX_COMPARE = 8
 NAMED = 16  # ranks named one by one (probes, per-rank crossings); the rest are counted
 PAST = 20  # resolved incidents listed
+# seconds a run's top frame is kept while its files do not change: the time-based detectors
+# (hang, stall) see the silence grow between calls (a page's TOP_TTL is 10 s)
+FRAME_TTL = 1.0
 _BAD = {"crashed": 0, "stall": 1, "hang": 1, "missing": 2, "straggler": 3, "slowdown": 3,
         "behind": 4, "alert": 4}
 _STATUS = {"crashed": 0, "stale": 1, "running": 2, "finished": 3}
@@ -176,7 +179,7 @@ class Answers:
         def build(state: Any) -> Any:
             return now(), jsonable(live.top(state))
 
-        return live.answer(("mcp-top",), build, ttl=TOP_TTL)[1]  # type: ignore[no-any-return]
+        return live.answer(("mcp-top",), build, ttl=FRAME_TTL)[1]  # type: ignore[no-any-return]
 
     def runs(self) -> dict[str, Any]:
         """Every run under the root, worst first: open incidents, crashed, stale, live."""
@@ -366,16 +369,19 @@ class Answers:
     # -- over steps -------------------------------------------------------------------
 
     def _series(self, ref: RunRef, stream: str | None, metric: str,
-                steps: tuple[int | None, int | None] | None = None) -> dict[int, Any]:
+                steps: tuple[int | None, int | None] | None = None,
+                ranks: list[int] | None = None) -> dict[int, Any]:
+        """`data.series.load_series` of one metric (rank -> steps, values), kept for the
+        run's version; BadArgument naming the metric when it has no finite values."""
         from expr_cli.resolve import shards_of
 
         self._cli(lambda: shards_of(ref, stream))
         live = self.lives.get(ref, stream)
 
         def build(state: Any) -> Any:
-            return load_series(ref.path, stream, [metric], None, steps)[metric]
+            return load_series(ref.path, stream, [metric], ranks, steps)[metric]
 
-        per = live.answer(("mcp-series", metric, steps), build)
+        per = live.answer(("mcp-series", metric, steps, tuple(ranks or ())), build)
         if not per:
             from expr_cli.data.series import _available_metrics
 
@@ -385,7 +391,9 @@ class Answers:
                 raise BadArgument("metric", f"run {ref.label} has no metric {metric!r}"
                                   + (f"; near: {', '.join(near)}" if near else "")
                                   + f"; metrics: {', '.join(sorted(have)[:20])}")
-            raise BadArgument("metric", f"no finite values of {metric} in run {ref.label}")
+            where = " in those ranks" if ranks is not None else ""
+            where += " in that step range" if steps is not None else ""
+            raise BadArgument("metric", f"no finite values of {metric}{where} in run {ref.label}")
         return per  # type: ignore[no-any-return]
 
     def compare(self, runs: list[str], metric: str, stream: str | None,
@@ -491,9 +499,10 @@ class Answers:
         except CLIError as exc:
             raise BadArgument("ranks", exc.message.replace("--rank", "ranks")) from None
         window = _steps_arg(steps)
-        self._series(ref, stream, metric, window)  # (the errors; its read is kept)
-        data = self._cli(lambda: series_data(ref, stream, [metric], wanted, window, 1),
-                         {"unknown metric": "metric", "no finite values": "metric"})
+        per = self._series(ref, stream, metric, window, wanted)
+        # `series_data`'s answer (`expr plot --json`) from the read kept for the run
+        data = {"run": ref.label, "stream": stream,
+                "panels": panels_json([build_panel(metric, per, 1)])}
         panel = data["panels"][0]
         kept = of = 0
         for line in panel["lines"]:
@@ -508,7 +517,7 @@ class Answers:
             for k in ("steps", "lo", "hi"):
                 band[k] = [band[k][i] for i in idx]
         all_steps = [s for line in panel["lines"] for s in line["steps"][:1] + line["steps"][-1:]]
-        n_ranks = len(self._series(ref, stream, metric, window))
+        n_ranks = len(per)
         return {"tool": "metric_series",
                 "covers": {"ranks_reporting": n_ranks, "world_size": self._world(ref),
                            "ranks_drawn": len(panel["lines"]) if band is None else n_ranks,
