@@ -264,6 +264,27 @@ def test_an_answer_over_the_cap_is_cut_and_written_whole_under_out(small: Path, 
     assert len(encode(nowhere)) <= 4096 and nowhere["covers"] == a.json["covers"]
 
 
+def test_series_compare_and_crossing_of_many_ranks(small: Path, client: Any) -> None:
+    c = client("--dir", str(small))
+    for metric in ("step_time", "loss"):  # a rank record, a step row
+        a = c.call("metric_series", run="proj/big", metric=metric)
+        cli = subprocess.run([*EXPR, "plot", "proj/big", "--dir", str(small), "-m", metric,
+                              "--json"], capture_output=True, text=True, env=env_for(), timeout=60)
+        assert a.json["series"] == json.loads(cli.stdout), metric
+    lines = a.json["series"]["panels"][0]["lines"]
+    assert lines[0]["label"] == "median of 64 ranks" and a.json["covers"]["ranks_reporting"] == 64
+    thinned = c.call("metric_series", run="proj/big", metric="step_time", points=5).json
+    assert thinned["covers"]["points"] == 5 and thinned["covers"]["of_points"] == 40
+    assert thinned["series"]["panels"][0]["lines"][0]["steps"] == [0, 10, 20, 29, 39]
+    outlier = thinned["series"]["panels"][0]["lines"][1]
+    assert outlier["label"] == "rank 5 (outlier)", thinned  # the straggler
+    cross = c.call("first_crossing", run="big", metric="loss", value=0.5, direction="below").json
+    assert cross["first_step_any_rank"] == 9 and cross["median_first_step"] == 10, cross
+    assert cross["ranks_never"] == "-" and cross["ranks_crossed"] == 64
+    cmp = c.call("compare_runs", runs=["big", "proj/other"], metric="loss").json
+    assert [r["ranks"] for r in cmp["runs"]] == [64, 4] and cmp["covers"]["last_common_step"] == 39
+
+
 def test_16384_ranks_answers_within_the_caps(tmp_path: Path, client: Any) -> None:
     root = (tmp_path / "runs").resolve()
     write_run(root / "bench" / "big", 16384, 2, straggler=8193, crashed=17)

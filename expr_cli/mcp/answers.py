@@ -23,10 +23,18 @@ from typing import Any
 
 from expr_cli.data import jsonable, now
 from expr_cli.data.runs import runs_data, runs_json
-from expr_cli.data.series import build_panel, load_series, panels_json, parse_ranks
+from expr_cli.data.series import (
+    MAX_LINES,
+    MAX_OUTLIERS,
+    build_panel,
+    load_series,
+    panels_json,
+    parse_ranks,
+)
 from expr_cli.data.summary import summary_data
 from expr_cli.errors import CLIError
 from expr_cli.resolve import RunRef, compact_ranks, list_runs, parse_metrics
+from expr_cli.web.api import RUNS_TTL
 from expr_cli.web.live import QUICK_MIN, LiveRuns, incident_lines
 from expr_cli.web.paths import BadRequest, NotFound, inside, no_links, run_ref
 from expr_tracker.store.layout import validate_stream
@@ -94,6 +102,7 @@ class Answers:
         self.caps = caps
         self.cfg = cfg
         self.lives = LiveRuns(cfg)
+        self._runs: tuple[float, list[dict[str, Any]]] | None = None
 
     # -- runs ---------------------------------------------------------------------
 
@@ -183,7 +192,15 @@ class Answers:
 
     def runs(self) -> dict[str, Any]:
         """Every run under the root, worst first: open incidents, crashed, stale, live."""
-        rows = [r for r in runs_data(self.root) if inside(self.root, Path(r["path"]))]
+        import time
+
+        # every shard of every run inspected: kept RUNS_TTL seconds, as for a page
+        if self._runs is not None and time.monotonic() - self._runs[0] < RUNS_TTL:
+            rows = self._runs[1]
+        else:
+            rows = [r for r in runs_data(self.root) if inside(self.root, Path(r["path"]))]
+            self._runs = (time.monotonic(), rows)
+        rows = [dict(r) for r in rows]
         out = []
         for row in runs_json(rows, []):
             ref = RunRef(Path(row["path"]), f"{row['project']}/{row['name']}")
@@ -396,6 +413,52 @@ class Answers:
             raise BadArgument("metric", f"no finite values of {metric}{where} in run {ref.label}")
         return per  # type: ignore[no-any-return]
 
+    def _columns(self, ref: RunRef, stream: str | None, metric: str,
+                 window: tuple[int | None, int | None] | None = None) -> Any:
+        """The metric of every rank as columns (`summary_load.load_table`, or its step rows
+        by `load_row_table`: the columnar scan of `expr summary`, in worker processes), kept
+        for the run's version; None when the shards are not regular enough for columns
+        (`_series` reads them record by record then)."""
+        from expr_cli.resolve import shards_of
+        from expr_cli.summary_load import load_row_table, load_table, step_row_keys
+        from expr_tracker.stats.scan import ColumnTable
+
+        shards = self._cli(lambda: shards_of(ref, stream))
+        live = self.lives.get(ref, stream)
+        lo = window[0] if window is not None else None
+
+        def build(state: Any) -> Any:
+            # a key of the step rows (by a few shards' last rows) is not looked for in the
+            # rank records: that would read every shard whole once more
+            rows = metric in step_row_keys(shards)[0]
+            table = None if rows else load_table(shards, lo)[0]
+            if table is None or metric not in table.keys:
+                world = max(table.world_size if table is not None else 0,
+                            state.world_size or 0, len(shards))
+                table, _ = load_row_table(shards, {metric}, lo, world)
+            ok = isinstance(table, ColumnTable) and metric in table.keys
+            return table if ok else None
+
+        return live.answer(("mcp-columns", metric, window), build)
+
+    def _per_rank(self, ref: RunRef, stream: str | None, metric: str) -> dict[int, Any]:
+        """rank -> (steps, finite values) of `metric`: from the columns when the shards
+        are regular (a slice per rank), else `_series`."""
+        table = self._columns(ref, stream, metric)
+        if table is None:
+            return self._series(ref, stream, metric)
+        out = {}
+        for b in table.blocks:
+            col = b.columns.get(metric)
+            if col is None:
+                continue
+            pairs = [(x, y) for x, y in zip(b.steps, col, strict=True) if math.isfinite(y)]
+            if pairs:
+                out[b.rank] = ([x for x, _ in pairs], [y for _, y in pairs])
+        if not out:
+            return self._series(ref, stream, metric)  # (its error naming the metric)
+        return out
+
     def compare(self, runs: list[str], metric: str, stream: str | None,
                 points: int | None) -> dict[str, Any]:
         """One metric of several runs: per run the median across its ranks at each step,
@@ -411,7 +474,7 @@ class Answers:
         per = []
         for text in runs:
             ref = self.run(text)
-            series = self._series(ref, stream, metric)
+            series = self._per_rank(ref, stream, metric)
             by: dict[int, list[float]] = {}
             for xs, ys in series.values():
                 for x, y in zip(xs, ys, strict=True):
@@ -451,7 +514,7 @@ class Answers:
             raise BadArgument("metric", "give the metric")
         ref = self.run(run)
         stream = self._stream(stream)
-        series = self._series(ref, stream, metric)
+        series = self._per_rank(ref, stream, metric)
 
         def crossed(y: float) -> bool:
             return y >= value if direction == "above" else y <= value
@@ -499,6 +562,11 @@ class Answers:
         except CLIError as exc:
             raise BadArgument("ranks", exc.message.replace("--rank", "ranks")) from None
         window = _steps_arg(steps)
+        table = self._columns(ref, stream, metric, window) if wanted is None else None
+        if table is not None and len(table.blocks) > MAX_LINES:
+            # thousands of ranks: `build_panel`'s median, band and outliers from the columns,
+            # at the thinned steps only (its answer, without a dict per rank and step)
+            return self._big_series(ref, stream, metric, window, points, table)
         per = self._series(ref, stream, metric, window, wanted)
         # `series_data`'s answer (`expr plot --json`) from the read kept for the run
         data = {"run": ref.label, "stream": stream,
@@ -524,6 +592,60 @@ class Answers:
                            "steps": [min(all_steps), max(all_steps)] if all_steps else None,
                            "points": kept, "of_points": of},
                 "thinned": of > kept, "series": data}
+
+    def _big_series(self, ref: RunRef, stream: str | None, metric: str,
+                    window: tuple[int | None, int | None] | None, points: int,
+                    table: Any) -> dict[str, Any]:
+        """`build_panel` past MAX_LINES ranks (the median, the p05-p95 band, the outlier
+        ranks by their mean over the steps) over the columns, at `points` steps."""
+        from bisect import bisect_left
+
+        from expr_cli.layout import outlier_order
+        from expr_tracker.stats.reduce import outliers
+
+        lo = window[0] if window is not None and window[0] is not None else None
+        hi = window[1] if window is not None and window[1] is not None else None
+        steps = [s for s in table.key_steps(metric)
+                 if (lo is None or s >= lo) and (hi is None or s < hi)]
+        if not steps:
+            raise BadArgument("steps", f"no values of {metric} in that step range")
+        keep = [steps[i] for i in thin(len(steps), points)]
+        band_steps, med, p05, p95 = [], [], [], []
+        for s_, st in zip(keep, table.reduce_steps(metric, keep), strict=True):
+            if st.p50 is None or st.p05 is None or st.p95 is None:
+                continue
+            band_steps.append(s_)
+            med.append(st.p50)
+            p05.append(st.p05)
+            p95.append(st.p95)
+        means = table.window_means(metric, steps[0], steps[-1] + 1)
+        flagged = sorted(outliers(means, flagged_only=True), key=outlier_order)
+        by_rank = {b.rank: b for b in table.blocks}
+        n = len(means)
+        lines = [{"label": f"median of {n} ranks", "steps": band_steps, "values": med,
+                  "kind": "median"}]
+        for o in flagged[:MAX_OUTLIERS]:
+            b = by_rank[o.rank]
+            col = b.columns[metric]
+            xs, ys = [], []
+            for s_ in keep:
+                i = bisect_left(b.steps, s_)
+                if i < len(b.steps) and b.steps[i] == s_ and math.isfinite(col[i]):
+                    xs.append(s_)
+                    ys.append(col[i])
+            lines.append({"label": f"rank {o.rank} (outlier)", "steps": xs, "values": ys,
+                          "kind": "outlier"})
+        note = f"{n} ranks: median, p05-p95 band"
+        if flagged:
+            note += f", {len(flagged)} outlier{'s' if len(flagged) != 1 else ''}"
+        panel = {"metric": metric, "note": note, "lines": lines,
+                 "band": {"steps": band_steps, "lo": p05, "hi": p95}}
+        return {"tool": "metric_series",
+                "covers": {"ranks_reporting": n, "world_size": self._world(ref),
+                           "ranks_drawn": n, "steps": [steps[0], steps[-1]],
+                           "points": len(keep), "of_points": len(steps)},
+                "thinned": len(keep) < len(steps),
+                "series": {"run": ref.label, "stream": stream, "panels": [panel]}}
 
     def _points(self, points: int | None) -> int:
         if points is None:
