@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -314,3 +315,36 @@ def test_16384_ranks_answers_within_the_caps(tmp_path: Path, client: Any) -> Non
     assert got["metric_series"]["covers"]["ranks_reporting"] == 16384
     cross = got["first_crossing"]  # rank 17 stopped after step 0 (a loss of 2.3)
     assert cross["ranks_crossed"] == 16383 and cross["ranks_never"] == "17", cross
+
+
+def test_the_team_store_is_capped_by_the_servers_own_settings(small: Path, tmp_path: Path,
+                                                              client: Any) -> None:
+    from tests.chserver import ClickHouse
+
+    ch = ClickHouse(tmp_path / "clickhouse")
+    ch.start()
+    try:
+        ch.query("CREATE TABLE default.t (x UInt64) ENGINE = MergeTree ORDER BY x")
+        c = client("--dir", str(small), "--store", ch.url, "--max-rows", "5",
+                   "--sql-timeout", "1", env={"CLICKHOUSE_USER": "", "CLICKHOUSE_PASSWORD": ""})
+        endless = c.call("query", store=True, sql="SELECT number FROM system.numbers")
+        assert not endless.error and endless.json["cut"] is True, endless.text
+        assert endless.json["n_rows"] == 5 and "max_result_rows=6" in endless.json["note"]
+        slow = c.call("query", store=True, sql="SELECT sum(cityHash64(number)) FROM (SELECT "
+                                               "number FROM system.numbers LIMIT 100000000000)")
+        # max_execution_time=1: stopped on the way, or refused by the server's estimate
+        assert slow.error and re.search(r"(?i)timeout exceeded|too long|TIMEOUT_EXCEEDED",
+                                        slow.text), slow.text
+        lifted = c.call("query", store=True, sql="SELECT number FROM system.numbers "
+                                                 "SETTINGS max_result_rows = 0")
+        assert lifted.error and "readonly" in lifted.text, lifted.text
+        for sql in ("INSERT INTO default.t VALUES (1)", "DROP TABLE default.t",
+                    "SELECT 1; DROP TABLE default.t", "KILL QUERY WHERE 1"):
+            a = c.call("query", store=True, sql=sql)
+            assert a.error and a.text.count("sql: ") == 1, (sql, a.text)
+        assert ch.count("SELECT count() FROM default.t") == 0
+        assert ch.count("EXISTS TABLE default.t") == 1
+        one = c.call("query", store=True, sql="SELECT 42 AS x").json
+        assert one["rows"] == [{"x": 42}] and one["cut"] is False
+    finally:
+        ch.stop()

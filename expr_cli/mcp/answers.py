@@ -565,8 +565,12 @@ class Answers:
         table = self._columns(ref, stream, metric, window) if wanted is None else None
         if table is not None and len(table.blocks) > MAX_LINES:
             # thousands of ranks: `build_panel`'s median, band and outliers from the columns,
-            # at the thinned steps only (its answer, without a dict per rank and step)
-            return self._big_series(ref, stream, metric, window, points, table)
+            # at the thinned steps only (its answer, without a dict per rank and step), kept
+            # for the run's version
+            live = self.lives.get(ref, stream)
+            return live.answer(  # type: ignore[no-any-return]
+                ("mcp-big-series", metric, window, points),
+                lambda state: self._big_series(ref, stream, metric, window, points, table))
         per = self._series(ref, stream, metric, window, wanted)
         # `series_data`'s answer (`expr plot --json`) from the read kept for the run
         data = {"run": ref.label, "stream": stream,
