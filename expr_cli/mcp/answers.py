@@ -441,23 +441,56 @@ class Answers:
 
         return live.answer(("mcp-columns", metric, window), build)
 
-    def _per_rank(self, ref: RunRef, stream: str | None, metric: str) -> dict[int, Any]:
-        """rank -> (steps, finite values) of `metric`: from the columns when the shards
-        are regular (a slice per rank), else `_series`."""
+    def _medians(self, ref: RunRef, stream: str | None, metric: str) -> tuple[
+            dict[int, float], int]:
+        """step -> the median across ranks of `metric` (finite values), and the ranks that
+        report it; kept for the run's version. From the columns' reducers where the shards
+        are regular (`reduce_steps`, in C), else from each rank's series."""
+        live = self.lives.get(ref, stream)
+
+        def build(state: Any) -> Any:
+            table = self._columns(ref, stream, metric)
+            if table is not None:
+                steps = table.key_steps(metric)
+                meds = {s: st.p50 for s, st in zip(steps, table.reduce_steps(metric, steps),
+                                                     strict=True) if st.p50 is not None}
+                n = sum(1 for b in table.blocks if metric in b.columns)
+                if meds:
+                    return meds, n
+            series = self._series(ref, stream, metric)
+            by: dict[int, list[float]] = {}
+            for xs, ys in series.values():
+                for x, y in zip(xs, ys, strict=True):
+                    by.setdefault(x, []).append(y)
+            return {s: median(v) for s, v in sorted(by.items())}, len(series)
+
+        return live.answer(("mcp-medians", metric), build)  # type: ignore[no-any-return]
+
+    def _firsts(self, ref: RunRef, stream: str | None, metric: str,
+                crossed: Any) -> tuple[list[tuple[int, int, float]], list[int]]:
+        """(step, rank, value) of each rank's first value that `crossed`, by step; and the
+        ranks reporting the metric."""
         table = self._columns(ref, stream, metric)
-        if table is None:
-            return self._series(ref, stream, metric)
-        out = {}
-        for b in table.blocks:
-            col = b.columns.get(metric)
-            if col is None:
-                continue
-            pairs = [(x, y) for x, y in zip(b.steps, col, strict=True) if math.isfinite(y)]
-            if pairs:
-                out[b.rank] = ([x for x, _ in pairs], [y for _, y in pairs])
-        if not out:
-            return self._series(ref, stream, metric)  # (its error naming the metric)
-        return out
+        firsts = []
+        ranks = []
+        if table is not None and any(metric in b.columns for b in table.blocks):
+            for b in table.blocks:
+                col = b.columns.get(metric)
+                if col is None:
+                    continue
+                ranks.append(b.rank)
+                for i, y in enumerate(col):
+                    if math.isfinite(y) and crossed(y):
+                        firsts.append((b.steps[i], b.rank, y))
+                        break
+        else:
+            for r, (xs, ys) in self._series(ref, stream, metric).items():
+                ranks.append(r)
+                hit = next((i for i, y in enumerate(ys) if crossed(y)), None)
+                if hit is not None:
+                    firsts.append((xs[hit], r, ys[hit]))
+        firsts.sort()
+        return firsts, ranks
 
     def compare(self, runs: list[str], metric: str, stream: str | None,
                 points: int | None) -> dict[str, Any]:
@@ -474,13 +507,8 @@ class Answers:
         per = []
         for text in runs:
             ref = self.run(text)
-            series = self._per_rank(ref, stream, metric)
-            by: dict[int, list[float]] = {}
-            for xs, ys in series.values():
-                for x, y in zip(xs, ys, strict=True):
-                    by.setdefault(x, []).append(y)
-            meds = {s: median(v) for s, v in sorted(by.items())}
-            per.append((ref.label, meds, len(series)))
+            meds, n = self._medians(ref, stream, metric)
+            per.append((ref.label, meds, n))
         steps = sorted({s for _, m, _ in per for s in m})
         keep = [steps[i] for i in thin(len(steps), points)]
         common = sorted(set.intersection(*(set(m) for _, m, _ in per)))
@@ -514,30 +542,20 @@ class Answers:
             raise BadArgument("metric", "give the metric")
         ref = self.run(run)
         stream = self._stream(stream)
-        series = self._per_rank(ref, stream, metric)
 
         def crossed(y: float) -> bool:
             return y >= value if direction == "above" else y <= value
 
-        firsts = []
-        for r, (xs, ys) in series.items():
-            hit = next((i for i, y in enumerate(ys) if crossed(y)), None)
-            if hit is not None:
-                firsts.append((xs[hit], r, ys[hit]))
-        firsts.sort()
-        by: dict[int, list[float]] = {}
-        for xs, ys in series.values():
-            for x, y in zip(xs, ys, strict=True):
-                by.setdefault(x, []).append(y)
-        med_first = next(((s, median(v)) for s, v in sorted(by.items()) if crossed(median(v))),
-                         None)
-        all_steps = sorted(by)
+        firsts, ranks = self._firsts(ref, stream, metric, crossed)
+        meds, _ = self._medians(ref, stream, metric)
+        med_first = next(((s_, m) for s_, m in sorted(meds.items()) if crossed(m)), None)
+        all_steps = sorted(meds)
         first_step = firsts[0][0] if firsts else None
-        world = max(series) + 1 if series else 0
+        world = max(ranks) + 1 if ranks else 0
         crossed_ranks = {r for _, r, _ in firsts}
         return {
             "tool": "first_crossing",
-            "covers": {"ranks_reporting": len(series), "world_size": max(world, self._world(ref)),
+            "covers": {"ranks_reporting": len(ranks), "world_size": max(world, self._world(ref)),
                        "steps": [all_steps[0], all_steps[-1]] if all_steps else None},
             "metric": metric, "value": value, "direction": direction,
             "first_step_any_rank": first_step,
@@ -545,7 +563,7 @@ class Answers:
             "median_first_step": med_first[0] if med_first else None,
             "median_at_that_step": med_first[1] if med_first else None,
             "ranks_crossed": len(crossed_ranks),
-            "ranks_never": compact_ranks(r for r in series if r not in crossed_ranks),
+            "ranks_never": compact_ranks(r for r in ranks if r not in crossed_ranks),
             "earliest": [{"rank": r, "step": s, "value": y} for s, r, y in firsts[:NAMED]],
         }
 
