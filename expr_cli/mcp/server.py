@@ -26,6 +26,7 @@ from expr_cli.errors import CLIError
 from .answers import Answers, BadArgument, NoRun
 from .fit import Caps, OutDir, fit
 from .sql import SQLRefused, run_sql, run_store_sql
+from .steps import StepAnswers
 
 INSTRUCTIONS = """\
 Answers about distributed training runs recorded by expr-tracker: per-rank health,
@@ -50,6 +51,7 @@ def build_server(root: Path, caps: Caps, out: OutDir, cfg: Any, store: str | Non
                  user_env: str | None = None, password_env: str | None = None) -> MCPServer:
     """The server over run root `root`: its tools, caps and output directory."""
     answers = Answers(root, caps, cfg)
+    steps_of = StepAnswers(answers)
     server = MCPServer("expr-tracker", instructions=INSTRUCTIONS, version=_version(),
                        log_level="WARNING")
     store_url = store
@@ -130,7 +132,7 @@ def build_server(root: Path, caps: Caps, out: OutDir, cfg: Any, store: str | Non
         """Several runs on one metric: per run the median across its ranks at each step,
         aligned by step (thinned), with each run's last, lowest and highest median and its
         value at the last step they all reached."""
-        return answer("compare_runs", lambda: answers.compare(runs, metric, stream, points))
+        return answer("compare_runs", lambda: steps_of.compare(runs, metric, stream, points))
 
     @tool
     def first_crossing(
@@ -144,7 +146,7 @@ def build_server(root: Path, caps: Caps, out: OutDir, cfg: Any, store: str | Non
         """The first step at which a metric reached a value: on any rank (and which), on
         the median across ranks, how many ranks ever did and which never did."""
         return answer("first_crossing",
-                      lambda: answers.crossing(run, metric, value, direction, stream))
+                      lambda: steps_of.crossing(run, metric, value, direction, stream))
 
     @tool
     def metric_series(
@@ -161,7 +163,7 @@ def build_server(root: Path, caps: Caps, out: OutDir, cfg: Any, store: str | Non
         rank up to 8 ranks; past that the median, the p05-p95 band and the outlier ranks'
         own lines."""
         return answer("metric_series",
-                      lambda: answers.series(run, metric, ranks, steps, points, stream))
+                      lambda: steps_of.series(run, metric, ranks, steps, points, stream))
 
     sql_doc = (f"at most {caps.rows} rows and {caps.answer_bytes // 2:,} bytes in the answer"
                + (f", the rest as a file under the output directory (up to {caps.file_rows:,}"
