@@ -349,3 +349,23 @@ def test_the_team_store_is_capped_by_the_servers_own_settings(small: Path, tmp_p
         assert one["rows"] == [{"x": 42}] and one["cut"] is False
     finally:
         ch.stop()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--max-bytes", "10"], "--max-bytes must be in 4096.."),
+    (["--max-rows", "0"], "--max-rows must be in 1..100000"),
+    (["--points", "1"], "--points must be in 2..100000"),
+    (["--sql-timeout", "0"], "--sql-timeout must be a positive number"),
+    (["--sql-memory", "lots"], "--sql-memory: memory limit 'lots'"),
+    (["--store", "ftp://x"], "--store must start with http:// or https://"),
+    (["--out", "{root}/inside"], "--out must be outside the run root"),
+])
+def test_bad_options_are_one_usage_line(small: Path, args: list[str], message: str) -> None:
+    from typer.testing import CliRunner
+
+    from expr_cli.main import build_app
+
+    args = [a.replace("{root}", str(small)) for a in args]
+    result = CliRunner().invoke(build_app(), ["mcp", "--dir", str(small), *args])
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert not (small / "inside").exists()
