@@ -239,6 +239,14 @@ def test_hostile_sql_is_refused_or_stopped_at_a_cap(small: Path, tmp_path: Path,
     lines = Path(many["file"]).read_text().splitlines()
     assert Path(many["file"]).parent == out and len(lines) == many["file_rows"]
     assert json.loads(lines[0]) == many["rows"][0]
+    # the views are kept between queries; a shard that appears since is queried too
+    grow = small / "proj" / "grow"
+    write_run(grow, 2, 3)
+    count = "SELECT count(DISTINCT _rank) AS n, count(*) AS rows FROM metrics"
+    assert c.call("query", run="proj/grow", sql=count).json["rows"] == [{"n": 2, "rows": 6}]
+    time.sleep(0.01)  # (a directory mtime that moves on)
+    (grow / "metrics.rank2.jsonl").write_text('{"_step": 0, "_time": 1.0, "loss": 1.5}\n')
+    assert c.call("query", run="proj/grow", sql=count).json["rows"] == [{"n": 3, "rows": 7}]
 
 
 def test_an_answer_over_the_cap_is_cut_and_written_whole_under_out(small: Path, tmp_path: Path,

@@ -25,7 +25,7 @@ from expr_cli.errors import CLIError
 
 from .answers import Answers, BadArgument, NoRun
 from .fit import Caps, OutDir, fit
-from .sql import SQLRefused, run_sql, run_store_sql
+from .sql import SQLRefused, ViewCache, run_sql, run_store_sql
 from .steps import StepAnswers
 
 INSTRUCTIONS = """\
@@ -52,6 +52,7 @@ def build_server(root: Path, caps: Caps, out: OutDir, cfg: Any, store: str | Non
     """The server over run root `root`: its tools, caps and output directory."""
     answers = Answers(root, caps, cfg)
     steps_of = StepAnswers(answers)
+    views = ViewCache()
     server = MCPServer("expr-tracker", instructions=INSTRUCTIONS, version=_version(),
                        log_level="WARNING")
     store_url = store
@@ -192,7 +193,7 @@ def build_server(root: Path, caps: Caps, out: OutDir, cfg: Any, store: str | Non
             ref = answers.run(run)
             if not sql.strip():
                 raise BadArgument("sql", "give one SELECT statement")
-            res = run_sql(ref, sql, caps, out)
+            res = run_sql(ref, sql, caps, out, views)
             return {"tool": "query", "covers": {"source": f"run {ref.label}",
                                                 "rows": res["n_rows"]}, **res}
 

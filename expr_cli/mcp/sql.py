@@ -18,7 +18,11 @@ SETTINGS clause cannot lift them), `max_result_rows` and `max_result_bytes` with
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -92,20 +96,68 @@ def _result(columns: list[str], rows: list[dict[str, Any]], cut: bool, file: str
     return out
 
 
-def run_sql(ref: RunRef, sql: str, caps: Caps, out: OutDir) -> dict[str, Any]:
-    """`sql` over the views of run `ref` (DuckDB), capped."""
-    from expr_tracker.views.sql import (
-        QueryError,
-        QueryMemory,
-        QueryTimeout,
-        connect,
-        run_query,
-        time_limit,
-    )
+class ViewCache:
+    """The DuckDB connections of the runs queried last, their views built once.
 
+    Building the views is most of a query's time at thousands of ranks (DuckDB's schema
+    detection, a file list of every shard). The views read the files at each query, so
+    rows appended since are seen; a file created or removed (a new rank, an alerts or
+    incidents file) changes the run directory's mtime, and the views are built again.
+    One query at a time per connection (its lock); at most `keep` runs kept.
+    """
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self.lock = threading.Lock()
+        self.open: OrderedDict[str, tuple[int, contextlib.ExitStack, Any, threading.Lock]] = \
+            OrderedDict()
+
+    def get(self, ref: RunRef, memory: str) -> tuple[Any, threading.Lock]:
+        """A connection with the views of `ref`, and the lock to hold while using it."""
+        from expr_tracker.views.sql import connect
+
+        key = str(ref.path)
+        mark = os.stat(ref.path).st_mtime_ns
+        with self.lock:
+            hit = self.open.get(key)
+            if hit is not None and hit[0] == mark:
+                self.open.move_to_end(key)
+                return hit[2], hit[3]
+            if hit is not None:
+                self._close(key)
+            stack = contextlib.ExitStack()
+            try:
+                con = stack.enter_context(connect(ref.path, memory_limit=memory))
+            except BaseException:
+                stack.close()
+                raise
+            self.open[key] = (mark, stack, con, threading.Lock())
+            while len(self.open) > self.keep:
+                self._close(next(iter(self.open)))
+            return con, self.open[key][3]
+
+    def _close(self, key: str) -> None:
+        _, stack, _, lock = self.open.pop(key)
+        with lock:  # (a query running on it ends first)
+            stack.close()
+
+    def close(self) -> None:
+        """Close every connection (their spill directories removed)."""
+        with self.lock:
+            for key in list(self.open):
+                self._close(key)
+
+
+def run_sql(ref: RunRef, sql: str, caps: Caps, out: OutDir,
+            views: ViewCache | None = None) -> dict[str, Any]:
+    """`sql` over the views of run `ref` (DuckDB), capped; `views` keeps the connection."""
+    from expr_tracker.views.sql import QueryError, QueryMemory, QueryTimeout, run_query, time_limit
+
+    own = views is None
+    cache = ViewCache(1) if views is None else views
     try:
-        with connect(ref.path, memory_limit=caps.sql_memory) as con, \
-                time_limit(con, caps.sql_seconds):
+        con, lock = cache.get(ref, caps.sql_memory)
+        with lock, time_limit(con, caps.sql_seconds):
             result = run_query(con, sql)
             columns = [d[0] for d in result.description]
             return _take(columns, chunks(result, 1024), caps, out, "query")
@@ -117,6 +169,9 @@ def run_sql(ref: RunRef, sql: str, caps: Caps, out: OutDir) -> dict[str, Any]:
                          f"{exc}") from None
     except QueryError as exc:
         raise SQLRefused(str(exc)) from None
+    finally:
+        if own:
+            cache.close()
 
 
 def store_limits(caps: Caps, with_file: bool) -> dict[str, str]:
