@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import time
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -135,7 +136,7 @@ class Answers:
         return ref
 
     @staticmethod
-    def _stream(stream: Any) -> str | None:
+    def stream_arg(stream: Any) -> str | None:
         if stream is None or stream == "":
             return None
         try:
@@ -143,7 +144,7 @@ class Answers:
         except (TypeError, ValueError) as exc:
             raise BadArgument("stream", str(exc)) from None
 
-    def _cli(self, call: Any, names: dict[str, str] | None = None) -> Any:
+    def translated(self, call: Any, names: dict[str, str] | None = None) -> Any:
         """A data function's CLIError as the tool's error, naming the argument it is about."""
         try:
             return call()
@@ -162,11 +163,11 @@ class Answers:
         return live, state
 
     def _frame(self, ref: RunRef, stream: str | None) -> dict[str, Any]:
-        """`expr top --once --json` of the run, kept for its version (TOP_TTL at most)."""
+        """`expr top --once --json` of the run, kept for its version (FRAME_TTL at most)."""
         from expr_cli.resolve import shards_of
 
         live, _ = self._live(ref, stream, full=True)
-        self._cli(lambda: shards_of(ref, stream))
+        self.translated(lambda: shards_of(ref, stream))
 
         def build(state: Any) -> Any:
             return now(), jsonable(live.top(state))
@@ -175,8 +176,6 @@ class Answers:
 
     def runs(self) -> dict[str, Any]:
         """Every run under the root, worst first: open incidents, crashed, stale, live."""
-        import time
-
         # every shard of every run inspected: kept RUNS_TTL seconds, as for a page
         if self._runs is not None and time.monotonic() - self._runs[0] < RUNS_TTL:
             rows = self._runs[1]
@@ -224,7 +223,7 @@ class Answers:
                 steps: str | None, stream: str | None) -> dict[str, Any]:
         """`expr summary --json` of the run, and what it covers."""
         ref = self.run(run)
-        stream = self._stream(stream)
+        stream = self.stream_arg(stream)
         if step is not None and steps is not None:
             raise BadArgument("step", "give either step or steps, not both")
         if step is not None and step < 0:
@@ -239,7 +238,7 @@ class Answers:
             view.pop("stream_text", None)
             return jsonable(view), warnings, full
 
-        view, warnings, full = self._cli(
+        view, warnings, full = self.translated(
             lambda: live.answer(("mcp-summary", tuple(wanted or ()), step, window), build),
             {"unknown metric": "metrics", "step ": "step", "no rank records in steps": "steps",
              "stream": "stream"})
@@ -260,7 +259,7 @@ class Answers:
         from expr_tracker.health.stall import where
 
         ref = self.run(run)
-        stream = self._stream(stream)
+        stream = self.stream_arg(stream)
         frame = self._frame(ref, stream)
         _, state = self._live(ref, stream, full=True)
         opened = frame["incidents"]
@@ -312,7 +311,7 @@ class Answers:
         from expr_tracker.health.why import rank_reasons
 
         ref = self.run(run)
-        stream = self._stream(stream)
+        stream = self.stream_arg(stream)
         if rank < 0:
             raise BadArgument("rank", f"must be >= 0, got {rank}")
         frame = self._frame(ref, stream)

@@ -53,7 +53,7 @@ class StepAnswers:
         run's version; BadArgument naming the metric when it has no finite values."""
         from expr_cli.resolve import shards_of
 
-        self.base._cli(lambda: shards_of(ref, stream))
+        self.base.translated(lambda: shards_of(ref, stream))
         live = self.base.lives.get(ref, stream)
 
         def build(state: Any) -> Any:
@@ -84,7 +84,7 @@ class StepAnswers:
         from expr_cli.summary_load import load_row_table, load_table, step_row_keys
         from expr_tracker.stats.scan import ColumnTable
 
-        shards = self.base._cli(lambda: shards_of(ref, stream))
+        shards = self.base.translated(lambda: shards_of(ref, stream))
         live = self.base.lives.get(ref, stream)
         lo = window[0] if window is not None else None
 
@@ -163,7 +163,7 @@ class StepAnswers:
             raise BadArgument("runs", f"at most {MAX_COMPARE} runs, got {len(runs)}")
         if not metric:
             raise BadArgument("metric", "give the metric to compare")
-        stream = self.base._stream(stream)
+        stream = self.base.stream_arg(stream)
         points = self._points(points)
         per = []
         for text in runs:
@@ -202,7 +202,7 @@ class StepAnswers:
         if not metric:
             raise BadArgument("metric", "give the metric")
         ref = self.base.run(run)
-        stream = self.base._stream(stream)
+        stream = self.base.stream_arg(stream)
 
         def crossed(y: float) -> bool:
             return y >= value if direction == "above" else y <= value
@@ -234,7 +234,7 @@ class StepAnswers:
         if not metric:
             raise BadArgument("metric", "give the metric")
         ref = self.base.run(run)
-        stream = self.base._stream(stream)
+        stream = self.base.stream_arg(stream)
         points = self._points(points)
         try:
             wanted = parse_ranks(ranks)
