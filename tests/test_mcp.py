@@ -30,7 +30,7 @@ from tests.mcpclient import McpClient
 EXPR = [sys.executable, "-m", "expr_cli.main"]
 TOOLS = {"list_runs", "run_summary", "run_incidents", "rank_vs_median", "compare_runs",
          "first_crossing", "metric_series", "query"}
-STALL_AT, RAISE_AT, HOLD, STEPS = 10, 20, 7, 40
+STALL_AT, RAISE_AT, HOLD, STEPS = 10, 20, 9, 40
 
 JOB = f"""
 import os, time
@@ -109,9 +109,12 @@ def test_a_stalled_then_crashed_torchrun_job_its_culprit_where_it_waited_and_the
         _until("the run", lambda: (root / "ddp" / "faults" / "metrics.rank3.jsonl").exists(), 120)
 
         def stalled() -> Any:
+            # stalled, and the probes written (after EXPR_PROBE_AFTER=2 s of silence)
             a = c.call("run_incidents", run="ddp/faults")
             assert not a.error, a.text
-            return a.json if a.json["job"]["state"] == "stalled" else None
+            places = {p["waiting"] for p in a.json["probes"]["by_place"]}
+            return a.json if a.json["job"]["state"] == "stalled" and places >= {
+                "sleep", "collective"} else None
 
         stall = _until("a stall named by run_incidents", stalled, 60)
         assert stall["job"]["suspects"] == [3], stall["job"]
