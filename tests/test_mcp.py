@@ -293,6 +293,10 @@ def test_series_compare_and_crossing_of_many_ranks(small: Path, client: Any) -> 
     cross = c.call("first_crossing", run="big", metric="loss", value=0.5, direction="below").json
     assert cross["first_step_any_rank"] == 9 and cross["median_first_step"] == 10, cross
     assert cross["ranks_never"] == "-" and cross["ranks_crossed"] == 64
+    runs = c.call("list_runs").json  # worst first: the crashed run, then the silent one
+    states = [(r["name"], r["job"]["state"]) for r in runs["runs"]]
+    assert states[0] == ("big", "crashed") and ("other", "stalled") in states[1:], states
+    assert runs["runs"][0]["n_ranks"] == 64 and runs["runs"][0]["ranks"] == "0-63"
     cmp = c.call("compare_runs", runs=["big", "proj/other"], metric="loss").json
     assert [r["ranks"] for r in cmp["runs"]] == [64, 4] and cmp["covers"]["last_common_step"] == 39
 

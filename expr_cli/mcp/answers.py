@@ -209,9 +209,12 @@ class Answers:
 
         def badness(row: dict[str, Any]) -> tuple[Any, ...]:
             kinds = [_BAD.get(i["kind"], 5) for i in row["open_incidents"]]
-            job = row["job"] or {}
-            stalled = 1 if job.get("state") == "stalled" else 9
-            return (min([*kinds, stalled, 9]), _STATUS.get(row["status"], 2),
+            # the detectors' line counts as the incident it would open (a run no watcher
+            # follows has none recorded): a crash, then a stall
+            state = (row["job"] or {}).get("state")
+            now_bad = _BAD["crashed"] if state == "crashed" else _BAD["stall"] \
+                if state == "stalled" else 9
+            return (min([*kinds, now_bad, 9]), _STATUS.get(row["status"], 2),
                     -(row["last_write"] or 0.0))
 
         out.sort(key=badness)
