@@ -122,9 +122,12 @@ def run_store_query(url: str, sql: str, *, user_env: str | None, password_env: s
     with httpx.Client(auth=auth, timeout=timeout) as client:
         params = _settings(client, url)
         if limits:
-            if "output_format_json_quote_denormals" not in params:  # (the profile's readonly=1)
-                raise CLIError("the team store's user has readonly=1, which forbids setting the "
-                               "row, byte and time caps; use a user whose profile says readonly=2")
+            if "readonly" not in params:  # the profile's readonly is 1 or 2 already
+                # 1 forbids setting the caps; 2 lets the query's SETTINGS clause lift them
+                raise CLIError("the team store's user has a read-only profile (readonly=1 "
+                               "forbids setting the row, byte and time caps, readonly=2 lets a "
+                               "query lift them); give expr mcp a user without readonly in its "
+                               "profile: it sets readonly=1 itself, after the caps")
             # the caps first, then readonly=1 (it forbids the query's own SETTINGS clause)
             params = {**limits, **params, "readonly": "1"}
         resp = _post(client, url, sql, params)

@@ -335,7 +335,7 @@ def test_16384_ranks_answers_within_the_caps(tmp_path: Path, client: Any) -> Non
 
 def test_the_team_store_is_capped_by_the_servers_own_settings(small: Path, tmp_path: Path,
                                                               client: Any) -> None:
-    from tests.chserver import ClickHouse
+    from tests.chserver import PASSWORD, ClickHouse
 
     ch = ClickHouse(tmp_path / "clickhouse")
     ch.start()
@@ -362,6 +362,11 @@ def test_the_team_store_is_capped_by_the_servers_own_settings(small: Path, tmp_p
         assert ch.count("EXISTS TABLE default.t") == 1
         one = c.call("query", store=True, sql="SELECT 42 AS x").json
         assert one["rows"] == [{"x": 42}] and one["cut"] is False
+        # a user whose profile is read-only cannot be capped by settings: refused, not run
+        reader = client("--dir", str(small), "--store", ch.url, "--user-env", "U",
+                        "--password-env", "P", env={"U": "reader", "P": PASSWORD})
+        a = reader.call("query", store=True, sql="SELECT 1")
+        assert a.error and "read-only profile" in a.text, a.text
     finally:
         ch.stop()
 
