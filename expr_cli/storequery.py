@@ -7,7 +7,7 @@ server's own check), and the server runs it with `readonly=1`, refusing anything
 writes. The answer comes back as JSONCompact (names, types, rows), which `expr_cli.query`
 prints like a result of the local views.
 
-A user whose profile already says `readonly=1` (what the README recommends for
+A user whose profile already says `readonly=1` (what docs/backends.md recommends for
 dashboards) may not change any setting, not even to the value it has, so the CLI first
 asks the server for the user's `readonly` and then sends only what that user may set:
 nothing for `readonly=1` (64-bit integers come back quoted, as the server's default, and

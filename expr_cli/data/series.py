@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from expr_cli.errors import CLIError
-from expr_cli.layout import outlier_order
 from expr_cli.resolve import RunRef, ranks_phrase, unknown_metrics
 
 MAX_LINES = 8
@@ -142,6 +141,7 @@ def _by_step(per_rank: dict[int, tuple[list[int], list[float]]]) -> dict[int, di
 
 def build_panel(metric: str, per_rank: dict[int, tuple[list[int], list[float]]], window: int) -> Panel:
     """One rank per line, or median + band + outliers beyond MAX_LINES ranks."""
+    from expr_cli.layout import outlier_order
     from expr_tracker.stats.reduce import outliers, reduce_values
 
     per_rank = {r: (xs, smooth(ys, window)) for r, (xs, ys) in sorted(per_rank.items())}
@@ -158,7 +158,8 @@ def build_panel(metric: str, per_rank: dict[int, tuple[list[int], list[float]]],
         lo.append(stats.p05)
         hi.append(stats.p95)
     means = {r: sum(ys) / len(ys) for r, (_, ys) in per_rank.items() if ys}
-    # the furthest from the median first; a flagged rank of a MAD of 0 has no robust score
+    # the furthest first; with a MAD of 0 (most ranks equal, DESIGN 10) the robust score is
+    # None and the distance from the median tells
     flagged = sorted(outliers(means, flagged_only=True), key=outlier_order)
     lines = [Line(f"median of {len(per_rank)} ranks", steps, med, "median")]
     lines += [Line(f"rank {o.rank} (outlier)", *per_rank[o.rank], "outlier")
