@@ -11,7 +11,7 @@ PIP := $(PY) -m pip install -q -c $(CONSTRAINTS)
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PIP) -e '.[dev,wandb,trackio,plot,export,query,gpu,serve,docs]'
+	$(PIP) -e '.[dev,wandb,trackio,plot,export,query,gpu,serve,docs,mcp]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -74,10 +74,12 @@ bench: $(STAMP)
 	-$(PY) bench/store_burst.py
 	$(PY) bench/scale.py 16384 200
 
-# 1,024 / 4,096 / 16,384 synthetic ranks (about 1.3 GB, cached under /tmp/expr-scale-cache)
+# 1,024 / 4,096 / 16,384 synthetic ranks (about 1.3 GB, cached under /tmp/expr-scale-cache);
+# then each expr mcp tool at 16,384 ranks
 bench-scale: $(STAMP)
 	$(PY) -m pip install -q duckdb
 	$(PY) bench/scale.py
+	$(PY) bench/mcp.py
 
 # minutes of kill -9, a full run root and a descriptor limit (needs root: it mounts a tmpfs)
 torture: $(STAMP)

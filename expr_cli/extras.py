@@ -15,6 +15,7 @@ EXTRAS = {
     "duckdb": ("query", "DuckDB"),
     "starlette": ("serve", "starlette"),
     "uvicorn": ("serve", "uvicorn"),
+    "mcp": ("mcp", "the MCP SDK"),
 }
 
 

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 PROG = "expr"
 # Each module registers the command (or command group) of the same name.
 COMMAND_MODULES = ("runs", "shards", "history", "tail", "summary", "alerts", "rules", "replay", "status",
-                   "plot", "export", "query", "watch", "top", "trace", "serve")
+                   "plot", "export", "query", "watch", "top", "trace", "serve", "mcp")
 # Commands whose modules declare FAST_ARGS, FAST_OPTIONS and fast_run: `entry` runs them
 # without typer when `resolve.parse_fast` understands the arguments. Importing typer, and
 # the pydantic models it coerces parameters with, costs more than the whole of `expr history`.

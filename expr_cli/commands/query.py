@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import csv
-import datetime
-import decimal
 import json
 import math
 import sys
@@ -13,59 +11,14 @@ from typing import TYPE_CHECKING, Any
 
 from expr_cli.errors import CLIError
 from expr_cli.resolve import resolve_run, root_dir
+from expr_cli.sqlrows import chunks as _chunks
+from expr_cli.sqlrows import plain
 
 if TYPE_CHECKING:
     import typer
 
 TABLE_ROWS = 500  # rows a table shows; --csv and --json print every row
 DEFAULT_TIMEOUT = 60.0  # seconds a query may take, locally or on the team store
-_FETCH = 10_000
-
-
-def plain(v: Any) -> Any:
-    """A DuckDB value as JSON-ready data (NaN and infinities spelled as in shards)."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return "NaN" if v != v else ("Infinity" if v > 0 else "-Infinity")
-    if isinstance(v, decimal.Decimal):
-        return plain(float(v))
-    if isinstance(v, (datetime.date, datetime.time, datetime.timedelta)):
-        return str(v) if isinstance(v, datetime.timedelta) else v.isoformat()
-    if isinstance(v, (bytes, bytearray, memoryview)):
-        return bytes(v).hex()
-    if isinstance(v, dict):
-        return {str(k): plain(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [plain(x) for x in v]
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    return str(v)
-
-
-def _chunks(result: Any) -> Any:
-    """The result's rows, a chunk at a time, JSON-typed columns decoded (`incidents.detail`
-    came out as text holding JSON: "\\"rank 2 ...\\"" in `--json`, quoted in the table)."""
-    from expr_tracker.views.sql import query_error
-
-    decode = [i for i, d in enumerate(result.description) if str(d[1]) == "JSON"]
-    while True:
-        try:
-            rows = result.fetchmany(_FETCH)
-        except Exception as exc:  # DuckDB's: the time or memory limit, while fetching
-            raise query_error(exc) from None
-        if not rows:
-            return
-        yield [_decoded(row, decode) for row in rows] if decode else rows
-
-
-def _decoded(row: Sequence[Any], columns: list[int]) -> Sequence[Any]:
-    out = list(row)
-    for i in columns:
-        if isinstance(out[i], str):
-            try:
-                out[i] = json.loads(out[i])
-            except ValueError:
-                pass  # (DuckDB checks JSON values; kept as text if one is not)
-    return out
 
 
 def query_command(run: str, sql: str, dir: str | None, as_json: bool, as_csv: bool, *,
@@ -212,7 +165,7 @@ def register(app: typer.Typer) -> None:
         if store is not None:
             if len(args) != 1:
                 raise CLIError("with --store, give only the SQL (no RUN)", 2)
-            from .store import run_store_query
+            from expr_cli.storequery import run_store_query
 
             if json and as_csv:
                 raise CLIError("--json and --csv exclude each other", 2)

@@ -108,6 +108,18 @@ class LiveRun:
             self.pass_s = self.pass_at - t
             return state
 
+    def full_state(self) -> Any:
+        """The state of the watcher's window (what top's detectors need), read now and
+        waited for if it is not read yet (`expr mcp`: a tool cannot answer `reading`)."""
+        state = self.refresh()
+        if self.full:
+            return state
+        self.start_full()
+        job = self._full_job
+        if job is not None:
+            job.join()
+        return self.refresh()
+
     def start_full(self) -> None:
         """Read the watcher's window of every tail on a thread (once), if not read yet."""
         with self._start_lock:  # (not `lock`: an answer being built holds it for seconds)

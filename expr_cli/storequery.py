@@ -1,4 +1,5 @@
-"""`expr query --store URL "SQL"`: read-only SQL against the team store (ClickHouse, DESIGN 16).
+"""Read-only SQL against the team store (ClickHouse, DESIGN 16): `expr query --store URL "SQL"`
+and `expr mcp --store URL`'s query tool.
 
 Two locks keep it read-only: the CLI sends only text that is exactly one SELECT (or WITH,
 SHOW, DESCRIBE, EXPLAIN) statement (expr_cli.storesql: `KILL QUERY` and `SYSTEM` pass the
@@ -94,8 +95,13 @@ def _credentials(user_env: str | None, password_env: str | None) -> tuple[str, s
 
 
 def run_store_query(url: str, sql: str, *, user_env: str | None, password_env: str | None,
-                    timeout: float) -> tuple[list[str], list[list[Any]]]:
-    """(column names, rows) of `sql` run read-only on the ClickHouse server at `url`."""
+                    timeout: float, limits: dict[str, str] | None = None,
+                    ) -> tuple[list[str], list[list[Any]]]:
+    """(column names, rows) of `sql` run read-only on the ClickHouse server at `url`.
+
+    `limits`: settings the server must apply to the query (`expr mcp`'s caps:
+    max_result_rows, max_execution_time, ...); a user whose profile says `readonly=1`
+    may set none, and such a query is refused rather than run without them."""
     import httpx
     import orjson
 
@@ -115,6 +121,15 @@ def run_store_query(url: str, sql: str, *, user_env: str | None, password_env: s
     auth = httpx.BasicAuth(*creds) if creds else None
     with httpx.Client(auth=auth, timeout=timeout) as client:
         params = _settings(client, url)
+        if limits:
+            if "readonly" not in params:  # the profile's readonly is 1 or 2 already
+                # 1 forbids setting the caps; 2 lets the query's SETTINGS clause lift them
+                raise CLIError("the team store's user has a read-only profile (readonly=1 "
+                               "forbids setting the row, byte and time caps, readonly=2 lets a "
+                               "query lift them); give expr mcp a user without readonly in its "
+                               "profile: it sets readonly=1 itself, after the caps")
+            # the caps first, then readonly=1 (it forbids the query's own SETTINGS clause)
+            params = {**limits, **params, "readonly": "1"}
         resp = _post(client, url, sql, params)
     try:
         doc = orjson.loads(resp.content)
