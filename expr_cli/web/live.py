@@ -70,6 +70,8 @@ class LiveRun:
         self._mark: Any = None
         self._answers: OrderedDict[Any, tuple[float, Any]] = OrderedDict()
         self.memo: dict[Any, Any] = {}  # what answers of this version share (tables read)
+        self._scan: Any = None  # the first summary's scan of every tail (`progress` counts it)
+        self._shards_total: int | None = None
 
     def refresh(self, max_age: float = MIN_PASS) -> Any:
         """The live state, from a pass at most `max_age` seconds old."""
@@ -165,7 +167,18 @@ class LiveRun:
             shards = shards_of(self.ref, self.stream)
         except CLIError:
             return None  # an empty run, an unknown stream: the answers say so
-        return {("shards", self.stream): shards, ("scan", self.stream): start_scan(shards)}
+        self._shards_total, self._scan = len(shards), start_scan(shards)
+        return {("shards", self.stream): shards, ("scan", self.stream): self._scan}
+
+    def progress(self) -> dict[str, Any]:
+        """How far the first read is (a page shows it until its first answers come): the
+        shards listed, those whose tails are scanned, the ranks' world size. Without the
+        lock, which the read in progress holds."""
+        state, job = self.state, self._scan
+        read = job.progress()[0] if job is not None else 0
+        return {"shards_total": self._shards_total, "shards_read": read,
+                "world_size": state.world_size if state is not None else None,
+                "answers": len(self._answers)}
 
     def _drop_memo(self) -> None:
         """A new memo for a new version; a scan started and never used is stopped."""

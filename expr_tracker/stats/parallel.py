@@ -22,6 +22,7 @@ R = TypeVar("R")
 
 PARALLEL_BYTES = 8 << 20  # below this, starting worker processes costs more than it saves
 MAX_WORKERS = 4
+PIECES = 4  # shares of a ScanJob per worker (its progress counts the shares done)
 PIECES = 4  # a share of `iter_forked` is read (and sent back) in this many pieces
 # this process's share of `iter_forked`, to a worker's: it takes in the workers' results
 # too, and the caller does its work on each (RunReader: 20 us a shard, against the read's
@@ -409,9 +410,11 @@ class ScanJob:
         try:
             self._pool = _start_pool(workers, ctx)
             with _forking():
-                # interleaved shares: neighbouring ranks (similar sizes) over the workers
-                for k in range(workers):
-                    share = list(range(k, len(self.names), workers))
+                # interleaved shares: neighbouring ranks (similar sizes) over the workers,
+                # a few per worker so that `progress` can tell a page how far it is
+                pieces = min(len(self.names), workers * PIECES)
+                for k in range(pieces):
+                    share = list(range(k, len(self.names), pieces))
                     names = [self.names[i] for i in share]
                     self._futures.append((share, self._pool.submit(scan_all, names, lo, recent)))
         except OSError:
@@ -419,6 +422,12 @@ class ScanJob:
         except BaseException:
             self.abandon()
             raise
+
+    def progress(self) -> tuple[int, int]:
+        """(shards scanned so far, shards): the shares done (0 until `result` when the job
+        runs in this process)."""
+        done = sum(len(share) for share, future in self._futures if future.done())
+        return done, len(self.names)
 
     def close(self) -> None:
         """Drop a job whose result nobody will ask for: its workers stop."""
