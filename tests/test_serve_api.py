@@ -437,3 +437,17 @@ def test_ctrl_c_ends_the_server_with_event_streams_open(root: Path) -> None:
         assert srv.stop() == 130  # Ctrl-C, within stop()'s 10 s
         for conn in conns:
             conn.close()
+
+
+def test_progress_and_the_quick_runs_list_answer_before_any_read(client: TestClient) -> None:
+    """Issue 44: a first visit's reading notice and its runs list at once."""
+    got = api(client, "/api/runs/proj/four/progress")
+    assert got["run"] == "proj/four" and got["shards_total"] is None and got["shards_read"] == 0
+    api(client, "/api/runs/proj/four/summary")
+    got = api(client, "/api/runs/proj/four/progress")
+    assert got["shards_total"] == 4 and got["world_size"] == 4
+    quick = {f"{r['project']}/{r['name']}": r for r in api(client, "/api/runs", quick=1)}
+    assert quick["proj/four"] == {"project": "proj", "name": "four", "status": None, "shards": 4,
+                                  "quick": True, "path": quick["proj/four"]["path"]}
+    full = api(client, "/api/runs")
+    assert api(client, "/api/runs", quick=1) == full  # once the full list is kept: that one

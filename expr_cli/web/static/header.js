@@ -1,7 +1,7 @@
 // The run page's header: the run, its frontier as `step N`, its state (running, stalled,
 // crashed, finished: the job line of `expr top` once its detectors ran), a lost node, the
 // stalls found after the fact in a finished run's files, and the live marker.
-import { age, h, replace } from "./dom.js";
+import { age, h, ranksText, replace } from "./dom.js";
 
 export function drawHeader(label, summary, top) {
   document.getElementById("run-label").textContent = label;
@@ -20,13 +20,15 @@ export function drawHeader(label, summary, top) {
   el.title = text;
   el.hidden = !status;
   const notes = [];
-  if (job && job.state === "stalled") notes.push(h("span", { class: "badge stall", id: "stall-badge" }, job.text));
-  const lost = ((top && top.incidents) || []).filter((i) => i.kind === "missing");
-  if (lost.length) {
-    const rs = lost.flatMap((i) => i.ranks || []);
-    const hosts = [...new Set(lost.flatMap((i) => i.hosts || []))];
-    notes.push(h("span", { class: "badge missing", id: "lost-badge" },
-      `lost ${hosts.length ? `node ${hosts.slice(0, 2).join(", ")}` : `rank ${rs.slice(0, 4).join(",")}`}`));
+  if (job && job.state === "stalled") notes.push(h("span", { class: "badge stall long", id: "stall-badge", title: job.text }, job.text));
+  // a lost node: ranks that never wrote a shard (missing), or went silent while others ran (hang)
+  for (const [kind, what] of [["missing", "never wrote a shard"], ["hang", "silent"]]) {
+    const incs = ((top && top.incidents) || []).filter((i) => i.kind === kind);
+    if (!incs.length) continue;
+    const rs = [...new Set(incs.flatMap((i) => i.ranks || []))].sort((a, b) => a - b);
+    const hosts = [...new Set(incs.flatMap((i) => i.hosts || []))];
+    notes.push(h("span", { class: "badge missing", id: `lost-${kind}`, title: incs[0].detail || "" },
+      `lost: rank${rs.length > 1 ? "s" : ""} ${ranksText(rs)}${hosts.length ? ` on ${hosts.slice(0, 2).join(", ")}` : ""} ${what}`));
   }
   const found = (summary && summary.found && summary.found.stalls) || [];
   if (found.length) {

@@ -91,7 +91,7 @@ function outliersOf(all, one) {
 function chartMarks(one, top, hm) {
   const marks = foundMarks(one);
   if (top && !top.reading && top.job && top.job.state === "stalled" && top.frontier !== null) {
-    marks.push({ step: top.frontier, label: top.job.text });
+    marks.push({ step: top.frontier, label: `stalled at step ${top.frontier}` });
   }
   const root = hm && hm.heatmap_page ? (hm.heatmap_page.marked || []).find((m) => m.root) : null;
   if (root && root.step !== null) marks.push({ step: root.step, label: `rank ${root.ranks} crashed` });

@@ -65,6 +65,7 @@ async function refresh() {
     document.getElementById("count").textContent = `(${runs.length})`;
     document.getElementById("empty").hidden = runs.length > 0;
     document.getElementById("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
+    document.body.dataset.loaded = "1";
   } catch (err) {
     document.getElementById("updated").textContent = `error: ${err.message}`;
   }
