@@ -10,6 +10,7 @@ import { h, num, replace } from "./dom.js";
 const VIRIDIS = ["#440154", "#472d7b", "#3b528b", "#2c728e", "#21918c", "#28ae80", "#5ec962", "#addc30", "#fde725"];
 const NO_VALUE = "#e6e6e6";
 const CRASHED = "#c53030";
+const NON_FINITE = "#d53f8c"; // NaN or an infinity (the API spells them as text)
 const LABEL_W = 180;
 const ROW_H = 16; // px: a label is readable and a row is clickable
 const AXIS_H = 18;
@@ -111,7 +112,7 @@ export function drawHeatmap(canvas, rows, buckets, scale) {
       } else if (row.bad && row.kind === "rank") {
         hatch(ctx, x, y, Math.ceil(cw), ROW_H - 1); // no value: the rank crashed (or has no shard)
       } else {
-        ctx.fillStyle = typeof v === "number" || v === "NaN" ? CRASHED : NO_VALUE;
+        ctx.fillStyle = typeof v === "number" || typeof v === "string" ? NON_FINITE : NO_VALUE;
         ctx.fillRect(x, y, Math.ceil(cw), ROW_H - 1);
       }
     });
@@ -147,7 +148,8 @@ export function drawLegend(el, scale) {
   const [lo, hi] = scale || [null, null];
   replace(el,
     lo === null ? "no values" : `${num(lo)} (dark) – ${num(hi)} (light), one scale for the page and its drill-downs; `,
-    h("span", { class: "swatch none" }), " no value; ", h("span", { class: "swatch crashed" }), " crashed or no shard");
+    h("span", { class: "swatch none" }), " no value; ", h("span", { class: "swatch nonfinite" }), " NaN or inf; ",
+    h("span", { class: "swatch crashed" }), " crashed or no shard");
 }
 
 export function rowAt(canvas, ev) {
