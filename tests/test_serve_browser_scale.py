@@ -234,7 +234,8 @@ def test_a_first_visit_says_what_it_reads_and_lists_the_runs_at_once(site: Serve
             break
         page.wait_for_timeout(100)
     text = page.inner_text("#loading")
-    assert re.fullmatch(r"reading demo/wide: \d+ of 320 shards read, the last 50 steps \.\.\. [\d.]+ s", text), text
+    assert re.fullmatch(r"reading demo/wide: \d+ of 320 shards read(; reducing| \(and their sidecars\))?, "
+                        r"the last 50 steps \.\.\. [\d.]+ s", text), text
     for route in held:
         route.continue_()
     page.unroute(re.compile(r".*/api/runs/demo/wide/summary.*"))

@@ -23,6 +23,7 @@ R = TypeVar("R")
 PARALLEL_BYTES = 8 << 20  # below this, starting worker processes costs more than it saves
 MAX_WORKERS = 4
 PIECES = 4  # shares of a ScanJob per worker (its progress counts the shares done)
+_IN_PROCESS_PIECE = 1024  # shards a ScanJob without workers scans between two counts
 PIECES = 4  # a share of `iter_forked` is read (and sent back) in this many pieces
 # this process's share of `iter_forked`, to a worker's: it takes in the workers' results
 # too, and the caller does its work on each (RunReader: 20 us a shard, against the read's
@@ -402,6 +403,7 @@ class ScanJob:
         self.lo, self.recent = lo, recent
         self._pool: Any = None
         self._futures: list[tuple[list[int], Any]] = []
+        self._done = 0  # shards scanned in this process so far
         cpus = cpus_here()
         workers = min(cpus or 1, MAX_WORKERS, len(self.names))
         ctx = _context() if workers >= 2 and expected_bytes >= PARALLEL_BYTES else None
@@ -427,7 +429,7 @@ class ScanJob:
         """(shards scanned so far, shards): the shares done (0 until `result` when the job
         runs in this process)."""
         done = sum(len(share) for share, future in self._futures if future.done())
-        return done, len(self.names)
+        return done + self._done, len(self.names)
 
     def close(self) -> None:
         """Drop a job whose result nobody will ask for: its workers stop."""
@@ -445,8 +447,12 @@ class ScanJob:
         """The scans, in the order of the paths."""
         from concurrent.futures import BrokenExecutor
 
-        if self._pool is None:
-            return scan_all(self.names, self.lo, self.recent)
+        if self._pool is None:  # (in pieces, counted: `progress`)
+            scans: list[ShardScan] = []
+            for i in range(0, len(self.names), _IN_PROCESS_PIECE):
+                scans.extend(scan_all(self.names[i:i + _IN_PROCESS_PIECE], self.lo, self.recent))
+                self._done = len(scans)
+            return scans
         out: list[ShardScan | None] = [None] * len(self.names)
         try:
             try:

@@ -5,7 +5,7 @@
 import { ApiError, get, runPath } from "./api.js";
 import { drawChart, resizeChart } from "./chart.js";
 import { drawCoverage } from "./coverage.js";
-import { h, replace } from "./dom.js";
+import { h, ranksText, replace } from "./dom.js";
 import { drawFound, foundMarks } from "./found.js";
 import { drawHeader, drawLive } from "./header.js";
 import { drawHeatmap, drawLegend, drawRowList, heatRows, parseRanks, rankRows, rowAt } from "./heatmap.js";
@@ -53,9 +53,12 @@ function showReading() {
     if (page.loaded || $("loading").hidden) return;
     const p = page.progress;
     const secs = ((performance.now() - page.started) / 1000).toFixed(1);
-    const what = p && p.shards_total
-      ? `${p.shards_read.toLocaleString("en-US")} of ${p.shards_total.toLocaleString("en-US")} shards read`
-      : "listing its shards";
+    const n = (x) => x.toLocaleString("en-US");
+    let what = "listing its shards";
+    if (p && p.shards_total) {
+      what = p.shards_read >= p.shards_total ? `${n(p.shards_total)} of ${n(p.shards_total)} shards read; reducing`
+        : `${n(p.shards_read)} of ${n(p.shards_total)} shards read${p.world_size ? "" : " (and their sidecars)"}`;
+    }
     $("loading").textContent = `reading ${label}: ${what}, ${describe(page.win)} ... ${secs} s`;
     setTimeout(tick, LOADING_MS);
   };
@@ -92,6 +95,12 @@ function chartMarks(one, top, hm) {
   const marks = foundMarks(one);
   if (top && !top.reading && top.job && top.job.state === "stalled" && top.frontier !== null) {
     marks.push({ step: top.frontier, label: `stalled at step ${top.frontier}` });
+  }
+  // a lost node: ranks silent while the others went on (hang), at the step they stopped
+  for (const inc of (top && !top.reading && top.incidents) || []) {
+    if (inc.kind === "hang" && typeof inc.step === "number") {
+      marks.push({ step: inc.step, label: `lost: rank${inc.ranks.length > 1 ? "s" : ""} ${ranksText(inc.ranks)}` });
+    }
   }
   const root = hm && hm.heatmap_page ? (hm.heatmap_page.marked || []).find((m) => m.root) : null;
   if (root && root.step !== null) marks.push({ step: root.step, label: `rank ${root.ranks} crashed` });
