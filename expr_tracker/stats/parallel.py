@@ -425,6 +425,11 @@ class ScanJob:
             self.abandon()
             raise
 
+    @property
+    def parallel(self) -> bool:
+        """Whether worker processes scan (else `result` does, in this process)."""
+        return self._pool is not None
+
     def progress(self) -> tuple[int, int]:
         """(shards scanned so far, shards): the shares done (0 until `result` when the job
         runs in this process)."""
