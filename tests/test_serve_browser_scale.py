@@ -204,6 +204,7 @@ def test_the_page_tells_the_state_crash_root_first_and_coverage_grouped(
     assert "every rank paused 41s between steps 19 and 20" in found and "found after the fact" in found
     marks = page.evaluate("document.querySelector('#chart').__plot.__marks.map((m) => [m.step, m.label])")
     assert [20, "stalled 41s (found after the fact)"] in marks and [29, "rank 3 crashed"] in marks
+    assert page.get_attribute("#heatmap", "data-marks") == str(len(marks))  # and on the heatmap
     # the seed's tab in full: the range tile, the delta from the mean
     assert page.inner_text("#tile-range").split("\n")[1] == "0.3038"
     assert re.search(r"rank 2 .* \+0\.20\d from the mean", page.inner_text("#outlier-list"))

@@ -85,8 +85,9 @@ function hatch(ctx, x, y, w, hgt) {
   ctx.restore();
 }
 
-// draw `rows` with the colour `scale` ([lo, hi]: the page's, shared by its drill-downs)
-export function drawHeatmap(canvas, rows, buckets, scale) {
+// draw `rows` with the colour `scale` ([lo, hi]: the page's, shared by its drill-downs);
+// `marks` ({step}: a stall, a crash) as dashed red lines at their steps' columns
+export function drawHeatmap(canvas, rows, buckets, scale, marks = []) {
   const [lo, hi] = scale || scaleOf(rows) || [0, 1];
   const cols = Math.max(1, (buckets || []).length || ((rows[0] && rows[0].cells.length) || 1));
   const dpr = window.devicePixelRatio || 1;
@@ -123,6 +124,15 @@ export function drawHeatmap(canvas, rows, buckets, scale) {
     while (text.length > 4 && ctx.measureText(text).width > LABEL_W - 10) text = `${text.slice(0, -2)}…`;
     ctx.fillText(text, 4, y + ROW_H / 2);
   });
+  for (const m of marks) {
+    const j = (buckets || []).findIndex((b) => b[0] <= m.step && m.step <= b[b.length - 1]);
+    if (j < 0) continue;
+    ctx.save();
+    ctx.strokeStyle = CRASHED; ctx.lineWidth = 2; ctx.setLineDash([4, 3]);
+    ctx.beginPath(); ctx.moveTo(LABEL_W + j * cw, 0); ctx.lineTo(LABEL_W + j * cw, rows.length * ROW_H); ctx.stroke();
+    ctx.restore();
+  }
+  canvas.dataset.marks = String(marks.length);
   if (buckets && buckets.length) {
     ctx.fillStyle = "#666";
     const first = buckets[0], last = buckets[buckets.length - 1];

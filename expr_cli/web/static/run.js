@@ -167,7 +167,7 @@ async function load() {
       const hmap = hm.heatmap;
       const rows = heatRows(hmap, hm.heatmap_page);
       page.scale = (hm.heatmap_page && hm.heatmap_page.scale) || null;
-      drawHeatmap($("heatmap"), rows, hmap.buckets, page.scale);
+      drawHeatmap($("heatmap"), rows, hmap.buckets, page.scale, chartMarks(all, top, hm));
       drawRowList($("heatmap-rows"), rows);
       drawLegend($("heatmap-legend"), $("heatmap").__scale);
       const big = rows.length < hm.world_size;
