@@ -13,6 +13,13 @@ requests: summary, heatmap, top) against `expr summary --json` of the same run (
 reads it all again each time). Runs come from bench/scale.py's cache
 ($EXPR_SCALE_CACHE, default /tmp/expr-scale-cache; 200 steps per rank).
 
+    python bench/serve.py 16384 --tiles [ROUNDS] [--shot docs/serve-16k.png]
+
+Time to first tiles (issue 44) of a fresh server, best and median of ROUNDS after one
+round that warms the page cache, this tree and EXPR_BENCH_BEFORE's; with --shot, the
+page's screenshot, checked for the crashed rank 17 first, the straggler named, the
+coverage run and the crash counted apart.
+
     python bench/serve.py 16384 --server-only
 
 The scale part alone (issue 19 item 4, issue 24), without a browser: in a fresh process
@@ -49,9 +56,14 @@ STEPS = 200
 REFRESHES = 10
 
 
-def page_load(browser: object, url: str) -> tuple[float, int, int, float]:
+TIMES: dict[str, float] = {}  # of the last page_load: "reading" (the notice), "tiles"
+
+
+def page_load(browser: object, url: str, shot: Path | None = None) -> tuple[float, int, int, float]:
     """Seconds to every panel drawn (top's may still say it is reading), bytes
-    transferred, requests, and seconds to top's real panel (its rank rows)."""
+    transferred, requests, and seconds to top's real panel (its rank rows); in `TIMES`,
+    the seconds to the reading notice and to the first tiles (issue 44). With `shot`,
+    a screenshot of the whole page once top's panel is there."""
     ctx = browser.new_context(viewport={"width": 1280, "height": 1200})  # type: ignore[attr-defined]
     page = ctx.new_page()
     sizes: list[int] = []
@@ -62,13 +74,22 @@ def page_load(browser: object, url: str) -> tuple[float, int, int, float]:
 
     page.on("requestfinished", done)
     t0 = time.monotonic()
-    page.goto(url)
+    page.goto(url)  # (returns once the page and its modules are loaded)
+    TIMES["reading"] = time.monotonic() - t0 if page.query_selector("#loading") else float("nan")
+    page.wait_for_selector("#tile-ranks", timeout=600_000)
+    TIMES["tiles"] = time.monotonic() - t0
     page.wait_for_selector("body[data-loaded='1']", timeout=600_000)
     page.wait_for_selector("#chart canvas", timeout=60_000)
     took = time.monotonic() - t0
     page.wait_for_selector("#rank-table", timeout=600_000)  # top's panel (not "reading")
     top = time.monotonic() - t0
     page.wait_for_timeout(300)
+    if shot is not None:
+        page.wait_for_selector("body[data-noisier='1']", timeout=60_000)
+        shot.write_bytes(page.screenshot(full_page=True))
+        missing = check_shot(page, int(page.inner_text("#tile-ranks").split("/")[1].split()[0].replace(",", "")))
+        print(f"screenshot {shot}: " + ("shows " if not missing else "MISSING: ")
+              + ", ".join(missing or ["rank 17 crashed first, the straggler named, coverage grouped"]))
     ctx.close()
     return took, sum(sizes), len(sizes), top
 
@@ -232,7 +253,77 @@ def server_only(worlds: list[int], rounds: int = 2, modes: tuple[str, ...] = ("m
     print(f"\nload average {os.getloadavg()[0]:.1f} at the end")
 
 
+def check_shot(page: Any, world: int) -> list[str]:
+    """What the 16,384-rank screenshot must show (issue 44), as text the page drew: the
+    crashed rank 17 first in the heatmap and the ranks, the straggler named, the coverage
+    run, the crash counted apart. The failures, none when it shows all."""
+    slow = world // 2 + 1
+    rows = page.evaluate("() => document.querySelector('#heatmap').__rows.map((r) => r.label)")
+    first = page.locator("#rank-table tbody tr").first.inner_text()
+    want = {
+        "heatmap: rank 17 first": rows[0].startswith("r17 "),
+        f"heatmap: rank {slow} named": any(r.startswith(f"r{slow} ") for r in rows),
+        "heatmap: at most 20 rows": len(rows) <= 20,
+        "ranks: rank 17 failed first": first.startswith("rank 17 failed first"),
+        "tile: 1 crashed, none behind": "1 crashed" in page.inner_text("#tile-ranks")
+        and "behind" not in page.inner_text("#tile-ranks"),
+        "coverage: missing rank 17": "missing rank 17 (crashed)" in page.inner_text("#coverage"),
+        "header: crashed": page.inner_text("#run-status") == "crashed",
+    }
+    return [k for k, ok in want.items() if not ok]
+
+
+def tiles(world: int, rounds: int, shot: Path | None) -> None:
+    """Time to first tiles of a fresh `expr serve` (issue 44: 8.6 s before), best and
+    median of `rounds` (the first round warms the page cache and is left out), this tree
+    and EXPR_BENCH_BEFORE's; with `shot`, the last round's page (checked) saved there."""
+    from playwright.sync_api import sync_playwright
+
+    root = cached_run(world, STEPS)
+    trees = {"after": {**os.environ}}
+    if os.environ.get("EXPR_BENCH_BEFORE"):
+        trees["before"] = {**os.environ, "PYTHONPATH": os.environ["EXPR_BENCH_BEFORE"]}
+    got: dict[str, list[tuple[float, float, float, float]]] = {t: [] for t in trees}
+    print(f"expr serve, time to first tiles at {world:,} ranks ({STEPS} steps), "
+          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; a fresh server each "
+          f"round, {rounds} rounds after one to warm the page cache\n")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+        for i in range(rounds + 1):
+            for tree, env in trees.items():
+                last = i == rounds and tree == "after"
+                srv = subprocess.Popen([sys.executable, "-c", SERVE, "serve", "--dir", str(root),
+                                        "--port", "0"], stdout=subprocess.PIPE,
+                                       stderr=subprocess.DEVNULL, text=True, env=env,
+                                       cwd=os.path.dirname(root))
+                try:
+                    assert srv.stdout is not None
+                    url = srv.stdout.readline().strip().rstrip("/") + "/runs/bench/big?metric=step_time"
+                    every, _, _, top = page_load(browser, url, shot if last else None)
+                finally:
+                    srv.terminate()
+                    srv.wait()
+                if i:
+                    got[tree].append((TIMES["reading"], TIMES["tiles"], every, top))
+        browser.close()
+    print("| tree | reading notice | first tiles (best) | first tiles (median) | every panel | top's panel |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for tree, rs in got.items():
+        best = min(rs, key=lambda r: r[1])
+        print(f"| {tree} | {best[0]:.1f} s | {best[1]:.1f} s | "
+              f"{statistics.median(r[1] for r in rs):.1f} s | {best[2]:.1f} s | {best[3]:.1f} s |")
+    print(f"\nload average {os.getloadavg()[0]:.1f} at the end")
+
+
 def main() -> None:
+    if "--tiles" in sys.argv or "--shot" in sys.argv:
+        args = [a for a in sys.argv[1:] if not a.startswith("--")]
+        shot = None
+        if "--shot" in sys.argv:
+            shot = Path(sys.argv[sys.argv.index("--shot") + 1])
+            args = [a for a in args if a != str(shot)]
+        tiles(int(args[0]) if args else 16384, int(args[1]) if len(args) > 1 else 2, shot)
+        return
     if "--server-only" in sys.argv:
         args = [a for a in sys.argv[1:] if not a.startswith("--")]
         server_only([int(w) for w in (args[0] if args else "4096,16384").split(",")])

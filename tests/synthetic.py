@@ -32,29 +32,35 @@ def write_run(
     noisy: int | None = None,
     weights: dict[int, float] | None = None,
     rank_records: bool = True,
+    stall: tuple[int, float] | None = None,
 ) -> Path:
     """Write `world` shards of `steps` steps each into `run_dir`; rank `straggler` has a
     `slow`x step time, rank `crashed` stopped half-way with an exception, rank `noisy` a
     step time of the same mean that swings +-40% from step to step; `weights` gives some
     ranks a `_weight` other than 1. Without `rank_records`, step rows alone (a job that
-    logs with `et.log` only), the straggler's rows `slow`x further apart."""
+    logs with `et.log` only), the straggler's rows `slow`x further apart. `stall=(S,
+    SECONDS)`: every rank paused SECONDS before step S (its `_time`s after it later)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     name, project = run_dir.name, run_dir.parent.name
     for r in range(world):
         stem = "metrics" if r == 0 else f"metrics.rank{r}"
         last = steps // 2 if r == crashed else steps
+        end = T0 + last + (stall[1] if stall is not None and stall[0] < last else 0.0)
         factor = slow if r == straggler else 1.0
         weight = (weights or {}).get(r, 1.0)
         parts = []
+        pause = 0.0
         for s in range(last):
-            t = T0 + s
+            if stall is not None and s == stall[0]:
+                pause = stall[1]
+            t = T0 + s + pause
             # step times agree to the millisecond among healthy ranks, as they do in practice
             st = round((0.5 + 0.001 * ((r * 7 + s) % 5)) * factor, 6)
             if r == noisy:
                 st = round(st * (1.4 if s % 2 else 0.6), 6)
             loss = round(2.0 / (s + 1) + 0.3 + 0.0001 * (r % 13), 6)
             if not rank_records:
-                parts.append(f'{{"_step":{s},"_time":{T0 + s * factor},"loss":{loss},'
+                parts.append(f'{{"_step":{s},"_time":{T0 + s * factor + pause},"loss":{loss},'
                              f'"tokens":{4096 * (s + 1)}}}\n')
                 continue
             parts.append(f'{{"_step":{s},"_time":{t},"loss":{loss},"tokens":{4096 * (s + 1)}}}\n'
@@ -72,11 +78,11 @@ def write_run(
             "cursor": {"bytes": len(body), "rows": (2 if rank_records else 1) * last,
                        "last_step": last - 1,
                        "next_step": last, "applied": {}},
-            "status": st_status, "start_time": T0, "end_time": None if st_status == "running" else T0 + last,
-            "last_write": T0 + last,
+            "status": st_status, "start_time": T0, "end_time": None if st_status == "running" else end,
+            "last_write": end,
         }
         if r == crashed:
-            meta["exit"] = {"type": "RuntimeError", "message": "NCCL timeout", "time": T0 + last}
+            meta["exit"] = {"type": "RuntimeError", "message": "NCCL timeout", "time": end}
         (run_dir / f"{stem}.meta.json").write_text(json.dumps(meta))
-        os.utime(shard, (T0 + last, T0 + last))
+        os.utime(shard, (end, end))
     return run_dir

@@ -67,12 +67,20 @@ def test_runs_are_the_cli_runs_with_their_open_incidents(cli: Any, client: TestC
     assert "proj/four" in {f"{r['project']}/{r['name']}" for r in got}
 
 
+def _page_only(got: dict[str, Any]) -> None:
+    """Drop what the page's answers add to the CLI's (DESIGN 18: a superset)."""
+    for k in ("chart", "version", "step_keys", "found", "heatmap_page"):
+        got.pop(k, None)
+
+
 @pytest.mark.parametrize("run", ["four", "run-1", "rows"])
 def test_summary_is_expr_summary_json(cli: Any, client: TestClient, run: str) -> None:
     want = cli_json(cli, "summary", f"proj/{run}")
     got = api(client, f"/api/runs/proj/{run}/summary")
     chart = got.pop("chart")
     assert re.fullmatch(r"[0-9a-f]{8}\.[1-9][0-9]*", got.pop("version"))
+    assert "loss" in got.pop("step_keys")  # the picker's step-row keys
+    got.pop("found", None)
     assert got == want
     first = want["keys"][0]
     assert chart["key"] == first["key"] and chart["step"][-1] == want["step"]
@@ -86,14 +94,12 @@ def test_summary_is_expr_summary_json(cli: Any, client: TestClient, run: str) ->
 def test_summary_of_one_metric_at_a_step_and_over_a_window(cli: Any, client: TestClient) -> None:
     want = cli_json(cli, "summary", "proj/four", "-m", "step_time", "--step", "30")
     got = api(client, "/api/runs/proj/four/summary", metric="step_time", step=30)
-    got.pop("chart")
-    got.pop("version")
+    _page_only(got)
     assert got == want
     assert [o["rank"] for o in got["keys"][0]["outliers"]] == [2]
     want = cli_json(cli, "summary", "proj/four", "-m", "step_time,grad_norm", "--steps", "10:20")
     got = api(client, "/api/runs/proj/four/summary", metric=["step_time", "grad_norm"], steps="10:20")
-    got.pop("chart")
-    got.pop("version")
+    _page_only(got)
     assert got == want
 
 
@@ -103,8 +109,7 @@ def test_heatmap_is_expr_summary_heatmap_json(cli: Any, client: TestClient) -> N
     want = cli_json(cli, "summary", "proj/four", "-m", "step_time", "--heatmap", "step_time")
     width = heatmap_buckets(100, 4)  # the CLI's under COLUMNS=100
     got = api(client, "/api/runs/proj/four/heatmap", metric="step_time", buckets=width)
-    got.pop("chart", None)
-    got.pop("version")
+    _page_only(got)
     assert got == want
     assert len(got["heatmap"]["cells"]) == 4
 
@@ -432,3 +437,17 @@ def test_ctrl_c_ends_the_server_with_event_streams_open(root: Path) -> None:
         assert srv.stop() == 130  # Ctrl-C, within stop()'s 10 s
         for conn in conns:
             conn.close()
+
+
+def test_progress_and_the_quick_runs_list_answer_before_any_read(client: TestClient) -> None:
+    """Issue 44: a first visit's reading notice and its runs list at once."""
+    got = api(client, "/api/runs/proj/four/progress")
+    assert got["run"] == "proj/four" and got["shards_total"] is None and got["shards_read"] == 0
+    api(client, "/api/runs/proj/four/summary")
+    got = api(client, "/api/runs/proj/four/progress")
+    assert got["shards_total"] == 4 and got["world_size"] == 4
+    quick = {f"{r['project']}/{r['name']}": r for r in api(client, "/api/runs", quick=1)}
+    assert quick["proj/four"] == {"project": "proj", "name": "four", "status": None, "shards": 4,
+                                  "quick": True, "path": quick["proj/four"]["path"]}
+    full = api(client, "/api/runs")
+    assert api(client, "/api/runs", quick=1) == full  # once the full list is kept: that one

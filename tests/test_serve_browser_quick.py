@@ -74,7 +74,7 @@ def test_top_says_it_is_reading_then_shows_the_ranks(site: Server, page: Any) ->
     page.wait_for_selector("body[data-top='1']", timeout=60_000)
     assert page.query_selector("#ranks-reading") is None
     first = page.query_selector("#rank-table tbody tr")
-    assert first is not None and first.query_selector("td").inner_text() == f"rank {CRASHED}"
+    assert first is not None and first.query_selector("td").inner_text() == f"rank {CRASHED} failed first"
     assert "crashed" in page.inner_text("#open-incidents")
     answers = page.tops_seen
     assert answers[0].get("reading") is True and not answers[-1].get("reading"), answers

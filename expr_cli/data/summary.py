@@ -455,8 +455,53 @@ def summary_data(
                       world_sizes=worlds, chart=chart)
     view["system_keys"] = [] if wanted else system_keys
     view["span_keys"] = span_keys
+    if chart:  # (the page's: its metric picker, and what a run no watcher followed reveals)
+        view["step_keys"] = sampled()[0]
+        if not state.live:
+            from .gaps import found_stalls
+
+            view["found"] = found_stalls(shards, world)
     if view["world_sizes"]:
         warnings.append(layout.world_size_warning(view["world_sizes"], view["world_size"]))
     if view["world_size_mismatch"]:
         warnings.append(view["world_size_mismatch"])
     return view, warnings, True
+
+
+PAGE_MARKED = 8  # crashed ranks given a heatmap row of their own on the page
+
+
+def page_heatmap(view: dict[str, Any], state: RunState) -> dict[str, Any]:
+    """What the page adds to `--heatmap`'s answer (issue 44): one colour `scale` (lo, hi of
+    every rank's finite cells, for the rows and every drill-down), and a row of their own
+    for the crashed ranks (the one that failed first leading) and the ranks with no shard,
+    marked with their `state`: a crashed node must not hide in a bin's colours."""
+    import math
+
+    hm = view["heatmap"]
+    grid: dict[int, list[Any]] = hm["cells"]
+    lo, hi = math.inf, -math.inf
+    for row in grid.values():
+        vals = [v for v in row if v is not None and math.isfinite(v)]
+        if vals:
+            lo, hi = min(lo, *vals), max(hi, *vals)
+    crashed = sorted(r for r, rs in state.ranks.items() if rs.status == "crashed")
+    root = None
+    if crashed:
+        from expr_tracker.health.incidents import first_crash
+
+        root = (first_crash(state) or {}).get("rank")
+        crashed.sort(key=lambda r: (r != root, r))
+    nodes = layout.Nodes.of(state, view["world_size"])
+    marked = []
+    for r in crashed[:PAGE_MARKED]:
+        rs = state.ranks[r]
+        marked.append({"label": f"r{r} {nodes.label(r)}", "kind": "rank", "ranks": str(r),
+                       "cells": list(grid.get(r, [])), "state": "crashed", "root": r == root,
+                       "step": rs.last_step})
+    for r in (view.get("ranks") or {}).get("no_shard", [])[:PAGE_MARKED]:
+        marked.append({"label": f"r{r} {nodes.label(r)}", "kind": "rank", "ranks": str(r),
+                       "cells": [None] * len(hm["buckets"]), "state": "no shard", "root": False,
+                       "step": None})
+    return {"scale": [lo, hi] if lo <= hi else None, "marked": marked,
+            "crashed": crashed, "no_shard": (view.get("ranks") or {}).get("no_shard", [])}

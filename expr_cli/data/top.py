@@ -117,7 +117,7 @@ class TopView:
 
     def _frame(self, state: Any) -> dict[str, Any]:
         from expr_tracker.health.detect import detect, ended
-        from expr_tracker.health.incidents import plan
+        from expr_tracker.health.incidents import first_crash, plan
 
         wall = self.reader.clock()
         if state is None:
@@ -142,7 +142,10 @@ class TopView:
                 "incident": min((k for k, v in _SEVERITY.items() if v == worst.get(rs.rank)), default=None),
                 **({"metric": _metric(state, rs, self.metric)} if self.metric else {}),
             })
-        rows.sort(key=lambda r: (worst.get(r["rank"], 9), r["status"] == "finished",
+        # the rank that failed first (the crash's root) leads the crashed ones
+        root = (first_crash(state) or {}).get("rank") if any(
+            rs.status == "crashed" for rs in state.ranks.values()) else None
+        rows.sort(key=lambda r: (worst.get(r["rank"], 9), r["rank"] != root, r["status"] == "finished",
                                  -(r["behind"] or 0), r["steps_per_s"] or 0.0, r["rank"]))
         return {
             "run": self.ref.label, "frontier": state.frontier, "lead": state.lead,

@@ -32,7 +32,7 @@ from expr_cli import layout
 from expr_cli.data import jsonable, now
 from expr_cli.data.runs import runs_data, runs_json
 from expr_cli.data.series import load_series, parse_ranks, series_data
-from expr_cli.data.summary import AGGS, summary_data
+from expr_cli.data.summary import AGGS, page_heatmap, summary_data
 from expr_cli.errors import CLIError
 from expr_cli.resolve import RunRef, compact_ranks, parse_metrics, parse_step_range, shards_of
 from expr_cli.summary_load import COVERAGE_STEPS
@@ -116,9 +116,18 @@ class Api:
         ref, stream = self._run(project, name, params)
         return self.lives.get(ref, stream)
 
+    def progress(self, project: str, name: str, params: Params) -> dict[str, Any]:
+        """How far the first read of the run is (`LiveRun.progress`): not behind it."""
+        ref, stream = self._run(project, name, params)
+        return {"run": ref.label, **self.lives.get(ref, stream).progress()}
+
     def runs(self, params: Params) -> list[dict[str, Any]]:
         """`expr runs --json` (without spooled runs: the page is about the run root), each
-        run with `open_incidents`; kept `RUNS_TTL` seconds, whoever asks."""
+        run with `open_incidents`; kept `RUNS_TTL` seconds, whoever asks. `quick=1`: while
+        that list is being built (it reads every sidecar: seconds at 16,384 ranks), the
+        run directories and their sidecar counts (`shards`), `status` null, `quick` true."""
+        if _one(params, "quick") and self._runs is None:
+            return _quick_runs(self.root)
         with self._runs_lock:
             if self._runs is not None and time.monotonic() - self._runs[0] < RUNS_TTL:
                 return self._runs[1]
@@ -184,6 +193,7 @@ class Api:
             view.pop("stream_text", None)
             hm = view["heatmap"]
             world = view["world_size"]
+            view["heatmap_page"] = page_heatmap(view, state)
             if world > PAGE_RANKS:
                 nodes = layout.Nodes.of(state, world)
                 groups = nodes.groups(hm["cells"])
@@ -280,6 +290,32 @@ class Api:
         return jsonable({"metric": key, "stream": stream, "steps": steps,
                          "runs": [{"run": label, "ranks": n, "values": [v.get(s) for s in steps]}
                                   for label, v, n in per]})
+
+
+def _quick_runs(root: Path) -> list[dict[str, Any]]:
+    """The run directories under `root` (none through a symlink, none hidden) and how many
+    sidecars each holds: a listing, no file read."""
+    out: list[dict[str, Any]] = []
+    try:
+        projects = [e for e in os.scandir(root) if e.is_dir(follow_symlinks=False)
+                    and not e.name.startswith(".")]
+    except OSError:
+        return out
+    for project in sorted(projects, key=lambda e: e.name):
+        try:
+            names = [e for e in os.scandir(project.path) if e.is_dir(follow_symlinks=False)
+                     and not e.name.startswith(".")]
+        except OSError:
+            continue
+        for run in sorted(names, key=lambda e: e.name):
+            try:
+                shards = sum(1 for e in os.scandir(run.path) if e.name.endswith(".meta.json"))
+            except OSError:
+                continue
+            if shards:
+                out.append({"project": project.name, "name": run.name, "path": run.path,
+                            "status": None, "shards": shards, "quick": True})
+    return out
 
 
 def _reading(live: Any, ref: RunRef, state: Any) -> dict[str, Any]:

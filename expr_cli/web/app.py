@@ -147,7 +147,7 @@ def make_app(root: Path, token: str | None = None, cfg: Any = None) -> ASGI:
     async def run_part(request: Request) -> Response:
         p, n, what = (request.path_params[k] for k in ("project", "name", "what"))
         call = {"summary": api.summary, "heatmap": api.heatmap, "top": api.top,
-                "series": api.series}.get(what)
+                "series": api.series, "progress": api.progress}.get(what)
         if call is None:
             return _error(404, f"no API /api/runs/{{project}}/{{name}}/{what}")
         return await _answer(lambda: call(p, n, _params(request)))

@@ -43,6 +43,7 @@ QUIET = 0.25  # seconds without an answer being built before the full read start
 QUIET_MAX = 10.0  # ... waiting at most this long for such a pause
 AUTO_FULL = 2.0  # seconds after the quick pass the full read starts, top asked or not
 SWITCH = 0.0005  # seconds: the interpreter's thread switch interval during the full read
+SCAN_PIECE = 1024  # tails the quick pass reads and scans between two counts of `progress`
 
 
 class LiveRun:
@@ -70,6 +71,9 @@ class LiveRun:
         self._mark: Any = None
         self._answers: OrderedDict[Any, tuple[float, Any]] = OrderedDict()
         self.memo: dict[Any, Any] = {}  # what answers of this version share (tables read)
+        self._scan: Any = None  # the first summary's scan of every tail (`progress` counts it)
+        self._scanned = 0  # ... tails the quick pass scanned so far, when it does
+        self._shards_total: int | None = None
 
     def refresh(self, max_age: float = MIN_PASS) -> Any:
         """The live state, from a pass at most `max_age` seconds old."""
@@ -86,6 +90,10 @@ class LiveRun:
                     self.quick = RunReader(self.ref.path, self.stream, window=2)
                     self.quick.watch_changes()  # (its passes meanwhile: what the kernel names)
                     self._quick_at = t
+                    if job is not None and not job[("scan", self.stream)].parallel:
+                        # no workers to scan the tails meanwhile (a busy machine): the quick
+                        # pass scans them with its one read of each shard, as `expr summary`
+                        self._scan_in_pass(job, shards)
                 else:
                     self.full = True
             if self.quick is not None and t - self._quick_at >= AUTO_FULL:
@@ -119,6 +127,32 @@ class LiveRun:
         if job is not None:
             job.join()
         return self.refresh()
+
+    def _scan_in_pass(self, job: dict[Any, Any], shards: list[Any]) -> None:
+        """Make the quick reader's first read of each tail scan it too (`tail.read_scanned`),
+        and the memo's scan job its scans: one read of each shard, not two."""
+        from functools import partial
+
+        from expr_cli.summary_load import RECENT
+        from expr_tracker.health.tail import read_scanned
+
+        scanned: dict[int, Any] = {}
+        by_rank = {s.rank: s for s in shards}
+        read = partial(read_scanned, recent=RECENT)
+
+        def first_reads(fresh: list[Any]) -> Any:
+            # in this process (no workers: why we are here), in pieces counted for `progress`
+            for i in range(0, len(fresh), SCAN_PIECE):
+                pairs = read(fresh[i:i + SCAN_PIECE])
+                scanned.update((tl.rank, sc) for tl, sc in pairs)
+                self._scanned = len(scanned)
+                yield [tl for tl, _ in pairs]
+
+        self.quick.first_reads = first_reads
+        self.quick.listed = {r: sh.path for r, sh in by_rank.items() if sh.stream == self.stream}
+        key = ("scan", self.stream)
+        job[key].close()
+        job[key] = self._scan = _Scanned(shards, scanned)
 
     def start_full(self) -> None:
         """Read the watcher's window of every tail on a thread (once), if not read yet."""
@@ -177,7 +211,18 @@ class LiveRun:
             shards = shards_of(self.ref, self.stream)
         except CLIError:
             return None  # an empty run, an unknown stream: the answers say so
-        return {("shards", self.stream): shards, ("scan", self.stream): start_scan(shards)}
+        self._shards_total, self._scan = len(shards), start_scan(shards)
+        return {("shards", self.stream): shards, ("scan", self.stream): self._scan}
+
+    def progress(self) -> dict[str, Any]:
+        """How far the first read is (a page shows it until its first answers come): the
+        shards listed, those whose tails are scanned, the ranks' world size. Without the
+        lock, which the read in progress holds."""
+        state, job = self.state, self._scan
+        read = max(job.progress()[0], self._scanned) if job is not None else 0
+        return {"shards_total": self._shards_total, "shards_read": read,
+                "world_size": state.world_size if state is not None else None,
+                "answers": len(self._answers)}
 
     def _drop_memo(self) -> None:
         """A new memo for a new version; a scan started and never used is stopped."""
@@ -205,6 +250,33 @@ class LiveRun:
             while len(self._answers) > MAX_ANSWERS:
                 self._answers.popitem(last=False)
             return value
+
+
+class _Scanned:
+    """A `parallel.ScanJob` whose scans the quick pass made (`LiveRun._scan_in_pass`): a
+    shard it did not scan (it could not be read then) is scanned at `result`."""
+
+    parallel = False
+
+    def __init__(self, shards: list[Any], scanned: dict[int, Any]) -> None:
+        self.shards = shards
+        self.scanned = scanned
+
+    def result(self) -> list[Any]:
+        from expr_cli.summary_load import RECENT
+        from expr_tracker.stats import scan
+
+        return [sc if (sc := self.scanned.get(s.rank)) is not None else
+                scan.scan_shard(s.path, recent=RECENT) for s in self.shards]
+
+    def progress(self) -> tuple[int, int]:
+        return len(self.scanned), len(self.shards)
+
+    def close(self) -> None:
+        """(nothing runs)"""
+
+    def abandon(self) -> None:
+        """(nothing runs)"""
 
 
 _switching = threading.Lock()

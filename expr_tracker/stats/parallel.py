@@ -22,6 +22,8 @@ R = TypeVar("R")
 
 PARALLEL_BYTES = 8 << 20  # below this, starting worker processes costs more than it saves
 MAX_WORKERS = 4
+PIECES = 4  # shares of a ScanJob per worker (its progress counts the shares done)
+_IN_PROCESS_PIECE = 1024  # shards a ScanJob without workers scans between two counts
 PIECES = 4  # a share of `iter_forked` is read (and sent back) in this many pieces
 # this process's share of `iter_forked`, to a worker's: it takes in the workers' results
 # too, and the caller does its work on each (RunReader: 20 us a shard, against the read's
@@ -401,6 +403,7 @@ class ScanJob:
         self.lo, self.recent = lo, recent
         self._pool: Any = None
         self._futures: list[tuple[list[int], Any]] = []
+        self._done = 0  # shards scanned in this process so far
         cpus = cpus_here()
         workers = min(cpus or 1, MAX_WORKERS, len(self.names))
         ctx = _context() if workers >= 2 and expected_bytes >= PARALLEL_BYTES else None
@@ -409,9 +412,11 @@ class ScanJob:
         try:
             self._pool = _start_pool(workers, ctx)
             with _forking():
-                # interleaved shares: neighbouring ranks (similar sizes) over the workers
-                for k in range(workers):
-                    share = list(range(k, len(self.names), workers))
+                # interleaved shares: neighbouring ranks (similar sizes) over the workers,
+                # a few per worker so that `progress` can tell a page how far it is
+                pieces = min(len(self.names), workers * PIECES)
+                for k in range(pieces):
+                    share = list(range(k, len(self.names), pieces))
                     names = [self.names[i] for i in share]
                     self._futures.append((share, self._pool.submit(scan_all, names, lo, recent)))
         except OSError:
@@ -419,6 +424,17 @@ class ScanJob:
         except BaseException:
             self.abandon()
             raise
+
+    @property
+    def parallel(self) -> bool:
+        """Whether worker processes scan (else `result` does, in this process)."""
+        return self._pool is not None
+
+    def progress(self) -> tuple[int, int]:
+        """(shards scanned so far, shards): the shares done (0 until `result` when the job
+        runs in this process)."""
+        done = sum(len(share) for share, future in self._futures if future.done())
+        return done + self._done, len(self.names)
 
     def close(self) -> None:
         """Drop a job whose result nobody will ask for: its workers stop."""
@@ -436,8 +452,12 @@ class ScanJob:
         """The scans, in the order of the paths."""
         from concurrent.futures import BrokenExecutor
 
-        if self._pool is None:
-            return scan_all(self.names, self.lo, self.recent)
+        if self._pool is None:  # (in pieces, counted: `progress`)
+            scans: list[ShardScan] = []
+            for i in range(0, len(self.names), _IN_PROCESS_PIECE):
+                scans.extend(scan_all(self.names[i:i + _IN_PROCESS_PIECE], self.lo, self.recent))
+                self._done = len(scans)
+            return scans
         out: list[ShardScan | None] = [None] * len(self.names)
         try:
             try:

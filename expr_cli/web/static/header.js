@@ -1,4 +1,7 @@
-// The run page's header: the run, its frontier as `step N`, its status, the live marker.
+// The run page's header: the run, its frontier as `step N`, its state (running, stalled,
+// crashed, finished: the job line of `expr top` once its detectors ran), a lost node, the
+// stalls found after the fact in a finished run's files, and the live marker.
+import { age, h, ranksText, replace } from "./dom.js";
 
 export function drawHeader(label, summary, top) {
   document.getElementById("run-label").textContent = label;
@@ -7,11 +10,33 @@ export function drawHeader(label, summary, top) {
   const frontier = ranks.frontier ?? (top && top.frontier) ?? (summary && summary.step);
   document.getElementById("frontier").textContent = frontier === null || frontier === undefined ? "" : `step ${frontier}`;
   const crashed = (ranks.crashed || []).length;
-  const status = crashed ? "crashed" : ranks.live ? "running" : (ranks.shards ? "finished" : "");
+  let status = crashed ? "crashed" : ranks.live ? "running" : (ranks.shards ? "finished" : "");
+  let text = "";
+  const job = top && !top.reading ? top.job : null;
+  if (job && job.state && job.state !== "reading") { status = job.state; text = job.text || ""; }
   const el = document.getElementById("run-status");
   el.textContent = status;
-  el.className = `badge ${status}`;
+  el.className = `badge ${status === "stalled" ? "stall" : status}`;
+  el.title = text;
   el.hidden = !status;
+  const notes = [];
+  if (job && job.state === "stalled") notes.push(h("span", { class: "badge stall long", id: "stall-badge", title: job.text }, job.text));
+  // a lost node: ranks that never wrote a shard (missing), or went silent while others ran (hang)
+  for (const [kind, what] of [["missing", "never wrote a shard"], ["hang", "silent"]]) {
+    const incs = ((top && top.incidents) || []).filter((i) => i.kind === kind);
+    if (!incs.length) continue;
+    const rs = [...new Set(incs.flatMap((i) => i.ranks || []))].sort((a, b) => a - b);
+    const hosts = [...new Set(incs.flatMap((i) => i.hosts || []))];
+    notes.push(h("span", { class: "badge missing", id: `lost-${kind}`, title: incs[0].detail || "" },
+      `lost: rank${rs.length > 1 ? "s" : ""} ${ranksText(rs)}${hosts.length ? ` on ${hosts.slice(0, 2).join(", ")}` : ""} ${what}`));
+  }
+  const found = (summary && summary.found && summary.found.stalls) || [];
+  if (found.length) {
+    const s = found[0];
+    notes.push(h("span", { class: "badge stall", id: "found-badge", title: "no watcher followed this run: found in its files" },
+      `stalled ${age(s.gap_s)} before step ${s.step}${found.length > 1 ? ` (+${found.length - 1} more)` : ""}, found after the fact`));
+  }
+  replace(document.getElementById("run-notes"), notes);
 }
 
 export function drawLive(text) {

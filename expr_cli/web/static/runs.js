@@ -34,14 +34,38 @@ function note() {
     selected.size >= 2 ? `${selected.size} runs selected` : "select two or more runs above";
 }
 
+// the first visit: the run directories at once (`quick=1`, a listing), until the full
+// list (every sidecar read: seconds for a run of 16,384 ranks) replaces them
+let full = false;
+
+function quickRow(run) {
+  const label = `${run.project}/${run.name}`;
+  const href = `/runs/${encodeURIComponent(run.project)}/${encodeURIComponent(run.name)}`;
+  return h("tr", { "data-run": label, class: "quick" }, h("td", {}), h("td", {}, h("a", { href }, label)),
+    h("td", {}, h("span", { class: "muted" }, "reading...")), h("td", {}),
+    h("td", { class: "num" }, run.shards.toLocaleString("en-US")), h("td", {}), h("td", {}));
+}
+
+async function quick() {
+  try {
+    const runs = await get("/api/runs", { quick: 1 });
+    if (full || !runs.length || !runs[0].quick) return;
+    replace(document.querySelector("#runs tbody"), runs.map(quickRow));
+    document.getElementById("count").textContent = `(${runs.length})`;
+    document.getElementById("updated").textContent = "reading each run's sidecars...";
+  } catch { /* the full list says what went wrong */ }
+}
+
 async function refresh() {
   try {
     const runs = await get("/api/runs");
+    full = true;
     runs.sort(worstFirst);
     replace(document.querySelector("#runs tbody"), runs.map(row));
     document.getElementById("count").textContent = `(${runs.length})`;
     document.getElementById("empty").hidden = runs.length > 0;
     document.getElementById("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
+    document.body.dataset.loaded = "1";
   } catch (err) {
     document.getElementById("updated").textContent = `error: ${err.message}`;
   }
@@ -56,5 +80,6 @@ document.getElementById("compare-form").addEventListener("submit", (ev) => {
   window.location.href = `/compare?${q}`;
 });
 
+quick();
 refresh();
 setInterval(refresh, 5000);

@@ -1,5 +1,6 @@
-// The tiles: ranks reporting n/world, weighted mean against mean (and whether the gap is
-// more than the spread explains), spread p05-p95, std.
+// The tiles: ranks reporting n/world (a crashed rank counted as crashed, not behind),
+// weighted mean against mean (and whether the gap is more than the spread explains),
+// spread p05-p95, range (max - min), std.
 import { h, num, replace } from "./dom.js";
 
 function tile(label, value, sub, id, cls) {
@@ -12,9 +13,11 @@ export function drawTiles(el, summary, key) {
   if (!item) { replace(el, tile("ranks reporting", "–", "no values", "tile-ranks")); return; }
   const s = item.stats || {};
   const world = summary.world_size || s.world;
-  const missing = (item.missing || []).length, behind = (item.behind || []).length;
+  const crashed = new Set(((summary.ranks || {}).crashed) || []);
+  const missing = (item.missing || []).filter((r) => !crashed.has(r)).length;
+  const behind = (item.behind || []).filter((b) => b.status !== "crashed" && !crashed.has(b.rank)).length;
   const where = summary.step !== null && summary.step !== undefined ? `at step ${summary.step}`
-    : `steps ${(summary.steps || []).join(":")}`;
+    : `mean over steps ${summary.steps[0]}-${summary.steps[1] - 1}`;
   const gap = s.mean && s.wmean !== null && s.wmean !== undefined && typeof s.mean === "number"
     ? `${(((s.wmean - s.mean) / Math.abs(s.mean)) * 100).toFixed(2)}% from the mean` : "";
   // issue 21: does the gap exceed what the spread explains (z x std/sqrt(n))?
@@ -24,10 +27,13 @@ export function drawTiles(el, summary, key) {
     : `within the spread (${num(w.z)} x std/sqrt(n) = ${num(w.z * w.se)})`;
   replace(el,
     tile("ranks reporting", `${s.n ?? 0}/${world ?? "?"}`,
-      [where, behind ? `${behind} behind` : "", missing ? `${missing} missing` : ""].filter(Boolean).join(" · "),
-      "tile-ranks"),
+      [where, behind ? `${behind} behind` : "", crashed.size ? `${crashed.size} crashed` : "",
+        missing ? `${missing} missing` : ""].filter(Boolean).join(" · "),
+      "tile-ranks", crashed.size ? "bad" : null),
     tile("weighted mean vs mean", `${num(s.wmean)} vs ${num(s.mean)}`,
       [gap, verdict].filter(Boolean).join(" · "), "tile-means", w && w.differs ? "warn" : null),
     tile("spread p05-p95", `${num(s.p05)} – ${num(s.p95)}`, `p50 ${num(s.p50)}`, "tile-spread"),
-    tile("std", num(s.std), `min ${num(s.min)} · max ${num(s.max)}`, "tile-std"));
+    tile("range", typeof s.max === "number" && typeof s.min === "number" ? num(s.max - s.min) : "–",
+      `min ${num(s.min)} · max ${num(s.max)}`, "tile-range"),
+    tile("std", num(s.std), `across ${s.n ?? 0} ranks`, "tile-std"));
 }
