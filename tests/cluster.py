@@ -384,13 +384,16 @@ class Cluster:
         return [json.loads(x) for x in self.pages.read_text().splitlines() if x.strip()]
 
 
-def wait_for(pred: Callable[[], Any], timeout: float, what: str, every: float = 0.2) -> Any:
-    """Poll `pred` until it returns something true (returned); AssertionError on timeout."""
+def wait_for(pred: Callable[[], Any], timeout: float, what: str | Callable[[], str],
+             every: float = 0.2) -> Any:
+    """Poll `pred` until it returns something true (returned); AssertionError on timeout,
+    saying `what` (a callable: called then, to show the state that was waited on)."""
     deadline = time.monotonic() + timeout
     while True:
         got = pred()
         if got:
             return got
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+            said = what() if callable(what) else what
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {said}")
         time.sleep(every)

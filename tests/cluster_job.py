@@ -79,7 +79,7 @@ class Job:
     def check_ok(self, timeout: float = 90) -> None:
         codes = self.wait(timeout)
         assert codes == [0] * len(codes), "\n".join(
-            f"--- {n.name}: exit {c}\n{self.log(n)[-3000:]}" for n, c in zip(self.nodes, codes))
+            f"--- {n.name}: exit {c}\n{self.log(n)[-3000:]}" for n, c in zip(self.nodes, codes, strict=True))
 
     def ledger(self, rank: int) -> dict[str, Any]:
         """What the rank logged: `steps` (after each log() returned) and, if it got to the
@@ -101,10 +101,15 @@ class Job:
                  f"{self.name}: every rank at step {n}\n" + self.log(self.nodes[0])[-2000:])
 
     def wait_finished(self, ranks: list[int], timeout: float = 30) -> None:
-        """Until those ranks' sidecars read `finished` (in spool mode, exprd applied all)."""
-        wait_for(lambda: all(sidecar(self.run_dir, r).get("status") == "finished" for r in ranks),
-                 timeout, f"sidecars of ranks {ranks} to read finished: "
-                 + str([sidecar(self.run_dir, r).get("status") for r in ranks]))
+        """Until those ranks' sidecars read `finished` (in spool mode, exprd applied all);
+        fails as soon as each reads finished or crashed, and one reads crashed."""
+
+        def states() -> list[str | None]:
+            return [sidecar(self.run_dir, r).get("status") for r in ranks]
+
+        wait_for(lambda: all(s in ("finished", "crashed") for s in states()), timeout,
+                 f"sidecars of ranks {ranks} to read finished: {states()}")
+        assert states() == ["finished"] * len(ranks), f"sidecars of ranks {ranks}: {states()}"
 
 
 @dataclass

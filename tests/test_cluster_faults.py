@@ -66,6 +66,12 @@ def _count(value: Any) -> int:
     return value
 
 
+def _brief(run_dir: Path) -> list[tuple[str, list[int], list[str], str]]:
+    """Each incident's last line, short: what a failure message shows."""
+    return [(x[-1]["kind"], x[-1]["ranks"], x[-1]["hosts"], x[-1]["detail"][:120])
+            for x in incidents(run_dir).values()]
+
+
 def _serious(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
     return {i: lines for i, lines in incidents(run_dir).items() if lines[0]["kind"] in SERIOUS}
 
@@ -73,13 +79,13 @@ def _serious(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
 @pytest.mark.xfail(reason="issue 42 items 1-2: a full spool loses rows silently; no "
                           "info()['dropped']['spool_full'], no count in the sidecar", strict=True)
 def test_full_spool_on_node1_loses_nothing_silently(make_cluster: Any) -> None:
-    """Issue 42's case: node1's spool on a 64 KiB tmpfs, 500 rows of ~100 bytes per rank at
-    ~100/s: once exprd frees space no row is lost or doubled; rows beyond the memory bound
+    """Issue 42's case: node1's spool on a 64 KiB tmpfs, 300 rows of ~150 bytes per rank (as
+    fast as the all-reduce goes): once exprd frees space no row is lost or doubled; rows beyond the memory bound
     are counted exactly, in info() and in the sidecar that `expr shards` shows."""
     cluster = make_cluster(spool_sizes={1: "64k"})
     for node in cluster.nodes:
         node.start_exprd(HEALTH)
-    job = Job(cluster, "full-spool", mode="spool", steps=500, step_sleep=0.01, pad=24).start()
+    job = Job(cluster, "full-spool", mode="spool", steps=300, step_sleep=0, pad=60).start()
     job.check_ok(120)
     job.wait_finished([0, 1, 2, 3])  # a rank that finished never reads crashed
     counts = count_rows(job)
@@ -87,7 +93,7 @@ def test_full_spool_on_node1_loses_nothing_silently(make_cluster: Any) -> None:
     shards = login(cluster, "shards", str(job.run_dir), "--all")
     for rank in (2, 3):
         c, end = counts[rank], job.ledger(rank)
-        assert c.logged == list(range(500)) and not c.doubled and not c.doubled_events, str(c)
+        assert c.logged == list(range(300)) and not c.doubled and not c.doubled_events, str(c)
         dropped = _count(end["after"]["dropped"].get("spool_full", 0))
         assert len(c.lost) == dropped, f"{c}; info() says {dropped} dropped for a full spool"
         if dropped:  # the count reaches the sidecar, and the login node's `expr shards`
@@ -122,7 +128,8 @@ def test_node1_killed_whole_is_one_incident_and_loses_no_logged_row(make_cluster
                 return lines
         return None
 
-    lines = wait_for(node_incident, 5 + 10, "one incident naming node1 and ranks 2-3")
+    lines = wait_for(node_incident, 5 + 10, lambda: "one incident naming node1 and ranks 2-3; "
+                     f"incidents: {_brief(job.run_dir)}")
     assert set(_serious(job.run_dir)) == {lines[0]["id"]}, _serious(job.run_dir)  # 0-1 joined it
     assert {0, 1, 2, 3} <= set(lines[-1]["ranks"]), lines
     top = login(cluster, "top", str(job.run_dir), "--once", ok=(0, 1))
@@ -148,8 +155,8 @@ def test_node1_killed_whole_is_one_incident_and_loses_no_logged_row(make_cluster
 @pytest.mark.xfail(reason="issue 48 item 2: a cut link reads as a stall naming an innocent "
                           "rank, not 'every rank waits in a collective'", strict=True)
 def test_cut_link_says_every_rank_waits_and_names_no_one(make_cluster: Any) -> None:
-    """node1's cable is pulled for 12 s: every rank waits in the all-reduce. The stall says
-    so and names no innocent rank; it resolves when the link is back, and the job ends
+    """node1's cable is pulled until a stall is seen (and 2 s more): every rank waits in the
+    all-reduce. The stall says so and names no innocent rank; it resolves when the link is back, and the job ends
     with every row once."""
     cluster = make_cluster()
     for node in cluster.nodes:
@@ -159,8 +166,9 @@ def test_cut_link_says_every_rank_waits_and_names_no_one(make_cluster: Any) -> N
     job.wait_steps(30)
     cluster.nodes[1].link(up=False)
     try:
-        stall = wait_for(lambda: [x for x in _serious(job.run_dir).values()
-                                  if x[0]["kind"] == "stall"], 12, "a stall incident")
+        # hang_after 5 s, seen by watchers that pass every 0.5 s, with probes after 2 s
+        wait_for(lambda: [x for x in _serious(job.run_dir).values()
+                                  if x[0]["kind"] == "stall"], 5 + 15, "a stall incident")
         time.sleep(2)  # let the watchers settle what they say about it
     finally:
         cluster.nodes[1].link(up=True)
@@ -169,12 +177,11 @@ def test_cut_link_says_every_rank_waits_and_names_no_one(make_cluster: Any) -> N
     watcher.stop()
     assert_exactly_once(job)
     serious = _serious(job.run_dir)
-    assert len(serious) == 1, serious  # one stall; no hang, no crash, no lost node
+    assert len(serious) == 1, _brief(job.run_dir)  # one stall; no hang, no crash, no lost node
     (lines,) = serious.values()
     assert all(set(x["ranks"]) in (set(), {0, 1, 2, 3}) for x in lines), lines  # no one singled out
     assert "every rank" in lines[0]["detail"] and "collective" in lines[0]["detail"], lines[0]
     assert lines[-1]["state"] == "resolved", lines
-    assert stall
 
 
 def test_node1_clock_ahead_raises_nothing_false(make_cluster: Any) -> None:
