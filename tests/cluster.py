@@ -176,8 +176,10 @@ class Node:
             steps.append(f"mount -t tmpfs -o size={self.spool_size},mode=700 tmpfs {self.spool}")
         if c.cache is not None:
             # the same path as on the host, so a run's `dir` means the same file everywhere
+            # attributes (sizes), names and, as NFS's lookupcache does, absent names
             t = c.cache
-            steps.append(f"bindfs -o attr_timeout={t},entry_timeout={t} {c.root} {c.root}")
+            steps.append(f"bindfs -o attr_timeout={t},entry_timeout={t},negative_timeout={t} "
+                         f"{c.root} {c.root}")
         steps += ["echo ready", "exec sleep infinity"]  # the anchor holds the namespaces
         self.anchor = subprocess.Popen(
             ["nsenter", f"--net=/run/netns/{self.ns}", "unshare", "--uts", "--mount",

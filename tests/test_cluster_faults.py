@@ -98,7 +98,7 @@ def test_full_spool_on_node1_loses_nothing_silently(make_cluster: Any) -> None:
         assert len(c.lost) == dropped, f"{c}; info() says {dropped} dropped for a full spool"
         if dropped:  # the count reaches the sidecar, and the login node's `expr shards`
             assert [_count(v) for v in _find(sidecar(job.run_dir, rank), "spool_full")] == [dropped]
-            entry = [s for s in _find(shards, "shards")[0] if s.get("rank") == rank]
+            entry = [s for s in shards if s["rank"] == rank]
             assert dropped in [_count(v) for v in _find(entry, "spool_full")], entry
     assert not [p for p in cluster.read_pages() if p["rule"].startswith("health:crashed")]
     assert not [i for i in incidents(job.run_dir).values() if i[0]["kind"] == "crashed"]

@@ -42,5 +42,9 @@ def test_every_row_lands_once_and_sidecars_name_their_hosts(cluster: Cluster, mo
         assert job.ledger(rank)["host"] == side["host"]
         if mode == "spool":  # exprd wrote the rows, each with its spool event id
             assert len(counts[rank].events) == STEPS, counts[rank]
-    shards = login(cluster, "shards", str(job.run_dir), "--all")
-    assert shards, shards
+    # the login node reads the same: four shards, finished, on their nodes, every row
+    shards = {s["rank"]: s for s in login(cluster, "shards", str(job.run_dir), "--all")}
+    assert sorted(shards) == [0, 1, 2, 3], shards
+    for rank, s in shards.items():
+        assert (s["status"], s["host"], s["last_step"]) == ("finished", f"node{rank // 2}",
+                                                             STEPS - 1), s
