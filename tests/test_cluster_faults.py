@@ -134,7 +134,7 @@ def test_node1_killed_whole_is_one_incident_and_loses_no_logged_row(make_cluster
     assert {0, 1, 2, 3} <= set(lines[-1]["ranks"]), lines
     top = login(cluster, "top", str(job.run_dir), "--once", ok=(0, 1))
     states = {r["rank"]: r.get("status") for r in top["ranks"]}
-    assert states[2] == states[3] == "lost", top["ranks"]
+    assert states.get(2) == states.get(3) == "lost", top["ranks"]
     watcher.stop()
     cluster.nodes[1].boot()  # a reboot: the same disk, a new exprd applies what is left
     cluster.nodes[1].start_exprd(HEALTH)
@@ -179,7 +179,7 @@ def test_cut_link_says_every_rank_waits_and_names_no_one(make_cluster: Any) -> N
     serious = _serious(job.run_dir)
     assert len(serious) == 1, _brief(job.run_dir)  # one stall; no hang, no crash, no lost node
     (lines,) = serious.values()
-    assert all(set(x["ranks"]) in (set(), {0, 1, 2, 3}) for x in lines), lines  # no one singled out
+    assert all(set(x["ranks"]) in (set(), {0, 1, 2, 3}) for x in lines), _brief(job.run_dir)
     assert "every rank" in lines[0]["detail"] and "collective" in lines[0]["detail"], lines[0]
     assert lines[-1]["state"] == "resolved", lines
 
