@@ -186,6 +186,22 @@ def incidents(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+# what a healthy job must never show, whatever the load (not the ratio detectors, which a
+# busy machine can trip: issue 48 item 3 is about those)
+SERIOUS = ("hang", "stall", "missing", "crashed", "behind", "lost")
+
+
+def serious(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
+    """The incidents of a SERIOUS kind, by id."""
+    return {i: lines for i, lines in incidents(run_dir).items() if lines[0]["kind"] in SERIOUS}
+
+
+def brief(run_dir: Path) -> list[tuple[str, list[int], list[str], str]]:
+    """Each incident's last line, short: what a failure message shows."""
+    return [(x[-1]["kind"], x[-1]["ranks"], x[-1]["hosts"], x[-1]["detail"][:120])
+            for x in incidents(run_dir).values()]
+
+
 def login(cluster: Cluster, *args: str, ok: tuple[int, ...] = (0,)) -> Any:
     """`expr ARGS --json` on the login node; its JSON (a list for line-per-record output)."""
     proc = cluster.login.run([PYTHON, "-m", "expr_cli.main", *args, "--json"])
