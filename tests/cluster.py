@@ -287,6 +287,14 @@ class Node:
         self.procs, self.anchor, self.exprd = [], None, None
         return killed
 
+    def fill_spool(self, full: bool = True) -> None:
+        """The node's spool disk fills up, as another job's files would fill it (a filler
+        file written to ENOSPC), or, with full=False, gets its space back."""
+        filler = self.spool / ".filler"
+        cmd = f"cat /dev/zero > {filler} 2>/dev/null; true" if full else f"rm -f {filler}"
+        done = self.run(["sh", "-c", cmd])
+        assert done.returncode == 0, done.stderr
+
     def link(self, up: bool) -> None:
         """Plug or unplug this node's cable: its port on the switch goes up or down."""
         _sh("ip", "-n", self.cluster.switch, "link", "set", f"v{self.name}", "up" if up else "down")

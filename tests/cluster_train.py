@@ -7,7 +7,8 @@ steps it had logged), and `<run>.rank<R>.json` gets `et.info()` and the host at 
 
 Environment: ROOT (run root), RUN_NAME, STEPS, STEP_SLEEP (seconds per step), PAD (bytes
 of padding per row, to fill a spool faster), LEDGER (directory), STALL
-("rank:step:seconds": that rank sleeps there, outside the collective), EXPR_MODE and
+("rank:step:seconds": that rank sleeps there, outside the collective), RANK_ENV
+("rank:NAME=VALUE,...": variables set in that rank before `et.init`), EXPR_MODE and
 EXPR_SPOOL as the SDK reads them.
 """
 
@@ -32,6 +33,10 @@ def main() -> None:
     stall_rank, stall_step, stall_for = (int(float(x)) for x in env.get("STALL", "-1:-1:0").split(":"))
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    # RANK_ENV="3:NAME=VALUE,...": variables for one rank only (a smaller spool buffer)
+    want, _, assigns = env.get("RANK_ENV", "").partition(":")
+    if want and int(want) == rank:
+        os.environ.update(a.split("=", 1) for a in assigns.split(","))
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -31,7 +31,7 @@ from tests.cluster_job import (
 from tests.extras import need
 
 STEPS = 100
-HEALTH = health_toml(hang_after="5s")
+HEALTH = health_toml(hang_after="5s", page_after="2s")
 AHEAD = 120
 
 
