@@ -55,7 +55,10 @@ def main() -> None:
         row: dict[str, object] = {"loss": loss.item(), "rank_of": rank}
         if pad:
             row["pad"] = "x" * pad
-        et.log(row, step=step)
+        # commit=True: the row is whole when log() returns (with only `step=`, wandb's
+        # semantics keep a step's row open for more keys until the next step), so the
+        # ledger's steps are exactly the rows the SDK owes the shard
+        et.log(row, step=step, commit=True)
         os.write(fd, b"%d\n" % step)
         time.sleep(pause)
     before = et.info()
