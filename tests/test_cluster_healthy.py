@@ -90,6 +90,9 @@ def test_every_row_lands_once_sidecars_name_their_hosts_nothing_false(cluster: C
     for rank, s in shards.items():
         assert (s["status"], s["host"], s["last_step"]) == ("finished", f"node{rank // 2}",
                                                              STEPS - 1), s
+    # one pass of `expr watch` on the login node: the run ended, nothing is open (exit 0)
+    lines = login(cluster, "watch", str(job.run_dir), "--once") or []
+    assert not [x for x in lines if x.get("state") == "open"], lines
     assert not serious(job.run_dir), brief(job.run_dir)
     pages = [p for p in cluster.read_pages() if p["rule"].split(":")[1] in SERIOUS]
     assert not pages, pages
