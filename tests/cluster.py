@@ -29,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -108,6 +109,14 @@ def require_cluster(cache: bool = False) -> None:
             pytest.skip(f"unshare of UTS/mount namespaces refused here: {ok.stderr.strip()}")
     finally:
         subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    if cache:  # a FUSE mount can be refused where namespaces are not (a container's policy)
+        with tempfile.TemporaryDirectory() as d:
+            mounted = subprocess.run(
+                ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                 f"bindfs {d} {d} && fusermount -u {d}"], capture_output=True, text=True,
+                timeout=30)
+            if mounted.returncode != 0:
+                pytest.skip(f"bindfs cannot mount here: {mounted.stderr.strip()}")
 
 
 def clock_shim(workdir: Path) -> Path:
