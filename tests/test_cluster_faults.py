@@ -101,6 +101,9 @@ def test_node1_killed_whole_is_one_incident_and_loses_no_logged_row(make_cluster
     job = Job(cluster, "node-dies", mode="spool", steps=100_000, env=PROBES).start()
     watcher = Watcher(cluster, job, HEALTH)
     job.wait_steps(30)
+    # a node dies mid-job, not in its first second: every exprd has had time to leave its
+    # heartbeat (every 5 s) where the other nodes look
+    time.sleep(6)
     killed = cluster.nodes[1].kill()
     killed_at = time.monotonic()
     assert len(killed) >= 5  # torchrun, 2 ranks, exprd, the anchor (and what they forked)
