@@ -130,7 +130,7 @@ class DaemonHealth:
             try:
                 for inc in watcher.check():  # on the watcher's own clock (DESIGN 13)
                     found += 1
-                    if inc.delivered and self._logged:
+                    if (inc.delivered or inc.paging is not None) and self._logged:
                         continue
                     log.log(logging.WARNING if inc.state == "open" else logging.INFO,
                             "health %s: %s %s ranks %s: %s", key[0], inc.state, inc.kind,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from typing import Any
 
 import typer
@@ -81,9 +82,12 @@ def watch_command(run: str, dir: str | None, stream: str | None, once: bool, as_
     except KeyboardInterrupt:
         return 130
     disp = dispatcher(config)
+    if once:  # one pass cannot see an incident hold: what it finds is paged now
+        cfg = replace(cfg, page_after=0.0)
     watcher = Watcher(ref.path, cfg, disp, stream=stream)
     try:
         changes = watcher.check()
+        watcher.others()  # (the open ones among them are shown below)
         if not once and not as_json:
             render_health.watching(ref.label, watcher.state, disp is not None)
         shown = {id(c) for c in changes}
@@ -95,17 +99,30 @@ def watch_command(run: str, dir: str | None, stream: str | None, once: bool, as_
             if not first and not as_json:
                 render_health.no_incidents(ref.label)
             flush(disp)
+            watcher.settle()  # (its lines say `delivered`: nothing new to show)
             return 1 if watcher.open else 0
+        said = {_said(i) for i in first}
         while not (exit_on_finish and watcher.ended):
             time.sleep(interval)
-            render_health.incident_lines(watcher.check(), ref.label, as_json)
+            mine = watcher.check()
+            # every line of incidents.jsonl, whoever recorded it (exprd beside us); as text,
+            # not a line again that only says it was delivered
+            lines = [i for i in sorted([*mine, *watcher.others()], key=lambda i: i.last_seen)
+                     if as_json or _said(i) not in said]
+            said.update(_said(i) for i in lines)
+            render_health.incident_lines(lines, ref.label, as_json)
         flush(disp)
+        watcher.settle()
         return 1 if watcher.open else 0
     except KeyboardInterrupt:
         return 130  # like coreutils tools, quietly
     finally:
         if disp is not None:
             disp.close(2.0)
+
+
+def _said(inc: Any) -> tuple[Any, ...]:
+    return inc.id, inc.state, inc.ranks, inc.detail
 
 
 def flush(disp: Any) -> None:

@@ -178,6 +178,7 @@ def _stragglers(state: RunState, derived: Mapping[int, _Derived], cfg: HealthCon
     if ref <= 0:
         return []
     limit = cfg.straggler_ratio * ref
+    clear = cfg.clear_ratio("straggler") * ref  # resolves under a lower ratio (hysteresis)
     # only ranks firing already or slow now can be (or stop being) stragglers
     firing = memory.firing.setdefault("straggler", set())
     maybe = {r for r, v in recent.items() if v[1] >= limit}
@@ -189,7 +190,7 @@ def _stragglers(state: RunState, derived: Mapping[int, _Derived], cfg: HealthCon
             firing.discard(rank)
             continue
         med, lo, hi = recent[rank]
-        if _hysteresis(memory, "straggler", rank, lo >= limit, hi < limit):
+        if _hysteresis(memory, "straggler", rank, lo >= limit, hi < clear):
             out.append(Finding(
                 "straggler", (rank,),
                 f"rank {rank} step time {med:.3g}s is {med / ref:.2f}x the ranks' "
@@ -224,7 +225,8 @@ def _slowdowns(state: RunState, derived: Mapping[int, _Derived], cfg: HealthConf
     job_best = memory.best[JOB] = median(memory.best[r] for r in live)
     ratio = job_now / job_best if job_best > 0 else 0.0
     slower = ratio >= cfg.slowdown_ratio and job_now - job_best >= SLOWDOWN_MIN_SECONDS
-    if _hysteresis(memory, "slowdown", JOB, slower, not slower):
+    back = ratio < cfg.clear_ratio("slowdown") or job_now - job_best < SLOWDOWN_MIN_SECONDS
+    if _hysteresis(memory, "slowdown", JOB, slower, back):
         ranks_now = tuple(sorted(live))
         hosts = sorted({h for r in ranks_now if (h := ranks[r].host)})
         step = max((s for r in ranks_now if (s := ranks[r].last_step) is not None), default=None)
@@ -233,11 +235,16 @@ def _slowdowns(state: RunState, derived: Mapping[int, _Derived], cfg: HealthConf
             f"the whole job runs {ratio:.2f}x slower than its best {n}-step window "
             f"({job_now:.3g}s vs {memory.best[JOB]:.3g}s per step)",
             step, hosts[0] if len(hosts) == 1 else None, LEVELS["slowdown"], group=False)]
-    # a live rank fires exactly while it is slower than its best window (no hysteresis)
-    best, limit = memory.best, cfg.slowdown_ratio
-    slow_now = [r for r in live if (current[r] / best[r] if best[r] > 0 else 0.0) >= limit
-                and current[r] - best[r] >= SLOWDOWN_MIN_SECONDS]
-    firing = memory.firing.setdefault("slowdown", set())
+    # a live rank fires once it is `slowdown_ratio` slower than its best window, and
+    # until it is back under `clear_ratio` (hysteresis)
+    best, firing = memory.best, memory.firing.setdefault("slowdown", set())
+    slow_now = []
+    for r in live:
+        ratio_r = current[r] / best[r] if best[r] > 0 else 0.0
+        costs = current[r] - best[r] >= SLOWDOWN_MIN_SECONDS
+        limit = cfg.clear_ratio("slowdown") if r in firing else cfg.slowdown_ratio
+        if costs and ratio_r >= limit:
+            slow_now.append(r)
     firing.difference_update(live)
     firing.update(slow_now)
     out = []

@@ -59,6 +59,11 @@ class Incident:
     id: str = field(default_factory=new_id)
     root: dict[str, Any] | None = None  # a crash: the first rank to crash
     reason: str | None = None  # why it resolved, when not its own detector ("run ended")
+    # a watcher's claim while its page is on the way: {"by": "host:pid:n", "at": epoch s};
+    # others leave the incident to it until the outcome line (or `CLAIM_TTL`)
+    paging: dict[str, Any] | None = None
+    cause: str | None = None  # a crash that is collateral of another incident (its id)
+    collateral: tuple[int, ...] = ()  # a lost node: the other ranks that crashed after it
 
     @property
     def key(self) -> tuple[str, tuple[int, ...]]:
@@ -79,6 +84,12 @@ class Incident:
             out["root"] = self.root
         if self.reason is not None:
             out["reason"] = self.reason
+        if self.paging is not None:
+            out["paging"] = self.paging
+        if self.cause is not None:
+            out["cause"] = self.cause
+        if self.collateral:
+            out["collateral"] = list(self.collateral)
         return out
 
     @classmethod
@@ -98,6 +109,13 @@ class Incident:
             ident = f"{kind}:{','.join(map(str, sorted(ranks)))}:{first:.3f}"
         root = line.get("root")
         reason = line.get("reason")
+        paging = line.get("paging")
+        if not (isinstance(paging, Mapping) and isinstance(paging.get("by"), str)
+                and _time(paging.get("at")) > 0):
+            paging = None
+        cause = line.get("cause")
+        coll = line.get("collateral")
+        coll = coll if isinstance(coll, list) and all(type(r) is int for r in coll) else []
         return cls(
             kind=kind, ranks=tuple(sorted(ranks)), hosts=tuple(str(h) for h in hosts),
             step=step if type(step) is int else None,
@@ -107,6 +125,8 @@ class Incident:
             why=line["why"] if isinstance(line.get("why"), str) else None,
             id=ident, root=dict(root) if isinstance(root, Mapping) else None,
             reason=reason if isinstance(reason, str) else None,
+            paging={"by": paging["by"], "at": _time(paging["at"])} if paging else None,
+            cause=cause if isinstance(cause, str) else None, collateral=tuple(sorted(coll)),
         )
 
 

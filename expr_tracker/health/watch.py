@@ -16,6 +16,9 @@ import contextlib
 import fcntl
 import os
 import re
+import socket
+import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -36,6 +39,12 @@ if TYPE_CHECKING:
     from expr_tracker.alerts import Dispatcher
 
 INCIDENTS = "incidents.jsonl"
+# s a watcher's claim on a page holds: its channels retry for less (a dead watcher's claim
+# is then taken over)
+CLAIM_TTL = 120.0
+_OTHERS_KEPT = 10_000  # others' lines kept between two `take_others`
+# kinds paged as soon as they open: they never resolve on their own (a blip cannot be one)
+PAGE_AT_ONCE = ("crashed",)
 _ALERTS_RE = re.compile(r"alerts(?:\.rank(\d+))?\.jsonl\Z")
 _MAX_READ = 4 << 20  # bytes of an alerts or incidents file read per pass (the rest next pass)
 
@@ -49,6 +58,11 @@ class _LineTail:
         self.ino: int | None = None
 
     def new_lines(self, fd: int | None = None) -> Iterator[dict[str, Any]]:
+        for _, rec in self.new_raw(fd):
+            yield rec
+
+    def new_raw(self, fd: int | None = None) -> Iterator[tuple[bytes, dict[str, Any]]]:
+        """(the line's bytes, its parsed record) of each complete line appended."""
         try:
             fh = open(fd, "rb", closefd=False) if fd is not None else open(self.path, "rb")  # noqa: SIM115
         except OSError:
@@ -68,7 +82,7 @@ class _LineTail:
                 rec = records.loads(line)
             except ValueError:
                 continue
-            yield rec
+            yield bytes(line), rec
 
 
 _TORN = {  # what a torn line most likely still holds (see `incidents.LINE_KEYS`)
@@ -104,17 +118,48 @@ class IncidentLog:
         self.open: dict[str, Incident] = {}
         self.torn = 0  # torn tails set aside by this watcher
         self.offered: set[str] = set()  # ids this watcher tried to deliver (at most once each)
+        # the lines others appended since `take_others` (every reader shows every line)
+        self.others: list[Incident] = []
+        self._mine: Counter[bytes] = Counter()  # lines this watcher wrote, not yet read back
+        self.token = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
+        # (incident id, state) -> the line whose page is on the way, and the channels' word
+        self.pending: dict[tuple[str, str], Incident] = {}
+        self.outcomes: dict[tuple[str, str], bool] = {}
+        self.paged: set[str] = set()  # ids whose opening this watcher delivered
+        self.failed = 0  # pages every channel gave up on
 
     def sync(self, fd: int | None = None) -> None:
         """Apply the lines appended since the last call (by us or another watcher)."""
-        for line in self._tail.new_lines(fd):
+        for raw, line in self._tail.new_raw(fd):
             inc = Incident.from_line(line)
             if inc is None:
                 continue
+            if self._mine.get(raw):
+                self._mine[raw] -= 1
+                if not self._mine[raw]:
+                    del self._mine[raw]
+            else:
+                self.others.append(inc)
+                del self.others[:-_OTHERS_KEPT]
             if inc.state == "open":
                 self.open[inc.id] = inc
             else:
                 self.open.pop(inc.id, None)
+
+    def take_others(self) -> list[Incident]:
+        """The lines other watchers appended since the last call, oldest first."""
+        out, self.others = self.others, []
+        return out
+
+    def _write(self, fd: int, inc: Incident) -> None:
+        line = orjson.dumps(inc.as_line(), option=orjson.OPT_APPEND_NEWLINE)
+        self._mine[line[:-1]] += 1
+        os.write(fd, line)  # one write of one whole line, O_APPEND
+
+    def claimed(self, inc: Incident, now: float) -> bool:
+        """Another watcher's page of `inc` is on the way (claimed less than CLAIM_TTL ago)."""
+        p = inc.paging
+        return p is not None and p.get("by") != self.token and now - float(p["at"]) < CLAIM_TTL
 
     def _open_fd(self) -> int:
         dfd = os.open(self.run_dir, os.O_RDONLY | os.O_DIRECTORY)
@@ -172,11 +217,58 @@ class IncidentLog:
         return salvage(fragment)
 
     def undelivered(self) -> list[Incident]:
-        """The open incidents that nobody delivered and this watcher has not offered yet."""
-        return [inc for inc in self.open.values() if not inc.delivered and inc.id not in self.offered]
+        """The open incidents that nobody delivered, whose page nobody has on the way, and
+        that this watcher has not offered yet."""
+        now = time.time()
+        return [inc for inc in self.open.values() if not inc.delivered
+                and inc.id not in self.offered and not self.claimed(inc, now)]
+
+    def _offer(self, inc: Incident, deliver: Callable[[Incident], bool]) -> bool:
+        """Queue `inc`'s page; True when a channel took it (the line then claims it)."""
+        self.offered.add(inc.id)
+        key = (inc.id, inc.state)
+        self.pending[key] = inc
+        if not deliver(inc):
+            self.pending.pop(key, None)
+            return False
+        inc.paging = {"by": self.token, "at": round(time.time(), 3)}
+        return True
+
+    def done(self, key: tuple[str, str], ok: bool) -> None:
+        """A channel's word on a page (from a dispatcher's worker thread)."""
+        self.outcomes[key] = ok
+
+    def _settle(self, fd: int) -> list[Incident]:
+        """Write what the channels said of the pages on their way: `delivered` true once
+        one sent it, else the claim dropped (another watcher, with a channel that works,
+        then delivers it). Under the file lock."""
+        out = []
+        for key in list(self.outcomes):
+            ok = self.outcomes.pop(key)
+            sent = self.pending.pop(key, None)
+            if sent is None:
+                continue
+            if sent.state == "open":
+                if ok:
+                    self.paged.add(sent.id)
+                cur = self.open.get(sent.id)
+                if cur is None:
+                    continue  # resolved meanwhile: its resolution line says the rest
+                line = replace(cur, delivered=ok, paging=None)
+            else:
+                if not ok:
+                    self.failed += 1
+                    continue  # a recovery nobody got: nothing to take over
+                line = replace(sent, delivered=True, paging=None)
+            if not ok:
+                self.failed += 1
+            self._write(fd, line)
+            out.append(line)
+        return out
 
     def record(self, changes: list[Incident], deliver: Callable[[Incident], bool] | None,
-               updates: list[Incident] | None = None) -> list[Incident]:
+               updates: list[Incident] | None = None,
+               due: Callable[[Incident], bool] | None = None) -> list[Incident]:
         """Append `changes` (openings, resolutions) that nobody recorded yet, delivering
         each first, and `updates` (lines of an open incident's id: not delivered again);
         returns those written.
@@ -186,41 +278,57 @@ class IncidentLog:
         append one line each. With `deliver` None (a watcher without channels: `expr
         watch` with no alert config) nothing is delivered and the openings are recorded
         undelivered; a watcher with channels then delivers each open incident that nobody
-        delivered, once, and appends its line again with `delivered` true, so a terminal
-        that saw the stall first does not take its page away (those lines are returned too).
+        delivered, once, and appends its line again with a claim, so a terminal that saw
+        the stall first does not take its page away (those lines are returned too).
+
+        A page is queued, not yet sent: the line records `delivered` false and a claim
+        (`paging`); when a channel has sent it, a line of the same id says `delivered`
+        true; when every channel gave up, a line drops the claim and the next watcher with
+        a channel that works delivers it (`_settle`, at the next call). `due(inc)`: an
+        opening may be paged now (it has held `page_after`); one not yet due is recorded
+        undelivered and paged by a later call once it is. A resolution is paged only when
+        its opening was.
         """
         done: list[Incident] = []
         with self._locked() as fd:
             recovered = self._set_aside_torn(fd)
             self.sync(fd)
             if recovered is not None and self._fresh(recovered):
-                os.write(fd, orjson.dumps(recovered.as_line(), option=orjson.OPT_APPEND_NEWLINE))
+                self._write(fd, recovered)
                 self.sync(fd)
+            self._settle(fd)  # (not returned: what was paged was said when it was queued)
             for inc in changes:
+                inc.delivered = False
                 if inc.state == "resolved":
-                    if inc.id not in self.open:
+                    opened = self.open.get(inc.id)
+                    if opened is None:
                         continue
+                    inc.paging = None
+                    was_paged = opened.delivered or inc.id in self.paged
+                    if deliver is not None and was_paged:
+                        self._offer(inc, deliver)
                 elif not self._fresh(inc):
                     continue
-                self.offered.add(inc.id)
-                inc.delivered = deliver(inc) if deliver is not None else False
-                line = orjson.dumps(inc.as_line(), option=orjson.OPT_APPEND_NEWLINE)
-                os.write(fd, line)  # one write of one whole line, O_APPEND
+                elif deliver is not None and (due is None or due(inc)):
+                    self._offer(inc, deliver)
+                self._write(fd, inc)
                 done.append(inc)
             for inc in updates or ():
                 cur = self.open.get(inc.id)
-                if cur is None or (cur.ranks == inc.ranks and cur.detail == inc.detail):
+                if cur is None or (cur.ranks == inc.ranks and cur.detail == inc.detail
+                                   and cur.cause == inc.cause):
                     continue
-                inc.delivered = cur.delivered
-                os.write(fd, orjson.dumps(inc.as_line(), option=orjson.OPT_APPEND_NEWLINE))
+                inc.delivered, inc.paging = cur.delivered, cur.paging
+                self._write(fd, inc)
                 done.append(inc)
             if deliver is not None:
                 self.sync(fd)
                 for inc in self.undelivered():
-                    self.offered.add(inc.id)  # a channel's policy that held it back is not asked again
-                    if deliver(inc):
-                        late = replace(inc, delivered=True)
-                        os.write(fd, orjson.dumps(late.as_line(), option=orjson.OPT_APPEND_NEWLINE))
+                    if due is not None and not due(inc):
+                        continue
+                    late = replace(inc)
+                    if self._offer(late, deliver):  # (a channel's policy that held it back
+                        self._write(fd, late)       # is not asked again)
                         done.append(late)  # (exprd logs what it paged, whoever saw it first)
             self.sync(fd)
         return done
@@ -262,6 +370,8 @@ class Watcher:
         self.state: RunState | None = None
         self.errors = 0
         self._clocked = False  # the filesystem's clock measured (on the first pass)
+        self._seen_at: dict[str, float] = {}  # incident id -> when this watcher first saw it open
+        self._now = 0.0  # the time of the current pass
 
     @property
     def open(self) -> list[Incident]:
@@ -311,15 +421,46 @@ class Watcher:
                  crash_window=self.cfg.crash_window, ended=ended(self.state))
         for inc in p.still_open:  # last_seen and step in memory; the file keeps the first line
             self.log.open[inc.id] = inc
-        late = self.dispatcher is not None and bool(self.log.undelivered())
+        for inc in self.log.open.values():  # when this watcher first saw each open incident
+            self._seen_at.setdefault(inc.id, min(now, inc.first_seen or now))
+        self._now = now
+        late = self.dispatcher is not None and (
+            bool(self.log.outcomes) or any(self._due(i) for i in self.log.undelivered()))
         if not (p.opened or p.resolved or p.updated or late) or not self.run_dir.is_dir():
             return []
         try:
             return self.log.record(p.resolved + p.opened,
-                                   self._deliver if self.dispatcher is not None else None, p.updated)
+                                   self._deliver if self.dispatcher is not None else None, p.updated,
+                                   self._due)
         except OSError:
             self.errors += 1
             return []
+
+    def _due(self, inc: Incident) -> bool:
+        """`inc` may be paged now: it has held `page_after` on this watcher's clock (from
+        when it first saw it, or the line's `first_seen` if earlier), or it is a crash."""
+        if inc.kind in PAGE_AT_ONCE or self.cfg.page_after <= 0:
+            return True
+        since = self._seen_at.get(inc.id, inc.first_seen or self._now)
+        return self._now - min(since, inc.first_seen or since) >= self.cfg.page_after
+
+    def settle(self) -> list[Incident]:
+        """Write what the channels said of the pages on their way (`IncidentLog._settle`);
+        `expr watch` calls it after waiting for them, before it exits."""
+        if not self.log.outcomes or not self.run_dir.is_dir():
+            return []
+        try:
+            with self.log._locked() as fd:
+                self.log.sync(fd)
+                return self.log._settle(fd)
+        except OSError:
+            self.errors += 1
+            return []
+
+    def others(self) -> list[Incident]:
+        """The incident lines other watchers appended since the last call (every reader
+        shows every line of incidents.jsonl, whoever recorded it)."""
+        return self.log.take_others()
 
     def _deliver(self, inc: Incident) -> bool:
         if self.dispatcher is None or (inc.state == "resolved" and not self.cfg.notify_recovery):
@@ -339,8 +480,11 @@ class Watcher:
                 kind="fire" if inc.state == "open" else "recover",
                 step=inc.step, time=inc.last_seen, project=run.parent.name, run=run.name,
                 stream=self.reader.stream, rank=inc.ranks[0] if inc.ranks else 0,
+                # one page per incident of one run (DESIGN 13 Delivery; the idempotency key)
+                event_id=f"health:{inc.id}:{inc.state}",
             )
         except (TypeError, ValueError):
             return False
-        outcome = self.dispatcher.submit(alert)
+        key = (inc.id, inc.state)
+        outcome = self.dispatcher.submit(alert, on_done=lambda ok: self.log.done(key, ok))
         return any(v == "queued" for v in outcome.values())
