@@ -71,3 +71,29 @@ class Seen:
 def mtime_on_our_clock(mtime_ns: int | None, offset: float) -> float | None:
     """A file's mtime (ns, the filesystem's clock) as a time of ours."""
     return None if mtime_ns is None or mtime_ns < 0 else mtime_ns / 1e9 - offset
+
+
+# exprd's heartbeat in each run directory it writes (DESIGN 8: liveness seen from other
+# hosts): `{run}/.exprd.<host>.json`, created once and touched every few seconds (a touch
+# does not change the directory, so readers' listings stay trusted). Its mtime is what a
+# reader on another node dates, like a sidecar's.
+HEARTBEAT_PREFIX, HEARTBEAT_SUFFIX = ".exprd.", ".json"
+_SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+def safe_host(host: str) -> str:
+    """A host name as it can stand in a file name (other characters become '_')."""
+    return "".join(c if c in _SAFE else "_" for c in host)[:200] or "_"
+
+
+def heartbeat_name(host: str) -> str:
+    """The file name of `host`'s exprd heartbeat in a run directory."""
+    return f"{HEARTBEAT_PREFIX}{safe_host(host)}{HEARTBEAT_SUFFIX}"
+
+
+def heartbeat_host(name: str) -> str | None:
+    """The (safe) host of a heartbeat file name; None for any other name."""
+    if name.startswith(HEARTBEAT_PREFIX) and name.endswith(HEARTBEAT_SUFFIX):
+        host = name[len(HEARTBEAT_PREFIX):-len(HEARTBEAT_SUFFIX)]
+        return host or None
+    return None

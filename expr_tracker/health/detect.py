@@ -26,12 +26,14 @@ from statistics import median
 from typing import Any
 
 from expr_tracker.health.config import HealthConfig
+from expr_tracker.health.lost import lost_nodes
 from expr_tracker.health.stall import stall
 from expr_tracker.health.state import RankState, RunState
 
-KINDS = ("straggler", "slowdown", "hang", "stall", "behind", "crashed", "missing", "alert")
+KINDS = ("straggler", "slowdown", "hang", "stall", "behind", "crashed", "missing", "alert", "lost")
 LEVELS = {"straggler": "warning", "slowdown": "warning", "hang": "error", "stall": "error",
-          "behind": "warning", "crashed": "error", "missing": "error", "alert": "error"}
+          "behind": "warning", "crashed": "error", "missing": "error", "alert": "error",
+          "lost": "error"}
 JOB = -1  # the rank key of the whole job's slowdown window in `Memory.best`
 # A slowdown must also cost at least this much per step: a best window is the minimum of
 # many noisy windows, so sub-millisecond step times (timer noise, a CPU toy job) would
@@ -442,8 +444,11 @@ def detect(
     derived = _derive(state, cfg, memory)
     period = median([d.median for d in derived.values()]) if derived else None
     threshold = cfg.hang_threshold(period)
+    evidence = cfg.evidence_threshold(period)
     seen, left_over = _probes_seen(state, memory, now)
-    stalled = stall(state, threshold, now, period, seen, left_over)
+    lost = lost_nodes(state, evidence, now)
+    # a lost node explains the others' wait: no stall names its ranks as suspects
+    stalled = None if lost else stall(state, threshold, now, period, seen, left_over, evidence)
     if stalled is None and memory.stalled:
         memory.stall_end, memory.stall_step = now, state.lead
     memory.stalled = stalled is not None
@@ -452,10 +457,14 @@ def detect(
     if stalled is not None:  # the suspects are named: no rank is a hang on its own
         job.append(Finding("stall", stalled["ranks"], stalled["detail"], stalled["step"],
                            stalled["host"], LEVELS["stall"], group=False, info=stalled))
-    elif newest is not None and now - newest < threshold / 2:
+    job.extend(Finding("lost", node["ranks"], node["detail"], node["step"], node["host"],
+                       LEVELS["lost"], group=False, info=node) for node in lost)
+    gone = {r for node in lost for r in node["ranks"]}
+    if stalled is None and newest is not None and now - newest < threshold / 2:
         # a silent rank is a hang while the others still advance; once they stopped too
         # (a synchronous job waits for it at its next collective) it is a stall coming
-        job.extend(_hangs(state, threshold, now, memory.stall_end))
+        job.extend(f for f in _hangs(state, threshold, now, memory.stall_end)
+                   if f.ranks[0] not in gone)
     # the step that waited out a stall is one huge step time: not a straggler or slowdown
     # until every rank's windows have moved past it
     front, after = state.frontier, memory.stall_step

@@ -329,6 +329,7 @@ def plan(open_incidents: Iterable[Incident], findings: Iterable[Finding], now: f
                                     reason=ENDED) for inc in incs if inc.kind != "crashed")
         return out
     _stall([i for i in incs if i.kind == "stall"], by_kind.pop("stall", []), now, out, state)
+    lost_found = {f.ranks: f for f in by_kind.get("lost", ())}
     taken: set[tuple[str, int]] = set()
     for inc in incs:
         if inc.kind in ("crashed", "stall"):
@@ -356,4 +357,51 @@ def plan(open_incidents: Iterable[Incident], findings: Iterable[Finding], now: f
             fresh.setdefault(gkey, []).append(f)
         for members in fresh.values():
             out.opened.append(_with_why(_merge(kind, members, now), state))
+    _join_collateral(out, lost_found)
     return out
+
+
+def _join_collateral(out: Plan, lost: Mapping[tuple[int, ...], Finding]) -> None:
+    """A crash whose ranks blame a peer, while a node is lost, is collateral of the lost
+    node: the crash incident names it (`cause`, a line of the same id) and the lost
+    node's incident names those ranks (`collateral`, a line of its id when they grow)."""
+    if not any(i.kind == "lost" for i in (*out.opened, *out.updated, *out.still_open)):
+        return
+    moved: list[Incident] = []
+
+    def node_of(inc: Incident) -> Incident:
+        f = lost.get(inc.ranks)
+        coll = tuple(f.info.get("collateral", ())) if f is not None and f.info else ()
+        grown = tuple(sorted({*inc.collateral, *coll}))
+        return inc if grown == inc.collateral else replace(inc, collateral=grown)
+
+    out.opened = [node_of(i) if i.kind == "lost" else i for i in out.opened]
+    out.updated = [node_of(i) if i.kind == "lost" else i for i in out.updated]
+    still = []
+    for inc in out.still_open:
+        upd = node_of(inc) if inc.kind == "lost" else inc
+        (moved if upd is not inc else still).append(upd)
+    nodes = [i for i in (*out.opened, *out.updated, *moved, *still) if i.kind == "lost"]
+
+    def joined(inc: Incident) -> Incident:
+        if inc.kind != "crashed" or inc.cause is not None:
+            return inc
+        root = inc.root.get("rank") if inc.root is not None else None
+        home = next((n for n in nodes if set(inc.ranks) <= set(n.collateral)
+                     or root in n.collateral), None)
+        if home is None:
+            return inc
+        host = home.hosts[0] if home.hosts else "a node"
+        return replace(inc, cause=home.id, detail=f"{inc.detail} (collateral: {host} lost)")
+
+    out.opened = [joined(i) for i in out.opened]
+    out.updated = [joined(i) for i in out.updated]
+    rest = []
+    for inc in still:
+        upd = joined(inc)
+        if upd is inc:
+            rest.append(inc)
+        else:
+            moved.append(upd)
+    out.still_open = rest
+    out.updated.extend(moved)  # lines of their ids: not delivered again

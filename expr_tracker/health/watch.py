@@ -316,7 +316,7 @@ class IncidentLog:
             for inc in updates or ():
                 cur = self.open.get(inc.id)
                 if cur is None or (cur.ranks == inc.ranks and cur.detail == inc.detail
-                                   and cur.cause == inc.cause):
+                                   and cur.cause == inc.cause and cur.collateral == inc.collateral):
                     continue
                 inc.delivered, inc.paging = cur.delivered, cur.paging
                 self._write(fd, inc)
