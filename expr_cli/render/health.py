@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
     from expr_tracker.health.incidents import Incident
 
-KIND_STYLE = {"crashed": "bold red", "stall": "bold red", "hang": "red", "missing": "red", "alert": "red",
+KIND_STYLE = {"crashed": "bold red", "stall": "bold red", "lost": "bold red", "hang": "red", "missing": "red", "alert": "red",
               "straggler": "yellow", "slowdown": "yellow", "behind": "yellow"}
 
 
@@ -133,7 +133,8 @@ def top_frame(view: Mapping[str, Any], height: int, agg: str = "worst",
     parts.append(_line(head))
     job = view.get("job") or {}
     if job.get("text"):
-        style = {"stalled": "bold red", "crashed": "bold red", "finished": "green"}.get(job.get("state"), "")
+        style = {"stalled": "bold red", "crashed": "bold red", "lost": "bold red",
+                 "finished": "green"}.get(job.get("state"), "")
         parts.append(_line(Text(str(job["text"]), style=style)))
     left = height - len(parts)
     cap = 0 if left < 6 else max(1, height // 5)

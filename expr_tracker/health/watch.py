@@ -345,6 +345,14 @@ class IncidentLog:
         return True
 
 
+def open_incidents(run_dir: str | os.PathLike[str]) -> list[Incident]:
+    """The open incidents of `{run}/incidents.jsonl`, whoever recorded them (read only;
+    empty when there is none), oldest first."""
+    log = IncidentLog(Path(run_dir))
+    log.sync()
+    return sorted(log.open.values(), key=lambda i: (i.first_seen, i.kind, i.ranks))
+
+
 class Watcher:
     """Watches one stream of one run; `check()` is one pass."""
 
