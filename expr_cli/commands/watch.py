@@ -84,7 +84,7 @@ def watch_command(run: str, dir: str | None, stream: str | None, once: bool, as_
     disp = dispatcher(config)
     if once:  # one pass cannot see an incident hold: what it finds is paged now
         cfg = replace(cfg, page_after=0.0)
-    watcher = Watcher(ref.path, cfg, disp, stream=stream)
+    watcher = Watcher(ref.path, cfg, disp, stream=stream, owner=not once)
     try:
         changes = watcher.check()
         watcher.others()  # (the open ones among them are shown below)

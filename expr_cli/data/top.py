@@ -124,7 +124,7 @@ class TopView:
         self.ref = ref
         self.metric = metric
         self.cfg = cfg
-        self.reader = Watcher(ref.path, cfg, None, stream=stream).reader
+        self.reader = Watcher(ref.path, cfg, None, stream=stream, owner=False).reader
         self.memory = Memory()
         self.log = IncidentLog(ref.path)
 

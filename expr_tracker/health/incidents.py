@@ -64,6 +64,7 @@ class Incident:
     paging: dict[str, Any] | None = None
     cause: str | None = None  # a crash that is collateral of another incident (its id)
     collateral: tuple[int, ...] = ()  # a lost node: the other ranks that crashed after it
+    by: str | None = None  # the long-running watcher that opened it ("host:pid:n"), its owner
 
     @property
     def key(self) -> tuple[str, tuple[int, ...]]:
@@ -90,6 +91,8 @@ class Incident:
             out["cause"] = self.cause
         if self.collateral:
             out["collateral"] = list(self.collateral)
+        if self.by is not None:
+            out["by"] = self.by
         return out
 
     @classmethod
@@ -127,6 +130,7 @@ class Incident:
             reason=reason if isinstance(reason, str) else None,
             paging={"by": paging["by"], "at": _time(paging["at"])} if paging else None,
             cause=cause if isinstance(cause, str) else None, collateral=tuple(sorted(coll)),
+            by=line["by"] if isinstance(line.get("by"), str) else None,
         )
 
 

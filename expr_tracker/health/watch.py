@@ -32,6 +32,7 @@ from expr_tracker.health.config import HealthConfig
 from expr_tracker.health.detect import Memory, detect, ended
 from expr_tracker.health.incidents import Incident, plan
 from expr_tracker.health.state import DEFAULT_WINDOW, RunReader, RunState
+from expr_tracker.procs import pid_alive
 from expr_tracker.ranks import compact
 from expr_tracker.store import records
 
@@ -127,6 +128,7 @@ class IncidentLog:
         self.outcomes: dict[tuple[str, str], bool] = {}
         self.paged: set[str] = set()  # ids whose opening this watcher delivered
         self.failed = 0  # pages every channel gave up on
+        self.owner: str | None = None  # `token` when this watcher owns what it opens (`Watcher`)
 
     def sync(self, fd: int | None = None) -> None:
         """Apply the lines appended since the last call (by us or another watcher)."""
@@ -309,8 +311,10 @@ class IncidentLog:
                         self._offer(inc, deliver)
                 elif not self._fresh(inc):
                     continue
-                elif deliver is not None and (due is None or due(inc)):
-                    self._offer(inc, deliver)
+                else:
+                    inc.by = self.owner
+                    if deliver is not None and (due is None or due(inc)):
+                        self._offer(inc, deliver)
                 self._write(fd, inc)
                 done.append(inc)
             for inc in updates or ():
@@ -318,7 +322,7 @@ class IncidentLog:
                 if cur is None or (cur.ranks == inc.ranks and cur.detail == inc.detail
                                    and cur.cause == inc.cause and cur.collateral == inc.collateral):
                     continue
-                inc.delivered, inc.paging = cur.delivered, cur.paging
+                inc.delivered, inc.paging, inc.by = cur.delivered, cur.paging, cur.by
                 self._write(fd, inc)
                 done.append(inc)
             if deliver is not None:
@@ -345,6 +349,16 @@ class IncidentLog:
         return True
 
 
+def owner_alive(by: str) -> bool:
+    """The watcher `by` ("host:pid:n") may still run: its pid lives, on this host; on
+    another host, not known (True)."""
+    host, _, rest = by.partition(":")
+    pid = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid.isdigit():
+        return True
+    return pid_alive(int(pid))
+
+
 def open_incidents(run_dir: str | os.PathLike[str]) -> list[Incident]:
     """The open incidents of `{run}/incidents.jsonl`, whoever recorded them (read only;
     empty when there is none), oldest first."""
@@ -364,7 +378,10 @@ class Watcher:
         *,
         stream: str | None = None,
         window: int | None = None,
+        owner: bool = True,
     ) -> None:
+        """`owner`: this watcher keeps watching (not one pass, `--once`), so others leave
+        what it opens to it (`_keep_others`)."""
         self.run_dir = Path(run_dir)
         self.cfg = cfg or HealthConfig()
         self.dispatcher = dispatcher
@@ -379,6 +396,8 @@ class Watcher:
         self.errors = 0
         self._clocked = False  # the filesystem's clock measured (on the first pass)
         self._seen_at: dict[str, float] = {}  # incident id -> when this watcher first saw it open
+        if owner:  # a long-running watcher (exprd, `expr watch`): it resolves what it opens
+            self.log.owner = self.log.token
         self._now = 0.0  # the time of the current pass
 
     @property
@@ -427,6 +446,7 @@ class Watcher:
         findings = detect(self.state, list(self._suppressed.values()), self.cfg, self.memory, now)
         p = plan(self.log.open.values(), findings, now, self.state,
                  crash_window=self.cfg.crash_window, ended=ended(self.state))
+        self._keep_others(p)
         for inc in p.still_open:  # last_seen and step in memory; the file keeps the first line
             self.log.open[inc.id] = inc
         for inc in self.log.open.values():  # when this watcher first saw each open incident
@@ -443,6 +463,18 @@ class Watcher:
         except OSError:
             self.errors += 1
             return []
+
+    def _keep_others(self, p: Any) -> None:
+        """What another live watcher opened, it resolves (its thresholds, its evidence: a
+        watcher with a higher `behind_steps` must not resolve what exprd still sees);
+        this one only when the run ended or the ranks stopped, or its owner is gone (on
+        this host, its pid; on another, never known: it stays until the run ends)."""
+        keep = [inc for inc in p.resolved if inc.by is not None and inc.by != self.log.owner
+                and inc.reason is None and owner_alive(inc.by)]
+        if keep:
+            ids = {inc.id for inc in keep}
+            p.resolved = [inc for inc in p.resolved if inc.id not in ids]
+            p.still_open.extend(self.log.open[i] for i in ids if i in self.log.open)
 
     def _due(self, inc: Incident) -> bool:
         """`inc` may be paged now: it has held `page_after` on this watcher's clock (from
