@@ -115,6 +115,8 @@ class DaemonHealth:
         for run_dir, spec in runs.items():
             try:
                 touch_heartbeat(spec.anchor, run_dir, self._here)
+            except FileNotFoundError:
+                self._next_beat = now + self.interval  # its first rows are not applied yet
             except (OSError, ValueError) as exc:
                 cause = f"{run_dir}:beat"
                 if cause not in self._warned:

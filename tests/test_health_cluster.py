@@ -150,7 +150,9 @@ def test_a_node_killed_whole_is_one_incident_naming_it_and_its_ranks_read_lost(
         cluster: Cluster, tmp_path: Path) -> None:
     run = cluster.run
     _wait(lambda: _steps(run) >= 10, 90, "every rank's steps (logs in tmp_path)")
-    assert (run / ".exprd.node1.json").exists() and (run / ".exprd.node0.json").exists()
+    # each node's exprd touches its heartbeat in the run directory
+    _wait(lambda: (run / ".exprd.node1.json").exists() and (run / ".exprd.node0.json").exists(),
+          10, "the heartbeats")
     cluster.kill("node1")
     killed = time.monotonic()
 
