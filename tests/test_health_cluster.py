@@ -323,3 +323,67 @@ def test_expr_watch_prints_every_incident_line_whoever_recorded_it(tmp_path: Pat
         out, err = watch.communicate(timeout=20)
     got = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     assert [(i["kind"], i["id"]) for i in got] == [("behind", opened[0].id)], (out, err)
+
+
+HEALTHY = """
+import os, random, time
+import expr_tracker as et
+
+run = et.init("p", "healthy", dir=os.environ["ROOT"])
+rank = int(os.environ["RANK"])
+end = time.monotonic() + float(os.environ["SECONDS_"])
+step = 0
+while time.monotonic() < end:
+    t0 = time.perf_counter()
+    sum(i * i for i in range(20_000))  # a step of work: CPU, so the load slows it ...
+    time.sleep(0.02 + random.random() * 0.005)  # ... and a wait (data, a collective)
+    run.log_rank_metrics({"step_time": time.perf_counter() - t0}, step=step)
+    et.log({"loss": 1.0 / (step + 1)}, step=step)
+    step += 1
+et.finish()
+"""
+BUSY = "import time\nend = time.monotonic() + {s}\nwhile time.monotonic() < end:\n    pass\n"
+
+
+def healthy_job_pages_nothing(tmp: Path, url: str, seconds: float) -> tuple[list[Any], list[Any]]:
+    """A healthy 4-rank job (real processes, direct mode) beside a busy loop,
+    watched with the default thresholds and a webhook; (the pages, the incident lines).
+    `bench/torture.py` runs it for minutes."""
+    from expr_tracker.alerts import Dispatcher, load_config
+
+    root = tmp / "runs"
+    script = tmp / "healthy.py"
+    script.write_text(HEALTHY)
+    busy = [subprocess.Popen([sys.executable, "-c", BUSY.format(s=seconds + 10)], env=env_for())
+            for _ in range(1)]
+    ranks = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True,
+                              env=env_for({"RANK": str(r), "WORLD_SIZE": "4", "LOCAL_RANK": str(r),
+                                           "ROOT": str(root), "SECONDS_": str(seconds)}))
+             for r in range(4)]
+    disp = Dispatcher.from_config(load_config(None, path=str(_hook_config(tmp / "a.toml", url))))
+    run = root / "p" / "healthy"
+    try:
+        watcher = Watcher(run, HealthConfig(), disp)
+        while any(p.poll() is None for p in ranks):
+            if run.is_dir():
+                watcher.check()
+            time.sleep(1.0)
+        watcher.check()
+        disp.flush(10)
+        for p in ranks:
+            assert p.wait(30) == 0, p.stderr.read() if p.stderr else ""
+    finally:
+        disp.close(2.0)
+        for p in [*ranks, *busy]:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+    return [], _lines(run)
+
+
+def test_a_healthy_job_on_a_loaded_machine_pages_nothing(tmp_path: Path, httpserver: Any) -> None:
+    httpserver.expect_request("/hook", method="POST").respond_with_data("ok")
+    _, lines = healthy_job_pages_nothing(tmp_path, httpserver.url_for("/hook"), 30.0)
+    pages = [json.loads(req.get_data()) for req, _ in httpserver.log]
+    assert pages == [], (pages, lines)
