@@ -160,6 +160,11 @@ def register(app: typer.Typer) -> None:
                                       "DURATION"),
         crash_window: str | None = _opt("--crash-window", "Crashes this soon after the first are one (60s).",
                                         "DURATION"),
+        evidence_after: str | None = _opt(
+            "--evidence-after", "A stall whose probes name a culprit or a lost node "
+            "(default max(60s, 10 step periods)).", "DURATION"),
+        page_after: str | None = _opt("--page-after", "Page an incident once it held this long "
+                                      "(10s; 0: at once).", "DURATION"),
         missing_after: str | None = _opt("--missing-after", "When an absent rank is missing.", "DURATION"),
         straggler_ratio: float | None = _opt("--straggler-ratio", "Step time over the median (1.3).", "X"),
         straggler_steps: int | None = _opt("--straggler-steps", "Steps in a row (20).", "N"),
@@ -182,6 +187,8 @@ def register(app: typer.Typer) -> None:
             "straggler_ratio": straggler_ratio, "straggler_steps": straggler_steps,
             "slowdown_ratio": slowdown_ratio, "slowdown_steps": slowdown_steps,
             "behind_steps": behind_steps, "notify_recovery": notify_recovery,
+            "evidence_after": evidence_after,
+            "page_after": 0 if page_after is not None and page_after.strip() in ("0", "0s") else page_after,
         }
         code = watch_command(run, dir, stream, once, json, config, interval, overrides, exit_on_finish)
         if code:
