@@ -387,3 +387,27 @@ def test_a_healthy_job_on_a_loaded_machine_pages_nothing(tmp_path: Path, httpser
     _, lines = healthy_job_pages_nothing(tmp_path, httpserver.url_for("/hook"), 30.0)
     pages = [json.loads(req.get_data()) for req, _ in httpserver.log]
     assert pages == [], (pages, lines)
+
+
+def test_a_sidecar_read_that_fails_once_keeps_the_last_good_copy(tmp_path: Path) -> None:
+    """Through a caching filesystem a sidecar can read as garbage (a cached size over new
+    bytes) or be gone for one look: `expr top` called the rank "corrupt" after one such
+    read. Twice in a row is believed."""
+    from expr_tracker.health.state import RunReader
+
+    run = tmp_path / "p" / "r"
+    now = time.time()
+    for r in range(WORLD):
+        write_rank(run, r, 40, now - 1)
+    reader = RunReader(run)
+    assert reader.read().ranks[2].status == "running"
+    side = run / "metrics.rank2.meta.json"
+    good = side.read_bytes()
+    side.write_bytes(good[: len(good) // 2])  # half of it
+    assert reader.read().ranks[2].status == "running"  # the last good copy
+    assert reader.read().ranks[2].status == "corrupt"  # again: believed
+    side.write_bytes(good)
+    assert reader.read().ranks[2].status == "running"
+    side.unlink()
+    assert reader.read().ranks[2].host == "node-1"  # gone for one look: kept
+    assert reader.read().ranks[2].host is None
