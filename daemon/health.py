@@ -130,8 +130,9 @@ class DaemonHealth:
     def _watch(self, run_dir: Path, stream: str | None, until: float) -> None:
         key = (run_dir, stream)
         if key not in self.watchers:
-            self.watchers[key] = Watcher(run_dir, self.cfg, self.dispatcher, stream=stream)
-            log.info("watching health of %s%s", run_dir, f" (stream {stream})" if stream else "")
+            watcher = self.watchers[key] = Watcher(run_dir, self.cfg, self.dispatcher, stream=stream)
+            log.info("watching health of %s%s%s", run_dir, f" (stream {stream})" if stream else "",
+                     f"; {watcher.cache_note}" if watcher.cache_note else "")
         self._until[key] = max(self._until.get(key, 0.0), until)
 
     def _from_tails(self, tails: Iterable[Any], now: float) -> None:

@@ -384,7 +384,7 @@ def healthy_job_pages_nothing(tmp: Path, url: str, seconds: float) -> tuple[list
 
 def test_a_healthy_job_on_a_loaded_machine_pages_nothing(tmp_path: Path, httpserver: Any) -> None:
     httpserver.expect_request("/hook", method="POST").respond_with_data("ok")
-    _, lines = healthy_job_pages_nothing(tmp_path, httpserver.url_for("/hook"), 30.0)
+    _, lines = healthy_job_pages_nothing(tmp_path, httpserver.url_for("/hook"), 25.0)
     pages = [json.loads(req.get_data()) for req, _ in httpserver.log]
     assert pages == [], (pages, lines)
 
@@ -411,3 +411,87 @@ def test_a_sidecar_read_that_fails_once_keeps_the_last_good_copy(tmp_path: Path)
     side.unlink()
     assert reader.read().ranks[2].host == "node-1"  # gone for one look: kept
     assert reader.read().ranks[2].host is None
+
+
+FAST = """
+import os, time
+import expr_tracker as et
+
+run = et.init("p", "cached", dir=os.environ["ROOT"])
+end = time.monotonic() + float(os.environ["SECONDS_"])
+step = 0
+while time.monotonic() < end:
+    time.sleep(0.02)
+    et.log({"loss": 1.0}, step=step)
+    step += 1
+et.finish()
+"""
+
+CACHED_WATCH = """
+import json, os, subprocess, sys, time
+sys.path.insert(0, {repo!r})
+from dataclasses import replace
+from expr_tracker.health.config import HealthConfig
+from expr_tracker.health.detect import Memory, detect
+from expr_tracker.health.state import RunReader
+from expr_tracker.health.watch import Watcher
+
+src, mnt = {src!r}, {mnt!r}
+subprocess.run(["bindfs", "-o", "attr_timeout=5,entry_timeout=5", src, mnt], check=True)
+try:
+    run = os.path.join(mnt, "p", "cached")
+    while not os.path.isdir(run):
+        time.sleep(0.2)
+    cfg = HealthConfig(hang_after=3.0, behind_steps=50, straggler_ratio=100.0,
+                       slowdown_ratio=100.0)
+    watcher = Watcher(run, replace(cfg, fs_cache=6.0))
+    naive, memory, found = RunReader(run), Memory(), set()
+    end = time.monotonic() + {seconds}
+    while time.monotonic() < end:
+        watcher.check()
+        now = naive.clock()
+        state = naive.read(now)
+        found |= {{f.kind for f in detect(state, [], replace(cfg, fs_cache=0.0), memory, now)
+                   if f.kind in ("behind", "hang", "stall", "lost")}}
+        time.sleep(0.5)
+    lines = [json.loads(x) for x in open(os.path.join(run, "incidents.jsonl"))] \\
+        if os.path.exists(os.path.join(run, "incidents.jsonl")) else []
+    print(json.dumps({{"note": watcher.cache_note, "naive": sorted(found),
+                      "recorded": [(i["kind"], i["detail"]) for i in lines]}}))
+finally:
+    subprocess.run(["umount", mnt], check=False)
+"""
+
+
+def test_through_an_attribute_cache_silence_and_behind_are_believed_only_beyond_it(
+        tmp_path: Path) -> None:
+    """The run root read through bindfs with a 5 s attribute cache (as NFS clients cache):
+    a size 5 s old made a watcher without `fs_cache` see ranks behind or silent; with it,
+    a healthy job has no incident."""
+    from tests.procs import in_mount_namespace
+
+    if shutil.which("bindfs") is None:
+        pytest.skip("bindfs is not installed")
+    src, mnt = tmp_path / "runs", tmp_path / "mnt"
+    src.mkdir()
+    mnt.mkdir()
+    script = tmp_path / "fast.py"
+    script.write_text(FAST)
+    seconds = 14.0
+    ranks = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True,
+                              env=env_for({"RANK": str(r), "WORLD_SIZE": "4", "ROOT": str(src),
+                                           "SECONDS_": str(seconds + 6)}))
+             for r in range(4)]
+    try:
+        repo = str(Path(__file__).resolve().parent.parent)
+        got = in_mount_namespace(CACHED_WATCH.format(repo=repo, src=str(src), mnt=str(mnt),
+                                                     seconds=seconds), timeout=120)
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+    assert "up to 6s old (configured)" in got["note"], got
+    assert got["recorded"] == [], got
+    assert got["naive"], got  # (the same reads without fs_cache: a false incident)

@@ -89,7 +89,7 @@ def watch_command(run: str, dir: str | None, stream: str | None, once: bool, as_
         changes = watcher.check()
         watcher.others()  # (the open ones among them are shown below)
         if not once and not as_json:
-            render_health.watching(ref.label, watcher.state, disp is not None)
+            render_health.watching(ref.label, watcher.state, disp is not None, watcher.cache_note)
         shown = {id(c) for c in changes}
         # the first pass also shows what was already open (recorded by an earlier watcher)
         first = changes + [i for i in watcher.open if id(i) not in shown and i.key not in
@@ -165,6 +165,8 @@ def register(app: typer.Typer) -> None:
             "(default max(60s, 10 step periods)).", "DURATION"),
         page_after: str | None = _opt("--page-after", "Page an incident once it held this long "
                                       "(10s; 0: at once).", "DURATION"),
+        fs_cache: str | None = _opt("--fs-cache", "The run root's attribute cache (bindfs "
+                                    "attr_timeout; NFS: read from the mount).", "DURATION"),
         missing_after: str | None = _opt("--missing-after", "When an absent rank is missing.", "DURATION"),
         straggler_ratio: float | None = _opt("--straggler-ratio", "Step time over the median (1.3).", "X"),
         straggler_steps: int | None = _opt("--straggler-steps", "Steps in a row (20).", "N"),
@@ -188,6 +190,7 @@ def register(app: typer.Typer) -> None:
             "slowdown_ratio": slowdown_ratio, "slowdown_steps": slowdown_steps,
             "behind_steps": behind_steps, "notify_recovery": notify_recovery,
             "evidence_after": evidence_after,
+            "fs_cache": 0 if fs_cache is not None and fs_cache.strip() in ("0", "0s") else fs_cache,
             "page_after": 0 if page_after is not None and page_after.strip() in ("0", "0s") else page_after,
         }
         code = watch_command(run, dir, stream, once, json, config, interval, overrides, exit_on_finish)

@@ -123,8 +123,9 @@ class TopView:
 
         self.ref = ref
         self.metric = metric
-        self.cfg = cfg
-        self.reader = Watcher(ref.path, cfg, None, stream=stream, owner=False).reader
+        watcher = Watcher(ref.path, cfg, None, stream=stream, owner=False)
+        self.reader = watcher.reader
+        self.cfg = watcher.cfg  # (`fs_cache` resolved)
         self.memory = Memory()
         self.log = IncidentLog(ref.path)
 

@@ -72,9 +72,13 @@ def incident_lines(incidents: Sequence[Incident], label: str, as_json: bool) -> 
         out.print(incident_text(inc.as_line()))
 
 
-def watching(label: str, state: Any, delivering: bool) -> None:
-    """`expr watch` found its run: what it watches, and whether it pages (on stderr)."""
+def watching(label: str, state: Any, delivering: bool, note: str | None = None) -> None:
+    """`expr watch` found its run: what it watches, and whether it pages (on stderr); and
+    `note`, what it says of the filesystem's attribute cache."""
     from . import status
+
+    if note:
+        status(note)
 
     ranks = len(state.ranks) if state is not None else 0
     world = state.world_size if state is not None else None

@@ -14,6 +14,9 @@ or `$EXPR_ALERT_CONFIG` (whose `channels` and `policy` tables `expr_tracker.aler
     straggler_clear_ratio = 1.15  # resolves under this (default halfway from 1 to the ratio)
     slowdown_clear_ratio = 1.15
     page_after = "10s"        # an incident is paged once it has held this long (not a crash)
+    fs_cache = "30s"          # the run root's attribute cache (bindfs attr_timeout, NFS
+                              # actimeo): silence and `behind` are believed only beyond
+                              # it; default: what the mount's options say (NFS), else 0
     behind_steps = 100        # steps short of the leading live rank
     missing_after = "10m"     # after the first rank started
     crash_window = "60s"      # crashes this soon after the first are one incident
@@ -59,6 +62,7 @@ class HealthConfig:
     straggler_clear_ratio: float | None = None  # None: 1 + (straggler_ratio - 1) / 2
     slowdown_clear_ratio: float | None = None  # None: 1 + (slowdown_ratio - 1) / 2
     page_after: float = 10.0
+    fs_cache: float | None = None  # None: detected from the mount (`clock.attr_cache`)
 
     def hang_threshold(self, median_period: float | None) -> float:
         """`hang_after`, or its default for a job whose median step period is given."""
@@ -128,7 +132,7 @@ def parse_health(raw: Mapping[str, Any] | None, base: HealthConfig | None = None
             values[key] = value
         elif key in _DURATIONS:
             values[key] = duration(value, key)
-        elif key == "page_after":  # 0: page at once
+        elif key in ("page_after", "fs_cache"):  # 0: at once / no cache
             zero = isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
             values[key] = 0.0 if zero else duration(value, key)
         elif key == "step_time_key":

@@ -77,6 +77,7 @@ class Memory:
     # the others' have been there a while, an old one is not (`stall.stall`)
     probes: dict[int, tuple[float, float, Any, float]] = field(default_factory=dict)
     passes: int = 0
+    behind_since: dict[int, float] = field(default_factory=dict)  # rank -> first found behind
 
 
 class _Derived:
@@ -316,6 +317,18 @@ def _behind(state: RunState, cfg: HealthConfig) -> list[Finding]:
     return out
 
 
+def _held_for(found: list[Finding], since: dict[int, float], now: float,
+              hold: float) -> list[Finding]:
+    """The findings that held `hold` seconds (`since`: rank -> when first found, kept up
+    to date): a rank is never behind by a size an attribute cache still shows."""
+    ranks = {f.ranks[0] for f in found}
+    for r in [r for r in since if r not in ranks]:
+        del since[r]
+    for r in ranks:
+        since.setdefault(r, now)
+    return [f for f in found if now - since[f.ranks[0]] >= hold]
+
+
 def crashes(state: RunState) -> list[Finding]:
     """One finding per crashed rank; `info` is its root candidate: {rank, host, type,
     message, time (its own clock, from the sidecar's exit), at (ours: its last write)}."""
@@ -443,8 +456,11 @@ def detect(
         return crashes(state)
     derived = _derive(state, cfg, memory)
     period = median([d.median for d in derived.values()]) if derived else None
-    threshold = cfg.hang_threshold(period)
-    evidence = cfg.evidence_threshold(period)
+    # through an attribute cache a file's size and mtime can be that old: silence is
+    # believed only beyond it (`HealthConfig.fs_cache`, resolved by the watcher)
+    cache = cfg.fs_cache or 0.0
+    threshold = cfg.hang_threshold(period) + cache
+    evidence = cfg.evidence_threshold(period) + cache
     seen, left_over = _probes_seen(state, memory, now)
     lost = lost_nodes(state, evidence, now)
     # a lost node explains the others' wait: no stall names its ranks as suspects
@@ -476,7 +492,7 @@ def detect(
         *crashes(state),
         *job,
         *timing,
-        *_behind(state, cfg),
+        *_held_for(_behind(state, cfg), memory.behind_since, now, cache),
         *_missing(state, cfg, now),
         *_alerts(state, suppressed),
     ]

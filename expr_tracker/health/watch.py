@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from expr_tracker.gcpause import paused_gc
-from expr_tracker.health.clock import fs_offset
+from expr_tracker.health.clock import attr_cache, fs_offset
 from expr_tracker.health.config import HealthConfig
 from expr_tracker.health.detect import Memory, detect, ended
 from expr_tracker.health.incidents import Incident, plan
@@ -349,6 +349,22 @@ class IncidentLog:
         return True
 
 
+def with_cache(cfg: HealthConfig, run_dir: Path) -> tuple[HealthConfig, str | None]:
+    """`cfg` with `fs_cache` resolved (configured, else the mount's, else 0), and the
+    sentence a watcher says at start when it is not 0."""
+    if cfg.fs_cache is not None:
+        why = "configured"
+        cache = cfg.fs_cache
+    else:
+        found = attr_cache(run_dir)
+        cache, why = found if found is not None else (0.0, "")
+        cfg = replace(cfg, fs_cache=cache)
+    if not cache:
+        return cfg, None
+    return cfg, (f"the run directory's filesystem may show a file's size up to {cache:g}s old "
+                 f"({why}): silence and 'behind' are believed only beyond it")
+
+
 def owner_alive(by: str) -> bool:
     """The watcher `by` ("host:pid:n") may still run: its pid lives, on this host; on
     another host, not known (True)."""
@@ -383,7 +399,7 @@ class Watcher:
         """`owner`: this watcher keeps watching (not one pass, `--once`), so others leave
         what it opens to it (`_keep_others`)."""
         self.run_dir = Path(run_dir)
-        self.cfg = cfg or HealthConfig()
+        self.cfg, self.cache_note = with_cache(cfg or HealthConfig(), self.run_dir)
         self.dispatcher = dispatcher
         need = 2 * max(self.cfg.straggler_steps, self.cfg.slowdown_steps) + 1
         self.reader = RunReader(self.run_dir, stream, window=window or max(DEFAULT_WINDOW, need),
