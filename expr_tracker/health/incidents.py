@@ -381,7 +381,7 @@ def _join_collateral(out: Plan, lost: Mapping[tuple[int, ...], Finding]) -> None
 
     out.opened = [node_of(i) if i.kind == "lost" else i for i in out.opened]
     out.updated = [node_of(i) if i.kind == "lost" else i for i in out.updated]
-    still = []
+    still: list[Incident] = []
     for inc in out.still_open:
         upd = node_of(inc) if inc.kind == "lost" else inc
         (moved if upd is not inc else still).append(upd)
@@ -400,7 +400,7 @@ def _join_collateral(out: Plan, lost: Mapping[tuple[int, ...], Finding]) -> None
 
     out.opened = [joined(i) for i in out.opened]
     out.updated = [joined(i) for i in out.updated]
-    rest = []
+    rest: list[Incident] = []
     for inc in still:
         upd = joined(inc)
         if upd is inc:
