@@ -35,7 +35,7 @@ from tests.extras import need
 from tests.procs import env_for
 from tests.test_health_stall import COLLECTIVE, SLEEP, WORLD, _lines, expr, write_rank
 
-EVIDENCE = 5.0  # s: the lost node's threshold in this test (default max(60 s, 10 periods))
+EVIDENCE = 4.0  # s: the lost node's threshold in this test (default max(60 s, 10 periods))
 
 TRAIN = """
 import os, time
@@ -384,7 +384,7 @@ def healthy_job_pages_nothing(tmp: Path, url: str, seconds: float) -> tuple[list
 
 def test_a_healthy_job_on_a_loaded_machine_pages_nothing(tmp_path: Path, httpserver: Any) -> None:
     httpserver.expect_request("/hook", method="POST").respond_with_data("ok")
-    _, lines = healthy_job_pages_nothing(tmp_path, httpserver.url_for("/hook"), 25.0)
+    _, lines = healthy_job_pages_nothing(tmp_path, httpserver.url_for("/hook"), 22.0)
     pages = [json.loads(req.get_data()) for req, _ in httpserver.log]
     assert pages == [], (pages, lines)
 
@@ -495,3 +495,57 @@ def test_through_an_attribute_cache_silence_and_behind_are_believed_only_beyond_
     assert "up to 6s old (configured)" in got["note"], got
     assert got["recorded"] == [], got
     assert got["naive"], got  # (the same reads without fs_cache: a false incident)
+
+
+STALLER = """
+import os, time
+import expr_tracker as et
+
+run = et.init("p", os.environ["NAME"], dir=os.environ["ROOT"])
+rank = int(os.environ["RANK"])
+for step in range(30 if rank == 3 else 31):  # rank 3 stops a step short ...
+    et.log({"loss": 1.0}, step=step)
+    time.sleep(0.05)
+time.sleep(float(os.environ["HOLD"]))  # ... and the others wait for it
+et.finish()
+"""
+
+
+def test_two_spool_mode_jobs_each_stalling_rank_3_both_page(tmp_path: Path,
+                                                           httpserver: Any) -> None:
+    """One exprd, one dispatcher, two jobs whose stalls name rank 3 alike: both page (the
+    dedup key was (rule `health:stall:3`, kind, level), and the second was suppressed)."""
+    from tests.test_daemon import start_exprd, stop, wait_ready, write_config
+
+    httpserver.expect_request("/hook", method="POST").respond_with_data("ok")
+    hook = f'type = "webhook"\nurl = {json.dumps(httpserver.url_for("/hook"))}\nretries = 0\n'
+    spool, state, root = tmp_path / "spool", tmp_path / "state", tmp_path / "runs"
+    spool.mkdir(mode=0o700)
+    extra = (f"[alert.channels.hook]\n{hook}[alert.policy]\nrate = 0\n"
+             '[health]\nhang_after = "3s"\npage_after = "1s"\n')
+    daemon = start_exprd(write_config(tmp_path / "exprd.toml", spool, state, [root], extra=extra),
+                         "--allow-root")
+    script = tmp_path / "staller.py"
+    script.write_text(STALLER)
+    procs = []
+    try:
+        wait_ready(state, daemon)
+        for name in ("a", "b"):
+            procs += [subprocess.Popen(
+                [sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                text=True, env=env_for({"RANK": str(r), "WORLD_SIZE": "4", "ROOT": str(root),
+                                        "NAME": name, "HOLD": "12", "EXPR_MODE": "spool",
+                                        "EXPR_SPOOL": str(spool)})) for r in range(4)]
+
+        def pages() -> list[dict[str, Any]]:
+            return [json.loads(req.get_data()) for req, _ in httpserver.log]
+
+        _wait(lambda: len(pages()) >= 2, 40, "both runs' pages")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+        assert stop(daemon) == 0
+    got = sorted((p["run"], p["rule"]) for p in pages())
+    assert got == [("a", "health:stall:3"), ("b", "health:stall:3")], got
