@@ -384,7 +384,7 @@ def healthy_job_pages_nothing(tmp: Path, url: str, seconds: float) -> tuple[list
 
 def test_a_healthy_job_on_a_loaded_machine_pages_nothing(tmp_path: Path, httpserver: Any) -> None:
     httpserver.expect_request("/hook", method="POST").respond_with_data("ok")
-    _, lines = healthy_job_pages_nothing(tmp_path, httpserver.url_for("/hook"), 22.0)
+    _, lines = healthy_job_pages_nothing(tmp_path, httpserver.url_for("/hook"), 18.0)
     pages = [json.loads(req.get_data()) for req, _ in httpserver.log]
     assert pages == [], (pages, lines)
 
@@ -477,7 +477,7 @@ def test_through_an_attribute_cache_silence_and_behind_are_believed_only_beyond_
     mnt.mkdir()
     script = tmp_path / "fast.py"
     script.write_text(FAST)
-    seconds = 14.0
+    seconds = 11.0
     ranks = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True,
                               env=env_for({"RANK": str(r), "WORLD_SIZE": "4", "ROOT": str(src),

@@ -18,7 +18,7 @@ import os
 import re
 import socket
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -120,7 +120,7 @@ class IncidentLog:
         self.torn = 0  # torn tails set aside by this watcher
         self.offered: set[str] = set()  # ids this watcher tried to deliver (at most once each)
         # the lines others appended since `take_others` (every reader shows every line)
-        self.others: list[Incident] = []
+        self.others: deque[Incident] = deque(maxlen=_OTHERS_KEPT)
         self._mine: Counter[bytes] = Counter()  # lines this watcher wrote, not yet read back
         self.token = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
         # (incident id, state) -> the line whose page is on the way, and the channels' word
@@ -142,7 +142,6 @@ class IncidentLog:
                     del self._mine[raw]
             else:
                 self.others.append(inc)
-                del self.others[:-_OTHERS_KEPT]
             if inc.state == "open":
                 self.open[inc.id] = inc
             else:
@@ -150,7 +149,8 @@ class IncidentLog:
 
     def take_others(self) -> list[Incident]:
         """The lines other watchers appended since the last call, oldest first."""
-        out, self.others = self.others, []
+        out = list(self.others)
+        self.others.clear()
         return out
 
     def _write(self, fd: int, inc: Incident) -> None:
