@@ -549,3 +549,44 @@ def test_two_spool_mode_jobs_each_stalling_rank_3_both_page(tmp_path: Path,
         assert stop(daemon) == 0
     got = sorted((p["run"], p["rule"]) for p in pages())
     assert got == [("a", "health:stall:3"), ("b", "health:stall:3")], got
+
+
+LATER = """
+import json, os, subprocess, sys, time
+src, mnt, write = {src!r}, {mnt!r}, {write!r}
+subprocess.run(["bindfs", "-o", "attr_timeout=30,entry_timeout=30,negative_timeout=30",
+                src, mnt], check=True)
+expr = [sys.executable, "-m", "expr_cli.main"]
+try:
+    before = subprocess.run([*expr, "top", "p/r", "--once", "--dir", mnt], capture_output=True,
+                            text=True)
+    listed = subprocess.run([*expr, "runs", "--json", "--dir", mnt], capture_output=True, text=True)
+    subprocess.run([sys.executable, "-c", write], check=True)  # the run appears (on its node)
+    after = subprocess.run([*expr, "top", "p/r", "--once", "--json", "--dir", mnt],
+                           capture_output=True, text=True)
+    runs = subprocess.run([*expr, "runs", "--json", "--dir", mnt], capture_output=True, text=True)
+    print(json.dumps({{"before": before.returncode, "before_err": before.stderr,
+                      "listed": listed.stdout, "after": after.returncode, "after_err": after.stderr,
+                      "runs": runs.stdout}}))
+finally:
+    subprocess.run(["umount", mnt], check=False)
+"""
+
+
+def test_a_run_that_appears_later_is_found_through_a_cached_lookup(tmp_path: Path) -> None:
+    """A login node looked for the run before it existed: through a filesystem that caches
+    failed lookups (FUSE `negative_timeout`, NFS's lookup cache) it stayed "no run" for the
+    cache's time. The readers find a run by its directory's listing first."""
+    from tests.procs import in_mount_namespace
+
+    if shutil.which("bindfs") is None:
+        pytest.skip("bindfs is not installed")
+    src, mnt = tmp_path / "runs", tmp_path / "mnt"
+    (src / "p").mkdir(parents=True)
+    mnt.mkdir()
+    write = (f"import expr_tracker as et\net.init('p', 'r', dir={str(src)!r})\n"
+             "et.log({'loss': 1.0}, step=0)\net.finish()\n")
+    got = in_mount_namespace(LATER.format(src=str(src), mnt=str(mnt), write=write), timeout=120)
+    assert got["before"] != 0 and "no run" in got["before_err"], got
+    assert got["after"] == 0, got  # at once, not after 30 s
+    assert [r["name"] for r in json.loads(got["runs"])] == ["r"], got
