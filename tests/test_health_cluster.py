@@ -590,3 +590,30 @@ def test_a_run_that_appears_later_is_found_through_a_cached_lookup(tmp_path: Pat
     assert got["before"] != 0 and "no run" in got["before_err"], got
     assert got["after"] == 0, got  # at once, not after 30 s
     assert [r["name"] for r in json.loads(got["runs"])] == ["r"], got
+
+
+def test_a_webhook_that_hangs_leaves_the_page_to_the_next_watcher(tmp_path: Path) -> None:
+    """Issue 43 row 4: `expr watch --once` with a webhook that never answers: the page is
+    counted undelivered at exit and its claim dropped, so the next watcher need not wait
+    for the claim to expire."""
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(8)  # accepts, never answers
+    try:
+        cfg = _hook_config(tmp_path / "a.toml", f"http://127.0.0.1:{hung.getsockname()[1]}/hook")
+        cfg.write_text(cfg.read_text() + "timeout = 30\nexit_timeout = 1\n")
+        run = tmp_path / "p" / "r"
+        now = time.time()
+        for r in range(WORLD):
+            write_rank(run, r, 120, now - 1)
+        write_rank(run, 1, 120, now - 5, status="crashed",
+                   exit={"type": "RuntimeError", "message": "boom", "time": now - 5})
+        env = env_for()
+        proc = subprocess.run([sys.executable, "-m", "expr_cli.main", "watch", str(run), "--once",
+                               "--config", str(cfg)], env=env, capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 1, proc.stderr
+        lines = _lines(run)
+        assert [(i["delivered"], "paging" in i) for i in lines] == [(False, True), (False, False)]
+    finally:
+        hung.close()

@@ -19,7 +19,7 @@ import typer
 from expr_cli.errors import CLIError
 from expr_cli.resolve import DIR_OPT, JSON_OPT, RUN_ARG, STREAM_OPT, resolve_run, root_dir
 
-FLUSH_TIMEOUT = 10.0  # seconds `--once` waits for the channels to deliver before exiting
+FLUSH_TIMEOUT = 10.0  # seconds `--once` waits for the channels to deliver before exiting (at most)
 
 
 def health_config(config: str | None, overrides: dict[str, Any]) -> Any:
@@ -99,7 +99,6 @@ def watch_command(run: str, dir: str | None, stream: str | None, once: bool, as_
             if not first and not as_json:
                 render_health.no_incidents(ref.label)
             flush(disp)
-            watcher.settle()  # (its lines say `delivered`: nothing new to show)
             return 1 if watcher.open else 0
         said = {_said(i) for i in first}
         while not (exit_on_finish and watcher.ended):
@@ -112,13 +111,15 @@ def watch_command(run: str, dir: str | None, stream: str | None, once: bool, as_
             said.update(_said(i) for i in lines)
             render_health.incident_lines(lines, ref.label, as_json)
         flush(disp)
-        watcher.settle()
         return 1 if watcher.open else 0
     except KeyboardInterrupt:
         return 130  # like coreutils tools, quietly
     finally:
         if disp is not None:
             disp.close(2.0)
+            # what the channels said, a page still on its way counted undelivered by
+            # `close`: `delivered` true, or the claim dropped for the next watcher
+            watcher.settle()
 
 
 def _said(inc: Any) -> tuple[Any, ...]:
@@ -127,8 +128,8 @@ def _said(inc: Any) -> tuple[Any, ...]:
 
 def flush(disp: Any) -> None:
     """Wait (a bounded time) for the channels to deliver what this run of the command queued."""
-    if disp is not None:
-        disp.flush(FLUSH_TIMEOUT)
+    if disp is not None:  # the policy's exit_timeout when shorter (a channel that hangs)
+        disp.flush(min(FLUSH_TIMEOUT, max(0.5, disp.exit_timeout)))
 
 
 _ONCE = typer.Option(False, "--once", help="One pass, then exit: 1 if an incident is open, else 0.")
