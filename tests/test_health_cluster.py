@@ -335,7 +335,7 @@ end = time.monotonic() + float(os.environ["SECONDS_"])
 step = 0
 while time.monotonic() < end:
     t0 = time.perf_counter()
-    sum(i * i for i in range(20_000))  # a step of work: CPU, so the load slows it ...
+    sum(i * i for i in range(10_000))  # a step of work: CPU, so the load slows it ...
     time.sleep(0.02 + random.random() * 0.005)  # ... and a wait (data, a collective)
     run.log_rank_metrics({"step_time": time.perf_counter() - t0}, step=step)
     et.log({"loss": 1.0 / (step + 1)}, step=step)

@@ -43,6 +43,10 @@ def lost_nodes(state: RunState, threshold: float, now: float) -> list[dict[str, 
     """The lost nodes of this pass: {"host", "ranks", "quiet", "exprd" (its silence, None
     in direct mode or unknown), "collateral" (other nodes' crashed ranks that blame a
     peer), "detail", "step"} each (see the module docstring)."""
+    # most passes no live rank is that silent: one comprehension, no grouping
+    oldest = min([w for rs in state.live if (w := rs.wrote_at) is not None], default=None)
+    if oldest is None or now - oldest < threshold:
+        return []
     by_host: dict[str, list[RankState]] = {}
     for rs in state.ranks.values():
         if rs.host:
