@@ -84,6 +84,7 @@ bench-scale: $(STAMP)
 # minutes of kill -9, a full run root and a descriptor limit (needs root: it mounts a tmpfs)
 torture: $(STAMP)
 	$(PY) bench/torture.py
+	$(PY) bench/torture.py health
 
 completions: $(STAMP)
 	$(PY) -m expr_cli.completions completions

@@ -18,6 +18,8 @@ the end every shard must hold every step exactly once, and no bad line. Prints a
 markdown table.
 
 Runs as root (it mounts a tmpfs); it re-runs itself under `unshare -m`.
+
+`python bench/torture.py health [SECONDS]`: the health soak instead (`health_soak`).
 """
 
 from __future__ import annotations
@@ -338,7 +340,52 @@ def main() -> None:
                          f"shards, {caught} of {bad} bad lines quarantined")
 
 
+def health_soak(seconds: float) -> None:
+    """`python bench/torture.py health [SECONDS]` (default 180): a healthy 4-rank job beside
+    a busy loop, watched with the default thresholds and a webhook on 127.0.0.1 (issue
+    48): nothing may be paged. Prints a markdown table."""
+    import http.server
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.test_health_cluster import healthy_job_pages_nothing
+
+    pages: list[bytes] = []
+
+    class Hook(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            pages.append(self.rfile.read(int(self.headers.get("content-length") or 0)))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    tmp = Path(tempfile.mkdtemp(prefix="expr-health-soak-"))
+    try:
+        t0 = time.monotonic()
+        _, lines = healthy_job_pages_nothing(tmp, f"http://127.0.0.1:{server.server_port}/hook",
+                                             seconds)
+        elapsed = time.monotonic() - t0
+    finally:
+        server.shutdown()
+    opened = [i for i in lines if i.get("state") == "open" and not i.get("delivered")
+              and "paging" not in i]
+    print("| measure | value |")
+    print("| --- | --- |")
+    print(f"| duration | {elapsed:.0f} s |")
+    print(f"| incidents opened (held under page_after, or resolved) | {len(opened)} |")
+    print(f"| pages | {len(pages)} |")
+    if pages:
+        raise SystemExit(f"FAILED: a healthy job paged {len(pages)} times; lines kept in {tmp}")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["health"]:
+        health_soak(float(sys.argv[2]) if len(sys.argv) > 2 else 180.0)
+        sys.exit(0)
     if os.environ.get("EXPR_TORTURE_NS") != "1":
         env = {**os.environ, "EXPR_TORTURE_NS": "1"}
         sys.exit(subprocess.call(["unshare", "-m", sys.executable, *sys.argv], env=env))

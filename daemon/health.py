@@ -40,6 +40,30 @@ LINGER = 60.0  # keep watching a run this long after its rank-0 writer finished 
 ROOT_SCAN = 10.0  # seconds between scans of watch_roots for new runs
 SLACK = 0.25  # a pass due this soon (as a share of the interval) runs in this wake-up
 IDLE_MAX = 4  # a run that did not change is checked at least every this many intervals
+BEAT_EVERY = 5.0  # seconds between touches of this host's heartbeat in each run directory
+
+
+def touch_heartbeat(anchor: Path, run_dir: Path, host: str) -> None:
+    """Create (once) and touch `{run_dir}/.exprd.<host>.json`, opened from the allowed
+    root `anchor` down without following a symlink; ValueError when `run_dir` is not
+    below `anchor`."""
+    from expr_tracker.health.clock import heartbeat_name
+    from expr_tracker.store.safedir import open_dir, open_file, write_all
+
+    parts = run_dir.relative_to(anchor).parts
+    dfd = open_dir(anchor, parts, create=False)
+    try:
+        fd = open_file(dfd, heartbeat_name(host), os.O_WRONLY | os.O_CREAT, where=run_dir)
+    finally:
+        os.close(dfd)
+    try:
+        if os.fstat(fd).st_size == 0:
+            import orjson
+
+            write_all(fd, orjson.dumps({"host": host, "pid": os.getpid()}))
+        os.utime(fd)
+    finally:
+        os.close(fd)
 
 
 class DaemonHealth:
@@ -60,6 +84,8 @@ class DaemonHealth:
         self._next_scan = 0.0
         self._here = socket.gethostname()
         self._warned: set[str] = set()
+        self._beating = False  # live spool files write run directories: heartbeats due
+        self._next_beat = 0.0
         # an incident delivered to a `log` channel is in exprd's log already: not twice
         from expr_tracker.alerts import LogChannel
 
@@ -68,10 +94,35 @@ class DaemonHealth:
 
     @property
     def next_due(self) -> float:
-        """When (monotonic) `tick` has work; inf when nothing is watched."""
-        if not self.watchers and not self.watch_roots:
+        """When (monotonic) `tick` has work; inf when nothing is watched (nor beaten)."""
+        if not self.watchers and not self.watch_roots and not self._beating:
             return float("inf")
         return self._soonest()
+
+    def _beat(self, tails: Iterable[Any], now: float) -> None:
+        """Touch this host's heartbeat in each run directory a live spool file of this
+        exprd writes (DESIGN 8: a reader on another node tells a dead node's daemon from
+        a quiet one). Every `BEAT_EVERY` seconds; a failure is logged once per run."""
+        runs: dict[Path, Any] = {}
+        for tail in tails:
+            spec = getattr(getattr(tail, "run", None), "spec", None)
+            if spec is not None and tail.state in ("new", "live"):
+                runs.setdefault(spec.paths.run_dir, spec)
+        self._beating = bool(runs)
+        if now < self._next_beat or not runs:
+            return
+        self._next_beat = now + BEAT_EVERY
+        for run_dir, spec in runs.items():
+            try:
+                touch_heartbeat(spec.anchor, run_dir, self._here)
+            except FileNotFoundError:
+                self._next_beat = now + self.interval  # its first rows are not applied yet
+            except (OSError, ValueError) as exc:
+                cause = f"{run_dir}:beat"
+                if cause not in self._warned:
+                    self._warned.add(cause)
+                    log.warning("cannot write the heartbeat in %s: %s", run_dir,
+                                getattr(exc, "strerror", None) or exc)
 
     def _soonest(self) -> float:
         return min(self._next, *self._due.values()) if self._due else self._next
@@ -79,8 +130,9 @@ class DaemonHealth:
     def _watch(self, run_dir: Path, stream: str | None, until: float) -> None:
         key = (run_dir, stream)
         if key not in self.watchers:
-            self.watchers[key] = Watcher(run_dir, self.cfg, self.dispatcher, stream=stream)
-            log.info("watching health of %s%s", run_dir, f" (stream {stream})" if stream else "")
+            watcher = self.watchers[key] = Watcher(run_dir, self.cfg, self.dispatcher, stream=stream)
+            log.info("watching health of %s%s%s", run_dir, f" (stream {stream})" if stream else "",
+                     f"; {watcher.cache_note}" if watcher.cache_note else "")
         self._until[key] = max(self._until.get(key, 0.0), until)
 
     def _from_tails(self, tails: Iterable[Any], now: float) -> None:
@@ -109,6 +161,8 @@ class DaemonHealth:
             return 0
         if now >= self._next:
             self._next = now + self.interval
+            tails = list(tails)
+            self._beat(tails, now)
             self._from_tails(tails, now)
             if self.watch_roots and now >= self._next_scan:
                 self._next_scan = now + ROOT_SCAN
@@ -130,7 +184,7 @@ class DaemonHealth:
             try:
                 for inc in watcher.check():  # on the watcher's own clock (DESIGN 13)
                     found += 1
-                    if inc.delivered and self._logged:
+                    if (inc.delivered or inc.paging is not None) and self._logged:
                         continue
                     log.log(logging.WARNING if inc.state == "open" else logging.INFO,
                             "health %s: %s %s ranks %s: %s", key[0], inc.state, inc.kind,

@@ -107,32 +107,65 @@ def _not_found(arg: str, root: Path) -> CLIError:
     return CLIError(f"no run {arg!r} under {root}; runs there: {shown}")
 
 
+def _entry(path: Path) -> os.DirEntry[str] | None:
+    """`path`'s entry in its directory's listing, found without looking `path` up: a
+    network filesystem caches a failed lookup (a negative dentry: NFS, FUSE's
+    `negative_timeout`) for up to a minute, and a run that appeared meanwhile stayed
+    unseen by `expr top` and `expr runs` for most of a short job. A listing is not
+    cached so."""
+    parent = path.parent if path.name else path
+    try:
+        with os.scandir(parent) as it:
+            return next((e for e in it if e.name == path.name), None)
+    except OSError:
+        return None
+
+
+def _is_dir(path: Path) -> bool:
+    """`path.is_dir()`, asked of its directory's listing first (`_entry`)."""
+    entry = _entry(path) if path.name not in ("", ".", "..") else None
+    if entry is None:
+        return path.name in ("", ".", "..") and path.is_dir()
+    return entry.is_dir()
+
+
 def resolve_run(arg: str, root: Path) -> RunRef:
     """A run directory, a shard file, `project/name` or a bare name -> RunRef."""
     path = Path(arg).expanduser()
-    if path.is_file():
+    entry = _entry(path) if path.name not in ("", ".", "..") else None
+    if entry is not None and entry.is_file():
         if parse_shard_name(path.name) is None:
             raise CLIError(f"{arg} is not a shard file (expected metrics[.stream][.rankN].jsonl)")
         return RunRef(path.parent, _label(path.parent.resolve()), path)
-    if path.is_dir() and _has_shards(path):
+    if _is_dir(path) and _has_shards(path):
         return RunRef(path, _label(path.resolve()))
     parts = arg.strip("/").split("/")
-    if len(parts) == 2 and all(parts) and (root / parts[0] / parts[1]).is_dir():
+    if len(parts) == 2 and all(parts) and _is_dir(root / parts[0]) and _is_dir(
+            root / parts[0] / parts[1]):
         return RunRef(root / parts[0] / parts[1], arg.strip("/"))
     if len(parts) == 1 and parts[0]:
-        hits = [p for p in sorted(root.glob(f"*/{parts[0]}")) if p.is_dir()] if root.is_dir() else []
+        # the projects' listings, not a lookup of `*/name` in each (`_entry`)
+        hits = sorted(p / parts[0] for p in _subdirs(root) if _is_dir(p / parts[0]))
         if len(hits) == 1:
             return RunRef(hits[0], _label(hits[0]))
         if len(hits) > 1:
             names = ", ".join(_label(h) for h in hits)
             raise CLIError(f"run name {arg!r} is ambiguous under {root}: {names}; use project/name")
-    if path.is_dir():
+    if _is_dir(path):
         # an existing directory without shards: let the command say the run is empty
         if any(_has_shards(p) for p in path.iterdir() if p.is_dir()):
             runs = ", ".join(sorted(p.name for p in path.iterdir() if p.is_dir() and _has_shards(p)))
             raise CLIError(f"{arg} is a project directory; its runs: {runs}")
         return RunRef(path, _label(path.resolve()))
     raise _not_found(arg, root)
+
+
+def _subdirs(root: Path) -> list[Path]:
+    try:
+        with os.scandir(root) as it:
+            return [Path(e.path) for e in it if not e.name.startswith(".") and e.is_dir()]
+    except OSError:
+        return []
 
 
 def list_shards(run: RunRef) -> list[ShardRef]:

@@ -415,15 +415,17 @@ def test_a_terminal_watcher_does_not_take_the_page_from_one_with_channels(
     assert len(httpserver.log) == 1
     assert json.loads(httpserver.log[0][0].get_data())["rule"] == "health:crashed:1"
     lines = _lines(run)
-    assert [(i["kind"], i["delivered"]) for i in lines] == [("crashed", False), ("crashed", True)]
-    assert lines[0]["id"] == lines[1]["id"]
+    # recorded, claimed while its page was on the way, then delivered (issue 43 row 4)
+    assert [(i["kind"], i["delivered"], "paging" in i) for i in lines] == [
+        ("crashed", False, False), ("crashed", False, True), ("crashed", True, False)]
+    assert len({i["id"] for i in lines}) == 1
     again = expr("watch", str(run), "--once", "--json", "--config", str(cfg))
-    assert again.returncode == 1 and len(httpserver.log) == 1 and len(_lines(run)) == 2
+    assert again.returncode == 1 and len(httpserver.log) == 1 and len(_lines(run)) == 3
 
 
 def test_the_watcher_that_pages_late_returns_what_it_paged(tmp_path: Path, httpserver: Any) -> None:
     """A watcher with channels pages an incident another recorded first, and says so
-    (`check()` returns it, delivered): exprd's log names every page it sent (it named
+    (`check()` returns it, claimed): exprd's log names every page it sent (it named
     none of those before)."""
     from expr_tracker.alerts import Dispatcher, load_config
 
@@ -432,11 +434,16 @@ def test_the_watcher_that_pages_late_returns_what_it_paged(tmp_path: Path, https
     disp = Dispatcher.from_config(load_config(None, path=str(cfg)))
     try:
         paging = Watcher(run, CFG, disp)
-        got = paging.check(now + 1)
-        assert [(i.kind, i.ranks, i.delivered) for i in got] == [("crashed", (1,), True)]
+        got = paging.check(now + 1)  # queued: claimed, not yet delivered
+        assert [(i.kind, i.ranks, i.delivered) for i in got] == [("crashed", (1,), False)]
+        assert got[0].paging is not None
         disp.flush(10)
         assert len(httpserver.log) == 1
-        assert paging.check(now + 2) == []  # paged once, said once
+        # the next pass writes what the channel said (delivered, the same id), and says
+        # nothing new: it was said when it was paged
+        assert paging.check(now + 2) == []
+        assert [(i["delivered"], i["id"]) for i in _lines(run)][-1] == (True, got[0].id)
+        assert paging.check(now + 3) == [] and len(_lines(run)) == 3  # paged once, said once
     finally:
         disp.close(2.0)
 

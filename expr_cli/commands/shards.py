@@ -61,6 +61,9 @@ def _inspect_run(found: list[ShardRef], run_path: Any) -> list[dict[str, Any]]:
         return inspect_shard(s, last)
 
     rows = [row(s) for s in found]  # (threads cost more than the few reads left)
+    from expr_tracker.health.watch import open_incidents
+
+    lost = {r for i in open_incidents(run_path) if i.kind == "lost" for r in i.ranks}
     for stream, state in states.items():
         mine = [r for r in rows if r["stream"] == stream]
         world = max([state.world_size or 0, *(r["rank"] + 1 for r in mine)])
@@ -72,6 +75,9 @@ def _inspect_run(found: list[ShardRef], run_path: Any) -> list[dict[str, Any]]:
             row["node"] = nodes.label(row["rank"])
             if rs is not None and rs.status == "crashed" and row["status"] in ("running", None):
                 row["status"] = "stale"  # the writer is gone without a finish
+            if row["status"] == "running" and stream is None and row["rank"] in lost:
+                row["status"] = "lost"  # its node is (incidents.jsonl)
+
             row["exit"] = rs.exit if rs is not None else None
             recs = state.rank_records.get(row["rank"])
             # the world size this rank's latest rank record names (vs the sidecar's), not

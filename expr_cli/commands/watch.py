@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from typing import Any
 
 import typer
@@ -18,7 +19,7 @@ import typer
 from expr_cli.errors import CLIError
 from expr_cli.resolve import DIR_OPT, JSON_OPT, RUN_ARG, STREAM_OPT, resolve_run, root_dir
 
-FLUSH_TIMEOUT = 10.0  # seconds `--once` waits for the channels to deliver before exiting
+FLUSH_TIMEOUT = 10.0  # seconds `--once` waits for the channels to deliver before exiting (at most)
 
 
 def health_config(config: str | None, overrides: dict[str, Any]) -> Any:
@@ -81,11 +82,14 @@ def watch_command(run: str, dir: str | None, stream: str | None, once: bool, as_
     except KeyboardInterrupt:
         return 130
     disp = dispatcher(config)
-    watcher = Watcher(ref.path, cfg, disp, stream=stream)
+    if once:  # one pass cannot see an incident hold: what it finds is paged now
+        cfg = replace(cfg, page_after=0.0)
+    watcher = Watcher(ref.path, cfg, disp, stream=stream, owner=not once)
     try:
         changes = watcher.check()
+        watcher.others()  # (the open ones among them are shown below)
         if not once and not as_json:
-            render_health.watching(ref.label, watcher.state, disp is not None)
+            render_health.watching(ref.label, watcher.state, disp is not None, watcher.cache_note)
         shown = {id(c) for c in changes}
         # the first pass also shows what was already open (recorded by an earlier watcher)
         first = changes + [i for i in watcher.open if id(i) not in shown and i.key not in
@@ -96,9 +100,16 @@ def watch_command(run: str, dir: str | None, stream: str | None, once: bool, as_
                 render_health.no_incidents(ref.label)
             flush(disp)
             return 1 if watcher.open else 0
+        said = {_said(i) for i in first}
         while not (exit_on_finish and watcher.ended):
             time.sleep(interval)
-            render_health.incident_lines(watcher.check(), ref.label, as_json)
+            mine = watcher.check()
+            # every line of incidents.jsonl, whoever recorded it (exprd beside us); as text,
+            # not a line again that only says it was delivered
+            lines = [i for i in sorted([*mine, *watcher.others()], key=lambda i: i.last_seen)
+                     if as_json or _said(i) not in said]
+            said.update(_said(i) for i in lines)
+            render_health.incident_lines(lines, ref.label, as_json)
         flush(disp)
         return 1 if watcher.open else 0
     except KeyboardInterrupt:
@@ -106,12 +117,19 @@ def watch_command(run: str, dir: str | None, stream: str | None, once: bool, as_
     finally:
         if disp is not None:
             disp.close(2.0)
+            # what the channels said, a page still on its way counted undelivered by
+            # `close`: `delivered` true, or the claim dropped for the next watcher
+            watcher.settle()
+
+
+def _said(inc: Any) -> tuple[Any, ...]:
+    return inc.id, inc.state, inc.ranks, inc.detail
 
 
 def flush(disp: Any) -> None:
     """Wait (a bounded time) for the channels to deliver what this run of the command queued."""
-    if disp is not None:
-        disp.flush(FLUSH_TIMEOUT)
+    if disp is not None:  # the policy's exit_timeout when shorter (a channel that hangs)
+        disp.flush(min(FLUSH_TIMEOUT, max(0.5, disp.exit_timeout)))
 
 
 _ONCE = typer.Option(False, "--once", help="One pass, then exit: 1 if an incident is open, else 0.")
@@ -143,6 +161,13 @@ def register(app: typer.Typer) -> None:
                                       "DURATION"),
         crash_window: str | None = _opt("--crash-window", "Crashes this soon after the first are one (60s).",
                                         "DURATION"),
+        evidence_after: str | None = _opt(
+            "--evidence-after", "A stall whose probes name a culprit or a lost node "
+            "(default max(60s, 10 step periods)).", "DURATION"),
+        page_after: str | None = _opt("--page-after", "Page an incident once it held this long "
+                                      "(10s; 0: at once).", "DURATION"),
+        fs_cache: str | None = _opt("--fs-cache", "The run root's attribute cache (bindfs "
+                                    "attr_timeout; NFS: read from the mount).", "DURATION"),
         missing_after: str | None = _opt("--missing-after", "When an absent rank is missing.", "DURATION"),
         straggler_ratio: float | None = _opt("--straggler-ratio", "Step time over the median (1.3).", "X"),
         straggler_steps: int | None = _opt("--straggler-steps", "Steps in a row (20).", "N"),
@@ -165,6 +190,9 @@ def register(app: typer.Typer) -> None:
             "straggler_ratio": straggler_ratio, "straggler_steps": straggler_steps,
             "slowdown_ratio": slowdown_ratio, "slowdown_steps": slowdown_steps,
             "behind_steps": behind_steps, "notify_recovery": notify_recovery,
+            "evidence_after": evidence_after,
+            "fs_cache": 0 if fs_cache is not None and fs_cache.strip() in ("0", "0s") else fs_cache,
+            "page_after": 0 if page_after is not None and page_after.strip() in ("0", "0s") else page_after,
         }
         code = watch_command(run, dir, stream, once, json, config, interval, overrides, exit_on_finish)
         if code:

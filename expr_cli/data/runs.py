@@ -33,21 +33,43 @@ def _count_lines(fd: int, start: int, end: int) -> int:
     return n
 
 
-def _last_step(ref: ShardRef) -> int | None:
-    """The largest `_step`, reading backwards to the last step row.
-
-    Step rows of a shard are in increasing step order, so the last one holds the
-    largest; rank records after it may name any step. The sidecar's cursor is not
-    used: the file is the truth.
-    """
+def _last_steps(ref: ShardRef) -> tuple[int | None, float]:
+    """The largest `_step`, reading backwards to the last step row (step rows of a shard
+    are in increasing step order; rank records after it may name any step; the sidecar's
+    cursor is not used: the file is the truth), and how much later (the rank's own clock)
+    than that row the shard's last record was logged: rank records and system samples
+    keep a silent rank's shard growing, and are not steps."""
     best: int | None = None
+    newest: float | None = None
     for rec in ShardReader(ref.path).iter_reverse():
+        t = rec.get("_time")
+        if newest is None and isinstance(t, (int, float)) and not isinstance(t, bool):
+            newest = float(t)
         step = rec.get("_step")
         if type(step) is int:
             best = step if best is None else max(best, step)
             if rec.get("_kind") is None:
-                break
-    return best
+                after = newest - float(t) if newest is not None and isinstance(
+                    t, (int, float)) and not isinstance(t, bool) else 0.0
+                return best, max(0.0, after)
+    return best, 0.0
+
+
+def last_step_at(status: Any, mtime: float, after: float, meta: dict[str, Any] | None,
+                 side_mtime: float | None) -> float | None:
+    """When (epoch s, the filesystem's clock) a running shard wrote its last step row: its
+    last write less what was logged after that row (its own clock), or earlier by its
+    probe (how long its loop has been quiet, counted back from the sidecar's write). None
+    when not running. A probe or a system sample keeps the files fresh: this is not."""
+    if status != "running":
+        return None
+    at = mtime - after
+    probe = (meta or {}).get("probe")
+    if isinstance(probe, dict) and side_mtime is not None:
+        since, t = probe.get("since"), probe.get("time")
+        if isinstance(since, (int, float)) and isinstance(t, (int, float)):
+            at = min(at, side_mtime - max(0.0, t - since))
+    return at
 
 
 def _pid_alive(pid: Any) -> bool:
@@ -122,6 +144,13 @@ def _shard_row(ref: ShardRef, meta: dict[str, Any] | None, corrupt: bool, size: 
     status = (meta or {}).get("status")
     if status == "running" and meta and meta.get("host") == socket.gethostname() and not _pid_alive(meta.get("pid")):
         status = "stale"
+    after = 0.0
+    if last_step is False and rows:
+        last_step, after = _last_steps(ref)
+    try:
+        side_mtime: float | None = os.stat(ref.sidecar, follow_symlinks=False).st_mtime
+    except OSError:
+        side_mtime = None
     hint = _hint(meta)[0]
     torn = size - complete
     if corrupt:
@@ -143,7 +172,8 @@ def _shard_row(ref: ShardRef, meta: dict[str, Any] | None, corrupt: bool, size: 
         "file": ref.path.name,
         "path": str(ref.path),
         "rows": rows,
-        "last_step": (_last_step(ref) if last_step is False else last_step) if rows else None,
+        "last_step": last_step if rows and last_step is not False else None,
+        "last_step_at": last_step_at(status, mtime, after, meta, side_mtime),
         "size": size,
         "status": status,
         "last_write": mtime,
@@ -179,6 +209,9 @@ def run_row(label: str, path: str, shard_rows: list[dict[str, Any]]) -> dict[str
         "last_step": max(steps) if steps else None,
         "status": status,
         "last_write": max((r["last_write"] for r in shard_rows), default=None),
+        # the job's newest step row, of its running shards
+        "last_step_at": max((t for r in shard_rows if (t := r.get("last_step_at")) is not None),
+                            default=None),
     }
 
 
@@ -207,8 +240,25 @@ def runs_data(root: Path) -> list[dict[str, Any]]:
         else:
             with paused_gc():
                 rows = parallel.map_forked(_inspect_all, shards)
-        out.append(run_row(r.label, str(r.path), rows))
+        row = run_row(r.label, str(r.path), rows)
+        _with_incidents(row, r.path)
+        out.append(row)
     return out
+
+
+def _with_incidents(row: dict[str, Any], run_dir: Path) -> None:
+    """The run's open incidents (incidents.jsonl, whoever recorded them): their count and
+    kinds, and a lost node's ranks read `lost` (its status too, unless a rank crashed)."""
+    from expr_tracker.health.watch import open_incidents
+
+    incs = open_incidents(run_dir)
+    # None: no watcher keeps incidents for this run (as `expr serve`'s /api/runs says)
+    row["open_incidents"] = len(incs) if os.path.lexists(run_dir / "incidents.jsonl") else None
+    row["incident_kinds"] = sorted({i.kind for i in incs})
+    lost = sorted({r for i in incs if i.kind == "lost" for r in i.ranks})
+    row["lost"] = lost
+    if lost and row["status"] == "running":
+        row["status"] = "lost"
 
 
 def runs_json(rows: list[dict[str, Any]], waiting: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -171,9 +171,13 @@ def _ranks_block(state: RunState | None, at: int | None, world: int) -> dict[str
         from expr_tracker.health.incidents import first_crash
 
         first = first_crash(state)
+    from expr_tracker.health.watch import open_incidents
+
+    # every open incident of incidents.jsonl, whoever recorded it
+    incidents = [i.as_line() for i in open_incidents(state.run_dir)]
     return {"shards": len(state.ranks), "live": by["running"], "finished": by["finished"],
             "crashed": crashed, "first_crash": first, "behind": behind, "no_shard": no_shard,
-            "frontier": state.frontier}
+            "frontier": state.frontier, "incidents": incidents}
 
 
 def _split_missing(missing: list[int], state: RunState | None, at: int | None) -> tuple[

@@ -15,8 +15,9 @@ from expr_cli.resolve import RunRef
 
 from . import now
 
-_SEVERITY = {"crashed": 0, "stall": 1, "hang": 2, "missing": 3, "alert": 4, "straggler": 5,
-             "slowdown": 6, "behind": 7}
+_SEVERITY = {"lost": 0, "crashed": 0, "stall": 1, "hang": 2, "missing": 3, "alert": 4,
+             "straggler": 5, "slowdown": 6, "behind": 7}
+NO_STEP_AFTER = 5.0  # s without a new step (and 3 step periods) that the job line names
 RATE_GRACE = 2.0  # seconds of silence that are the flush lag, not a slower rank
 RATE_HORIZON = 2.0  # a live rank's steps/s counts the steps of the last this many seconds ...
 RATE_PERIODS = 4  # ... or of this many of its step periods, if longer
@@ -57,7 +58,14 @@ def job_line(state: Any, findings: list[Any], incidents: list[Any], rows: list[d
     from expr_tracker.health.stall import fmt_quiet
     from expr_tracker.ranks import compact
 
+    node = next((i for i in incidents if i.kind == "lost"), None)
+    if node is not None:
+        return {"state": "lost", "lost": list(node.ranks), "text": node.detail}
     stall = next((f.info for f in findings if f.kind == "stall" and f.info), None)
+    if stall is not None and stall.get("rule") == "all wait":
+        return {"state": "stalled", "suspects": [], "text":
+                f"stalled {fmt_quiet(stall['quiet'])} at step {stall['step']}; "
+                + stall["detail"].split(": ", 1)[-1]}
     if stall is not None:
         ranks = stall["ranks"]
         return {"state": "stalled", "suspects": list(ranks), "text":
@@ -80,7 +88,20 @@ def job_line(state: Any, findings: list[Any], incidents: list[Any], rows: list[d
         return {"state": "finished", "text": "finished: every rank is done"}
     rates = [r["steps_per_s"] for r in rows if r["status"] == "running" and r["steps_per_s"] is not None]
     text = f"running at {median(rates):.3g} steps/s (median rank)" if rates else "running"
-    return {"state": "running", "text": text}
+    out: dict[str, Any] = {"state": "running", "text": text}
+    quiet = [r["no_step_for"] for r in rows if r["status"] == "running" and r["no_step_for"] is not None]
+    fresh = [a for rs in state.live if (a := age_now(rs.wrote_at)) is not None]  # (sidecars too)
+    if quiet and fresh:
+        # no live rank took a step for this long while their files are written (probes,
+        # system samples): said before any incident opens
+        since = min(quiet)
+        periods = [rs.times[-1] - rs.times[-2] for rs in state.live if len(rs.times) >= 2]
+        if since >= max(NO_STEP_AFTER, 3 * (median(periods) if periods else 0.0)) \
+                and since - min(fresh) >= NO_STEP_AFTER:
+            out["no_step_for"] = since
+            out["text"] = f"running, no step for {fmt_quiet(since)}" + (
+                f" ({median(rates):.3g} steps/s, median rank)" if rates else "")
+    return out
 
 
 def _metric(state: Any, rs: Any, key: str | None) -> Any:
@@ -102,8 +123,9 @@ class TopView:
 
         self.ref = ref
         self.metric = metric
-        self.cfg = cfg
-        self.reader = Watcher(ref.path, cfg, None, stream=stream).reader
+        watcher = Watcher(ref.path, cfg, None, stream=stream, owner=False)
+        self.reader = watcher.reader
+        self.cfg = watcher.cfg  # (`fs_cache` resolved)
         self.memory = Memory()
         self.log = IncidentLog(ref.path)
 
@@ -126,9 +148,16 @@ class TopView:
         findings = detect(state, [], self.cfg, self.memory, wall)
         p = plan(self.log.open.values(), findings, wall, state, crash_window=self.cfg.crash_window,
                  ended=ended(state))
-        recorded = [i for i in self.log.open.values() if i.kind == "alert"]  # needs alert files
-        incidents = sorted([*p.still_open, *p.opened, *p.updated, *recorded],
+        # every open incident of incidents.jsonl, whoever recorded it (a watcher with other
+        # thresholds, or evidence this frame lacks: its line stands until a watcher
+        # resolves it), with this frame's news of it; then what only this frame finds
+        shown = dict(self.log.open)
+        for inc in (*p.still_open, *p.updated):
+            if inc.id in shown:
+                shown[inc.id] = inc
+        incidents = sorted([*shown.values(), *p.opened],
                            key=lambda i: (_SEVERITY.get(i.kind, 9), i.ranks))
+        lost = {r for i in incidents if i.kind == "lost" for r in i.ranks}
         worst: dict[int, int] = {}
         for inc in incidents:
             for r in inc.ranks:
@@ -136,9 +165,12 @@ class TopView:
         rows = []
         for rs in state.ranks.values():
             rows.append({
-                "rank": rs.rank, "host": rs.host, "step": rs.last_step, "status": rs.status,
+                "rank": rs.rank, "host": rs.host, "step": rs.last_step,
+                "status": "lost" if rs.rank in lost and rs.live else rs.status,
                 "behind": state.behind(rs.rank), "steps_per_s": steps_per_s(rs, wall),
                 "last_write_age": age_now(rs.last_write), "pid": rs.pid,
+                # rows, not probes or system samples (they keep the files fresh)
+                "no_step_for": age_now(rs.advanced) if rs.live else None,
                 "incident": min((k for k, v in _SEVERITY.items() if v == worst.get(rs.rank)), default=None),
                 **({"metric": _metric(state, rs, self.metric)} if self.metric else {}),
             })

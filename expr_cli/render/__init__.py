@@ -32,7 +32,7 @@ GLYPHS = "▁▂▃▄▅▆▇█"  # the same scale without colour (NO_COLOR, 
 MISSING = "·"
 NONFINITE = "\N{MULTIPLICATION SIGN}"
 STATUS_STYLE = {"running": "green", "finished": "blue", "crashed": "bold red", "stale": "yellow",
-                "corrupt": "bold red"}
+                "corrupt": "bold red", "lost": "bold red"}
 
 
 def console(stderr: bool = False, soft_wrap: bool = False) -> Console:
@@ -240,10 +240,20 @@ def _show(out: Console, title: str | Text | None, table: Table, style: str = "bo
     out.print(table)
 
 
-def _status(status: str | None) -> Text:
+NO_STEP_SHOWN = 10.0  # s without a step row after which a running shard or run says so
+
+
+def _status(status: str | None, step_at: float | None = None, written: float | None = None) -> Text:
+    """A status; a running one whose files were written (`written`, epoch s) at least
+    NO_STEP_SHOWN seconds after its last step row (`step_at`) says how long it has taken
+    no step (a probe or a system sample keeps its files fresh, but is not progress)."""
     from rich.text import Text
 
-    return Text(status or "-", style=STATUS_STYLE.get(status or "", ""))
+    out = Text(status or "-", style=STATUS_STYLE.get(status or "", ""))
+    if status in ("running", "lost") and step_at is not None and written is not None \
+            and written - step_at >= NO_STEP_SHOWN:
+        out.append(f", no step for {fmt_span(max(0.0, now() - step_at))}", style="yellow")
+    return out
 
 
 # -- commands ----------------------------------------------------------------
@@ -270,7 +280,8 @@ def runs(rows: Sequence[Mapping[str, Any]], root: str) -> None:
         label.append(r["name"], style="bold")
         table.add_row(
             label, r["ranks_text"], *([", ".join(r["streams_text"])] * streams),
-            fmt_num(r["last_step"]), _status(r["status"]), fmt_age(r["last_write"]),
+            fmt_num(r["last_step"]), _status(r["status"], r.get("last_step_at"), r["last_write"]),
+            fmt_age(r["last_write"]),
         )
     _show(console(), f"runs under {root}", table)
 

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
     from expr_tracker.health.incidents import Incident
 
-KIND_STYLE = {"crashed": "bold red", "stall": "bold red", "hang": "red", "missing": "red", "alert": "red",
+KIND_STYLE = {"crashed": "bold red", "stall": "bold red", "lost": "bold red", "hang": "red", "missing": "red", "alert": "red",
               "straggler": "yellow", "slowdown": "yellow", "behind": "yellow"}
 
 
@@ -72,9 +72,13 @@ def incident_lines(incidents: Sequence[Incident], label: str, as_json: bool) -> 
         out.print(incident_text(inc.as_line()))
 
 
-def watching(label: str, state: Any, delivering: bool) -> None:
-    """`expr watch` found its run: what it watches, and whether it pages (on stderr)."""
+def watching(label: str, state: Any, delivering: bool, note: str | None = None) -> None:
+    """`expr watch` found its run: what it watches, and whether it pages (on stderr); and
+    `note`, what it says of the filesystem's attribute cache."""
     from . import status
+
+    if note:
+        status(note)
 
     ranks = len(state.ranks) if state is not None else 0
     world = state.world_size if state is not None else None
@@ -133,7 +137,8 @@ def top_frame(view: Mapping[str, Any], height: int, agg: str = "worst",
     parts.append(_line(head))
     job = view.get("job") or {}
     if job.get("text"):
-        style = {"stalled": "bold red", "crashed": "bold red", "finished": "green"}.get(job.get("state"), "")
+        style = {"stalled": "bold red", "crashed": "bold red", "lost": "bold red",
+                 "finished": "green"}.get(job.get("state"), "")
         parts.append(_line(Text(str(job["text"]), style=style)))
     left = height - len(parts)
     cap = 0 if left < 6 else max(1, height // 5)

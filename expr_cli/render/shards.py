@@ -113,7 +113,7 @@ def table(rows: Sequence[Mapping[str, Any]], label: str) -> None:
     table = _table(shown, right=["rank", "rows", "step", "size"], keep=shown[:-1])
     table.columns[-1].overflow = "fold"
     for r, c in zip(rows, cells, strict=True):
-        c[6] = _status(r["status"])
+        c[6] = _status(r["status"], r.get("last_step_at"), r["last_write"])
         c[8] = Text(r["sidecar"], style="green" if r["sidecar"] == "ok" else "yellow")
         table.add_row(*(v for h, v in zip(headers, c, strict=True) if h not in drop))
     _show(out, f"shards of {label}", table)

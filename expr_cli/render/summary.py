@@ -110,6 +110,16 @@ def _ranks_line(out: Console, ranks: Mapping[str, Any]) -> None:
     if ranks.get("no_shard"):
         text.append(f"; no shard: {ranks_phrase(list(ranks['no_shard']))}", style="yellow")
     prose(out, text)
+    incidents = ranks.get("incidents") or []
+    if incidents:
+        from .health import incident_text
+
+        for inc in incidents[:8]:  # (`expr watch RUN --once --json` has them all)
+            line = Text("  open: ")
+            line.append_text(incident_text(inc))
+            prose(out, line)
+        if len(incidents) > 8:
+            prose(out, Text(f"  ... and {len(incidents) - 8} more open incidents", style="dim"))
 
 
 def _narrow_width(width: int, world: int, stats: Sequence[Mapping[str, Any]]) -> int | None:

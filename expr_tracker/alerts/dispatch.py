@@ -36,6 +36,9 @@ from expr_tracker.alerts.channels import Channel, DeliveryError, build_channel
 from expr_tracker.alerts.config import _RANK, AlertConfig, Policy, load_config
 
 MAX_BACKOFF = 30.0
+# a health incident's alerts carry `event_id` "health:<incident id>:<open|resolved>": its
+# pages are deduplicated per incident of one run, never across runs (DESIGN 13 Delivery)
+HEALTH_EVENT = "health:"
 
 _log = logging.getLogger("expr_tracker.alerts")
 
@@ -48,7 +51,7 @@ class _Lane:
     def __init__(self, channel: Channel, policy: Policy) -> None:
         self.channel = channel
         self.policy = policy
-        self.queue: deque[list[Any]] = deque()  # [alert, attempts]
+        self.queue: deque[list[Any]] = deque()  # [alert, attempts, _Outcome | None]
         self.ready_at = 0.0  # monotonic; later than now while the head waits for a retry
         self.busy = False
         self.thread: threading.Thread | None = None  # this channel's delivery worker
@@ -61,7 +64,10 @@ class _Lane:
     def admit(self, alert: Alert, now: float) -> bool:
         """Apply the dedup window, then the token bucket; False means suppressed."""
         p = self.policy
-        key = (alert.rule is None, alert.rule or alert.title, alert.kind, alert.level)
+        # per run: two runs' alerts of one rule never suppress each other
+        incident = alert.event_id if (alert.event_id or "").startswith(HEALTH_EVENT) else None
+        key = (alert.project, alert.run, alert.stream, alert.rule is None,
+               alert.rule or alert.title, alert.kind, alert.level, incident)
         last = self.seen.get(key)
         if p.dedup_seconds > 0 and last is not None and now - last < p.dedup_seconds:
             return False
@@ -76,6 +82,31 @@ class _Lane:
                 self.seen = {k: t for k, t in self.seen.items() if now - t < p.dedup_seconds}
             self.seen[key] = now
         return True
+
+
+class _Outcome:
+    """Whether an alert queued on several channels reached one: `done(True)` once one
+    channel sent it, `done(False)` once every one gave up (failed, dropped, closed)."""
+
+    def __init__(self, channels: int, done: Callable[[bool], object]) -> None:
+        self.left = channels
+        self.ok = False
+        self.done = done
+
+    def end(self, ok: bool) -> None:
+        """One channel's attempts ended (called under the dispatcher's lock)."""
+        self.ok = self.ok or ok
+        self.left -= 1
+        if self.left == 0:
+            try:
+                self.done(self.ok)
+            except Exception as exc:  # the caller's bug must not stop the worker
+                _log.warning("alert outcome callback failed: %r", exc)
+
+
+def _end(item: list[Any], ok: bool) -> None:
+    if item[2] is not None:
+        item[2].end(ok)
 
 
 class Dispatcher:
@@ -137,19 +168,24 @@ class Dispatcher:
                 pass
         _log.warning("%s", message)
 
-    def submit(self, alert: Alert, channels: Iterable[str] | None = None) -> dict[str, str]:
+    def submit(self, alert: Alert, channels: Iterable[str] | None = None, *,
+               on_done: Callable[[bool], object] | None = None) -> dict[str, str]:
         """Queue `alert` for every channel (or those named) at or above its min_level.
 
         Returns what happened per channel name, decided now: "queued", "suppressed",
         "dropped", "below_min_level" or "unknown" (what an alerts.jsonl line can record).
+        `on_done(delivered)`, when some channel queued it, is called once on a worker
+        thread when the outcome is known: True once one channel sent it, False once every
+        channel that queued it gave up (or `close` counted it undelivered).
         """
         try:
-            return self._submit(alert, channels)
+            return self._submit(alert, channels, on_done)
         except Exception as exc:  # the training thread must never see a delivery problem
             self._warn_once("*", f"submit {type(exc).__name__}", f"alert not queued: {exc!r}")
             return {}
 
-    def _submit(self, alert: Alert, channels: Iterable[str] | None) -> dict[str, str]:
+    def _submit(self, alert: Alert, channels: Iterable[str] | None,
+                on_done: Callable[[bool], object] | None = None) -> dict[str, str]:
         if os.getpid() != self._pid:
             # forked (a DataLoader worker): the parent's lock, queue and thread are not ours
             for old in self._lanes.values():
@@ -166,6 +202,7 @@ class Dispatcher:
         rank = _RANK.get(alert.level, 1)
         outcome: dict[str, str] = {}
         now = _clock.monotonic()
+        queued: list[list[Any]] = []
         with self._cond:
             for name in names:
                 lane = self._lanes.get(name)
@@ -183,9 +220,15 @@ class Dispatcher:
                     lane.suppressed += 1
                     outcome[name] = "suppressed"
                 else:
-                    lane.queue.append([alert, 0])
+                    item = [alert, 0, None]
+                    lane.queue.append(item)
+                    queued.append(item)
                     outcome[name] = "queued"
                     self._start(lane)
+            if on_done is not None and queued:
+                tracker = _Outcome(len(queued), on_done)
+                for item in queued:
+                    item[2] = tracker
             self._cond.notify_all()
         for name, what in outcome.items():
             if what == "unknown":
@@ -204,6 +247,8 @@ class Dispatcher:
             thread.start()
         except RuntimeError:  # cannot start new thread: count what is queued as dropped
             lane.dropped += len(lane.queue)
+            for item in lane.queue:
+                _end(item, False)
             lane.queue.clear()
             raise
         lane.thread = thread
@@ -253,13 +298,13 @@ class Dispatcher:
                 return  # close() counted it as undelivered and moved on
             if error is None:
                 lane.sent += 1
-                lane.queue.popleft()
+                _end(lane.queue.popleft(), True)
             elif give_up:
                 lane.failed += 1
-                lane.queue.popleft()
+                _end(lane.queue.popleft(), False)
             elif self._closed:
                 lane.dropped += 1  # closed while it waited for a retry
-                lane.queue.popleft()
+                _end(lane.queue.popleft(), False)
             else:
                 delay = error.retry_after
                 if delay is None:
@@ -311,6 +356,8 @@ class Dispatcher:
                     continue
                 lane.undelivered += n
                 left += n
+                for item in lane.queue:
+                    _end(item, False)
                 lane.queue.clear()
                 if lane.busy:
                     lane.abandoned = True

@@ -71,3 +71,66 @@ class Seen:
 def mtime_on_our_clock(mtime_ns: int | None, offset: float) -> float | None:
     """A file's mtime (ns, the filesystem's clock) as a time of ours."""
     return None if mtime_ns is None or mtime_ns < 0 else mtime_ns / 1e9 - offset
+
+
+# exprd's heartbeat in each run directory it writes (DESIGN 8: liveness seen from other
+# hosts): `{run}/.exprd.<host>.json`, created once and touched every few seconds (a touch
+# does not change the directory, so readers' listings stay trusted). Its mtime is what a
+# reader on another node dates, like a sidecar's.
+HEARTBEAT_PREFIX, HEARTBEAT_SUFFIX = ".exprd.", ".json"
+_SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+def safe_host(host: str) -> str:
+    """A host name as it can stand in a file name (other characters become '_')."""
+    return "".join(c if c in _SAFE else "_" for c in host)[:200] or "_"
+
+
+def heartbeat_name(host: str) -> str:
+    """The file name of `host`'s exprd heartbeat in a run directory."""
+    return f"{HEARTBEAT_PREFIX}{safe_host(host)}{HEARTBEAT_SUFFIX}"
+
+
+def heartbeat_host(name: str) -> str | None:
+    """The (safe) host of a heartbeat file name; None for any other name."""
+    if name.startswith(HEARTBEAT_PREFIX) and name.endswith(HEARTBEAT_SUFFIX):
+        host = name[len(HEARTBEAT_PREFIX):-len(HEARTBEAT_SUFFIX)]
+        return host or None
+    return None
+
+
+# NFS's attribute cache bounds when none is given (nfs(5): acregmax 60, acdirmax 60)
+_NFS_DEFAULT = 60.0
+
+
+def attr_cache(path: str | os.PathLike[str]) -> tuple[float, str] | None:
+    """How long the filesystem holding `path` may show a file's old size and mtime (its
+    attribute cache), and what says so: from the mount's options in /proc/self/mountinfo
+    (NFS: actimeo, acregmax, acdirmax; `noac` is 0). None where nothing can be told: a
+    local filesystem (0 s) and FUSE mounts (bindfs's `attr_timeout` is not shown there:
+    configure `fs_cache`)."""
+    try:
+        real = os.path.realpath(path)
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    best: tuple[int, str, str] | None = None
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        parts, rest = left.split(), right.split()
+        if len(parts) < 5 or len(rest) < 3:
+            continue
+        mnt = parts[4].replace("\\040", " ")
+        if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and (
+                best is None or len(mnt) > best[0]):
+            best = (len(mnt), rest[0], f"{parts[5]},{rest[2]}")
+    if best is None or not best[1].startswith("nfs"):
+        return None
+    opts = dict(o.partition("=")[::2] for o in best[2].split(","))
+    if "noac" in opts:
+        return 0.0, f"{best[1]} noac"
+    for key in ("actimeo", "acregmax"):
+        if opts.get(key, "").isdigit():
+            return float(opts[key]), f"{best[1]} {key}={opts[key]}"
+    return _NFS_DEFAULT, f"{best[1]} (acregmax default)"

@@ -8,7 +8,15 @@ or `$EXPR_ALERT_CONFIG` (whose `channels` and `policy` tables `expr_tracker.aler
     straggler_steps = 20      # ... for this many reported steps in a row
     slowdown_ratio = 1.3      # >= this x slower than its own best window
     slowdown_steps = 20       # the window of the slowdown detector
-    hang_after = "5m"         # default: max(5 min, 20 x the median step period)
+    hang_after = "5m"         # silence without evidence; default max(5 min, 20 x the median step period)
+    evidence_after = "60s"    # a stall with probe evidence (a culprit, a lost node, every rank
+                              # waiting); default max(60 s, 10 x the median step period)
+    straggler_clear_ratio = 1.15  # resolves under this (default halfway from 1 to the ratio)
+    slowdown_clear_ratio = 1.15
+    page_after = "10s"        # an incident is paged once it has held this long (not a crash)
+    fs_cache = "30s"          # the run root's attribute cache (bindfs attr_timeout, NFS
+                              # actimeo): silence and `behind` are believed only beyond
+                              # it; default: what the mount's options say (NFS), else 0
     behind_steps = 100        # steps short of the leading live rank
     missing_after = "10m"     # after the first rank started
     crash_window = "60s"      # crashes this soon after the first are one incident
@@ -32,6 +40,8 @@ _DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*\Z")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 HANG_FLOOR = 300.0  # the default hang_after is at least 5 minutes ...
 HANG_PERIODS = 20  # ... and at least 20 median step periods
+EVIDENCE_FLOOR = 60.0  # with probe evidence, a stall is raised after at least a minute ...
+EVIDENCE_PERIODS = 10  # ... and at least 10 median step periods
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,11 @@ class HealthConfig:
     crash_window: float = 60.0
     step_time_key: str = "step_time"
     notify_recovery: bool = False
+    evidence_after: float | None = None  # None: max(EVIDENCE_FLOOR, EVIDENCE_PERIODS x period)
+    straggler_clear_ratio: float | None = None  # None: 1 + (straggler_ratio - 1) / 2
+    slowdown_clear_ratio: float | None = None  # None: 1 + (slowdown_ratio - 1) / 2
+    page_after: float = 10.0
+    fs_cache: float | None = None  # None: detected from the mount (`clock.attr_cache`)
 
     def hang_threshold(self, median_period: float | None) -> float:
         """`hang_after`, or its default for a job whose median step period is given."""
@@ -55,10 +70,28 @@ class HealthConfig:
             return self.hang_after
         return max(HANG_FLOOR, HANG_PERIODS * (median_period or 0.0))
 
+    def evidence_threshold(self, median_period: float | None) -> float:
+        """`evidence_after`, or its default: the silence after which a stall whose probes
+        name a culprit (or a lost node, or every rank waiting) is raised. Never later than
+        the silence without evidence (`hang_threshold`)."""
+        if self.evidence_after is not None:
+            return min(self.evidence_after, self.hang_threshold(median_period))
+        return min(max(EVIDENCE_FLOOR, EVIDENCE_PERIODS * (median_period or 0.0)),
+                   self.hang_threshold(median_period))
 
-_RATIOS = ("straggler_ratio", "slowdown_ratio")
+    def clear_ratio(self, kind: str) -> float:
+        """The ratio a straggler or slowdown resolves under (hysteresis: lower than the one
+        it fires at, so a job near the line does not open and resolve again and again)."""
+        fire = self.straggler_ratio if kind == "straggler" else self.slowdown_ratio
+        clear = self.straggler_clear_ratio if kind == "straggler" else self.slowdown_clear_ratio
+        if clear is None:
+            return 1.0 + (fire - 1.0) / 2.0
+        return min(clear, fire)
+
+
+_RATIOS = ("straggler_ratio", "slowdown_ratio", "straggler_clear_ratio", "slowdown_clear_ratio")
 _COUNTS = ("straggler_steps", "slowdown_steps", "behind_steps")
-_DURATIONS = ("hang_after", "missing_after", "crash_window")
+_DURATIONS = ("hang_after", "missing_after", "crash_window", "evidence_after")
 KEYS = tuple(f.name for f in fields(HealthConfig))
 
 
@@ -99,6 +132,9 @@ def parse_health(raw: Mapping[str, Any] | None, base: HealthConfig | None = None
             values[key] = value
         elif key in _DURATIONS:
             values[key] = duration(value, key)
+        elif key in ("page_after", "fs_cache"):  # 0: at once / no cache
+            zero = isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
+            values[key] = 0.0 if zero else duration(value, key)
         elif key == "step_time_key":
             if not isinstance(value, str) or not value or value.startswith("_"):
                 raise ValueError(f"health: key {key!r} must be a metric name, got {value!r}")
@@ -107,7 +143,13 @@ def parse_health(raw: Mapping[str, Any] | None, base: HealthConfig | None = None
             if not isinstance(value, bool):
                 raise ValueError(f"health: key {key!r} must be true or false, got {value!r}")
             values[key] = value
-    return replace(cfg, **values)
+    out = replace(cfg, **values)
+    for kind in ("straggler", "slowdown"):
+        clear = getattr(out, f"{kind}_clear_ratio")
+        if clear is not None and clear > getattr(out, f"{kind}_ratio"):
+            raise ValueError(f"health: key '{kind}_clear_ratio' must be at most {kind}_ratio "
+                             f"({getattr(out, f'{kind}_ratio')}), got {clear!r}")
+    return out
 
 
 def load_health(path: str | None) -> HealthConfig:

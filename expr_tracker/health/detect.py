@@ -26,12 +26,14 @@ from statistics import median
 from typing import Any
 
 from expr_tracker.health.config import HealthConfig
+from expr_tracker.health.lost import lost_nodes
 from expr_tracker.health.stall import stall
 from expr_tracker.health.state import RankState, RunState
 
-KINDS = ("straggler", "slowdown", "hang", "stall", "behind", "crashed", "missing", "alert")
+KINDS = ("straggler", "slowdown", "hang", "stall", "behind", "crashed", "missing", "alert", "lost")
 LEVELS = {"straggler": "warning", "slowdown": "warning", "hang": "error", "stall": "error",
-          "behind": "warning", "crashed": "error", "missing": "error", "alert": "error"}
+          "behind": "warning", "crashed": "error", "missing": "error", "alert": "error",
+          "lost": "error"}
 JOB = -1  # the rank key of the whole job's slowdown window in `Memory.best`
 # A slowdown must also cost at least this much per step: a best window is the minimum of
 # many noisy windows, so sub-millisecond step times (timer noise, a CPU toy job) would
@@ -75,6 +77,7 @@ class Memory:
     # the others' have been there a while, an old one is not (`stall.stall`)
     probes: dict[int, tuple[float, float, Any, float]] = field(default_factory=dict)
     passes: int = 0
+    behind_since: dict[int, float] = field(default_factory=dict)  # rank -> first found behind
 
 
 class _Derived:
@@ -178,6 +181,7 @@ def _stragglers(state: RunState, derived: Mapping[int, _Derived], cfg: HealthCon
     if ref <= 0:
         return []
     limit = cfg.straggler_ratio * ref
+    clear = cfg.clear_ratio("straggler") * ref  # resolves under a lower ratio (hysteresis)
     # only ranks firing already or slow now can be (or stop being) stragglers
     firing = memory.firing.setdefault("straggler", set())
     maybe = {r for r, v in recent.items() if v[1] >= limit}
@@ -189,7 +193,7 @@ def _stragglers(state: RunState, derived: Mapping[int, _Derived], cfg: HealthCon
             firing.discard(rank)
             continue
         med, lo, hi = recent[rank]
-        if _hysteresis(memory, "straggler", rank, lo >= limit, hi < limit):
+        if _hysteresis(memory, "straggler", rank, lo >= limit, hi < clear):
             out.append(Finding(
                 "straggler", (rank,),
                 f"rank {rank} step time {med:.3g}s is {med / ref:.2f}x the ranks' "
@@ -224,7 +228,8 @@ def _slowdowns(state: RunState, derived: Mapping[int, _Derived], cfg: HealthConf
     job_best = memory.best[JOB] = median(memory.best[r] for r in live)
     ratio = job_now / job_best if job_best > 0 else 0.0
     slower = ratio >= cfg.slowdown_ratio and job_now - job_best >= SLOWDOWN_MIN_SECONDS
-    if _hysteresis(memory, "slowdown", JOB, slower, not slower):
+    back = ratio < cfg.clear_ratio("slowdown") or job_now - job_best < SLOWDOWN_MIN_SECONDS
+    if _hysteresis(memory, "slowdown", JOB, slower, back):
         ranks_now = tuple(sorted(live))
         hosts = sorted({h for r in ranks_now if (h := ranks[r].host)})
         step = max((s for r in ranks_now if (s := ranks[r].last_step) is not None), default=None)
@@ -233,11 +238,16 @@ def _slowdowns(state: RunState, derived: Mapping[int, _Derived], cfg: HealthConf
             f"the whole job runs {ratio:.2f}x slower than its best {n}-step window "
             f"({job_now:.3g}s vs {memory.best[JOB]:.3g}s per step)",
             step, hosts[0] if len(hosts) == 1 else None, LEVELS["slowdown"], group=False)]
-    # a live rank fires exactly while it is slower than its best window (no hysteresis)
-    best, limit = memory.best, cfg.slowdown_ratio
-    slow_now = [r for r in live if (current[r] / best[r] if best[r] > 0 else 0.0) >= limit
-                and current[r] - best[r] >= SLOWDOWN_MIN_SECONDS]
-    firing = memory.firing.setdefault("slowdown", set())
+    # a live rank fires once it is `slowdown_ratio` slower than its best window, and
+    # until it is back under `clear_ratio` (hysteresis)
+    best, firing = memory.best, memory.firing.setdefault("slowdown", set())
+    slow_now = []
+    for r in live:
+        ratio_r = current[r] / best[r] if best[r] > 0 else 0.0
+        costs = current[r] - best[r] >= SLOWDOWN_MIN_SECONDS
+        limit = cfg.clear_ratio("slowdown") if r in firing else cfg.slowdown_ratio
+        if costs and ratio_r >= limit:
+            slow_now.append(r)
     firing.difference_update(live)
     firing.update(slow_now)
     out = []
@@ -305,6 +315,18 @@ def _behind(state: RunState, cfg: HealthConfig) -> list[Finding]:
                 "behind", (rs.rank,), f"rank {rs.rank} is at step {rs.last_step}, {gap} steps behind {lead}",
                 rs.last_step, rs.host, LEVELS["behind"]))
     return out
+
+
+def _held_for(found: list[Finding], since: dict[int, float], now: float,
+              hold: float) -> list[Finding]:
+    """The findings that held `hold` seconds (`since`: rank -> when first found, kept up
+    to date): a rank is never behind by a size an attribute cache still shows."""
+    ranks = {f.ranks[0] for f in found}
+    for r in [r for r in since if r not in ranks]:
+        del since[r]
+    for r in ranks:
+        since.setdefault(r, now)
+    return [f for f in found if now - since[f.ranks[0]] >= hold]
 
 
 def crashes(state: RunState) -> list[Finding]:
@@ -434,9 +456,15 @@ def detect(
         return crashes(state)
     derived = _derive(state, cfg, memory)
     period = median([d.median for d in derived.values()]) if derived else None
-    threshold = cfg.hang_threshold(period)
+    # through an attribute cache a file's size and mtime can be that old: silence is
+    # believed only beyond it (`HealthConfig.fs_cache`, resolved by the watcher)
+    cache = cfg.fs_cache or 0.0
+    threshold = cfg.hang_threshold(period) + cache
+    evidence = cfg.evidence_threshold(period) + cache
     seen, left_over = _probes_seen(state, memory, now)
-    stalled = stall(state, threshold, now, period, seen, left_over)
+    lost = lost_nodes(state, evidence, now)
+    # a lost node explains the others' wait: no stall names its ranks as suspects
+    stalled = None if lost else stall(state, threshold, now, period, seen, left_over, evidence)
     if stalled is None and memory.stalled:
         memory.stall_end, memory.stall_step = now, state.lead
     memory.stalled = stalled is not None
@@ -445,10 +473,14 @@ def detect(
     if stalled is not None:  # the suspects are named: no rank is a hang on its own
         job.append(Finding("stall", stalled["ranks"], stalled["detail"], stalled["step"],
                            stalled["host"], LEVELS["stall"], group=False, info=stalled))
-    elif newest is not None and now - newest < threshold / 2:
+    job.extend(Finding("lost", node["ranks"], node["detail"], node["step"], node["host"],
+                       LEVELS["lost"], group=False, info=node) for node in lost)
+    gone = {r for node in lost for r in node["ranks"]}
+    if stalled is None and newest is not None and now - newest < threshold / 2:
         # a silent rank is a hang while the others still advance; once they stopped too
         # (a synchronous job waits for it at its next collective) it is a stall coming
-        job.extend(_hangs(state, threshold, now, memory.stall_end))
+        job.extend(f for f in _hangs(state, threshold, now, memory.stall_end)
+                   if f.ranks[0] not in gone)
     # the step that waited out a stall is one huge step time: not a straggler or slowdown
     # until every rank's windows have moved past it
     front, after = state.frontier, memory.stall_step
@@ -460,7 +492,7 @@ def detect(
         *crashes(state),
         *job,
         *timing,
-        *_behind(state, cfg),
+        *_held_for(_behind(state, cfg), memory.behind_since, now, cache),
         *_missing(state, cfg, now),
         *_alerts(state, suppressed),
     ]

@@ -59,6 +59,12 @@ class Incident:
     id: str = field(default_factory=new_id)
     root: dict[str, Any] | None = None  # a crash: the first rank to crash
     reason: str | None = None  # why it resolved, when not its own detector ("run ended")
+    # a watcher's claim while its page is on the way: {"by": "host:pid:n", "at": epoch s};
+    # others leave the incident to it until the outcome line (or `CLAIM_TTL`)
+    paging: dict[str, Any] | None = None
+    cause: str | None = None  # a crash that is collateral of another incident (its id)
+    collateral: tuple[int, ...] = ()  # a lost node: the other ranks that crashed after it
+    by: str | None = None  # the long-running watcher that opened it ("host:pid:n"), its owner
 
     @property
     def key(self) -> tuple[str, tuple[int, ...]]:
@@ -79,6 +85,14 @@ class Incident:
             out["root"] = self.root
         if self.reason is not None:
             out["reason"] = self.reason
+        if self.paging is not None:
+            out["paging"] = self.paging
+        if self.cause is not None:
+            out["cause"] = self.cause
+        if self.collateral:
+            out["collateral"] = list(self.collateral)
+        if self.by is not None:
+            out["by"] = self.by
         return out
 
     @classmethod
@@ -98,6 +112,13 @@ class Incident:
             ident = f"{kind}:{','.join(map(str, sorted(ranks)))}:{first:.3f}"
         root = line.get("root")
         reason = line.get("reason")
+        paging = line.get("paging")
+        if not (isinstance(paging, Mapping) and isinstance(paging.get("by"), str)
+                and _time(paging.get("at")) > 0):
+            paging = None
+        cause = line.get("cause")
+        coll = line.get("collateral")
+        coll = coll if isinstance(coll, list) and all(type(r) is int for r in coll) else []
         return cls(
             kind=kind, ranks=tuple(sorted(ranks)), hosts=tuple(str(h) for h in hosts),
             step=step if type(step) is int else None,
@@ -107,6 +128,9 @@ class Incident:
             why=line["why"] if isinstance(line.get("why"), str) else None,
             id=ident, root=dict(root) if isinstance(root, Mapping) else None,
             reason=reason if isinstance(reason, str) else None,
+            paging={"by": paging["by"], "at": _time(paging["at"])} if paging else None,
+            cause=cause if isinstance(cause, str) else None, collateral=tuple(sorted(coll)),
+            by=line["by"] if isinstance(line.get("by"), str) else None,
         )
 
 
@@ -309,6 +333,7 @@ def plan(open_incidents: Iterable[Incident], findings: Iterable[Finding], now: f
                                     reason=ENDED) for inc in incs if inc.kind != "crashed")
         return out
     _stall([i for i in incs if i.kind == "stall"], by_kind.pop("stall", []), now, out, state)
+    lost_found = {f.ranks: f for f in by_kind.get("lost", ())}
     taken: set[tuple[str, int]] = set()
     for inc in incs:
         if inc.kind in ("crashed", "stall"):
@@ -336,4 +361,51 @@ def plan(open_incidents: Iterable[Incident], findings: Iterable[Finding], now: f
             fresh.setdefault(gkey, []).append(f)
         for members in fresh.values():
             out.opened.append(_with_why(_merge(kind, members, now), state))
+    _join_collateral(out, lost_found)
     return out
+
+
+def _join_collateral(out: Plan, lost: Mapping[tuple[int, ...], Finding]) -> None:
+    """A crash whose ranks blame a peer, while a node is lost, is collateral of the lost
+    node: the crash incident names it (`cause`, a line of the same id) and the lost
+    node's incident names those ranks (`collateral`, a line of its id when they grow)."""
+    if not any(i.kind == "lost" for i in (*out.opened, *out.updated, *out.still_open)):
+        return
+    moved: list[Incident] = []
+
+    def node_of(inc: Incident) -> Incident:
+        f = lost.get(inc.ranks)
+        coll = tuple(f.info.get("collateral", ())) if f is not None and f.info else ()
+        grown = tuple(sorted({*inc.collateral, *coll}))
+        return inc if grown == inc.collateral else replace(inc, collateral=grown)
+
+    out.opened = [node_of(i) if i.kind == "lost" else i for i in out.opened]
+    out.updated = [node_of(i) if i.kind == "lost" else i for i in out.updated]
+    still: list[Incident] = []
+    for inc in out.still_open:
+        upd = node_of(inc) if inc.kind == "lost" else inc
+        (moved if upd is not inc else still).append(upd)
+    nodes = [i for i in (*out.opened, *out.updated, *moved, *still) if i.kind == "lost"]
+
+    def joined(inc: Incident) -> Incident:
+        if inc.kind != "crashed" or inc.cause is not None:
+            return inc
+        root = inc.root.get("rank") if inc.root is not None else None
+        home = next((n for n in nodes if set(inc.ranks) <= set(n.collateral)
+                     or root in n.collateral), None)
+        if home is None:
+            return inc
+        host = home.hosts[0] if home.hosts else "a node"
+        return replace(inc, cause=home.id, detail=f"{inc.detail} (collateral: {host} lost)")
+
+    out.opened = [joined(i) for i in out.opened]
+    out.updated = [joined(i) for i in out.updated]
+    rest: list[Incident] = []
+    for inc in still:
+        upd = joined(inc)
+        if upd is inc:
+            rest.append(inc)
+        else:
+            moved.append(upd)
+    out.still_open = rest
+    out.updated.extend(moved)  # lines of their ids: not delivered again

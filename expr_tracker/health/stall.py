@@ -132,6 +132,11 @@ def suspects(live: Sequence[RankState], left_over: Set[int] = frozenset()) -> tu
         return [rs for rs in probed if not in_collective(rs.probe)], "busy"
     if probed and len(probed) < len(live):
         return [rs for rs in live if not fresh(rs)], "no probe"
+    if waiting and len(waiting) == len(live):
+        # every rank waits for its peers and none stands out: a network fault or a peer
+        # outside the job; naming the lowest step or the oldest write would blame an
+        # innocent rank (DESIGN 13)
+        return [], "all wait"
     steps = [rs.last_step for rs in live if rs.last_step is not None]
     if steps and min(steps) < max(steps):
         low = min(steps)
@@ -156,24 +161,57 @@ def _who(ranks: Sequence[RankState]) -> str:
     return f"rank{'s' if len(ranks) != 1 else ''} {compact([rs.rank for rs in ranks])}{on}"
 
 
+# the rules whose probes are evidence: raised after `evidence` seconds, not `threshold`
+EVIDENCE_RULES = ("busy", "no probe", "all wait")
+# what a rank's exit or probe says when a peer went away (the last peer error of a stall)
+PEER_ERRORS = ("connection closed by peer", "connection reset by peer", "broken pipe",
+               "connection refused", "timed out", "timeout", "no route to host",
+               "network is unreachable", "communicator was aborted", "nccl error", "gloo")
+
+
+def peer_error(state: RunState) -> str | None:
+    """The last error about a peer any rank showed: a crashed rank's exit message, else a
+    probe frame that names one (the newest by the rank's own exit time)."""
+    found: list[tuple[float, str]] = []
+    for rs in state.ranks.values():
+        ex = rs.exit or {}
+        msg = ex.get("message")
+        if isinstance(msg, str) and any(p in msg.lower() for p in PEER_ERRORS):
+            t = ex.get("time")
+            found.append((float(t) if isinstance(t, (int, float)) else 0.0,
+                          f"rank {rs.rank}: {msg.strip()[:200]}"))
+        for fr in _frames(rs.probe):
+            if any(p in fr.lower() for p in PEER_ERRORS[:7]):
+                found.append((-1.0, f"rank {rs.rank}: {fr[:200]}"))
+    return max(found)[1] if found else None
+
+
 def stall(state: RunState, threshold: float, now: float, period: float | None = None,
           probes_seen: Mapping[int, float] | None = None,
-          left_over: Set[int] = frozenset()) -> dict[str, Any] | None:
+          left_over: Set[int] = frozenset(), evidence: float | None = None) -> dict[str, Any] | None:
     """The stall of this pass, or None: {"ranks", "step", "quiet", "detail", "where",
     "host", "rule"}. `now` and the ranks' times are on the reader's clock; `period` is the
     job's median step period (for `probe_horizon`); `probes_seen`, rank -> when the reader
     first saw its current probe (none: every probe counts as long seen); `left_over`, the
-    ranks whose probe is from an earlier silence (`detect._probes_seen`)."""
+    ranks whose probe is from an earlier silence (`detect._probes_seen`). A stall whose
+    probes are evidence (`EVIDENCE_RULES`) is raised after `evidence` seconds (default
+    `threshold`), one named by no evidence (the lowest step, the oldest write) after
+    `threshold`."""
     live = state.live
     # every rank still running: once one finished or crashed, silence is that (its
     # `crashed` incident explains the others' wait), not a collective waiting for a rank
     if not live or len(live) < len(state.ranks) or state.lead is None:
         return None
     newest = max([t for rs in live if (t := rs.advanced) is not None], default=None)
-    if newest is None or now - newest < threshold:
+    soonest = min(threshold, evidence if evidence is not None else threshold)
+    if newest is None or now - newest < soonest:
         return None
     quiet = now - newest
     named, rule = suspects(live, left_over)
+    if rule not in EVIDENCE_RULES and quiet < threshold:
+        return None
+    if rule == "all wait":
+        return _all_wait(state, live, quiet)
     if not named or (rule == "oldest write" and quiet < probe_horizon(period)):
         return None
     if rule == "no probe" and probes_seen is not None:
@@ -211,3 +249,17 @@ def stall(state: RunState, threshold: float, now: float, period: float | None = 
     return {"ranks": tuple(rs.rank for rs in named), "step": step, "quiet": quiet,
             "detail": detail, "where": where(named[0].probe), "rule": rule,
             "host": next(iter(hosts)) if len(hosts) == 1 else None}
+
+
+def _all_wait(state: RunState, live: Sequence[RankState], quiet: float) -> dict[str, Any]:
+    """The stall when every rank waits in a collective: no rank named, the last peer error."""
+    fns = Counter(fn for rs in live[:256] if (fr := _frames(rs.probe)) and (fn := _frame(fr[0])[1]))
+    fn = fns.most_common(1)[0][0] if fns else "a collective"
+    detail = (f"job stalled at step {state.lead} for {fmt_quiet(quiet)}: every rank waits in {fn}; "
+              "none stands out (a network fault, or a peer outside the job)")
+    err = peer_error(state)
+    detail += f"; last peer error: {err}" if err else "; no rank showed a peer error"
+    hosts = {rs.host for rs in live}
+    return {"ranks": tuple(rs.rank for rs in live), "step": state.lead, "quiet": quiet,
+            "detail": detail, "where": f"every rank waits in {fn}", "rule": "all wait",
+            "host": next(iter(hosts)) if len(hosts) == 1 else None, "error": err}

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from expr_tracker.gcpause import paused_gc
-from expr_tracker.health.clock import PassClock, Seen, mtime_on_our_clock
+from expr_tracker.health.clock import PassClock, Seen, heartbeat_host, mtime_on_our_clock
 from expr_tracker.health.tail import MAX_CATCHUP as MAX_CATCHUP  # (re-exported)
 from expr_tracker.health.tail import ShardTail, decoded, refresh_all
 from expr_tracker.procs import pid_alive
@@ -128,6 +128,9 @@ class RunState:
     changed: frozenset[int] = frozenset()
     # by `_rank`: its latest system-metrics sample (DESIGN 19), `system/*` keys and `_step`
     system: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # exprd heartbeats in the run directory: safe host name (`clock.safe_host`) -> when the
+    # reader saw it touched last (the reader's clock)
+    heartbeats: dict[str, float] = field(default_factory=dict)
 
     # computed once per pass: the detectors ask for them per rank
     @cached_property
@@ -350,6 +353,7 @@ class RunReader:
         self._pending: set[str] = set()  # names drained after a stat pass: read next pass
         self._verify_at = -math.inf  # wall clock of the last stat pass with a watch
         self._last: RunState | None = None
+        self._hb: dict[str, tuple[int, float]] = {}  # heartbeat name -> (mtime_ns, when seen)
         # reads the tails of shards never read (first reads of many: in worker processes),
         # and gives them back in pieces, as they are read; a caller that reads more of each
         # shard from the same read sets its own (`expr summary`: `tail.read_scanned`)
@@ -565,6 +569,7 @@ class RunReader:
             series=self._series.copy() if self.series is not None else {},
             changed=frozenset(changed),
             system=self._system.copy(),
+            heartbeats=self._heartbeats(),
         )
         sizes = [ws for ws, n in self._sizes.items() if n > 0]
         state.__dict__["world_size"] = max(sizes) if sizes else None  # (the cached property)
@@ -578,6 +583,33 @@ class RunReader:
                     state.__dict__[name] = last.__dict__[name]
         self._last = state
         return state
+
+    def _heartbeats(self) -> dict[str, float]:
+        """The exprd heartbeats of the listing, dated like a sidecar (`health.clock`): a
+        `stat` each (a handful per run, one per node)."""
+        hb = self._hb
+        out: dict[str, float] = {}
+        for name in self.names:
+            host = heartbeat_host(name)
+            if host is None:
+                continue
+            try:
+                mtime = os.stat(os.path.join(self.run_dir, name), follow_symlinks=False).st_mtime_ns
+            except OSError:
+                continue
+            old = hb.get(name)
+            if old is None:
+                when = mtime_on_our_clock(mtime, self.fs_offset)
+            elif old[0] != mtime:
+                when = _within(mtime_on_our_clock(mtime, self.fs_offset), self._since,
+                               self._pass_at if self._pass_at is not None else old[1])
+            else:
+                when = old[1]
+            if when is None:
+                continue
+            hb[name] = (mtime, when)
+            out[host] = when
+        return out
 
     def _update(self, live: list[ShardTail], at: float,
                 gone_from: list[int] | None = None) -> list[int]:

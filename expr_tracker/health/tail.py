@@ -157,6 +157,7 @@ class ShardTail:
         self.sidecar: dict[str, Any] | None = None
         self.sidecar_stat: tuple[int, int, int] | None = None  # (mtime_ns, size, inode)
         self.sidecar_corrupt = False  # a sidecar file is there but is no JSON object
+        self._side_fails = 0  # reads in a row that failed while a good copy was kept
         # plain strings: a pass stats every shard and sidecar, and a Path costs a conversion
         self._shard_name = os.fspath(path)
         self._side_name = self._shard_name[: -len(".jsonl")] + ".meta.json"
@@ -508,13 +509,25 @@ class ShardTail:
         try:
             st = os.stat(self._side_name)
         except OSError:
+            if self.sidecar is not None and self._side_fails < 1:
+                self._side_fails += 1  # gone once (a rename seen half, a stale handle): kept
+                return False
             changed = self.sidecar_stat is not None
             self.sidecar, self.sidecar_stat, self.sidecar_corrupt = None, None, False
             return changed
         key = (st.st_mtime_ns, st.st_size, st.st_ino)
         if key == self.sidecar_stat:
+            self._side_fails = 0
             return False
-        self.sidecar = read_sidecar(Path(self._side_name))
+        got = read_sidecar(Path(self._side_name))
+        if got is None and self.sidecar is not None and self._side_fails < 1:
+            # a read that fails once (a network filesystem's cached size over new bytes, a
+            # rename under the read) keeps the last good copy; its stat is not taken, so the
+            # next pass reads again, and a second failure in a row is believed
+            self._side_fails += 1
+            return False
+        self._side_fails = 0
+        self.sidecar = got
         self.sidecar_corrupt = self.sidecar is None
         self.sidecar_stat = key
         self.side_read_now = True

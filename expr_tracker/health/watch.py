@@ -1,240 +1,53 @@
 """A watcher of one run: read its live state, detect, record and deliver incidents (DESIGN 13).
 
 `Watcher(run_dir, cfg, dispatcher).check()` runs one pass. Read offsets live in memory;
-open incidents live in `{run}/incidents.jsonl`, so a restarted watcher (or a second one,
-exprd and `expr watch` on the same run) reads them back and does not repeat them: every
-line is appended under an `flock` of the file after re-reading what others appended.
-
-The file is opened relative to a descriptor of the run directory, with O_NOFOLLOW and
-O_APPEND, and each line is one `os.write`: nothing is written outside the run directory
-and a reader never sees half a line.
+open incidents live in `{run}/incidents.jsonl` (`incidentlog.IncidentLog`), so a
+restarted watcher (or a second one, exprd and `expr watch` on the same run) reads them
+back and does not repeat them.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import re
-from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import orjson
-
 from expr_tracker.gcpause import paused_gc
-from expr_tracker.health.clock import fs_offset
+from expr_tracker.health.clock import attr_cache
 from expr_tracker.health.config import HealthConfig
 from expr_tracker.health.detect import Memory, detect, ended
+from expr_tracker.health.incidentlog import INCIDENTS as INCIDENTS  # (re-exported)
+from expr_tracker.health.incidentlog import IncidentLog as IncidentLog
+from expr_tracker.health.incidentlog import _LineTail, owner_alive
+from expr_tracker.health.incidentlog import open_incidents as open_incidents
 from expr_tracker.health.incidents import Incident, plan
 from expr_tracker.health.state import DEFAULT_WINDOW, RunReader, RunState
 from expr_tracker.ranks import compact
-from expr_tracker.store import records
 
 if TYPE_CHECKING:
     from expr_tracker.alerts import Dispatcher
 
-INCIDENTS = "incidents.jsonl"
+# kinds paged as soon as they open: they never resolve on their own (a blip cannot be one)
+PAGE_AT_ONCE = ("crashed",)
 _ALERTS_RE = re.compile(r"alerts(?:\.rank(\d+))?\.jsonl\Z")
-_MAX_READ = 4 << 20  # bytes of an alerts or incidents file read per pass (the rest next pass)
 
 
-class _LineTail:
-    """Complete lines appended to one file since the last read."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-        self.ino: int | None = None
-
-    def new_lines(self, fd: int | None = None) -> Iterator[dict[str, Any]]:
-        try:
-            fh = open(fd, "rb", closefd=False) if fd is not None else open(self.path, "rb")  # noqa: SIM115
-        except OSError:
-            return
-        with fh:
-            st = os.fstat(fh.fileno())
-            if st.st_ino != self.ino or st.st_size < self.offset:
-                self.ino, self.offset = st.st_ino, 0  # new or truncated: from the start
-            if st.st_size == self.offset:
-                return
-            fh.seek(self.offset)
-            data = fh.read(min(st.st_size - self.offset, _MAX_READ))
-        end = data.rfind(b"\n") + 1
-        self.offset += end
-        for _, line in records.iter_lines(data[:end]):
-            try:
-                rec = records.loads(line)
-            except ValueError:
-                continue
-            yield rec
-
-
-_TORN = {  # what a torn line most likely still holds (see `incidents.LINE_KEYS`)
-    "id": re.compile(rb'"id"\s*:\s*"([^"\\]{1,64})"'),
-    "kind": re.compile(rb'"kind"\s*:\s*"([a-z]{1,32})"'),
-    "state": re.compile(rb'"state"\s*:\s*"(open|resolved)"'),
-    "ranks": re.compile(rb'"ranks"\s*:\s*\[([\d,\s]{0,100000})\]'),
-}
-
-
-def salvage(fragment: bytes) -> Incident | None:
-    """The incident a torn line was recording, as far as it can be read (it was delivered:
-    a watcher delivers before it writes the line)."""
-    found = {k: m.group(1).decode() for k, rx in _TORN.items() if (m := rx.search(fragment))}
-    if "kind" not in found or "ranks" not in found:
-        return None
-    ranks = tuple(sorted(int(r) for r in found["ranks"].replace(" ", "").split(",") if r))
-    inc = Incident(kind=found["kind"], ranks=ranks, hosts=(), step=None, first_seen=0.0,
-                   last_seen=0.0, detail="(recovered from a torn line of incidents.jsonl)",
-                   state=found.get("state", "open"), delivered=True)
-    if "id" in found:
-        inc.id = found["id"]
-    return inc
-
-
-class IncidentLog:
-    """`{run}/incidents.jsonl`: the open incidents (by id), read back and appended to."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = run_dir
-        self.path = run_dir / INCIDENTS
-        self._tail = _LineTail(self.path)
-        self.open: dict[str, Incident] = {}
-        self.torn = 0  # torn tails set aside by this watcher
-        self.offered: set[str] = set()  # ids this watcher tried to deliver (at most once each)
-
-    def sync(self, fd: int | None = None) -> None:
-        """Apply the lines appended since the last call (by us or another watcher)."""
-        for line in self._tail.new_lines(fd):
-            inc = Incident.from_line(line)
-            if inc is None:
-                continue
-            if inc.state == "open":
-                self.open[inc.id] = inc
-            else:
-                self.open.pop(inc.id, None)
-
-    def _open_fd(self) -> int:
-        dfd = os.open(self.run_dir, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            return os.open(INCIDENTS, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
-                           | os.O_CLOEXEC, 0o644, dir_fd=dfd)
-        finally:
-            os.close(dfd)
-
-    def fs_offset(self) -> float | None:
-        """The run directory's filesystem's clock minus ours (`health.clock.fs_offset`)."""
-        try:
-            fd = self._open_fd()
-        except OSError:
-            return None
-        try:
-            return fs_offset(fd)
-        finally:
-            os.close(fd)
-
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[int]:
-        fd = self._open_fd()
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield fd
-        finally:
-            os.close(fd)
-
-    def _set_aside_torn(self, fd: int) -> Incident | None:
-        """A last line without its newline (a watcher killed mid-write) goes to
-        `incidents.jsonl.torn` and is cut off, so the next line is not glued onto it.
-        Returns the incident it held, if it can be read (to be written again whole)."""
-        size = os.fstat(fd).st_size
-        if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
-            return None
-        start = max(0, size - _MAX_READ)
-        data = os.pread(fd, size - start, start)
-        cut = data.rfind(b"\n") + 1
-        if cut == 0 and start > 0:
-            return None  # a "line" of more than _MAX_READ bytes: not ours, leave it
-        fragment = data[cut:]
-        dfd = os.open(self.run_dir, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            side = os.open(INCIDENTS + ".torn", os.O_WRONLY | os.O_APPEND | os.O_CREAT
-                           | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
-        finally:
-            os.close(dfd)
-        try:
-            os.write(side, fragment + b"\n")
-        finally:
-            os.close(side)
-        os.ftruncate(fd, start + cut)
-        self.torn += 1
-        return salvage(fragment)
-
-    def undelivered(self) -> list[Incident]:
-        """The open incidents that nobody delivered and this watcher has not offered yet."""
-        return [inc for inc in self.open.values() if not inc.delivered and inc.id not in self.offered]
-
-    def record(self, changes: list[Incident], deliver: Callable[[Incident], bool] | None,
-               updates: list[Incident] | None = None) -> list[Incident]:
-        """Append `changes` (openings, resolutions) that nobody recorded yet, delivering
-        each first, and `updates` (lines of an open incident's id: not delivered again);
-        returns those written.
-
-        Under the file lock: set a torn tail aside, re-read what other watchers appended,
-        skip an opening that is already open (or a resolution of what is not), deliver,
-        append one line each. With `deliver` None (a watcher without channels: `expr
-        watch` with no alert config) nothing is delivered and the openings are recorded
-        undelivered; a watcher with channels then delivers each open incident that nobody
-        delivered, once, and appends its line again with `delivered` true, so a terminal
-        that saw the stall first does not take its page away (those lines are returned too).
-        """
-        done: list[Incident] = []
-        with self._locked() as fd:
-            recovered = self._set_aside_torn(fd)
-            self.sync(fd)
-            if recovered is not None and self._fresh(recovered):
-                os.write(fd, orjson.dumps(recovered.as_line(), option=orjson.OPT_APPEND_NEWLINE))
-                self.sync(fd)
-            for inc in changes:
-                if inc.state == "resolved":
-                    if inc.id not in self.open:
-                        continue
-                elif not self._fresh(inc):
-                    continue
-                self.offered.add(inc.id)
-                inc.delivered = deliver(inc) if deliver is not None else False
-                line = orjson.dumps(inc.as_line(), option=orjson.OPT_APPEND_NEWLINE)
-                os.write(fd, line)  # one write of one whole line, O_APPEND
-                done.append(inc)
-            for inc in updates or ():
-                cur = self.open.get(inc.id)
-                if cur is None or (cur.ranks == inc.ranks and cur.detail == inc.detail):
-                    continue
-                inc.delivered = cur.delivered
-                os.write(fd, orjson.dumps(inc.as_line(), option=orjson.OPT_APPEND_NEWLINE))
-                done.append(inc)
-            if deliver is not None:
-                self.sync(fd)
-                for inc in self.undelivered():
-                    self.offered.add(inc.id)  # a channel's policy that held it back is not asked again
-                    if deliver(inc):
-                        late = replace(inc, delivered=True)
-                        os.write(fd, orjson.dumps(late.as_line(), option=orjson.OPT_APPEND_NEWLINE))
-                        done.append(late)  # (exprd logs what it paged, whoever saw it first)
-            self.sync(fd)
-        return done
-
-    def _fresh(self, inc: Incident) -> bool:
-        """An opening nobody recorded: no open incident of its kind covers it (the same
-        ranks; for a stall any, one per run; for a crash any of its ranks)."""
-        for o in self.open.values():
-            if o.kind != inc.kind:
-                continue
-            if o.ranks == inc.ranks or inc.kind == "stall" or (
-                    inc.kind == "crashed" and set(o.ranks) & set(inc.ranks)):
-                return False
-        return True
+def with_cache(cfg: HealthConfig, run_dir: Path) -> tuple[HealthConfig, str | None]:
+    """`cfg` with `fs_cache` resolved (configured, else the mount's, else 0), and the
+    sentence a watcher says at start when it is not 0."""
+    if cfg.fs_cache is not None:
+        why = "configured"
+        cache = cfg.fs_cache
+    else:
+        found = attr_cache(run_dir)
+        cache, why = found if found is not None else (0.0, "")
+        cfg = replace(cfg, fs_cache=cache)
+    if not cache:
+        return cfg, None
+    return cfg, (f"the run directory's filesystem may show a file's size up to {cache:g}s old "
+                 f"({why}): silence and 'behind' are believed only beyond it")
 
 
 class Watcher:
@@ -248,9 +61,12 @@ class Watcher:
         *,
         stream: str | None = None,
         window: int | None = None,
+        owner: bool = True,
     ) -> None:
+        """`owner`: this watcher keeps watching (not one pass, `--once`), so others leave
+        what it opens to it (`_keep_others`)."""
         self.run_dir = Path(run_dir)
-        self.cfg = cfg or HealthConfig()
+        self.cfg, self.cache_note = with_cache(cfg or HealthConfig(), self.run_dir)
         self.dispatcher = dispatcher
         need = 2 * max(self.cfg.straggler_steps, self.cfg.slowdown_steps) + 1
         self.reader = RunReader(self.run_dir, stream, window=window or max(DEFAULT_WINDOW, need),
@@ -262,6 +78,10 @@ class Watcher:
         self.state: RunState | None = None
         self.errors = 0
         self._clocked = False  # the filesystem's clock measured (on the first pass)
+        self._seen_at: dict[str, float] = {}  # incident id -> when this watcher first saw it open
+        if owner:  # a long-running watcher (exprd, `expr watch`): it resolves what it opens
+            self.log.owner = self.log.token
+        self._now = 0.0  # the time of the current pass
 
     @property
     def open(self) -> list[Incident]:
@@ -309,17 +129,61 @@ class Watcher:
         findings = detect(self.state, list(self._suppressed.values()), self.cfg, self.memory, now)
         p = plan(self.log.open.values(), findings, now, self.state,
                  crash_window=self.cfg.crash_window, ended=ended(self.state))
+        self._keep_others(p)
         for inc in p.still_open:  # last_seen and step in memory; the file keeps the first line
             self.log.open[inc.id] = inc
-        late = self.dispatcher is not None and bool(self.log.undelivered())
+        for inc in self.log.open.values():  # when this watcher first saw each open incident
+            self._seen_at.setdefault(inc.id, min(now, inc.first_seen or now))
+        self._now = now
+        late = self.dispatcher is not None and (
+            bool(self.log.outcomes) or any(self._due(i) for i in self.log.undelivered()))
         if not (p.opened or p.resolved or p.updated or late) or not self.run_dir.is_dir():
             return []
         try:
             return self.log.record(p.resolved + p.opened,
-                                   self._deliver if self.dispatcher is not None else None, p.updated)
+                                   self._deliver if self.dispatcher is not None else None, p.updated,
+                                   self._due)
         except OSError:
             self.errors += 1
             return []
+
+    def _keep_others(self, p: Any) -> None:
+        """What another live watcher opened, it resolves (its thresholds, its evidence: a
+        watcher with a higher `behind_steps` must not resolve what exprd still sees);
+        this one only when the run ended or the ranks stopped, or its owner is gone (on
+        this host, its pid; on another, never known: it stays until the run ends)."""
+        keep = [inc for inc in p.resolved if inc.by is not None and inc.by != self.log.owner
+                and inc.reason is None and owner_alive(inc.by)]
+        if keep:
+            ids = {inc.id for inc in keep}
+            p.resolved = [inc for inc in p.resolved if inc.id not in ids]
+            p.still_open.extend(self.log.open[i] for i in ids if i in self.log.open)
+
+    def _due(self, inc: Incident) -> bool:
+        """`inc` may be paged now: it has held `page_after` on this watcher's clock (from
+        when it first saw it, or the line's `first_seen` if earlier), or it is a crash."""
+        if inc.kind in PAGE_AT_ONCE or self.cfg.page_after <= 0:
+            return True
+        since = self._seen_at.get(inc.id, inc.first_seen or self._now)
+        return self._now - min(since, inc.first_seen or since) >= self.cfg.page_after
+
+    def settle(self) -> list[Incident]:
+        """Write what the channels said of the pages on their way (`IncidentLog._settle`);
+        `expr watch` calls it after waiting for them, before it exits."""
+        if not self.log.outcomes or not self.run_dir.is_dir():
+            return []
+        try:
+            with self.log._locked() as fd:
+                self.log.sync(fd)
+                return self.log._settle(fd)
+        except OSError:
+            self.errors += 1
+            return []
+
+    def others(self) -> list[Incident]:
+        """The incident lines other watchers appended since the last call (every reader
+        shows every line of incidents.jsonl, whoever recorded it)."""
+        return self.log.take_others()
 
     def _deliver(self, inc: Incident) -> bool:
         if self.dispatcher is None or (inc.state == "resolved" and not self.cfg.notify_recovery):
@@ -339,8 +203,11 @@ class Watcher:
                 kind="fire" if inc.state == "open" else "recover",
                 step=inc.step, time=inc.last_seen, project=run.parent.name, run=run.name,
                 stream=self.reader.stream, rank=inc.ranks[0] if inc.ranks else 0,
+                # one page per incident of one run (DESIGN 13 Delivery; the idempotency key)
+                event_id=f"health:{inc.id}:{inc.state}",
             )
         except (TypeError, ValueError):
             return False
-        outcome = self.dispatcher.submit(alert)
+        key = (inc.id, inc.state)
+        outcome = self.dispatcher.submit(alert, on_done=lambda ok: self.log.done(key, ok))
         return any(v == "queued" for v in outcome.values())
