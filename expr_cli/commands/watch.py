@@ -67,6 +67,7 @@ def watch_command(run: str, dir: str | None, stream: str | None, once: bool, as_
                   exit_on_finish: bool = False) -> int:
     """Watch RUN; the exit code (with --once, or --exit-on-finish once the run ended: 1 if
     an incident is open, else 0)."""
+    from expr_cli import render
     from expr_cli.render import health as render_health
     from expr_tracker.health.watch import Watcher
 
@@ -82,8 +83,17 @@ def watch_command(run: str, dir: str | None, stream: str | None, once: bool, as_
         return 130
     disp = dispatcher(config)
     watcher = Watcher(ref.path, cfg, disp, stream=stream)
+    named: set[str] = set()
+
+    def name_write_error() -> None:
+        # once per cause: the incidents are shown (and delivered) all the same
+        if watcher.write_error is not None and watcher.write_error not in named:
+            named.add(watcher.write_error)
+            render.error(watcher.write_error)
+
     try:
         changes = watcher.check()
+        name_write_error()
         if not once and not as_json:
             render_health.watching(ref.label, watcher.state, disp is not None)
         shown = {id(c) for c in changes}
@@ -95,12 +105,13 @@ def watch_command(run: str, dir: str | None, stream: str | None, once: bool, as_
             if not first and not as_json:
                 render_health.no_incidents(ref.label)
             flush(disp)
-            return 1 if watcher.open else 0
+            return 1 if watcher.open or watcher.write_error else 0
         while not (exit_on_finish and watcher.ended):
             time.sleep(interval)
             render_health.incident_lines(watcher.check(), ref.label, as_json)
+            name_write_error()
         flush(disp)
-        return 1 if watcher.open else 0
+        return 1 if watcher.open or watcher.write_error else 0
     except KeyboardInterrupt:
         return 130  # like coreutils tools, quietly
     finally:

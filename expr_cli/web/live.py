@@ -21,6 +21,7 @@ are kept: they are the same (`tests/test_serve_quick.py`).
 from __future__ import annotations
 
 import os
+import stat
 import sys
 import threading
 import time
@@ -249,11 +250,16 @@ def incident_lines(ref: RunRef, limit: int = 200) -> list[dict[str, Any]]:
     from expr_tracker.store import records
 
     try:
-        fd = os.open(ref.path / "incidents.jsonl", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO in its place is refused below, not waited on
+        fd = os.open(ref.path / "incidents.jsonl",
+                     os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return []
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return []
+        size = st.st_size
         start = max(0, size - INCIDENT_TAIL)
         data = os.pread(fd, size - start, start)
     finally:

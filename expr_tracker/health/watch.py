@@ -16,6 +16,7 @@ import contextlib
 import fcntl
 import os
 import re
+import stat
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -31,6 +32,7 @@ from expr_tracker.health.incidents import Incident, plan
 from expr_tracker.health.state import DEFAULT_WINDOW, RunReader, RunState
 from expr_tracker.ranks import compact
 from expr_tracker.store import records
+from expr_tracker.store.safedir import open_file
 
 if TYPE_CHECKING:
     from expr_tracker.alerts import Dispatcher
@@ -47,12 +49,36 @@ class _LineTail:
         self.path = path
         self.offset = 0
         self.ino: int | None = None
+        self.refused: str | None = None  # why the file is not read (a symlink, a FIFO)
+
+    def _open(self) -> int | None:
+        """The file for reading, or None: missing, or refused (`refused` says why). A
+        symlink is not followed and a FIFO or device not read (O_NONBLOCK: opening a FIFO
+        nobody writes would block the watcher, and every run it watches, for good)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            self.refused = None
+            return None
+        except OSError as exc:
+            self.refused = refusal(self.path, exc)
+            return None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            self.refused = f"{self.path} is not a regular file"
+            return None
+        self.refused = None
+        return fd
 
     def new_lines(self, fd: int | None = None) -> Iterator[dict[str, Any]]:
-        try:
-            fh = open(fd, "rb", closefd=False) if fd is not None else open(self.path, "rb")  # noqa: SIM115
-        except OSError:
-            return
+        if fd is None:
+            fd = self._open()
+            if fd is None:
+                return
+            fh = open(fd, "rb")  # noqa: SIM115
+        else:
+            fh = open(fd, "rb", closefd=False)  # noqa: SIM115
         with fh:
             st = os.fstat(fh.fileno())
             if st.st_ino != self.ino or st.st_size < self.offset:
@@ -69,6 +95,13 @@ class _LineTail:
             except ValueError:
                 continue
             yield rec
+
+
+def refusal(path: Path, exc: OSError) -> str:
+    """Why `path` could not be opened, in words: a symlink is named as one."""
+    if os.path.islink(path):
+        return f"{path} is a symlink (not followed)"
+    return f"{path}: {exc.strerror or exc}"
 
 
 _TORN = {  # what a torn line most likely still holds (see `incidents.LINE_KEYS`)
@@ -116,11 +149,16 @@ class IncidentLog:
             else:
                 self.open.pop(inc.id, None)
 
+    @property
+    def refused(self) -> str | None:
+        """Why the file is not read or written (a symlink, a FIFO), if it is not."""
+        return self._tail.refused
+
     def _open_fd(self) -> int:
         dfd = os.open(self.run_dir, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            return os.open(INCIDENTS, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
-                           | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+            return open_file(dfd, INCIDENTS, os.O_RDWR | os.O_APPEND | os.O_CREAT,
+                             where=self.run_dir)
         finally:
             os.close(dfd)
 
@@ -225,6 +263,37 @@ class IncidentLog:
             self.sync(fd)
         return done
 
+    def unrecorded(self, changes: list[Incident], deliver: Callable[[Incident], bool] | None,
+                   updates: list[Incident] | None = None) -> list[Incident]:
+        """What `record` does when the file cannot be written (a read-only run directory,
+        a symlink or FIFO in its place): the changes kept in memory and delivered all the
+        same, so a crash is still shown and paged; the caller names the write error."""
+        done: list[Incident] = []
+        for inc in changes:
+            if inc.state == "resolved":
+                if self.open.pop(inc.id, None) is None:
+                    continue
+            elif not self._fresh(inc):
+                continue
+            else:
+                self.open[inc.id] = inc
+            self.offered.add(inc.id)
+            inc.delivered = deliver(inc) if deliver is not None else False
+            done.append(inc)
+        for inc in updates or ():
+            cur = self.open.get(inc.id)
+            if cur is not None and (cur.ranks != inc.ranks or cur.detail != inc.detail):
+                inc.delivered = cur.delivered
+                self.open[inc.id] = inc
+                done.append(inc)
+        if deliver is not None:
+            for inc in self.undelivered():
+                self.offered.add(inc.id)
+                if deliver(inc):
+                    inc.delivered = True
+                    done.append(inc)
+        return done
+
     def _fresh(self, inc: Incident) -> bool:
         """An opening nobody recorded: no open incident of its kind covers it (the same
         ranks; for a stall any, one per run; for a crash any of its ranks)."""
@@ -261,6 +330,7 @@ class Watcher:
         self._suppressed: dict[tuple[int, str], dict[str, Any]] = {}
         self.state: RunState | None = None
         self.errors = 0
+        self.write_error: str | None = None  # why the last pass could not record its incidents
         self._clocked = False  # the filesystem's clock measured (on the first pass)
 
     @property
@@ -311,15 +381,25 @@ class Watcher:
                  crash_window=self.cfg.crash_window, ended=ended(self.state))
         for inc in p.still_open:  # last_seen and step in memory; the file keeps the first line
             self.log.open[inc.id] = inc
+        # a symlink or FIFO in the file's place is neither read nor appended to
+        refused = self.log.refused
+        self.write_error = None if refused is None else f"cannot record incidents: {refused}"
         late = self.dispatcher is not None and bool(self.log.undelivered())
         if not (p.opened or p.resolved or p.updated or late) or not self.run_dir.is_dir():
             return []
-        try:
-            return self.log.record(p.resolved + p.opened,
-                                   self._deliver if self.dispatcher is not None else None, p.updated)
-        except OSError:
+        deliver = self._deliver if self.dispatcher is not None else None
+        if refused is not None:
             self.errors += 1
-            return []
+            return self.log.unrecorded(p.resolved + p.opened, deliver, p.updated)
+        try:
+            done = self.log.record(p.resolved + p.opened, deliver, p.updated)
+        except OSError as exc:
+            # a read-only run directory (a teammate's run, a ro mount): the incidents are
+            # shown and delivered from memory, and the error is named, not swallowed
+            self.errors += 1
+            self.write_error = f"cannot record incidents: {refusal(self.log.path, exc)}"
+            return self.log.unrecorded(p.resolved + p.opened, deliver, p.updated)
+        return done
 
     def _deliver(self, inc: Incident) -> bool:
         if self.dispatcher is None or (inc.state == "resolved" and not self.cfg.notify_recovery):

@@ -128,6 +128,27 @@ def open_file(dir_fd: int, name: str, flags: int, mode: int = 0o644, *,
     return fd
 
 
+class NotRegular(UnsafePath):
+    """A FIFO, socket, device or directory where a regular file belongs (the message says where)."""
+
+
+def open_regular(path: str | os.PathLike[str], *, follow: bool = True) -> int:
+    """A read-only descriptor of `path`, refused (`NotRegular`) unless it is a regular file.
+
+    A FIFO put where a shard, sidecar or incidents file belongs would block the open, and
+    every run a watcher serves behind it, for good: O_NONBLOCK makes the open return, and
+    the `fstat` refuses it. `follow=False` refuses a symlink too (ELOOP)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    fd = os.open(path, flags)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotRegular(errno.EINVAL, f"{os.fspath(path)} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def write_atomic_at(dir_fd: int, name: str, data: bytes, *, mode: int = 0o644) -> None:
     """Replace `name` in `dir_fd` with `data`: temp file, fsync, rename, no symlink followed."""
     tmp = f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"

@@ -1,0 +1,144 @@
+"""Files that are not what a reader expects (issue 43): an incidents file that is a symlink
+or a FIFO, a read-only run directory, a FIFO as a shard, a shard with a NUL tail, a sidecar
+that cannot be written. Real files, real FIFOs, real read-only bind mounts, real processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.procs import env_for, in_mount_namespace
+from tests.synthetic import write_run
+from tests.test_daemon import make_spool, start_exprd, stop, wait_for, wait_ready, write_config
+
+
+def expr(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "expr_cli.main", *args], env=env_for(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _config(path: Path, url: str) -> Path:
+    path.write_text(f'[channels.hook]\ntype = "webhook"\nurl = {json.dumps(url)}\nretries = 0\n'
+                    '[policy]\nrate = 0\n[health]\nmissing_after = "10m"\n')
+    return path
+
+
+def _crashed_run(run: Path) -> Path:
+    return write_run(run, 4, 30, crashed=2, status="finished")
+
+
+def _posted(httpserver: Any) -> list[str]:
+    return [json.loads(req.get_data())["rule"] for req, _ in httpserver.log]
+
+
+# row 1: the open is shown and paged though it cannot be recorded
+
+
+def test_a_symlinked_incidents_file_the_crash_is_shown_and_delivered_the_error_named(
+        tmp_path: Path, httpserver: Any) -> None:
+    httpserver.expect_request("/hook", method="POST").respond_with_data("ok")
+    run = _crashed_run(tmp_path / "runs" / "p" / "r")
+    outside = tmp_path / "elsewhere.jsonl"
+    outside.write_text("")
+    (run / "incidents.jsonl").symlink_to(outside)
+    cfg = _config(tmp_path / "alert.toml", httpserver.url_for("/hook"))
+    out = expr("watch", str(run), "--once", "--config", str(cfg))
+    assert out.returncode != 0, out
+    assert "crashed rank 2" in out.stdout, out.stdout
+    assert "incidents.jsonl is a symlink" in out.stderr, out.stderr
+    assert _posted(httpserver) == ["health:crashed:2"]
+    assert outside.read_text() == ""  # nothing written through the link
+
+
+def test_a_read_only_run_directory_the_crash_is_shown_and_delivered_the_error_named(
+        tmp_path: Path, httpserver: Any) -> None:
+    """A teammate's run on a read-only bind mount (`unshare -m`): the crash is paged and
+    shown, `expr watch` names EROFS and exits non-zero."""
+    httpserver.expect_request("/hook", method="POST").respond_with_data("ok")
+    run = _crashed_run(tmp_path / "runs" / "p" / "r")
+    cfg = _config(tmp_path / "alert.toml", httpserver.url_for("/hook"))
+    got = in_mount_namespace(f"""
+        import json, subprocess, sys
+        run = {str(run)!r}
+        subprocess.run(["mount", "--bind", run, run], check=True)
+        subprocess.run(["mount", "-o", "remount,bind,ro", run], check=True)
+        out = subprocess.run([sys.executable, "-m", "expr_cli.main", "watch", run, "--once",
+                              "--config", {str(cfg)!r}], capture_output=True, text=True, timeout=60)
+        print(json.dumps([out.returncode, out.stdout, out.stderr]))
+    """)
+    code, stdout, stderr = got
+    assert code != 0
+    assert "crashed rank 2" in stdout, stdout
+    assert "cannot record incidents" in stderr and "Read-only file system" in stderr, stderr
+    assert _posted(httpserver) == ["health:crashed:2"]
+    assert not (run / "incidents.jsonl").exists()
+
+
+# row 2: a FIFO where incidents.jsonl belongs
+
+
+def test_a_fifo_incidents_file_is_refused_by_watch_and_top(tmp_path: Path) -> None:
+    run = _crashed_run(tmp_path / "runs" / "p" / "r")
+    os.mkfifo(run / "incidents.jsonl")
+    out = expr("watch", str(run), "--once")  # would block in open() for good
+    assert out.returncode == 1
+    assert "crashed rank 2" in out.stdout
+    assert "incidents.jsonl is not a regular file" in out.stderr, out.stderr
+    top = expr("top", str(run), "--once", "--json")
+    assert top.returncode in (0, 1), top.stderr
+    assert any(r["status"] == "crashed" for r in json.loads(top.stdout)["ranks"]), top.stdout
+
+
+def test_a_fifo_incidents_file_under_watch_roots_exprd_warns_and_applies_the_rest(
+        tmp_path: Path) -> None:
+    """exprd watches a live run of this host under `watch_roots` whose incidents.jsonl is a
+    FIFO: it names it in a warning and goes on applying every other run's spool file."""
+    spool, state, root = tmp_path / "spool", tmp_path / "state", tmp_path / "runs"
+    run = write_run(root / "p" / "live", 2, 30, crashed=1)
+    for side in run.glob("*.meta.json"):
+        meta = json.loads(side.read_text())
+        meta["host"] = socket.gethostname()
+        side.write_text(json.dumps(meta))
+    os.mkfifo(run / "incidents.jsonl")
+    make_spool(spool, root, "other", 20)
+    cfg = write_config(tmp_path / "exprd.toml", spool, state, [root],
+                       extra=f"watch_roots = {json.dumps([str(root)])}\n")
+    log = tmp_path / "exprd.log"
+    proc = start_exprd(cfg, log=log)
+    try:
+        wait_ready(state, proc)
+        wait_for(lambda: (root / "proj" / "other" / "metrics.jsonl").exists()
+                 and len((root / "proj" / "other" / "metrics.jsonl").read_bytes().splitlines()) == 20,
+                 20, "the other run's spool file applied")
+        wait_for(lambda: "incidents.jsonl is not a regular file" in log.read_text(), 20,
+                 "the FIFO named in exprd's log")
+    finally:
+        assert stop(proc) == 0, log.read_text()
+
+
+# row 5: a FIFO as a shard
+
+
+def test_a_fifo_shard_is_refused_by_summary_and_watch(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "runs" / "p" / "r", 3, 20)
+    (run / "metrics.rank1.jsonl").unlink()
+    os.mkfifo(run / "metrics.rank1.jsonl")
+    started = time.monotonic()
+    out = expr("summary", str(run), "--json")
+    assert time.monotonic() - started < 25
+    assert out.returncode == 0, out.stderr
+    watch = expr("watch", str(run), "--once", "--json")
+    assert watch.returncode in (0, 1), watch.stderr
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
