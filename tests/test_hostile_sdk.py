@@ -110,3 +110,59 @@ def test_a_system_interval_below_the_floor_is_refused_naming_the_field(
     run = et.init("p", "ok", dir=tmp_path, system_metrics=False, system_interval=1)
     et.finish()
     assert run.info()["system_metrics"] is None
+
+
+def _keys(tmp_path: Path, name: str) -> list[set[str]]:
+    shard = tmp_path / "p" / name / "metrics.jsonl"
+    return [{k for k in json.loads(x) if k.startswith("time_ms/")}
+            for x in shard.read_text().splitlines()]
+
+
+def test_a_span_closed_out_of_order_leaves_the_stack_wherever_it_is(tmp_path: Path) -> None:
+    """`with et.span("data")` around a generator's `yield`, first advanced inside a
+    `warmup` span that closes while `data` is open: later spans nest under what is open
+    (`data` while the generator is suspended in it), never under the closed `warmup`."""
+    et.init("p", "gen", dir=tmp_path)
+
+    def batches():
+        for i in range(4):
+            with et.span("data"):
+                yield i
+
+    it = batches()
+    with et.span("warmup"):
+        next(it)  # "data" opens under "warmup", which closes first
+    et.log({"x": 0.0})
+    for _ in range(3):
+        next(it)
+        with et.span("opt"):
+            pass
+        et.log({"x": 1.0})
+    it.close()  # the last "data" exits here
+    with et.span("after"):
+        pass
+    et.log({"x": 2.0})
+    et.finish()
+    rows = _keys(tmp_path, "gen")
+    assert rows[0] == {"time_ms/warmup"}, rows
+    assert rows[1] == {"time_ms/warmup/data", "time_ms/data/opt"}, rows
+    assert rows[2] == rows[3] == {"time_ms/data", "time_ms/data/opt"}, rows
+    assert rows[4] == {"time_ms/data", "time_ms/after"}, rows
+    from expr_tracker.spans import open_path
+    assert open_path() == ""
+
+
+def test_a_span_entered_and_never_exited_is_left_when_it_exits_late(tmp_path: Path) -> None:
+    et.init("p", "late", dir=tmp_path)
+    outer = et.span("outer").__enter__()
+    inner = et.span("inner").__enter__()
+    outer.__exit__(None, None, None)  # out of order: "inner" is still open
+    with et.span("a"):
+        pass
+    inner.__exit__(None, None, None)
+    with et.span("b"):
+        pass
+    et.log({"x": 1.0})
+    et.finish()
+    (row,) = _keys(tmp_path, "late")
+    assert row == {"time_ms/outer", "time_ms/outer/inner", "time_ms/outer/inner/a", "time_ms/b"}, row
