@@ -142,3 +142,42 @@ def test_a_fifo_shard_is_refused_by_summary_and_watch(tmp_path: Path) -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+# row 6: a NUL tail, as a node crash leaves
+
+
+def _nul_tail(run: Path, sparse: int, written: int) -> Path:
+    shard = run / "metrics.rank1.jsonl"
+    with open(shard, "ab") as fh:
+        fh.write(b"\0" * written)
+    if sparse:
+        os.truncate(shard, shard.stat().st_size + sparse)
+    return shard
+
+
+def test_a_nul_tail_is_skipped_with_a_warning_in_bounded_reads(tmp_path: Path) -> None:
+    """A 1 GiB hole after 4 MiB of written NULs (the 20 GB case: `make torture`)."""
+    run = write_run(tmp_path / "runs" / "p" / "r", 4, 200, status="finished")
+    shard = _nul_tail(run, 1 << 30, 4 << 20)
+    for args in (["summary", str(run), "--json"], ["watch", str(run), "--once", "--json"]):
+        started = time.monotonic()
+        out = expr(*args, timeout=60)
+        took = time.monotonic() - started
+        assert out.returncode == 0, out.stderr
+        assert took < 15, (args, took)
+        assert f"{shard}: skipped" in out.stderr and "NUL bytes" in out.stderr, out.stderr
+        if args[0] == "summary":  # rank 1's lines before the NULs all read
+            assert json.loads(out.stdout)["ranks"]["frontier"] == 199
+
+
+def test_lines_after_a_nul_run_are_read(tmp_path: Path) -> None:
+    """A node crashed mid-run and the rank resumed appending after the NULs."""
+    run = write_run(tmp_path / "runs" / "p" / "r", 2, 100, status="finished")
+    shard = run / "metrics.rank1.jsonl"
+    lines = shard.read_bytes().splitlines(keepends=True)
+    shard.write_bytes(b"".join(lines[:100]) + b"\0" * (8 << 20) + b"".join(lines[100:]))
+    from expr_tracker.store.reader import ShardReader
+
+    recs = ShardReader(shard).records()
+    assert [r["_step"] for r in recs if "_kind" not in r] == list(range(100))

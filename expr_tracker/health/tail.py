@@ -27,7 +27,7 @@ import orjson
 from expr_tracker.gcpause import paused_gc
 from expr_tracker.store import records
 from expr_tracker.store.cursor import read_sidecar
-from expr_tracker.store.safedir import open_regular
+from expr_tracker.store.safedir import open_read, open_regular
 from expr_tracker.store.window import WINDOW_BLOCK, Short, TailBytes
 
 if TYPE_CHECKING:
@@ -296,7 +296,7 @@ class ShardTail:
         (or its tail read, `TailBytes`); else it is opened here.
         """
         if fh is None:
-            with open(open_regular(self._shard_name), "rb") as own:
+            with open_read(self._shard_name) as own:
                 return self._read_tail(end, own)
         self._reset()
         # the records kept, sorted as `_take` sorts them, newest first
@@ -392,7 +392,7 @@ class ShardTail:
         return SMALL_BLOCK if self.window <= SMALL_WINDOW else TAIL_BLOCK
 
     def _read_forward(self, end: int) -> None:
-        with open(open_regular(self._shard_name), "rb") as fh:
+        with open_read(self._shard_name) as fh:
             for _, data in records.complete_blocks(fh, 1 << 20, self.offset):
                 self._take(_parse_lines(data))
                 self.offset += len(data)
@@ -422,7 +422,7 @@ class ShardTail:
         self.version += 1
         self.read_now = True
         try:
-            with open(open_regular(self._shard_name), "rb") as fh:
+            with open_read(self._shard_name) as fh:
                 end = records.complete_end(fh, self._first_block())
             if replaced or end < self.offset or end - self.offset > MAX_CATCHUP or self.offset == 0:
                 self._read_tail(end)
@@ -458,6 +458,7 @@ class ShardTail:
             want = min(size, max(self._tail_bytes(), self._bytes_for(steps)))
             data = os.pread(fd, want, size - want) if want else b""
             with open(fd, "rb", closefd=False) as fh:
+                fh.raw.name = self._shard_name  # type: ignore[attr-defined]  # (for messages)
                 held = cast("BinaryIO", TailBytes(data, size - want) if len(data) == want else fh)
                 try:
                     self._read_tail(records.complete_end(held, self._first_block()), held)
@@ -497,7 +498,7 @@ class ShardTail:
         True if it did. `first`: never read yet, so it is opened at once (no `stat` first)."""
         if first:
             try:
-                with open(open_regular(self._side_name), "rb") as fh:
+                with open_read(self._side_name) as fh:
                     st = os.fstat(fh.fileno())
                     raw = fh.read()
             except OSError:

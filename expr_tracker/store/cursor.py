@@ -17,7 +17,7 @@ import orjson
 
 from expr_tracker.store import records
 from expr_tracker.store.layout import ShardPaths
-from expr_tracker.store.safedir import open_regular, write_all, write_atomic_at
+from expr_tracker.store.safedir import open_read, write_all, write_atomic_at
 
 MAX_SIDECAR = 64 << 20  # bytes of a sidecar read: past it, not JSON of ours (read as none)
 
@@ -38,7 +38,7 @@ def write_atomic(path: Path, data: bytes) -> None:
 def read_sidecar(path: Path) -> dict[str, Any] | None:
     """The sidecar as a dict, or None if missing or unreadable."""
     try:
-        with open(open_regular(path), "rb") as fh:
+        with open_read(path) as fh:
             data = orjson.loads(fh.read(MAX_SIDECAR + 1))
     except (OSError, orjson.JSONDecodeError):
         return None

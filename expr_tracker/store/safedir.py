@@ -16,6 +16,7 @@ import stat
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _NOFOLLOW_DIR = _DIR | os.O_NOFOLLOW
@@ -147,6 +148,13 @@ def open_regular(path: str | os.PathLike[str], *, follow: bool = True) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def open_read(path: str | os.PathLike[str]) -> BinaryIO:
+    """`open(path, "rb")` of a regular file only (`open_regular`), named by its path."""
+    fh = open(open_regular(path), "rb")  # noqa: SIM115 - the caller's
+    fh.raw.name = os.fspath(path)  # type: ignore[attr-defined]  # (for messages)
+    return fh
 
 
 def write_atomic_at(dir_fd: int, name: str, data: bytes, *, mode: int = 0o644) -> None:
