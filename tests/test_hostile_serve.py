@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("starlette", reason="expr serve needs the serve extra (starlette, uvicorn)")
 pytest.importorskip("uvicorn", reason="expr serve needs the serve extra (starlette, uvicorn)")
 
+from .procs import in_mount_namespace
 from .servers import Server
 from .synthetic import write_run
 
@@ -181,3 +182,79 @@ def test_the_live_cache_is_bounded_by_ranks_kept_and_misses_evict_nothing(
     assert sum(runs.ranks.values()) <= 96
     assert (str(big), None) not in runs.runs  # the least recently used went first
     assert len(runs.runs) == 6
+
+
+# row 19: every child stopped on exit
+
+
+def _descendants(pid: int) -> set[int]:
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        for child, ppid in parent.items():
+            if ppid == p and child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_sigterm_during_a_stuck_read_stops_every_child(tmp_path: Path) -> None:
+    """SIGTERM while a request waits for a fork server that does not answer (stopped with
+    SIGSTOP, as a read stuck on a dead filesystem holds it): the server, its fork server,
+    resource tracker and workers are all gone within seconds. In `unshare -m`, /proc/stat
+    and /proc/loadavg are bind-mounted with an idle machine's, so the server reads in
+    workers whatever the load here."""
+    root = tmp_path / "runs"
+    write_run(root / "p" / "wide", 1100, 20, status="finished")
+    idle = tmp_path / "stat"
+    idle.write_text("cpu  100 0 100 100000 0 0 0 0 0 0\n")
+    load = tmp_path / "loadavg"
+    load.write_text("0.00 0.00 0.00 1/100 1\n")
+    got = in_mount_namespace(f"""
+        import json, os, signal, subprocess, sys, threading, time
+        from pathlib import Path
+        subprocess.run(["mount", "--bind", {str(idle)!r}, "/proc/stat"], check=True)
+        subprocess.run(["mount", "--bind", {str(load)!r}, "/proc/loadavg"], check=True)
+        sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+        from tests.servers import Server
+        from tests.test_hostile_serve import _alive, _descendants, get
+        srv = Server(Path({str(root.resolve())!r}))
+        kids = _descendants(srv.proc.pid)
+        for pid in kids:  # the fork server: not answering
+            if b"forkserver" in Path(f"/proc/{{pid}}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGSTOP)
+        threading.Thread(target=lambda: get(srv.port, "/api/runs/p/wide/summary", timeout=60),
+                         daemon=True).start()
+        time.sleep(1.5)
+        srv.proc.send_signal(signal.SIGTERM)
+        try:
+            code = srv.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            code = None
+        deadline = time.monotonic() + 5
+        while [p for p in kids if _alive(p)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [p for p in kids | {{srv.proc.pid}} if _alive(p)]
+        for pid in left:
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGKILL)
+        print(json.dumps({{"code": code, "kids": len(kids), "left": len(left)}}))
+    """)
+    assert got["kids"] >= 1, got
+    assert got["code"] is not None and got["left"] == 0, got
