@@ -181,3 +181,30 @@ def test_lines_after_a_nul_run_are_read(tmp_path: Path) -> None:
 
     recs = ShardReader(shard).records()
     assert [r["_step"] for r in recs if "_kind" not in r] == list(range(100))
+
+
+# row 16: a sidecar that cannot be written
+
+
+def test_a_sidecar_that_cannot_be_written_leaves_no_temp_files_and_says_so_truly(
+        tmp_path: Path) -> None:
+    from tests.procs import spawn
+
+    run = tmp_path / "runs" / "p" / "r"
+    (run / "metrics.meta.json").mkdir(parents=True)  # a directory in its place
+    p = spawn(f"""
+        import time, expr_tracker as et
+        et.init("p", "r", dir={str(tmp_path / "runs")!r}, system_metrics=False)
+        for i in range(30):
+            et.log({{"loss": float(i)}})
+        time.sleep(2.5)  # the background thread's flushes and sidecar writes
+        et.finish()
+    """)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    rows = (run / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 30
+    assert [e.name for e in run.iterdir() if e.name.endswith(".tmp")] == []
+    assert f"cannot write sidecar {run / 'metrics.meta.json'}" in err, err
+    assert "the rows are written" in err and "rows are kept in memory" not in err, err
+    assert err.count("cannot write sidecar") == 1, err

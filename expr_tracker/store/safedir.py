@@ -26,6 +26,10 @@ class UnsafePath(OSError):
     """A symlink, hard link or special file where exprd would write (the message says where)."""
 
 
+class NotRegular(UnsafePath):
+    """A FIFO, socket, device or directory where a regular file belongs (the message says where)."""
+
+
 def _link_target(name: str, dir_fd: int) -> str:
     try:
         return os.readlink(name, dir_fd=dir_fd)
@@ -117,7 +121,7 @@ def open_file(dir_fd: int, name: str, flags: int, mode: int = 0o644, *,
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise UnsafePath(errno.EINVAL, f"{(where or Path('.')) / name} is not a regular file")
+            raise NotRegular(errno.EINVAL, f"{(where or Path('.')) / name} is not a regular file")
         if st.st_nlink > 1:
             raise UnsafePath(errno.EMLINK, f"{(where or Path('.')) / name} has "
                                            f"{st.st_nlink} hard links")
@@ -127,10 +131,6 @@ def open_file(dir_fd: int, name: str, flags: int, mode: int = 0o644, *,
     if flags & (os.O_WRONLY | os.O_RDWR):
         os.set_blocking(fd, True)
     return fd
-
-
-class NotRegular(UnsafePath):
-    """A FIFO, socket, device or directory where a regular file belongs (the message says where)."""
 
 
 def open_regular(path: str | os.PathLike[str], *, follow: bool = True) -> int:
@@ -163,12 +163,20 @@ def write_atomic_at(dir_fd: int, name: str, data: bytes, *, mode: int = 0o644) -
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
                  mode, dir_fd=dir_fd)
     try:
-        write_all(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    # rename never follows a symlink at the destination: it replaces the link itself
-    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        try:
+            write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        # rename never follows a symlink at the destination: it replaces the link itself
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        # a full disk, or a directory in the way: no temp file left behind, each attempt
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise
 
 
 def write_all(fd: int, data: bytes | memoryview) -> None:
