@@ -208,3 +208,40 @@ def test_a_sidecar_that_cannot_be_written_leaves_no_temp_files_and_says_so_truly
     assert f"cannot write sidecar {run / 'metrics.meta.json'}" in err, err
     assert "the rows are written" in err and "rows are kept in memory" not in err, err
     assert err.count("cannot write sidecar") == 1, err
+
+
+# row 18: expr status names what exprd refused
+
+
+def test_expr_status_lists_refused_spool_files_with_the_reason(tmp_path: Path) -> None:
+    """A symlinked spool file (never tailed) and a run outside allowed_roots: both listed
+    as refused with the reason, not omitted, not "exprd is applying them"."""
+    spool, state, root = tmp_path / "spool", tmp_path / "state", tmp_path / "runs"
+    elsewhere, outside = tmp_path / "elsewhere", tmp_path / "outside"
+    make_spool(spool, root, "good", 5)
+    make_spool(spool, outside, "away", 5)
+    target = make_spool(elsewhere, root, "linked", 5)
+    (spool / "proj" / "linked").mkdir(parents=True)
+    link = spool / "proj" / "linked" / target.name
+    link.symlink_to(target)
+    cfg = write_config(tmp_path / "exprd.toml", spool, state, [root])
+    proc = start_exprd(cfg)
+    try:
+        wait_ready(state, proc)
+        wait_for(lambda: "symlink" in (state / "status.json").read_text()
+                 and "outside allowed_roots" in (state / "status.json").read_text(), 20,
+                 "both refusals in status.json")
+        out = expr("status", "--state", str(state), "--spool", str(spool))
+        assert out.returncode == 0, out.stderr
+        text = " ".join(out.stdout.split())
+        assert "refused by exprd" in text, out.stdout
+        assert str(link) in text and "symlink" in text, out.stdout
+        assert "outside allowed_roots" in text, out.stdout
+        assert "exprd is applying them" not in out.stdout + out.stderr
+        js = json.loads(expr("status", "--state", str(state), "--spool", str(spool), "--json").stdout)
+        reasons = {r["path"]: r["reason"] for r in js["refused"]}
+        assert "symlink" in reasons[str(link)]
+        assert any("outside allowed_roots" in r for r in reasons.values()), reasons
+        assert js["spooled"] == [], js["spooled"]
+    finally:
+        assert stop(proc) == 0
