@@ -245,3 +245,46 @@ def test_expr_status_lists_refused_spool_files_with_the_reason(tmp_path: Path) -
         assert js["spooled"] == [], js["spooled"]
     finally:
         assert stop(proc) == 0
+
+
+# row 15: a screenful for thousands of keys
+
+
+def _wide_run(run: Path, n: int, prefix: str) -> Path:
+    run.mkdir(parents=True)
+    for r in range(2):
+        stem = "metrics" if r == 0 else f"metrics.rank{r}"
+        rows = [json.dumps({"_step": s, "_time": 1e9 + s,
+                            **{f"{prefix}k{i}": float(i % 97 + r) for i in range(n)}})
+                for s in range(3)]
+        (run / f"{stem}.jsonl").write_text("\n".join(rows) + "\n")
+        (run / f"{stem}.meta.json").write_text(json.dumps({
+            "version": 1, "project": run.parent.name, "name": run.name, "stream": None,
+            "rank": r, "world_size": 2, "local_rank": r, "session": "s", "rank_aware": True,
+            "config": {}, "host": "h", "pid": 1_000_000, "status": "finished",
+            "cursor": {"bytes": 1, "rows": 3, "last_step": 2, "next_step": 3, "applied": {}},
+            "start_time": 1e9, "end_time": 1e9 + 3, "last_write": 1e9 + 3}))
+    return run
+
+
+def test_thousands_of_keys_print_a_screenful_and_json_keeps_all(tmp_path: Path) -> None:
+    run = _wide_run(tmp_path / "runs" / "p" / "keys", 2000, "")
+    out = expr("summary", str(run))
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout.splitlines()) < 100, len(out.stdout.splitlines())
+    assert "... and 1,990 more keys (-m KEY to show one; --json for all)" in " ".join(out.stdout.split())
+    js = json.loads(expr("summary", str(run), "--json").stdout)
+    assert len(js["keys"]) == 2000
+
+
+def test_thousands_of_span_keys_print_the_slowest_first_the_rest_counted(tmp_path: Path) -> None:
+    run = _wide_run(tmp_path / "runs" / "p" / "spans", 1000, "time_ms/")
+    out = expr("summary", str(run), "--spans")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) < 60, len(lines)
+    assert "... and 960 more span keys (faster than those shown; --json for all)" in " ".join(out.stdout.split())
+    medians = [float(ln.split()[1]) for ln in lines if ln.strip().startswith("k")]
+    assert len(medians) == 40 and medians == sorted(medians, reverse=True) and medians[0] >= 96
+    js = json.loads(expr("summary", str(run), "--spans", "--json").stdout)
+    assert len(js["spans"]) == 1000
