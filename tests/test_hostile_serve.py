@@ -258,3 +258,49 @@ def test_sigterm_during_a_stuck_read_stops_every_child(tmp_path: Path) -> None:
     """)
     assert got["kids"] >= 1, got
     assert got["code"] is not None and got["left"] == 0, got
+
+
+# row 11: half-sent requests (the 1,100 of the issue: `make torture`)
+
+
+def test_half_sent_requests_time_out_and_never_crowd_out_a_page(tmp_path: Path) -> None:
+    """150 half-sent requests against a server at `ulimit -n 128` (64 connections): a
+    real request still answers, and a half-sent one is closed after the header deadline."""
+    import resource
+    import socket
+    import subprocess
+
+    from .servers import EXPR
+
+    root = tmp_path / "runs"
+    write_run(root / "p" / "r", 2, 5, status="finished")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXPR_")}
+    env["EXPR_SERVE_HEADER_TIMEOUT"] = "1.5"
+    proc = subprocess.Popen(
+        [str(EXPR), "serve", "--dir", str(root), "--port", "0"], env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128)))
+    socks: list[socket.socket] = []
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline().split(":")[2].split("/")[0])
+        for _ in range(150):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            s.sendall(b"GET /api/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+            socks.append(s)
+        sent = time.monotonic()
+        started = time.monotonic()
+        status, _, body = get(port, "/api/runs", timeout=10)
+        assert status == 200, body
+        assert time.monotonic() - started < 5
+        last = socks[-1]  # not crowded out by the page's: closed at its deadline
+        last.settimeout(8)
+        assert last.recv(100) == b""
+        assert time.monotonic() - sent >= 1.4
+        status, _, _ = get(port, "/api/runs")
+        assert status == 200
+    finally:
+        for s in socks:
+            s.close()
+        proc.send_signal(2)
+        proc.communicate(timeout=20)

@@ -60,8 +60,13 @@ def serve_command(dir: str | None, host: str, port: int, token: str | None) -> i
     if token is None and host not in LOOPBACK:
         token = secrets.token_urlsafe(18)
     from expr_cli.commands.watch import health_config
+    from expr_cli.web.conns import protocol
     from expr_tracker.stats import parallel
 
+    try:
+        http = protocol()  # a header deadline, and connections bound below the descriptors
+    except ValueError as exc:
+        raise CLIError(str(exc), 2) from None
     sock = _bind(host, port)  # (first: a port taken is an error before anything starts)
     # while this process has one thread: uvicorn's request threads may not fork, and a
     # page of 16,384 ranks read on one core of two takes twice as long
@@ -77,7 +82,7 @@ def serve_command(dir: str | None, host: str, port: int, token: str | None) -> i
     sys.stdout.write(url + "\n")
     sys.stdout.flush()
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=1)
+                            timeout_graceful_shutdown=1, http=http)
     server = uvicorn.Server(config)
     code = 0
     # uvicorn raises a SIGTERM it shut down for again once done, with the handler it found:
