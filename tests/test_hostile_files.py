@@ -136,6 +136,8 @@ def test_a_fifo_shard_is_refused_by_summary_and_watch(tmp_path: Path) -> None:
     out = expr("summary", str(run), "--json")
     assert time.monotonic() - started < 25
     assert out.returncode == 0, out.stderr
+    assert f"{run / 'metrics.rank1.jsonl'} is not a regular file" in out.stderr, out.stderr
+    assert json.loads(out.stdout)["ranks"]["no_shard"] == [1]
     watch = expr("watch", str(run), "--once", "--json")
     assert watch.returncode in (0, 1), watch.stderr
 

@@ -155,7 +155,7 @@ def stop_children() -> None:
     import threading
     from multiprocessing import forkserver, resource_tracker
 
-    server = forkserver._forkserver  # type: ignore[attr-defined]
+    server = forkserver._forkserver
     pid = getattr(server, "_forkserver_pid", None)
     if pid:
         # killed, not asked: a fork server that does not answer (stopped, or blocked) would
@@ -165,7 +165,7 @@ def stop_children() -> None:
             os.kill(pid, signal.SIGKILL)
     for pool in list(_pools):
         _abandon(pool)
-    for helper in (server, resource_tracker._resource_tracker):  # type: ignore[attr-defined]
+    for helper in (server, resource_tracker._resource_tracker):
         stop = getattr(helper, "_stop", None)
         if stop is None:
             continue

@@ -143,11 +143,27 @@ def open_regular(path: str | os.PathLike[str], *, follow: bool = True) -> int:
     fd = os.open(path, flags)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
+            refused_special(os.fspath(path))
             raise NotRegular(errno.EINVAL, f"{os.fspath(path)} is not a regular file")
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+_said: set[str] = set()
+
+
+def refused_special(path: str) -> None:
+    """Say once per path and process that `path`, not a regular file, is not read (the
+    readers skip it; a watcher would say so every pass)."""
+    if path in _said or len(_said) >= 10_000:
+        return
+    _said.add(path)
+    import logging
+
+    logging.getLogger("expr_tracker").warning(
+        "expr_tracker: %s is not a regular file (a FIFO, socket or device): not read", path)
 
 
 def open_read(path: str | os.PathLike[str]) -> BinaryIO:
