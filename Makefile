@@ -75,9 +75,11 @@ bench-scale: $(STAMP)
 	$(PY) -m pip install -q duckdb
 	$(PY) bench/scale.py
 
-# minutes of kill -9, a full run root and a descriptor limit (needs root: it mounts a tmpfs)
+# minutes of kill -9, a full run root and a descriptor limit (needs root: it mounts a tmpfs);
+# then issue 43's soak sizes: a 20 GB NUL tail, 1,100 half-sent requests
 torture: $(STAMP)
 	$(PY) bench/torture.py
+	$(PY) bench/hostile.py
 
 completions: $(STAMP)
 	$(PY) -m expr_cli.completions completions

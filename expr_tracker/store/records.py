@@ -17,6 +17,8 @@ from typing import Any, BinaryIO
 
 import orjson
 
+from expr_tracker.store.window import end_of_data
+
 # a sanity bound on world sizes (DESIGN 14): far above any job (16,384 ranks and more are
 # supported), low enough that a corrupt value cannot make a reader list a billion ranks
 MAX_WORLD = 1 << 20
@@ -326,11 +328,12 @@ def complete_end(fh: BinaryIO, size: int = 256 * 1024) -> int:
     A NUL tail is not searched byte by byte: holes are stepped over with SEEK_HOLE and
     written NUL blocks skipped as they are read (a warning names the file)."""
     end = fh.seek(0, 2)
-    last_data = _end_of_data(fh, end)
+    last_data = end_of_data(fh, end)
     if last_data < end:
         nul_skipped(fh, last_data, end - last_data)
         end = last_data
     nul_end = end
+    grow = max(size, MAX_BACK_BLOCK)
     while end > 0:
         start = max(0, end - size)
         fh.seek(start)
@@ -343,27 +346,11 @@ def complete_end(fh: BinaryIO, size: int = 256 * 1024) -> int:
         if block.strip(b"\0"):
             nul_end = -1  # a line, not NULs: the bytes after it are no NUL run
         end = start
+        size = min(2 * size, grow)  # a long line or NUL run: larger reads, bounded
     return 0
 
 
-def _end_of_data(fh: BinaryIO, size: int) -> int:
-    """Where the file's trailing hole starts (`size` when it has none or the filesystem
-    cannot say): a crashed node's shard may end in gigabytes of one."""
-    try:
-        fd = fh.fileno()
-        if size < (1 << 20) or os.lseek(fd, size - 1, os.SEEK_HOLE) >= size:
-            return size  # small, or its last byte is data
-        pos, end = 0, 0
-        while True:
-            try:
-                data = os.lseek(fd, pos, os.SEEK_DATA)
-            except OSError as exc:
-                if exc.errno == errno.ENXIO:
-                    return end
-                raise
-            end = pos = os.lseek(fd, data, os.SEEK_HOLE)
-    except (OSError, AttributeError, ValueError, io.UnsupportedOperation):
-        return size
+MAX_BACK_BLOCK = 1 << 20  # bytes: the largest block a backward search reads at once
 
 
 def is_rank_record(record: Mapping[str, Any]) -> bool:
