@@ -197,8 +197,8 @@ class IncidentLog:
         fragment = data[cut:]
         dfd = os.open(self.run_dir, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            side = os.open(INCIDENTS + ".torn", os.O_WRONLY | os.O_APPEND | os.O_CREAT
-                           | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+            side = open_file(dfd, INCIDENTS + ".torn", os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+                             where=self.run_dir)  # (a FIFO there would block the open)
         finally:
             os.close(dfd)
         try:
