@@ -81,10 +81,12 @@ bench-scale: $(STAMP)
 	$(PY) bench/scale.py
 	$(PY) bench/mcp.py
 
-# minutes of kill -9, a full run root and a descriptor limit (needs root: it mounts a tmpfs)
+# minutes of kill -9, a full run root and a descriptor limit (needs root: it mounts a tmpfs);
+# then issue 43's soak sizes: a 20 GB NUL tail, 1,100 half-sent requests
 torture: $(STAMP)
 	$(PY) bench/torture.py
 	$(PY) bench/torture.py health
+	$(PY) bench/hostile.py
 
 completions: $(STAMP)
 	$(PY) -m expr_cli.completions completions

@@ -189,6 +189,9 @@ class DaemonHealth:
                     log.log(logging.WARNING if inc.state == "open" else logging.INFO,
                             "health %s: %s %s ranks %s: %s", key[0], inc.state, inc.kind,
                             ",".join(map(str, inc.ranks)), inc.detail)
+                if watcher.write_error is not None and watcher.write_error not in self._warned:
+                    self._warned.add(watcher.write_error)  # once per cause, the rest goes on
+                    log.warning("health of %s: %s", key[0], watcher.write_error)
             except Exception as exc:  # a broken run directory must not stop the daemon
                 cause = f"{key[0]}:{type(exc).__name__}"
                 if cause not in self._warned:

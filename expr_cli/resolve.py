@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 from expr_tracker.ranks import compact as compact_ranks
 from expr_tracker.store.layout import default_dir, parse_shard_name, validate_stream
+from expr_tracker.store.safedir import refused_special
 
 from .errors import CLIError
 
@@ -173,14 +174,18 @@ def list_shards(run: RunRef) -> list[ShardRef]:
     try:
         # scandir: the file type comes with the entry, no stat per file (16,384 shards)
         with os.scandir(run.path) as it:
-            files = [(e.name, e.path) for e in it if e.is_file()]
+            files = [(e.name, e.path, e.is_file()) for e in it]
     except OSError as exc:
         raise CLIError(f"cannot read run directory {run.path}: {exc.strerror or exc}") from None
     out = []
-    for name, path in files:
+    for name, path, regular in files:
         parsed = parse_shard_name(name)
-        if parsed is not None:
+        if parsed is None:
+            continue
+        if regular:
             out.append(ShardRef(Path(path), parsed.stream, parsed.rank))
+        elif not os.path.isdir(path):  # a FIFO, socket or device: named, never read
+            refused_special(path)
     out.sort(key=lambda s: (s.stream or "", s.rank))
     return out
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -90,11 +90,13 @@ def _applied(run_dir: Path, stem: str, session: str) -> int:
 
 
 def pending(spool: Path, root: Path | None = None,
-            committed: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
+            committed: Mapping[str, int] | None = None,
+            skip: Collection[str] = ()) -> list[dict[str, Any]]:
     """Spool files whose events are not all in their shard yet, per run: project, name,
     run dir, files, events waiting. With `root`, only runs whose run root is `root`.
     `committed` (spool file path -> last seq in its shard, from exprd's status) overrides
-    the sidecar's cursor, which exprd rewrites only every few seconds."""
+    the sidecar's cursor, which exprd rewrites only every few seconds; files in `skip`
+    (absolute paths: those exprd refused) are left out."""
     want = str(root.absolute()) if root is not None else None
     runs: dict[tuple[str, str], dict[str, Any]] = {}
     try:
@@ -114,6 +116,8 @@ def pending(spool: Path, root: Path | None = None,
             except OSError:
                 continue
             for f in files:
+                if skip and os.path.abspath(f.path) in skip:
+                    continue
                 try:
                     with open(f.path, "rb") as fh:
                         init = _first_line(fh)

@@ -44,11 +44,12 @@ def iter_rank_records(shards: list[ShardRef], garbage: dict[str, int],
     """
     from expr_tracker.stats.scan import parse_rank_lines
     from expr_tracker.store import records
+    from expr_tracker.store.safedir import open_read
     from expr_tracker.store.window import window_start
 
     for shard in shards:
         bad = 0
-        with open(shard.path, "rb") as fh:
+        with open_read(shard.path) as fh:
             start = window_start(fh, lo) if lo is not None else 0
             for _, data in records.complete_blocks(fh, _BLOCK, start):
                 recs, n_bad = parse_rank_lines(data)

@@ -297,6 +297,9 @@ def parse_options(
     sys_every = seconds(system_interval, "system_interval", env="EXPR_SYSTEM_INTERVAL")
     if sys_every is None:
         sys_every = sysmetrics.DEFAULT_INTERVAL
+    else:
+        sysmetrics.check_interval(sys_every, "system_interval" if system_interval is not None
+                                  else "EXPR_SYSTEM_INTERVAL")
 
     info = _ranks.detect()
     if info.world_size is not None and info.world_size > MAX_WORLD:

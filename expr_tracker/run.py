@@ -441,38 +441,47 @@ class Run:
                     if now - last_rules >= self.time_rule_interval:
                         last_rules = now
                         self._sink.tick()
-                if self._system is not None and self._system.due(now):
-                    self._log_system()  # before the flush: on disk within this tick
+                if self._system is not None:
+                    self._log_system()  # what its thread sampled, before the flush
                 self._prober.tick(now)
                 self._sink.flush()
                 if now - last_sidecar >= SIDECAR_EVERY or self._sidecar_due:
                     last_sidecar = now
                     self._sidecar_due = False
                     self._sink.checkpoint()
-            except Exception as exc:  # the tracker must never take the process down
+            except BaseException as exc:  # the tracker must never take the process down
+                # (BaseException: a library that raises SystemExit or KeyboardInterrupt on
+                # this thread would end it, and with it every flush until finish)
                 self.warn_once(f"background:{type(exc).__name__}", f"expr_tracker: background error: {exc!r}")
 
-    def _log_system(self) -> None:
-        """Log one system-metrics sample (DESIGN 19) as a rank record of this rank at its
-        last committed step: it never advances the step. Never raises."""
+    def _log_system(self, final: bool = False) -> None:
+        """Log the system-metrics samples its thread took (DESIGN 19; `final`: the one at
+        finish, waited for a bounded time) as rank records of this rank at its last
+        committed step: they never advance the step. Never raises."""
         assert self._system is not None
         try:
-            metrics = self._system.sample()
-            if not metrics:
-                return
-            with self._lock:
-                if self._detached:
-                    return
-                last = self._last_step
-                step = last if last is not None else self._step
-                record, nonfinite = records.rank_record(
-                    metrics, step, self.rank, self.world_size, self.local_rank, 1.0,
-                    records.SAMPLE_SOURCE)
-                self._rows += 1
-                self._prober.own_row()  # same thread as its tick: not the loop's activity
-                self._sink.apply(record, nonfinite)
+            for metrics in self._system.last() if final else self._system.take():
+                self._log_sample(metrics)
+            stuck = self._system.stuck_for
+            if final and stuck is not None:
+                self.warn_once("system:stuck", f"expr_tracker: a system-metrics sample has not "
+                               f"returned for {stuck:.1f}s (a hung GPU library call?); its "
+                               "samples were skipped, the rows are all written")
         except Exception as exc:  # the tracker must never take the process down
             self.warn_once(f"system:{type(exc).__name__}", f"expr_tracker: system metrics: {exc!r}")
+
+    def _log_sample(self, metrics: dict[str, float]) -> None:
+        with self._lock:
+            if self._detached:
+                return
+            last = self._last_step
+            step = last if last is not None else self._step
+            record, nonfinite = records.rank_record(
+                metrics, step, self.rank, self.world_size, self.local_rank, 1.0,
+                records.SAMPLE_SOURCE)
+            self._rows += 1
+            self._prober.own_row()  # same thread as its tick: not the loop's activity
+            self._sink.apply(record, nonfinite)
 
     def final_summary(self) -> dict[str, Any]:
         """The last committed value of each key (read back from the tail of this process's
@@ -514,7 +523,7 @@ class Run:
             self._thread.join(timeout=5.0)
         self._prober.close()
         if self._system is not None:
-            self._log_system()  # the last sample, covering the run's end
+            self._log_system(final=True)  # the last sample, covering the run's end
         try:
             self._sink.flush()
             self._sink.set_summary(self.final_summary())

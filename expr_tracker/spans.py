@@ -39,12 +39,16 @@ _get_ident = threading.get_ident
 
 class _Thread:
     """One thread's innermost open span, as its key `time_ms/<path>` ("" when none is
-    open): the key is what both the next nested span and the row need."""
+    open): the key is what both the next nested span and the row need. `open`: the
+    thread's open spans, outermost first, so that a span closed out of order (around a
+    generator's `yield`, or interleaved asyncio tasks) is taken out wherever it is and
+    later spans nest under what is still open, not under it for good."""
 
-    __slots__ = ("__weakref__", "top")
+    __slots__ = ("__weakref__", "open", "top")
 
     def __init__(self) -> None:
         self.top = ""
+        self.open: list[Span] = []
 
 
 _local = threading.local()
@@ -143,7 +147,7 @@ class Span:
     decorator it opens a fresh span per call, so recursion and threads are fine.
     """
 
-    __slots__ = ("_key", "_parent", "_start", "_state", "name")
+    __slots__ = ("_key", "_start", "_state", "name")
 
     def __init__(self, name: str) -> None:
         if name.__class__ is not str or name not in _names:
@@ -155,18 +159,25 @@ class Span:
             state = _local.state
         except AttributeError:
             state = _thread_state()
-        self._parent = parent = state.top
+        parent = state.top
         try:
             self._key = state.top = _joined[parent][self.name]
         except KeyError:
             self._key = state.top = _join(parent, self.name)
         self._state = state
+        state.open.append(self)
         self._start = _ns()
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         end = _ns()
-        self._state.top = self._parent
+        state = self._state
+        spans = state.open
+        if spans and spans[-1] is self:
+            spans.pop()
+            state.top = spans[-1]._key if spans else ""
+        else:
+            _close_out_of_order(state, self)
         sink = _sink
         if sink is not None:  # inline _closed: this is the hot path
             start = self._start
@@ -204,6 +215,17 @@ class Span:
 
 
 span = Span
+
+
+def _close_out_of_order(state: _Thread, done: Span) -> None:
+    """`done` exits while a span it encloses is still open (or it was never on the stack):
+    it leaves the stack wherever it is; the innermost span still open stays the parent."""
+    spans = state.open
+    for i in range(len(spans) - 1, -1, -1):
+        if spans[i] is done:
+            del spans[i]
+            break
+    state.top = spans[-1]._key if spans else ""
 
 
 class StartedSpan:

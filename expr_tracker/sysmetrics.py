@@ -1,10 +1,14 @@
 """System metrics per rank (DESIGN 19): process CPU, RSS and I/O, and this rank's GPU.
 
-A `Sampler` lives in `Run` and is asked on the SDK's background thread (`due`, `sample`)
-every `system_interval` seconds, once soon after `init` and once at `finish`; `Run` logs
-what it returns as a rank record of its own rank at its last committed step, so the
-records never advance the step and reach the summary, heatmap, plot and team store
-like any other rank record.
+A `Sampler` lives in `Run` and samples on a thread of its own every `system_interval`
+seconds (at least `MIN_INTERVAL`), once soon after `init` and once at `finish`; the SDK's
+background thread takes what it sampled (`take`, never waiting) and `Run` logs it as a
+rank record of its own rank at its last committed step, so the records never advance
+the step and reach the summary, heatmap, plot and team store like any other rank record.
+
+Sampling is off the flush path: an NVML call that never returns (a bad GPU node) holds
+the sampler's thread only, so it costs its samples, never rows, probes or `finish`
+(which waits `FINAL_WAIT` seconds at most for its last sample).
 
 psutil and NVML (`pynvml`, from nvidia-ml-py, the `gpu` extra) are imported on the first
 sample, never at `import expr_tracker`. No GPU, no NVML or an NVML error means no GPU keys
@@ -16,11 +20,14 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 DEFAULT_INTERVAL = 10.0
+MIN_INTERVAL = 1.0  # seconds: a sample costs a few ms of the process (and NVML's time)
+FINAL_WAIT = 2.0  # seconds `finish` waits for its last sample
 FIRST_AFTER = 1.0  # the first sample, "soon after init": the background thread's first tick
 _MB = float(1 << 20)
 _TRUE = ("1", "true", "yes", "on")
@@ -81,10 +88,70 @@ class Sampler:
         self._last: tuple[float, float, int | None, int | None] | None = None
         self._nvml: Any = None  # the pynvml module once initialised; False: no GPU keys
         self._handle: Any = None
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._ready: list[dict[str, float]] = []  # sampled, not yet taken
+        self._asked = False  # a sample asked for now (the one at finish)
+        self._closed = False
+        self._busy: float | None = None  # when the sample under way started (monotonic)
+        self._done = 0  # samples finished (empty ones too)
+        self.stuck_for: float | None = None  # at finish: how long a sample had not returned
 
     def due(self, now: float) -> bool:
         """Is a sample due at monotonic time `now`?"""
         return now >= self._next
+
+    def take(self) -> list[dict[str, float]]:
+        """The samples taken since the last call (never waits); starts the sampler's thread
+        on the first call (from the SDK's background thread: after a fork, the child's)."""
+        with self._cond:
+            if self._thread is None and not self._closed:
+                self._start()
+            out, self._ready = self._ready, []
+        return out
+
+    def _start(self) -> None:
+        self._busy = None  # (after a fork: the parent's sample is not under way here)
+        self._thread = threading.Thread(target=self._loop, name="expr-tracker-sysmetrics",
+                                        daemon=True)
+        self._thread.start()
+
+    def last(self, timeout: float = FINAL_WAIT) -> list[dict[str, float]]:
+        """At finish: one more sample, waited for `timeout` seconds at most, with those not
+        taken yet; then the thread stops. A sampler stuck in a call (NVML that hangs) gives
+        what it has, and `stuck_for` says for how long it had been stuck."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            if self._thread is None or not self._thread.is_alive():
+                self._start()  # never started (a short run), or a fork's copy
+            target = self._done + (2 if self._busy is not None else 1)
+            self._asked = True
+            self._cond.notify_all()
+            while self._done < target and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+            stuck = self._busy
+            self._closed = True
+            self._cond.notify_all()
+            out, self._ready = self._ready, []
+        self.stuck_for = None if stuck is None else time.monotonic() - stuck
+        return out
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._asked and time.monotonic() < self._next:
+                    self._cond.wait(max(0.0, self._next - time.monotonic()))
+                if self._closed and not self._asked:
+                    return
+                self._asked = False
+                self._busy = time.monotonic()
+            out = self.sample()
+            with self._cond:
+                self._busy = None
+                self._done += 1
+                if out:
+                    self._ready.append(out)
+                self._cond.notify_all()
 
     def say(self, cause: str, message: str) -> None:
         """One info line per cause for the life of the sampler (never raises)."""
@@ -100,13 +167,15 @@ class Sampler:
         """Take one sample now (and schedule the next); never raises."""
         self._next = time.monotonic() + self.interval
         out: dict[str, float] = {}
+        # BaseException: a library that raises KeyboardInterrupt or SystemExit from a
+        # call must not end the sampler's thread, or a finish that samples on its own
         try:
             self._process(out)
-        except Exception as exc:
+        except BaseException as exc:
             self.say(f"psutil:{type(exc).__name__}", f"expr_tracker: no process metrics: {exc!r}")
         try:
             self._gpu(out)
-        except Exception as exc:  # NVML raises its own errors, and drivers go away
+        except BaseException as exc:  # NVML raises its own errors, and drivers go away
             self.say(f"nvml:{type(exc).__name__}", f"expr_tracker: no GPU metrics: {exc!r}")
         if out:
             self.samples += 1
@@ -173,7 +242,7 @@ class Sampler:
                 handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             else:
                 handle = pynvml.nvmlDeviceGetHandleByUUID(index)
-        except Exception as exc:  # pynvml.NVMLError: no driver, no device, no permission
+        except BaseException as exc:  # pynvml.NVMLError: no driver, no device, no permission
             self.say("gpu", f"expr_tracker: NVML cannot open GPU {index}: {exc}; no system/gpu_* metrics")
             return False
         self._nvml, self._handle, self.gpu = pynvml, handle, index
@@ -198,6 +267,14 @@ class Sampler:
                 out[key] = read()
             except nv.NVMLError as exc:  # one metric a device does not support: the others
                 self.say(f"nvml:{key}", f"expr_tracker: NVML gives no {key}: {exc}")
+
+
+def check_interval(seconds: float, field: str = "system_interval") -> float:
+    """`seconds`, or a ValueError naming `field` below the floor `MIN_INTERVAL`."""
+    if seconds < MIN_INTERVAL:
+        raise ValueError(f"{field} must be at least {MIN_INTERVAL:g} s (a sample costs the "
+                         f"process a few ms and a GPU library call), got {seconds:g}")
+    return seconds
 
 
 def make_sampler(enabled: bool, interval: float, local_rank: int) -> Sampler | None:

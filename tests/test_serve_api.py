@@ -42,7 +42,7 @@ def root(cli_root: Path) -> Path:
 
 @pytest.fixture
 def client(root: Path) -> TestClient:
-    return TestClient(make_app(root), raise_server_exceptions=False)
+    return TestClient(make_app(root), base_url="http://127.0.0.1", raise_server_exceptions=False)
 
 
 def cli_json(cli: Any, *args: str) -> Any:

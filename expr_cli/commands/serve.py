@@ -9,6 +9,7 @@ server: exit 130. starlette and uvicorn come with the `serve` extra, imported he
 from __future__ import annotations
 
 import secrets
+import signal
 import socket
 import sys
 
@@ -59,8 +60,13 @@ def serve_command(dir: str | None, host: str, port: int, token: str | None) -> i
     if token is None and host not in LOOPBACK:
         token = secrets.token_urlsafe(18)
     from expr_cli.commands.watch import health_config
+    from expr_cli.web.conns import protocol
     from expr_tracker.stats import parallel
 
+    try:
+        http = protocol()  # a header deadline, and connections bound below the descriptors
+    except ValueError as exc:
+        raise CLIError(str(exc), 2) from None
     sock = _bind(host, port)  # (first: a port taken is an error before anything starts)
     # while this process has one thread: uvicorn's request threads may not fork, and a
     # page of 16,384 ranks read on one core of two takes twice as long
@@ -76,15 +82,51 @@ def serve_command(dir: str | None, host: str, port: int, token: str | None) -> i
     sys.stdout.write(url + "\n")
     sys.stdout.flush()
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=1)
+                            timeout_graceful_shutdown=1, http=http)
     server = uvicorn.Server(config)
+    code = 0
+    # uvicorn raises a SIGTERM it shut down for again once done, with the handler it found:
+    # the default one would end this process there, its fork server and workers left behind
+    before = signal.signal(signal.SIGTERM, _terminated)
     try:
         server.run(sockets=[sock])
+        code = 130 if server.should_exit else 0
     except KeyboardInterrupt:
-        return 130
+        code = 130
+    except _Terminated:
+        code = 128 + signal.SIGTERM
     finally:
         sock.close()
-    return 130 if server.should_exit else 0
+        parallel.stop_children()
+        signal.signal(signal.SIGTERM, before)
+    _exit_if_stuck(code)
+    return code
+
+
+class _Terminated(Exception):
+    """SIGTERM reached `expr serve` (it stops as at Ctrl-C, then exits 143)."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
+def _exit_if_stuck(code: int) -> None:
+    """Exit now when a request thread is still in a read (a stuck filesystem): the
+    interpreter's exit would wait for it for good, and with it the fork server kept alive."""
+    import os
+    import threading
+
+    stuck = [t for t in threading.enumerate()
+             if t is not threading.main_thread() and t.is_alive() and not t.daemon]
+    if not stuck:
+        return
+    from expr_cli import render
+
+    render.status(f"expr serve: {len(stuck)} request thread(s) still reading; exiting without them")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def register(app: typer.Typer) -> None:

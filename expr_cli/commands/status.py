@@ -78,14 +78,34 @@ def status_command(state: str | None, json: bool, spool: str | None = None) -> N
     # what exprd has committed is newer than the sidecars it rewrites every few seconds
     committed = {os.path.abspath(path): f["committed_seq"] for path, f in doc.get("files", {}).items()
                  if type(f.get("committed_seq")) is int}
-    waiting = spooled.pending(spool_root, committed=committed)
+    refused = refused_files(doc)
+    # a file exprd refused is not waiting for it: it is listed as refused, with the reason
+    waiting = spooled.pending(spool_root, committed=committed, skip=set(refused))
     if json:
-        render.print_json({**doc, "running": running, "spooled": waiting})
+        render.print_json({**doc, "running": running, "spooled": waiting,
+                           "refused": [{"path": p, "reason": r} for p, r in sorted(refused.items())]})
         return
     render_exprd.status(doc, running)
+    render_exprd.refused(refused, doc.get("files", {}))
     if waiting:
         render.note(spooled.mention(waiting, spool_root))
     render_exprd.services(doc)
+
+
+def refused_files(doc: dict[str, Any]) -> dict[str, str]:
+    """Spool files exprd refused (absolute path -> why): a symlink or another user's file,
+    which exprd never tails (`refused_paths`), and files it tails no more (a run outside
+    `allowed_roots`: state `refused`)."""
+    out: dict[str, str] = {}
+    paths = doc.get("refused_paths")
+    if isinstance(paths, dict):
+        out.update({os.path.abspath(str(p)): str(r) for p, r in paths.items()})
+    files = doc.get("files")
+    if isinstance(files, dict):
+        for path, f in files.items():
+            if isinstance(f, dict) and f.get("state") == "refused":
+                out[os.path.abspath(str(path))] = str(f.get("reason") or "refused")
+    return out
 
 
 def register(app: typer.Typer) -> None:

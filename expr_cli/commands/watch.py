@@ -68,6 +68,7 @@ def watch_command(run: str, dir: str | None, stream: str | None, once: bool, as_
                   exit_on_finish: bool = False) -> int:
     """Watch RUN; the exit code (with --once, or --exit-on-finish once the run ended: 1 if
     an incident is open, else 0)."""
+    from expr_cli import render
     from expr_cli.render import health as render_health
     from expr_tracker.health.watch import Watcher
 
@@ -85,8 +86,17 @@ def watch_command(run: str, dir: str | None, stream: str | None, once: bool, as_
     if once:  # one pass cannot see an incident hold: what it finds is paged now
         cfg = replace(cfg, page_after=0.0)
     watcher = Watcher(ref.path, cfg, disp, stream=stream, owner=not once)
+    named: set[str] = set()
+
+    def name_write_error() -> None:
+        # once per cause: the incidents are shown (and delivered) all the same
+        if watcher.write_error is not None and watcher.write_error not in named:
+            named.add(watcher.write_error)
+            render.error(watcher.write_error)
+
     try:
         changes = watcher.check()
+        name_write_error()
         watcher.others()  # (the open ones among them are shown below)
         if not once and not as_json:
             render_health.watching(ref.label, watcher.state, disp is not None, watcher.cache_note)
@@ -99,11 +109,12 @@ def watch_command(run: str, dir: str | None, stream: str | None, once: bool, as_
             if not first and not as_json:
                 render_health.no_incidents(ref.label)
             flush(disp)
-            return 1 if watcher.open else 0
+            return 1 if watcher.open or watcher.write_error else 0
         said = {_said(i) for i in first}
         while not (exit_on_finish and watcher.ended):
             time.sleep(interval)
             mine = watcher.check()
+            name_write_error()
             # every line of incidents.jsonl, whoever recorded it (exprd beside us); as text,
             # not a line again that only says it was delivered
             lines = [i for i in sorted([*mine, *watcher.others()], key=lambda i: i.last_seen)
@@ -111,7 +122,7 @@ def watch_command(run: str, dir: str | None, stream: str | None, once: bool, as_
             said.update(_said(i) for i in lines)
             render_health.incident_lines(lines, ref.label, as_json)
         flush(disp)
-        return 1 if watcher.open else 0
+        return 1 if watcher.open or watcher.write_error else 0
     except KeyboardInterrupt:
         return 130  # like coreutils tools, quietly
     finally:

@@ -44,6 +44,9 @@ class Panel(NamedTuple):
     note: str
 
 
+MAX_RANK_PARTS = 4096  # ranks or ranges in one --rank (or ?ranks=)
+
+
 def parse_ranks(text: str | None) -> list[int] | None:
     """`all` (or nothing) -> None; `3` or `0,3,5-7` -> the ranks.
 
@@ -55,9 +58,13 @@ def parse_ranks(text: str | None) -> list[int] | None:
 
     if text is None or text.strip() == "all":
         return None
-    out: set[int] = set()
+    parts = text.split(",")
+    if len(parts) > MAX_RANK_PARTS:
+        raise CLIError(f"--rank takes at most {MAX_RANK_PARTS:,} ranks or ranges, "
+                       f"got {len(parts):,}", 2)
+    spans: list[tuple[int, int]] = []
     try:
-        for part in text.split(","):
+        for part in parts:
             lo, sep, hi = part.strip().partition("-")
             a = int(lo)
             b = int(hi) if sep else a
@@ -66,10 +73,18 @@ def parse_ranks(text: str | None) -> list[int] | None:
             if a >= MAX_WORLD:
                 raise CLIError(f"--rank {a} is past the largest world ({MAX_WORLD:,} ranks, "
                                f"0-{MAX_WORLD - 1})", 2)
-            out.update(range(a, min(b, MAX_WORLD - 1) + 1))
+            spans.append((a, min(b, MAX_WORLD - 1)))
     except ValueError:
         raise CLIError(f"--rank must be 'all', a rank or a list like 0,3,5-7; got {text!r}", 2) from None
-    return sorted(out)
+    # ranges kept as ranges until merged: the same range 150 times is expanded once
+    # (a set updated with each range cost 17 s of a server's CPU for 1.5 KB of query)
+    out: list[int] = []
+    end = -1
+    for a, b in sorted(spans):
+        if b > end:
+            out.extend(range(max(a, end + 1), b + 1))
+            end = b
+    return out
 
 
 def smooth(values: list[float], window: int) -> list[float]:

@@ -80,6 +80,21 @@ def status(doc: Mapping[str, Any], running: bool) -> None:
                       soft_wrap=True)
 
 
+def refused(paths: Mapping[str, str], files: Mapping[str, Any]) -> None:
+    """The spool files exprd refused that its file table does not show (a symlink, another
+    user's file: never tailed), each with the reason, in red."""
+    from rich.text import Text
+
+    shown = {os.path.abspath(p) for p in files}
+    rest = sorted((p, r) for p, r in paths.items() if p not in shown)
+    if not rest:
+        return
+    out = console()
+    out.print(Text(f"{len(rest)} spool file(s) refused by exprd (not applied):", style="bold red"))
+    for path, why in rest:
+        out.print(Text(f"  {path}: {why}", style="red"), soft_wrap=True)
+
+
 def _files(out: Console, rows: Sequence[Mapping[str, Any]]) -> None:
     """The file table: numbers right-aligned in columns as wide as their widest cell, the
     file name in the room left (folded, never cut, when a name is longer than that)."""

@@ -38,6 +38,10 @@ OUTLIER_ROWS = 12  # flagged ranks listed one per line; the others are named in 
 LIST_RANKS = 24  # behind ranks listed with their step; more are compacted
 
 
+MAX_KEYS = 10  # key tables `expr summary` prints (each some lines); the rest counted
+MAX_SPANS = 40  # rows of `--spans` (and values of a shard's last row) printed
+
+
 def fmt_fit(x: Any, width: int) -> str:
     """`fmt_num` with as many significant digits (4 at most) as fit in `width` characters."""
     for digits in (4, 3, 2, 1):
@@ -71,11 +75,13 @@ def summary(view: Mapping[str, Any]) -> None:
     if why and why != "as asked":
         prose(out, Text(f"  {where}: {why}", style="dim"))
     _ranks_line(out, view.get("ranks") or {})
-    narrow = _narrow_width(out.width, view["world_size"], [i["stats"] for i in view["keys"]])
-    for item in view["keys"]:
+    keys = view["keys"][:MAX_KEYS]  # a screenful: a row of 50,000 keys was 300k lines
+    narrow = _narrow_width(out.width, view["world_size"], [i["stats"] for i in keys])
+    for item in keys:
         out.print()
         _key_stats(out, item, view, narrow)
     out.print()
+    _more(out, len(view["keys"]) - len(keys), "key", "-m KEY to show one")
     _coverage(out, view["coverage"], view["coverage_checked"])
     _system_hint(out, view.get("system_keys") or [])
     spans = view.get("span_keys") or []
@@ -367,13 +373,26 @@ def last_values(rows: Sequence[Mapping[str, Any]], label: str,
     out = console()
     out.print(Text(f"{label} has no rank records (log_rank_metrics); last values per shard:", style="yellow"))
     _system_hint(out, system_keys)
-    for r in rows:
+    for r in rows[:MAX_KEYS]:
         table = _table(["metric", "value"], right=["value"], keep=["metric"])
-        for k, v in r["values"].items():
+        values = list(r["values"].items())
+        for k, v in values[:MAX_SPANS]:
             table.add_row(k, fmt_cell(v))
         out.print()
         _show(out, f"{r['file']}  (rank {r['rank']}, step {fmt_cell(r['step'])})", table,
               style="bold cyan")
+        _more(out, len(values) - MAX_SPANS, "key", "-m KEY to show one")
+    _more(out, len(rows) - MAX_KEYS, "shard", "")
+
+
+def _more(out: Console, n: int, what: str, hint: str) -> None:
+    """One dim line for what a screenful left out: how many, and how to see them."""
+    from rich.text import Text
+
+    if n <= 0:
+        return
+    how = f"{hint}; --json for all" if hint else "--json for all"
+    prose(out, Text(f"... and {n:,} more {what}{'s' if n != 1 else ''} ({how})", style="dim"))
 
 
 def spans(view: Mapping[str, Any]) -> None:
@@ -402,7 +421,8 @@ def spans(view: Mapping[str, Any]) -> None:
     if len(counts) > 1:
         headers.append("ranks")
     table = _table(headers, right=headers[1:], keep=["span"])
-    for row in view["spans"]:
+    rows = view["spans"][:MAX_SPANS]  # worst first: the slowest phases, the rest counted
+    for row in rows:
         excess = row["excess_ms"]
         cells: list[Any] = [
             row["path"], fmt_num(row["median_ms"]), fmt_num(row["straggler_ms"]),
@@ -414,3 +434,4 @@ def spans(view: Mapping[str, Any]) -> None:
             cells.append(str(row["ranks"]))
         table.add_row(*cells)
     out.print(table)
+    _more(out, len(view["spans"]) - len(rows), "span key", "faster than those shown")

@@ -38,7 +38,7 @@ from expr_cli.resolve import RunRef, compact_ranks, parse_metrics, parse_step_ra
 from expr_cli.summary_load import COVERAGE_STEPS
 
 from .live import TOP_TTL, LiveRuns, incident_lines
-from .paths import BadRequest, NotFound, inside, run_arg, run_ref, stream_arg
+from .paths import BadRequest, NotFound, inside, no_links, run_arg, run_ref, stream_arg
 
 Params = Mapping[str, Sequence[str]]
 PAGE_RANKS = 256  # past this many ranks the heatmap's rows are nodes (a click drills in)
@@ -136,7 +136,8 @@ class Api:
             return out
 
     def _list_runs(self) -> list[dict[str, Any]]:
-        rows = [r for r in runs_data(self.root) if inside(self.root, Path(r["path"]))]
+        rows = [r for r in runs_data(self.root) if inside(self.root, Path(r["path"]))
+                and _no_links(RunRef(Path(r["path"]), r["path"]))]
         out = runs_json(rows, [])
         for row in out:
             ref = RunRef(Path(row["path"]), f"{row['project']}/{row['name']}")
@@ -339,6 +340,16 @@ def _shards(live: Any, ref: RunRef, stream: str | None) -> Any:
     if key not in live.memo:
         live.memo[key] = shards_of(ref, stream)
     return live.memo[key]
+
+
+def _no_links(ref: RunRef) -> bool:
+    """No entry of the run is a symlink (a shard or sidecar linked to a file outside the
+    root): such a run is not listed, as its page refuses it (`paths.no_links`)."""
+    try:
+        no_links(ref)
+    except (NotFound, OSError):
+        return False
+    return True
 
 
 def _open_count(lines: list[dict[str, Any]]) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 import sys
 from collections.abc import Awaitable, Callable
 from http.cookies import SimpleCookie
@@ -67,6 +68,12 @@ class Guard:
                 message["headers"] = [*message.get("headers", []), *_HEADERS]
             await send(message)
 
+        if self.token is None and not _loopback_host(scope):
+            # DNS rebinding: a page of attacker.example that resolves to 127.0.0.1 reaches
+            # this server with its own name in Host; without a token only loopback names pass
+            await _error(403, "Host must be a loopback name (localhost, 127.0.0.1, [::1]) "
+                              "without --token")(scope, receive, send_with_headers)
+            return
         if self.token is not None:
             query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
             given = (query.get("token") or [None])[0]
@@ -97,6 +104,25 @@ class Guard:
         await self.app(scope, receive, send_with_headers)
 
 
+_BAD_ESCAPE = re.compile(rb"%(?![0-9A-Fa-f]{2})")  # a % not followed by two hex digits
+_LOOPBACK = frozenset(("localhost", "127.0.0.1", "[::1]", "::1"))
+
+
+def _loopback_host(scope: Scope) -> bool:
+    """True when the request's Host header (or its absence: HTTP/1.0) names this machine's
+    loopback: `localhost`, a name under `.localhost`, `127.0.0.1`, `[::1]`, any port."""
+    hosts = [v for k, v in scope.get("headers", []) if k == b"host"]
+    if not hosts:
+        return True
+    if len(hosts) > 1:
+        return False
+    host = hosts[0].decode("latin-1").strip().lower()
+    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+    if name.startswith("[") and "]" in name:
+        name = name[: name.index("]") + 1]
+    return name in _LOOPBACK or name.endswith(".localhost")
+
+
 def _cookie(scope: Scope) -> str | None:
     for name, value in scope.get("headers", []):
         if name == b"cookie":
@@ -108,6 +134,25 @@ def _cookie(scope: Scope) -> str | None:
             if COOKIE in jar:
                 return jar[COOKIE].value
     return None
+
+
+def _names_ok(request: Request) -> bool:
+    """A run page's `project/name`: valid percent-encoded UTF-8 (`%E0%A4%A` is not, and the
+    page's own decoding threw) and valid names; else the page is "no such run"."""
+    from urllib.parse import unquote_to_bytes
+
+    from expr_tracker.store.layout import validate_name
+
+    raw = request.scope.get("raw_path") or b""
+    if _BAD_ESCAPE.search(raw):
+        return False
+    try:
+        unquote_to_bytes(raw).decode("utf-8")
+        for k in ("project", "name"):
+            validate_name(request.path_params[k], k)
+    except (UnicodeError, TypeError, ValueError):
+        return False
+    return True
 
 
 async def _answer(call: Callable[[], Any]) -> Response:
@@ -138,6 +183,8 @@ def make_app(root: Path, token: str | None = None, cfg: Any = None) -> ASGI:
 
     def page(name: str) -> Callable[[Request], Awaitable[Response]]:
         async def serve_page(request: Request) -> Response:
+            if "project" in request.path_params and not _names_ok(request):
+                return _error(404, f"no such run: {request.url.path[len('/runs/'):][:200]}")
             return FileResponse(STATIC / name, headers={"cache-control": "no-cache"})
         return serve_page
 

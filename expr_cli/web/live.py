@@ -21,6 +21,7 @@ are kept: they are the same (`tests/test_serve_quick.py`).
 from __future__ import annotations
 
 import os
+import stat
 import sys
 import threading
 import time
@@ -30,12 +31,16 @@ from typing import Any
 
 from expr_cli.data.top import TopView
 from expr_cli.resolve import RunRef
+from expr_tracker.health.state import list_shards
 
-from .paths import no_links
+from .paths import NotFound, no_links
 
 MIN_PASS = 0.5  # seconds: requests and event streams closer than this share a pass
 TOP_TTL = 10.0  # top runs the time-based detectors (hang, stall: minutes): rebuilt this often anyway
 MAX_RUNS = 32  # live states kept (least recently used dropped)
+# ranks of all kept states together (a state of 4,096 ranks holds about 50 MB): past it
+# the least recently used go, the newest always stays
+MAX_KEPT_RANKS = 32_768
 MAX_ANSWERS = 64  # answers kept per run and version
 INCIDENT_TAIL = 256 << 10  # bytes of incidents.jsonl read for the resolved incidents
 QUICK_MIN = 1024  # shards from which the first pass is the quick one (window 2)
@@ -311,18 +316,35 @@ class LiveRuns:
         self.cfg = cfg
         self.lock = threading.Lock()
         self.runs: OrderedDict[tuple[str, str | None], LiveRun] = OrderedDict()
+        self.ranks: dict[tuple[str, str | None], int] = {}  # shards of each kept state
 
     def get(self, ref: RunRef, stream: str | None) -> LiveRun:
-        """The kept state of `ref` (made on first use)."""
+        """The kept state of `ref` (made on first use). A stream the run has no shard of
+        is NotFound before anything is kept: a request for what does not exist never
+        evicts a state that does (seconds to read again at 16,384 ranks)."""
         key = (str(ref.path), stream)
+        with self.lock:
+            run = self.runs.get(key)
+            if run is not None:
+                self.runs.move_to_end(key)
+                return run
+        ranks = len(list_shards(ref.path, stream))
+        if not ranks:
+            if stream is not None:
+                raise NotFound(f"run {ref.label} has no shards of stream {stream}")
+            return LiveRun(ref, stream, self.cfg)  # a run with no shard yet: not kept
         with self.lock:
             run = self.runs.get(key)
             if run is None:
                 run = self.runs[key] = LiveRun(ref, stream, self.cfg)
-                while len(self.runs) > MAX_RUNS:
+                self.ranks[key] = ranks
+                # bounded by memory (about its ranks' tails each), not only by count
+                while len(self.runs) > 1 and (len(self.runs) > MAX_RUNS
+                                              or sum(self.ranks.values()) > MAX_KEPT_RANKS):
                     # its inotify watch is closed with it (`DirChanges.__del__`), once a
                     # request still reading it is done: not here, under that request
-                    self.runs.popitem(last=False)
+                    old, _ = self.runs.popitem(last=False)
+                    self.ranks.pop(old, None)
             self.runs.move_to_end(key)
             return run
 
@@ -333,11 +355,16 @@ def incident_lines(ref: RunRef, limit: int = 200) -> list[dict[str, Any]]:
     from expr_tracker.store import records
 
     try:
-        fd = os.open(ref.path / "incidents.jsonl", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO in its place is refused below, not waited on
+        fd = os.open(ref.path / "incidents.jsonl",
+                     os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return []
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return []
+        size = st.st_size
         start = max(0, size - INCIDENT_TAIL)
         data = os.pread(fd, size - start, start)
     finally:

@@ -44,17 +44,26 @@ def run_ref(root: Path, project: str, name: str) -> RunRef:
 
 
 def no_links(ref: RunRef) -> None:
-    """NotFound when an entry of the run directory is a symlink (checked again whenever
-    the run's files change, before anything is read for the new state)."""
+    """NotFound when an entry of the run directory is a symlink, or a FIFO, socket or
+    device (a reader would block on it, or never reach its end): checked again whenever
+    the run's files change, before anything is read for the new state."""
     fd = os.open(ref.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         with os.scandir(fd) as it:
-            linked = [e.name for e in it if e.is_symlink()]
+            linked, special = [], []
+            for e in it:
+                if e.is_symlink():
+                    linked.append(e.name)
+                elif not e.is_file(follow_symlinks=False) and not e.is_dir(follow_symlinks=False):
+                    special.append(e.name)
     finally:
         os.close(fd)
     if linked:
         raise NotFound(f"run {ref.label} holds symlinks ({', '.join(sorted(linked)[:3])}); "
                        "expr serve does not follow them")
+    if special:
+        raise NotFound(f"run {ref.label} holds files that are not regular files "
+                       f"({', '.join(sorted(special)[:3])}); expr serve does not read them")
 
 
 def run_arg(root: Path, text: str) -> RunRef:

@@ -14,6 +14,7 @@ import fcntl
 import os
 import re
 import socket
+import stat
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
@@ -27,6 +28,7 @@ from expr_tracker.health.clock import fs_offset
 from expr_tracker.health.incidents import Incident
 from expr_tracker.procs import pid_alive
 from expr_tracker.store import records
+from expr_tracker.store.safedir import open_file
 
 INCIDENTS = "incidents.jsonl"
 # s a watcher's claim on a page holds: its channels retry for less (a dead watcher's claim
@@ -43,6 +45,26 @@ class _LineTail:
         self.path = path
         self.offset = 0
         self.ino: int | None = None
+        self.refused: str | None = None  # why the file is not read (a symlink, a FIFO)
+
+    def _open(self) -> int | None:
+        """The file for reading, or None: missing, or refused (`refused` says why). A
+        symlink is not followed and a FIFO or device not read (O_NONBLOCK: opening a FIFO
+        nobody writes would block the watcher, and every run it watches, for good)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            self.refused = None
+            return None
+        except OSError as exc:
+            self.refused = refusal(self.path, exc)
+            return None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            self.refused = f"{self.path} is not a regular file"
+            return None
+        self.refused = None
+        return fd
 
     def new_lines(self, fd: int | None = None) -> Iterator[dict[str, Any]]:
         for _, rec in self.new_raw(fd):
@@ -50,10 +72,13 @@ class _LineTail:
 
     def new_raw(self, fd: int | None = None) -> Iterator[tuple[bytes, dict[str, Any]]]:
         """(the line's bytes, its parsed record) of each complete line appended."""
-        try:
-            fh = open(fd, "rb", closefd=False) if fd is not None else open(self.path, "rb")  # noqa: SIM115
-        except OSError:
-            return
+        if fd is None:
+            fd = self._open()
+            if fd is None:
+                return
+            fh = open(fd, "rb")  # noqa: SIM115
+        else:
+            fh = open(fd, "rb", closefd=False)  # noqa: SIM115
         with fh:
             st = os.fstat(fh.fileno())
             if st.st_ino != self.ino or st.st_size < self.offset:
@@ -70,6 +95,13 @@ class _LineTail:
             except ValueError:
                 continue
             yield bytes(line), rec
+
+
+def refusal(path: Path, exc: OSError) -> str:
+    """Why `path` could not be opened, in words: a symlink is named as one."""
+    if os.path.islink(path):
+        return f"{path} is a symlink (not followed)"
+    return f"{path}: {exc.strerror or exc}"
 
 
 _TORN = {  # what a torn line most likely still holds (see `incidents.LINE_KEYS`)
@@ -149,11 +181,16 @@ class IncidentLog:
         p = inc.paging
         return p is not None and p.get("by") != self.token and now - float(p["at"]) < CLAIM_TTL
 
+    @property
+    def refused(self) -> str | None:
+        """Why the file is not read or written (a symlink, a FIFO), if it is not."""
+        return self._tail.refused
+
     def _open_fd(self) -> int:
         dfd = os.open(self.run_dir, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            return os.open(INCIDENTS, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
-                           | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+            return open_file(dfd, INCIDENTS, os.O_RDWR | os.O_APPEND | os.O_CREAT,
+                             where=self.run_dir)
         finally:
             os.close(dfd)
 
@@ -192,8 +229,8 @@ class IncidentLog:
         fragment = data[cut:]
         dfd = os.open(self.run_dir, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            side = os.open(INCIDENTS + ".torn", os.O_WRONLY | os.O_APPEND | os.O_CREAT
-                           | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+            side = open_file(dfd, INCIDENTS + ".torn", os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+                             where=self.run_dir)  # (a FIFO there would block the open)
         finally:
             os.close(dfd)
         try:
@@ -321,6 +358,46 @@ class IncidentLog:
                         self._write(fd, late)       # is not asked again)
                         done.append(late)  # (exprd logs what it paged, whoever saw it first)
             self.sync(fd)
+        return done
+
+    def unrecorded(self, changes: list[Incident], deliver: Callable[[Incident], bool] | None,
+                   updates: list[Incident] | None = None,
+                   due: Callable[[Incident], bool] | None = None) -> list[Incident]:
+        """What `record` does when the file cannot be written (a read-only run directory,
+        a symlink or FIFO in its place): the changes kept in memory and delivered all the
+        same, so a crash is still shown and paged; the caller names the write error. A
+        page queued here is taken as delivered: there is no line to settle it on."""
+        done: list[Incident] = []
+        for inc in changes:
+            if inc.state == "resolved":
+                opened = self.open.pop(inc.id, None)
+                if opened is None:
+                    continue
+                paged = opened.delivered or inc.id in self.paged
+                inc.delivered = paged and deliver is not None and deliver(inc)
+            elif not self._fresh(inc):
+                continue
+            else:
+                self.open[inc.id] = inc
+                self.offered.add(inc.id)
+                inc.delivered = deliver is not None and (due is None or due(inc)) and deliver(inc)
+                if inc.delivered:
+                    self.paged.add(inc.id)
+            done.append(inc)
+        for inc in updates or ():
+            cur = self.open.get(inc.id)
+            if cur is not None and (cur.ranks != inc.ranks or cur.detail != inc.detail):
+                inc.delivered = cur.delivered
+                self.open[inc.id] = inc
+                done.append(inc)
+        if deliver is not None:
+            for inc in [i for i in self.open.values() if not i.delivered]:
+                if (due is None or due(inc)) and deliver(inc):
+                    inc.delivered = True
+                    self.paged.add(inc.id)
+                    done.append(inc)
+        self.pending.clear()  # (the channels' word has no line to go on)
+        self.outcomes.clear()
         return done
 
     def _fresh(self, inc: Incident) -> bool:

@@ -28,6 +28,7 @@ from expr_tracker.gcpause import paused_gc
 from expr_tracker.store import records
 from expr_tracker.store.cursor import read_sidecar
 from expr_tracker.store.records import is_sample
+from expr_tracker.store.safedir import open_read, open_regular
 from expr_tracker.store.window import WINDOW_BLOCK, Short, TailBytes
 
 if TYPE_CHECKING:
@@ -294,7 +295,7 @@ class ShardTail:
         (or its tail read, `TailBytes`); else it is opened here.
         """
         if fh is None:
-            with open(self._shard_name, "rb") as own:
+            with open_read(self._shard_name) as own:
                 return self._read_tail(end, own)
         self._reset()
         # the records kept, sorted as `_take` sorts them, newest first
@@ -390,7 +391,7 @@ class ShardTail:
         return SMALL_BLOCK if self.window <= SMALL_WINDOW else TAIL_BLOCK
 
     def _read_forward(self, end: int) -> None:
-        with open(self._shard_name, "rb") as fh:
+        with open_read(self._shard_name) as fh:
             for _, data in records.complete_blocks(fh, 1 << 20, self.offset):
                 self._take(_parse_lines(data))
                 self.offset += len(data)
@@ -420,7 +421,7 @@ class ShardTail:
         self.version += 1
         self.read_now = True
         try:
-            with open(self._shard_name, "rb") as fh:
+            with open_read(self._shard_name) as fh:
                 end = records.complete_end(fh, self._first_block())
             if replaced or end < self.offset or end - self.offset > MAX_CATCHUP or self.offset == 0:
                 self._read_tail(end)
@@ -442,7 +443,7 @@ class ShardTail:
         file, open, for a caller that reads more of it (`read_scanned`); the read then
         takes about the shard's last `steps` steps too (`_bytes_for`)."""
         try:
-            fd = os.open(self._shard_name, os.O_RDONLY | os.O_CLOEXEC)
+            fd = open_regular(self._shard_name)
         except OSError:
             return False
         try:
@@ -456,6 +457,7 @@ class ShardTail:
             want = min(size, max(self._tail_bytes(), self._bytes_for(steps)))
             data = os.pread(fd, want, size - want) if want else b""
             with open(fd, "rb", closefd=False) as fh:
+                fh.raw.name = self._shard_name  # type: ignore[attr-defined]  # (for messages)
                 held = cast("BinaryIO", TailBytes(data, size - want) if len(data) == want else fh)
                 try:
                     self._read_tail(records.complete_end(held, self._first_block()), held)
@@ -495,7 +497,7 @@ class ShardTail:
         True if it did. `first`: never read yet, so it is opened at once (no `stat` first)."""
         if first:
             try:
-                with open(self._side_name, "rb") as fh:
+                with open_read(self._side_name) as fh:
                     st = os.fstat(fh.fileno())
                     raw = fh.read()
             except OSError:

@@ -20,7 +20,7 @@ from expr_tracker.health.config import HealthConfig
 from expr_tracker.health.detect import Memory, detect, ended
 from expr_tracker.health.incidentlog import INCIDENTS as INCIDENTS  # (re-exported)
 from expr_tracker.health.incidentlog import IncidentLog as IncidentLog
-from expr_tracker.health.incidentlog import _LineTail, owner_alive
+from expr_tracker.health.incidentlog import _LineTail, owner_alive, refusal
 from expr_tracker.health.incidentlog import open_incidents as open_incidents
 from expr_tracker.health.incidents import Incident, plan
 from expr_tracker.health.state import DEFAULT_WINDOW, RunReader, RunState
@@ -77,6 +77,7 @@ class Watcher:
         self._suppressed: dict[tuple[int, str], dict[str, Any]] = {}
         self.state: RunState | None = None
         self.errors = 0
+        self.write_error: str | None = None  # why the last pass could not record its incidents
         self._clocked = False  # the filesystem's clock measured (on the first pass)
         self._seen_at: dict[str, float] = {}  # incident id -> when this watcher first saw it open
         if owner:  # a long-running watcher (exprd, `expr watch`): it resolves what it opens
@@ -135,17 +136,25 @@ class Watcher:
         for inc in self.log.open.values():  # when this watcher first saw each open incident
             self._seen_at.setdefault(inc.id, min(now, inc.first_seen or now))
         self._now = now
+        # a symlink or FIFO in the file's place is neither read nor appended to
+        refused = self.log.refused
+        self.write_error = None if refused is None else f"cannot record incidents: {refused}"
         late = self.dispatcher is not None and (
             bool(self.log.outcomes) or any(self._due(i) for i in self.log.undelivered()))
         if not (p.opened or p.resolved or p.updated or late) or not self.run_dir.is_dir():
             return []
-        try:
-            return self.log.record(p.resolved + p.opened,
-                                   self._deliver if self.dispatcher is not None else None, p.updated,
-                                   self._due)
-        except OSError:
+        deliver = self._deliver if self.dispatcher is not None else None
+        if refused is not None:
             self.errors += 1
-            return []
+            return self.log.unrecorded(p.resolved + p.opened, deliver, p.updated, self._due)
+        try:
+            return self.log.record(p.resolved + p.opened, deliver, p.updated, self._due)
+        except OSError as exc:
+            # a read-only run directory (a teammate's run, a ro mount): the incidents are
+            # shown and delivered from memory, and the error is named, not swallowed
+            self.errors += 1
+            self.write_error = f"cannot record incidents: {refusal(self.log.path, exc)}"
+            return self.log.unrecorded(p.resolved + p.opened, deliver, p.updated, self._due)
 
     def _keep_others(self, p: Any) -> None:
         """What another live watcher opened, it resolves (its thresholds, its evidence: a

@@ -8,9 +8,11 @@ caller can read something else (the live state of the run) while they work.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar, cast
@@ -139,7 +141,44 @@ def _forking() -> Iterator[None]:
 def _start_pool(workers: int, ctx: Any) -> Any:
     from concurrent.futures import ProcessPoolExecutor
 
-    return ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_start)
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_start)
+    _pools.add(pool)
+    return pool
+
+
+_pools: weakref.WeakSet[Any] = weakref.WeakSet()  # pools not yet collected (`stop_children`)
+
+
+def stop_children() -> None:
+    """Stop what this process started to read in parallel: every pool's workers (killed,
+    by pid), the fork server and multiprocessing's resource tracker. For a server's exit:
+    a SIGTERM during a read stuck in a worker left them, 150 MB, alive for good."""
+    import signal
+    import threading
+    from multiprocessing import forkserver, resource_tracker
+
+    server = forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid:
+        # killed, not asked: a fork server that does not answer (stopped, or blocked) would
+        # hold this exit and every request thread waiting on it; its workers die with it
+        # (`_die_with_parent`)
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    for pool in list(_pools):
+        _abandon(pool)
+    for helper in (server, resource_tracker._resource_tracker):
+        stop = getattr(helper, "_stop", None)
+        if stop is None:
+            continue
+        # it closes the helper's pipe and waits for it: a second at most
+        waiter = threading.Thread(target=_quietly, args=(stop,), daemon=True)
+        waiter.start()
+        waiter.join(1.0)
+        pid = getattr(helper, "_pid", None)
+        if waiter.is_alive() and pid:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _result(pool: Any, future: Any) -> Any:
@@ -169,6 +208,11 @@ def _result(pool: Any, future: Any) -> Any:
         elif time.monotonic() - dead_at >= STUCK:
             _abandon(pool)
             raise BrokenExecutor("a worker died while it sent its result")
+
+
+def _quietly(call: Callable[[], Any]) -> None:
+    with contextlib.suppress(Exception):  # not running, or gone already
+        call()
 
 
 def _any_dead(procs: list[Any]) -> bool:

@@ -24,7 +24,8 @@ def _median(xs: list[float]) -> float:
 def span_phases(means: Mapping[str, Mapping[int, float]]) -> dict[str, Any]:
     """`means`: span key -> rank -> that rank's mean ms per step. Returns
     {"straggler": rank | None, "spans": [{key, path, ranks, median_ms, max_ms, max_rank,
-    min_ms, min_rank, straggler_ms, excess_ms, ratio}, ...]} sorted by excess, worst first."""
+    min_ms, min_rank, straggler_ms, excess_ms, ratio}, ...]} sorted by excess, worst first
+    (ties: the wider spread, then the slower median first)."""
     medians: dict[str, float] = {}
     for key, values in means.items():
         xs = [x for x in values.values() if x == x]
@@ -55,5 +56,5 @@ def span_phases(means: Mapping[str, Mapping[int, float]]) -> dict[str, Any]:
             "ratio": None if mine is None or med <= 0 else mine / med,
         })
     rows.sort(key=lambda r: (-(r["excess_ms"] if r["excess_ms"] is not None else float("-inf")),
-                             -(r["max_ms"] - r["median_ms"]), r["key"]))
+                             -(r["max_ms"] - r["median_ms"]), -r["median_ms"], r["key"]))
     return {"straggler": straggler, "spans": rows}

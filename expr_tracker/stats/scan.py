@@ -33,6 +33,7 @@ from expr_tracker.stats.ranktable import TableShape
 # `reduce`'s bounds and mean, so that both readers agree to the last bit
 from expr_tracker.stats.reduce import _MAX_INT, _MAX_RANKS, RankTable, Stats, _mean, reduce_values
 from expr_tracker.store import records
+from expr_tracker.store.safedir import open_read
 from expr_tracker.store.window import Short, TailBytes, last_step, window_start
 
 _CHUNK = 4 << 20  # bytes parsed at a time: bounds the parsed records held in memory
@@ -257,7 +258,7 @@ def scan_shard(
     """Read one shard's rank records as blocks (an unterminated last line is ignored); with
     `lo`, only the shard's tail from about step `lo` on (see `window_start`); with
     `recent`, only its last `recent` steps."""
-    with open(path, "rb") as fh:
+    with open_read(path) as fh:
         return _scan_open(fh, os.fspath(path), lo, recent)
 
 

@@ -24,6 +24,7 @@ from expr_tracker.gcpause import paused_gc
 from expr_tracker.stats.ranktable import _MAX_RANKS, RankTable
 from expr_tracker.stats.scan import Block, ColumnTable
 from expr_tracker.store import records
+from expr_tracker.store.safedir import open_read
 from expr_tracker.store.window import window_start
 
 _BLOCK = 4 << 20  # bytes parsed at a time: bounds the records held in memory
@@ -192,7 +193,7 @@ def _read_shard(path: str, rank: int, keys: Collection[str], lo: int | None,
     rows = None if prefix is None and names else _Rows()
     marks = [b'"' + k.encode() + b'"' for k in keys] if prefix is None else [b'"' + prefix.encode()]
     bad = 0
-    with open(path, "rb") as fh:
+    with open_read(path) as fh:
         start = window_start(fh, lo) if lo is not None else 0
         for _, data in records.complete_blocks(fh, _BLOCK, start):
             recs = records.loads_block(data)  # (non-finite text: decoded per key)

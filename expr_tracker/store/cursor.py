@@ -17,7 +17,9 @@ import orjson
 
 from expr_tracker.store import records
 from expr_tracker.store.layout import ShardPaths
-from expr_tracker.store.safedir import write_all, write_atomic_at
+from expr_tracker.store.safedir import open_read, write_all, write_atomic_at
+
+MAX_SIDECAR = 64 << 20  # bytes of a sidecar read: past it, not JSON of ours (read as none)
 
 _READ_BLOCK = 256 * 1024
 
@@ -36,7 +38,8 @@ def write_atomic(path: Path, data: bytes) -> None:
 def read_sidecar(path: Path) -> dict[str, Any] | None:
     """The sidecar as a dict, or None if missing or unreadable."""
     try:
-        data = orjson.loads(path.read_bytes())
+        with open_read(path) as fh:
+            data = orjson.loads(fh.read(MAX_SIDECAR + 1))
     except (OSError, orjson.JSONDecodeError):
         return None
     return data if isinstance(data, dict) else None

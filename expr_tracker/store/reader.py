@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from expr_tracker.store import records
+from expr_tracker.store.safedir import open_read
 
 _READ_BLOCK = 256 * 1024
 
@@ -29,7 +30,7 @@ class ShardReader:
 
     def iter_records(self, start: int = 0) -> Iterator[tuple[int, dict[str, Any]]]:
         """Yield (end offset, record) for every complete, parseable line from `start`."""
-        with open(self.path, "rb") as fh:
+        with open_read(self.path) as fh:
             for base, data in records.complete_blocks(fh, 4 * _READ_BLOCK, start):
                 for off, line in records.iter_lines(data):
                     rec = self._parse(line) if line.strip() else None
@@ -41,7 +42,7 @@ class ShardReader:
         orjson call per block of whole lines (the common case; a long run read whole spends
         most of its time in per-line Python otherwise), line by line for a block that holds
         a torn, blank or foreign line."""
-        with open(self.path, "rb") as fh:
+        with open_read(self.path) as fh:
             for _, data in records.complete_blocks(fh, 4 * _READ_BLOCK):
                 recs = records.loads_block(data)
                 if recs is None:
@@ -70,7 +71,7 @@ class ShardReader:
         `block` bytes are read at a time: a reader that wants a few lines of each of many
         shards passes a small one. A given `end` keeps the view stable while the file grows.
         """
-        with open(self.path, "rb") as fh:
+        with open_read(self.path) as fh:
             if end is None:
                 end = records.complete_end(fh, block)  # only terminated lines count
             carry = b""
@@ -158,7 +159,7 @@ def last_values(path: Path, tail: int = SUMMARY_TAIL) -> dict[str, Any]:
     spool file, and the largest `_step` (the summary `finish` saves)."""
     import orjson
 
-    with open(path, "rb") as fh:
+    with open_read(path) as fh:
         end = fh.seek(0, 2)
         start = max(0, end - tail)
         fh.seek(start)

@@ -8,11 +8,16 @@ as floats. numpy scalars and 0-d tensors are unwrapped with `.item()`.
 
 from __future__ import annotations
 
+import errno
+import io
 import math
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any, BinaryIO
 
 import orjson
+
+from expr_tracker.store.window import end_of_data
 
 # a sanity bound on world sizes (DESIGN 14): far above any job (16,384 ranks and more are
 # supported), low enough that a corrupt value cannot make a reader list a billion ranks
@@ -255,7 +260,9 @@ def complete_blocks(fh: BinaryIO, size: int, start: int = 0) -> Iterator[tuple[i
     """(offset, data) chunks of an open file from `start`, each ending at a newline.
 
     About `size` bytes at a time; an unterminated last line (a writer mid-append, or a
-    torn tail) is never yielded.
+    torn tail) is never yielded. A run of NUL bytes where a line should start (what a
+    node crash leaves at a shard's end, often gigabytes of a sparse hole) is skipped
+    without holding it (holes jumped over with SEEK_DATA), with a warning (`nul_skipped`).
     """
     fh.seek(start)
     pos, carry = start, b""
@@ -263,7 +270,20 @@ def complete_blocks(fh: BinaryIO, size: int, start: int = 0) -> Iterator[tuple[i
         block = fh.read(size)
         if not block:
             return
-        data = carry + block
+        data = carry + block if carry else block
+        if data[:1] == b"\0":
+            kept = data.lstrip(b"\0")
+            skipped = len(data) - len(kept)
+            nul_start, pos, data = pos, pos + skipped, kept
+            if not data:
+                nxt = _next_data(fh, pos)
+                nul_skipped(fh, nul_start, (fh.seek(0, 2) if nxt is None else nxt) - nul_start)
+                if nxt is None:
+                    return
+                fh.seek(pos := nxt)
+                carry = b""
+                continue
+            nul_skipped(fh, nul_start, skipped)
         end = data.rfind(b"\n") + 1
         if end:
             yield pos, data[:end]
@@ -271,17 +291,66 @@ def complete_blocks(fh: BinaryIO, size: int, start: int = 0) -> Iterator[tuple[i
         carry = data[end:]
 
 
+def _next_data(fh: BinaryIO, pos: int) -> int | None:
+    """The offset of the next byte at or after `pos` that is not in a hole (`pos` itself
+    where the filesystem cannot say), None at the end of the file."""
+    try:
+        return os.lseek(fh.fileno(), pos, os.SEEK_DATA)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            return None
+        return pos
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        return pos
+
+
+_nul_warned: set[str] = set()
+
+
+def nul_skipped(fh: BinaryIO, at: int, n: int) -> None:
+    """One warning per file and process: a run of `n` NUL bytes at offset `at` skipped."""
+    if n <= 0:
+        return
+    name = str(getattr(fh, "name", "a file"))
+    if name in _nul_warned:
+        return
+    _nul_warned.add(name)
+    import logging
+
+    logging.getLogger("expr_tracker").warning(
+        "expr_tracker: %s: skipped %s NUL bytes at offset %s (a node crash leaves them); "
+        "the lines around them are read", name, f"{n:,}", f"{at:,}")
+
+
 def complete_end(fh: BinaryIO, size: int = 256 * 1024) -> int:
-    """The offset just past the last newline of an open file (0 if it has none)."""
+    """The offset just past the last newline of an open file (0 if it has none).
+
+    A NUL tail is not searched byte by byte: holes are stepped over with SEEK_HOLE and
+    written NUL blocks skipped as they are read (a warning names the file)."""
     end = fh.seek(0, 2)
+    last_data = end_of_data(fh, end)
+    if last_data < end:
+        nul_skipped(fh, last_data, end - last_data)
+        end = last_data
+    nul_end = end
+    grow = max(size, MAX_BACK_BLOCK)
     while end > 0:
         start = max(0, end - size)
         fh.seek(start)
-        nl = fh.read(end - start).rfind(b"\n")
+        block = fh.read(end - start)
+        nl = block.rfind(b"\n")
         if nl >= 0:
+            if nul_end > start + nl + 1 and not block[nl + 1:].strip(b"\0"):
+                nul_skipped(fh, start + nl + 1, nul_end - start - nl - 1)
             return start + nl + 1
+        if block.strip(b"\0"):
+            nul_end = -1  # a line, not NULs: the bytes after it are no NUL run
         end = start
+        size = min(2 * size, grow)  # a long line or NUL run: larger reads, bounded
     return 0
+
+
+MAX_BACK_BLOCK = 1 << 20  # bytes: the largest block a backward search reads at once
 
 
 def is_rank_record(record: Mapping[str, Any]) -> bool:

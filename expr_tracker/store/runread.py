@@ -27,6 +27,7 @@ from typing import Any, NamedTuple, TypeGuard
 
 from expr_tracker.store.layout import parse_shard_name, validate_stream
 from expr_tracker.store.reader import ShardReader
+from expr_tracker.store.safedir import refused_special
 
 ALL_STREAMS: Any = ...
 """`stream=ALL_STREAMS` (the default) reads every stream; None is the default stream."""
@@ -60,7 +61,11 @@ def run_shards(run_dir: str | os.PathLike[str], stream: Any = ALL_STREAMS) -> li
     with os.scandir(run) as entries:
         for entry in entries:
             parsed = parse_shard_name(entry.name)
-            if parsed is None or not entry.is_file():  # a symlink followed
+            if parsed is None:
+                continue
+            if not entry.is_file():  # (a symlink followed)
+                if not entry.is_dir():  # a FIFO, socket or device: named, never read
+                    refused_special(os.path.join(run, entry.name))
                 continue
             if stream is ALL_STREAMS or parsed.stream == stream:
                 out.append(RunShard(run / entry.name, parsed.stream, parsed.rank))

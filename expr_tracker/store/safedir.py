@@ -16,6 +16,7 @@ import stat
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _NOFOLLOW_DIR = _DIR | os.O_NOFOLLOW
@@ -23,6 +24,10 @@ _NOFOLLOW_DIR = _DIR | os.O_NOFOLLOW
 
 class UnsafePath(OSError):
     """A symlink, hard link or special file where exprd would write (the message says where)."""
+
+
+class NotRegular(UnsafePath):
+    """A FIFO, socket, device or directory where a regular file belongs (the message says where)."""
 
 
 def _link_target(name: str, dir_fd: int) -> str:
@@ -116,7 +121,7 @@ def open_file(dir_fd: int, name: str, flags: int, mode: int = 0o644, *,
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise UnsafePath(errno.EINVAL, f"{(where or Path('.')) / name} is not a regular file")
+            raise NotRegular(errno.EINVAL, f"{(where or Path('.')) / name} is not a regular file")
         if st.st_nlink > 1:
             raise UnsafePath(errno.EMLINK, f"{(where or Path('.')) / name} has "
                                            f"{st.st_nlink} hard links")
@@ -128,18 +133,66 @@ def open_file(dir_fd: int, name: str, flags: int, mode: int = 0o644, *,
     return fd
 
 
+def open_regular(path: str | os.PathLike[str], *, follow: bool = True) -> int:
+    """A read-only descriptor of `path`, refused (`NotRegular`) unless it is a regular file.
+
+    A FIFO put where a shard, sidecar or incidents file belongs would block the open, and
+    every run a watcher serves behind it, for good: O_NONBLOCK makes the open return, and
+    the `fstat` refuses it. `follow=False` refuses a symlink too (ELOOP)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    fd = os.open(path, flags)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            refused_special(os.fspath(path))
+            raise NotRegular(errno.EINVAL, f"{os.fspath(path)} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+_said: set[str] = set()
+
+
+def refused_special(path: str) -> None:
+    """Say once per path and process that `path`, not a regular file, is not read (the
+    readers skip it; a watcher would say so every pass)."""
+    if path in _said or len(_said) >= 10_000:
+        return
+    _said.add(path)
+    import logging
+
+    logging.getLogger("expr_tracker").warning(
+        "expr_tracker: %s is not a regular file (a FIFO, socket or device): not read", path)
+
+
+def open_read(path: str | os.PathLike[str]) -> BinaryIO:
+    """`open(path, "rb")` of a regular file only (`open_regular`), named by its path."""
+    fh = open(open_regular(path), "rb")  # noqa: SIM115 - the caller's
+    fh.raw.name = os.fspath(path)  # type: ignore[attr-defined]  # (for messages)
+    return fh
+
+
 def write_atomic_at(dir_fd: int, name: str, data: bytes, *, mode: int = 0o644) -> None:
     """Replace `name` in `dir_fd` with `data`: temp file, fsync, rename, no symlink followed."""
     tmp = f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
                  mode, dir_fd=dir_fd)
     try:
-        write_all(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    # rename never follows a symlink at the destination: it replaces the link itself
-    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        try:
+            write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        # rename never follows a symlink at the destination: it replaces the link itself
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        # a full disk, or a directory in the way: no temp file left behind, each attempt
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise
 
 
 def write_all(fd: int, data: bytes | memoryview) -> None:

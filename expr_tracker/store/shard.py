@@ -28,7 +28,14 @@ from expr_tracker.store.cursor import (
 )
 from expr_tracker.store.layout import ShardPaths
 from expr_tracker.store.lock import lock_writer
-from expr_tracker.store.safedir import UnsafePath, open_dir, open_file, write_all, write_atomic_at
+from expr_tracker.store.safedir import (
+    NotRegular,
+    UnsafePath,
+    open_dir,
+    open_file,
+    write_all,
+    write_atomic_at,
+)
 
 FLUSH_BYTES = 64 * 1024
 # a retry after a failed write goes in pieces of whole lines this large, so that a disk
@@ -230,8 +237,8 @@ class ShardWriter:
         """The sidecar, read without following a symlink; None if missing or unreadable."""
         try:
             fd = self.open_file(self.paths.sidecar.name, os.O_RDONLY)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
+        except (FileNotFoundError, NotADirectoryError, NotRegular):
+            return None  # (a directory in its place: its write says so, not the shard's open)
         try:
             with open(fd, "rb", closefd=False) as fh:
                 data = orjson.loads(fh.read())
@@ -447,11 +454,15 @@ class ShardWriter:
         cause = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
         key = f"{op}:{cause}"
         self.errors[key] = self.errors.get(key, 0) + 1
-        self._warn(
-            f"shard:{cause}",  # one warning per cause (ENOSPC, EROFS...), whatever the operation
-            f"expr_tracker: cannot {op} shard {self.paths.shard}: {exc.strerror or exc}; "
-            "rows are kept in memory and retried",
-        )
+        if op == "sidecar":  # the rows are not what failed: say what is
+            what = (f"cannot write sidecar {self.paths.sidecar}: {exc.strerror or exc}; "
+                    "the rows are written, the sidecar is retried")
+        else:
+            what = (f"cannot {op} shard {self.paths.shard}: {exc.strerror or exc}; "
+                    "rows are kept in memory and retried")
+        # one warning per cause (ENOSPC, EROFS...), whatever the operation: the first says
+        # what failed first (the shard's open, on a read-only run root)
+        self._warn(f"shard:{cause}", f"expr_tracker: {what}")
 
     # -- sidecar ---------------------------------------------------------
     def sidecar(self) -> dict[str, Any]:

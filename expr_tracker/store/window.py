@@ -9,6 +9,9 @@ parsing the lines.
 
 from __future__ import annotations
 
+import errno
+import io
+import os
 import re
 from typing import BinaryIO
 
@@ -64,7 +67,7 @@ def window_start(fh: BinaryIO, lo: int, block: int = WINDOW_BLOCK) -> int:
     step rows are each in increasing step order, and the two are interleaved as writers
     append them (`_bound`); lines after the offset may still have smaller steps, which
     readers skip or keep as they do any line. 0 when the window reaches back to the start."""
-    end = fh.seek(0, 2)
+    end = data_end(fh)
     while end > 0:
         start = max(0, end - block)
         fh.seek(start)
@@ -108,7 +111,7 @@ def window_start(fh: BinaryIO, lo: int, block: int = WINDOW_BLOCK) -> int:
 
 def last_step(fh: BinaryIO, block: int = 4096) -> int | None:
     """The step of the shard's last line that has one (records are in about step order)."""
-    end = fh.seek(0, 2)
+    end = data_end(fh)
     while end > 0:
         start = max(0, end - block)
         fh.seek(start)
@@ -117,8 +120,48 @@ def last_step(fh: BinaryIO, block: int = 4096) -> int | None:
         if found:
             return int(found[-1])
         end = start
-        block *= 4
+        block = min(4 * block, MAX_BLOCK)  # (a 20 GB NUL tail was read whole, growing)
     return None
+
+
+MAX_BLOCK = 1 << 20  # bytes read at once going backwards
+
+
+def end_of_data(fh: BinaryIO, size: int) -> int:
+    """Where the file's trailing hole starts (`size` when it has none or the filesystem
+    cannot say): a crashed node's shard may end in gigabytes of one."""
+    try:
+        fd = fh.fileno()
+        if size < (1 << 20) or os.lseek(fd, size - 1, os.SEEK_HOLE) >= size:
+            return size  # small, or its last byte is data
+        pos, end = 0, 0
+        while True:
+            try:
+                data = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:
+                    return end
+                raise
+            end = pos = os.lseek(fd, data, os.SEEK_HOLE)
+    except (OSError, AttributeError, ValueError, io.UnsupportedOperation):
+        return size
+
+
+def data_end(fh: BinaryIO) -> int:
+    """The end of the file without its NUL tail (a trailing hole, then NUL bytes read
+    backwards a bounded block at a time): where a backward search for lines starts."""
+    end = end_of_data(fh, fh.seek(0, 2))
+    block = 4096
+    while end > 0:
+        start = max(0, end - block)
+        fh.seek(start)
+        data = fh.read(end - start)
+        kept = data.rstrip(b"\0")
+        if kept:
+            return start + len(kept)
+        end = start
+        block = min(2 * block, MAX_BLOCK)
+    return 0
 
 
 class Short(Exception):
