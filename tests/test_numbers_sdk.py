@@ -24,7 +24,7 @@ _WEIGHTED = """
 import os, sys
 import expr_tracker as et
 rank = int(os.environ["RANK"])
-run = et.init(project="p", name="w", dir=sys.argv[1], system_interval=0.2)
+run = et.init(project="p", name="w", dir=sys.argv[1], system_interval=1.0)
 for s in range(40):
     loss = 1.0 + rank * 0.01 + s * 0.001
     step_time = 2.0 if rank == 5 else 1.0 + rank * 0.01
