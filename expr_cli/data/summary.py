@@ -170,9 +170,10 @@ def _ranks_block(state: RunState | None, at: int | None, world: int) -> dict[str
         from expr_tracker.health.incidents import first_crash
 
         first = first_crash(state)
+    dropped = {r: rs.dropped for r, rs in sorted(state.ranks.items()) if rs.dropped}
     return {"shards": len(state.ranks), "live": by["running"], "finished": by["finished"],
             "crashed": crashed, "first_crash": first, "behind": behind, "no_shard": no_shard,
-            "frontier": state.frontier}
+            "frontier": state.frontier, "dropped": dropped}
 
 
 def _split_missing(missing: list[int], state: RunState | None, at: int | None) -> tuple[

@@ -138,7 +138,7 @@ class TopView:
             rows.append({
                 "rank": rs.rank, "host": rs.host, "step": rs.last_step, "status": rs.status,
                 "behind": state.behind(rs.rank), "steps_per_s": steps_per_s(rs, wall),
-                "last_write_age": age_now(rs.last_write), "pid": rs.pid,
+                "last_write_age": age_now(rs.last_write), "pid": rs.pid, "dropped": rs.dropped,
                 "incident": min((k for k, v in _SEVERITY.items() if v == worst.get(rs.rank)), default=None),
                 **({"metric": _metric(state, rs, self.metric)} if self.metric else {}),
             })

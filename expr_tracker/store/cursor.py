@@ -191,3 +191,35 @@ def rank_last_step(fd: int, size: int, rank: int) -> int | None:
 def _line_boundary(fd: int, offset: int) -> bool:
     """True if `offset` is the start of a line (the byte before it is a newline)."""
     return os.pread(fd, 1, offset - 1) == b"\n"
+
+
+_CAUSES = {"spool_full": "spool disk full"}
+
+
+def dropped_text(notes: Any) -> str | None:
+    """A sidecar's `dropped` notes (DESIGN 6: rows the SDK could not put in its spool) in
+    one phrase, "311 rows dropped, spool disk full on node1 since 12:04:05"; None if none."""
+    if not isinstance(notes, list):
+        return None
+    rows, causes, hosts, since = 0, [], [], []
+    for note in notes:
+        if not isinstance(note, dict) or type(note.get("rows")) is not int or note["rows"] <= 0:
+            continue
+        rows += note["rows"]
+        cause = _CAUSES.get(str(note.get("cause")), str(note.get("cause")))
+        if cause not in causes:
+            causes.append(cause)
+        host = note.get("host")
+        if isinstance(host, str) and host and host not in hosts:
+            hosts.append(host)
+        if isinstance(note.get("since"), (int, float)):
+            since.append(float(note["since"]))
+    if not rows:
+        return None
+    where = f" on {', '.join(hosts)}" if hosts else ""
+    when = ""
+    if since:
+        import time
+
+        when = time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(min(since)))
+    return f"{rows:,} row{'s' if rows != 1 else ''} dropped, {', '.join(causes)}{where}{when}"

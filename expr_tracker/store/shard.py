@@ -89,6 +89,9 @@ class ShardWriter:
         self.status = "running"
         self.exit: dict[str, Any] | None = None  # {type, message, time} of a crash (DESIGN 5)
         self.probe: dict[str, Any] | None = None  # where a silent rank is (DESIGN 13)
+        # rows the SDK dropped before they reached the spool (a full spool disk), per
+        # (cause, session): {cause, session, rows, since, host}; exprd fills it (DESIGN 6)
+        self.spool_dropped: list[dict[str, Any]] = []
         self.start_time = time.time()
         self.end_time: float | None = None
         self.last_write: float | None = None
@@ -471,6 +474,8 @@ class ShardWriter:
             out["exit"] = self.exit
         if self.probe is not None and self.status == "running":
             out["probe"] = self.probe
+        if self.spool_dropped:
+            out["dropped"] = self.spool_dropped
         return out
 
     def write_sidecar(self) -> bool:
