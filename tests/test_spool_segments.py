@@ -240,3 +240,20 @@ et.finish()
                              timeout=60)
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout) == want
+
+
+def test_history_reads_its_own_rows_across_segments_in_order(tmp_path: Path, monkeypatch) -> None:
+    """Read-your-writes in spool mode with no exprd: the rows of every segment, in order."""
+    import expr_tracker as et
+
+    monkeypatch.setenv("EXPR_SPOOL_SEGMENT_BYTES", "4096")
+    run = et.init("p", "h", dir=tmp_path / "runs", upload_mode="spool",
+                  spool_dir=tmp_path / "spool", system_metrics=False)
+    try:
+        for i in range(300):
+            et.log({"i": i})
+        assert run.info()["segment"] >= 5
+        assert [r["i"] for r in et.history(250)] == list(range(50, 300))
+        assert [r["i"] for r in et.history(None)] == list(range(300))
+    finally:
+        et.finish()

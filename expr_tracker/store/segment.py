@@ -349,10 +349,13 @@ class Segments:
             return
         self._note()
         if self.end() + len(line) > self.seg_size:
-            # a summary too large for what is left: the finish goes without it
+            # a summary too large for what is left: the finish goes without it, in a segment
+            # of its own if it still does not fit
             ev = orjson.loads(line)
             ev.pop("summary", None)
             line = orjson.dumps(ev, option=orjson.OPT_APPEND_NEWLINE)
+            if self.end() + len(line) > self.seg_size:
+                self._open(self.index + 1, _seq_of(line), len(line))
         self._close_current(line)
         self.closed = True
 

@@ -59,9 +59,15 @@ def spool_files_of(spool_dir: Path, stem: str) -> list[Path]:
         names = [n for n in os.listdir(spool_dir) if pattern.match(n)]
     except OSError:
         return []
-    paths = [spool_dir / n for n in names]
-    # a session's segments in their order (they may share an mtime)
-    return sorted(paths, key=lambda p: (_mtime(p), spool_segment(p.name)[1]))
+    # sessions by the time of their oldest segment, a session's segments in their order
+    # (cutting a full segment at its roll makes it newer than the next one)
+    first: dict[str, float] = {}
+    for n in names:
+        base = spool_segment(n)[0]
+        t = _mtime(spool_dir / n)
+        first[base] = min(first.get(base, t), t)
+    return [spool_dir / n for n in sorted(
+        names, key=lambda n: (first[spool_segment(n)[0]], spool_segment(n)))]
 
 
 def _mtime(path: Path) -> float:
