@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -257,3 +258,31 @@ def test_history_reads_its_own_rows_across_segments_in_order(tmp_path: Path, mon
         assert [r["i"] for r in et.history(None)] == list(range(300))
     finally:
         et.finish()
+
+
+def test_summary_top_and_shards_name_the_rank_that_dropped_rows(cli, tmp_path: Path) -> None:
+    """A sidecar's `dropped` note (exprd's, from the SDK's) is one line in `expr summary`,
+    `expr top` and `expr shards`, and a field of their JSON."""
+    from tests.conftest import write_shard, write_sidecar
+
+    run = tmp_path / "r" / "p" / "full"
+    now = time.time()
+    for rank in range(3):
+        rows = [{"_step": s, "_time": now - 40 + s, "loss": 1.0 + rank} for s in range(31)]
+        stem = "metrics" if rank == 0 else f"metrics.rank{rank}"
+        write_shard(run / f"{stem}.jsonl", rows, mtime=now - 1)
+        write_sidecar(run / f"{stem}.meta.json", rank=rank, stream=None, rows=len(rows),
+                      nbytes=0, last_step=30, status="finished", world=3)
+    side = run / "metrics.rank2.meta.json"
+    meta = json.loads(side.read_text())
+    meta["dropped"] = [{"cause": "spool_full", "session": "abc", "rows": 311, "since": now - 30,
+                        "host": "node1"}]
+    side.write_text(json.dumps(meta))
+    want = "rank 2: 311 rows dropped, spool disk full on node1 since"
+    for args in (("summary", str(run), "-m", "loss"), ("top", str(run), "--once"),
+                 ("shards", str(run))):
+        result = cli(*args, EXPR_NOW=str(now))
+        assert result.exit_code == 0, result.output
+        assert want in " ".join(result.stdout.split()), (args, result.stdout)
+    doc = json.loads(cli("top", str(run), "--once", "--json", EXPR_NOW=str(now)).stdout)
+    assert [r["rank"] for r in doc["ranks"] if r["dropped"]] == [2]
