@@ -602,6 +602,12 @@ class RunPipeline:
             self.slot.writer.append_file(spans_name(self.spec.rank), lines)
         self._done(seq)
 
+    def adopt_rules(self, rules: Any) -> None:
+        """The rule set of the session's previous segment, with its state."""
+        self.rules = rules
+        self.pipeline.rules = rules
+        self.needs_values = bool(rules.rules)
+
     def rolled(self) -> None:
         """The segment is over, its session goes on in the next one: each backend closes
         once it has read it (the run stays "running")."""

@@ -118,6 +118,8 @@ class Tailer:
         self.quarantine = Quarantine(sdir, self.warn)
         self.roots = Roots()  # the run roots of init events, resolved once a few seconds
         self.rolled_seen = False  # a segment was rolled: the loop deletes it once applied
+        # the rule state a rolled segment leaves to its session's next one
+        self.handover: dict[tuple[str, str], Any] = {}
 
     def warn(self, cause: str, message: str) -> None:
         """Count every failure; log a cause once (and again, with its count, hourly)."""
@@ -273,6 +275,12 @@ class Tailer:
         tail.host, tail.pid, tail.pid_start = spec.host, spec.pid, spec.pid_start
         tail.run = RunPipeline(spec, self.pool, self.cfg, self.dispatcher, tail.backends,
                                dry_run=self.dry_run)
+        if spec.segment:
+            # the rules go on with the state the segment before left them in (windows,
+            # what fired), not from nothing at each segment
+            rules = self.handover.pop((str(spec.paths.shard), spec.session), None)
+            if rules is not None:
+                tail.run.adopt_rules(rules)
         if tail.run.unsafe:
             self._refuse_unsafe(tail.run)
             return False
@@ -629,6 +637,10 @@ class Tailer:
                 tail.state = "rolled"
                 self.rolled_seen = True
                 run.rolled()
+                if run.rules is not None:
+                    if len(self.handover) >= 4096:  # sessions that never went on: the oldest go
+                        self.handover.pop(next(iter(self.handover)))
+                    self.handover[(str(run.spec.paths.shard), run.spec.session)] = run.rules
             return
         if not run.set_dropped(ev):
             self.log_bad(tail, start, end, "bad dropped note")

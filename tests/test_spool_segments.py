@@ -286,3 +286,25 @@ def test_summary_top_and_shards_name_the_rank_that_dropped_rows(cli, tmp_path: P
         assert want in " ".join(result.stdout.split()), (args, result.stdout)
     doc = json.loads(cli("top", str(run), "--once", "--json", EXPR_NOW=str(now)).stdout)
     assert [r["rank"] for r in doc["ranks"] if r["dropped"]] == [2]
+
+
+def test_rule_windows_go_on_across_segments(tmp_path: Path) -> None:
+    """exprd hands a rolled segment's rule state to the session's next segment: a window
+    of 120 rows fills across segments of about 40 rows (it would never fill in one), and
+    the alert fires once, at the step the window filled."""
+    spool, state, root = tmp_path / "spool", tmp_path / "state", tmp_path / "runs"
+    code = f"""
+        import expr_tracker as et
+        et.init("p", "win", dir={str(root)!r}, upload_mode="spool", spool_dir={str(spool)!r},
+                alert_rules=["increasing(x[120]) => warning: x grows"], system_metrics=False)
+        for k in range(200):
+            et.log({{"x": k}})
+        et.finish()
+    """
+    w = spawn(code, {"EXPR_SPOOL_SEGMENT_BYTES": "4096"})
+    assert w.wait(60) == 0, w.stderr.read() if w.stderr else ""
+    assert len(list((spool / "p" / "win").glob("*.jsonl"))) >= 4
+    exprd_once(write_config(tmp_path / "exprd.toml", spool, state, [root]))
+    fired = lines_of(root / "p" / "win" / "alerts.jsonl")
+    assert [(a["title"], a["step"]) for a in fired] == [("x grows", 119)]
+    assert [r["x"] for r in lines_of(root / "p" / "win" / "metrics.jsonl")] == list(range(200))
