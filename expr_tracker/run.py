@@ -223,6 +223,9 @@ class Run:
                                 # spool mode: the open segment is full (mmap.write)
                                 sink.overflow(line)
                                 return
+                            mark = sink.mark  # direct mode: the step, where kill -9 keeps it
+                            if mark is not None:
+                                mark(at)
                             after = sink.after_write
                             if after is not None:
                                 after(record)

@@ -186,6 +186,7 @@ class SpoolSink:
         self.writer.on_switch = self._switched
         self.writer.new_session = self._new_session
         self.after_write = None  # exprd runs the rules and backends
+        self.mark = None  # rows are in the kernel once written: no step mark needed
 
     def _segment_path(self, index: int) -> Path:
         run = self.run

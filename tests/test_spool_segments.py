@@ -308,3 +308,48 @@ def test_rule_windows_go_on_across_segments(tmp_path: Path) -> None:
     fired = lines_of(root / "p" / "win" / "alerts.jsonl")
     assert [(a["title"], a["step"]) for a in fired] == [("x grows", 119)]
     assert [r["x"] for r in lines_of(root / "p" / "win" / "metrics.jsonl")] == list(range(200))
+
+
+# -- direct mode: what a kill -9 loses is said -------------------------------------------
+
+KILLED_DIRECT = """
+import os, signal, expr_tracker as et
+et.init("p", "d", dir={root!r}, system_metrics=False)
+for i in range(2000):
+    et.log({{"i": i}})
+et.flush()
+for i in range(2000, 2100):  # buffered until the next flush, which never comes
+    et.log({{"i": i}})
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_direct_mode_kill9_gap_is_said_by_the_next_session(tmp_path: Path) -> None:
+    """Direct mode loses at most its flush interval to a kill -9; the next session of the
+    shard says which steps: on stderr, in the sidecar, in `expr shards`."""
+    from typer.testing import CliRunner
+
+    from expr_cli.main import app
+
+    root = tmp_path / "runs"
+    w = spawn(KILLED_DIRECT.format(root=str(root)))
+    assert w.wait(60) == -signal.SIGKILL
+    shard = root / "p" / "d" / "metrics.jsonl"
+    kept = len(lines_of(shard))
+    assert 2000 <= kept < 2100
+    nxt = spawn(f"""
+import expr_tracker as et
+et.init("p", "d", dir={str(root)!r}, system_metrics=False)
+et.log({{"i": -1}})
+et.finish()
+""")
+    _, err = nxt.communicate(timeout=60)
+    assert nxt.returncode == 0, err
+    assert f"steps {kept}-2099 of {shard} were not written" in err, err
+    notes = sidecar(shard.with_name("metrics.meta.json"))["dropped"]
+    assert [(n["cause"], n["from"], n["to"], n["rows"]) for n in notes] == \
+        [("killed", kept, 2099, 2100 - kept)]
+    result = CliRunner().invoke(app, ["shards", "p/d", "--dir", str(root)],
+                                env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert result.exit_code == 0, result.output
+    assert f"rank 0: steps {kept}-2099 not written: the process was killed" in result.output

@@ -197,13 +197,20 @@ _CAUSES = {"spool_full": "spool disk full"}
 
 
 def dropped_text(notes: Any) -> str | None:
-    """A sidecar's `dropped` notes (DESIGN 6: rows the SDK could not put in its spool) in
-    one phrase, "311 rows dropped, spool disk full on node1 since 12:04:05"; None if none."""
+    """A sidecar's `dropped` notes (DESIGN 6: rows that never reached the shard) in one
+    phrase: "311 rows dropped, spool disk full on node1 since 2026-12-06 12:04:05" (the
+    SDK could not spool them), "steps 138-150 not written: the process was killed" (direct
+    mode, between two flushes); None if there are none."""
     if not isinstance(notes, list):
         return None
-    rows, causes, hosts, since = 0, [], [], []
+    rows, causes, hosts, since, killed = 0, [], [], [], []
     for note in notes:
         if not isinstance(note, dict) or type(note.get("rows")) is not int or note["rows"] <= 0:
+            continue
+        if note.get("cause") == "killed":
+            first, last = note.get("from"), note.get("to")
+            if type(first) is int and type(last) is int:
+                killed.append(f"{first}" if first == last else f"{first}-{last}")
             continue
         rows += note["rows"]
         cause = _CAUSES.get(str(note.get("cause")), str(note.get("cause")))
@@ -214,12 +221,17 @@ def dropped_text(notes: Any) -> str | None:
             hosts.append(host)
         if isinstance(note.get("since"), (int, float)):
             since.append(float(note["since"]))
-    if not rows:
-        return None
-    where = f" on {', '.join(hosts)}" if hosts else ""
-    when = ""
-    if since:
-        import time
+    out = []
+    if rows:
+        where = f" on {', '.join(hosts)}" if hosts else ""
+        when = ""
+        if since:
+            import time
 
-        when = time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(min(since)))
-    return f"{rows:,} row{'s' if rows != 1 else ''} dropped, {', '.join(causes)}{where}{when}"
+            when = time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(min(since)))
+        out.append(f"{rows:,} row{'s' if rows != 1 else ''} dropped, {', '.join(causes)}"
+                   f"{where}{when}")
+    if killed:
+        out.append(f"step{'s' if len(killed) > 1 or '-' in killed[0] else ''} "
+                   f"{', '.join(killed)} not written: the process was killed")
+    return "; ".join(out) or None

@@ -139,7 +139,7 @@ class Segments:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                          0o600)
-            os.posix_fallocate(fd, 0, size)  # the blocks exist: no SIGBUS on a full disk
+            _allocate(fd, size)  # the blocks exist: no SIGBUS on a full disk
             mm = mmap.mmap(fd, size - self.reserve, mmap.MAP_SHARED,
                            mmap.PROT_READ | mmap.PROT_WRITE)
             mm.write(head)
@@ -378,6 +378,22 @@ class Segments:
     def info(self) -> dict[str, Any]:
         return {"segment": self.index, "segment_bytes": self.size,
                 "segments_rolled": self.rolled}
+
+
+def _allocate(fd: int, size: int) -> None:
+    """Give the file `size` bytes of real blocks (ENOSPC now, not SIGBUS later). Where the
+    filesystem has no fallocate, zeros are written (the blocks are then allocated too)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS):
+            raise
+    zeros = bytes(min(size, 1 << 20))
+    for pos in range(0, size, len(zeros)):
+        n = min(len(zeros), size - pos)
+        if os.pwrite(fd, zeros[:n], pos) != n:
+            raise OSError(errno.ENOSPC, "short write")
 
 
 def _note_line(ev: dict[str, Any]) -> bytes:
