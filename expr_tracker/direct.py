@@ -142,7 +142,7 @@ class DirectSink:
     def apply(self, record: dict[str, Any], nonfinite: bool | None) -> None:
         self.pipeline.apply(record, nonfinite)
         if self.mark is not None and "_kind" not in record:
-            self.mark(record["_step"])
+            self.mark[0] = max(self.mark[0], record["_step"])
 
     def alert(self, title: str, text: str, level: str) -> None:
         if self.alerting and self.pipeline.dispatcher is None:

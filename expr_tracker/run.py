@@ -225,7 +225,7 @@ class Run:
                                 return
                             mark = sink.mark  # direct mode: the step, where kill -9 keeps it
                             if mark is not None:
-                                mark(at)
+                                mark[0] = at
                             after = sink.after_write
                             if after is not None:
                                 after(record)
