@@ -35,7 +35,9 @@ def check_crash(tailer: Tailer, tail: FileTail, now: float,
         st = tail.path.stat()
     except OSError:
         return
-    tail.size, tail.mtime = st.st_size, st.st_mtime
+    tail.mtime = st.st_mtime
+    if tail.reader is None or not tail.reader.zeros:
+        tail.size = st.st_size  # (a segment's data ends at its zeros: the pump says where)
     if tail.host == HOST and tail.pid is not None:
         who = (tail.pid, tail.pid_start)
         found = alive.get(who) if alive is not None else None

@@ -194,7 +194,8 @@ class Tailer:
             st = os.stat(tail.path, follow_symlinks=False)
         except FileNotFoundError:
             return False
-        if tail.ino and st.st_ino != tail.ino:
+        other = bool(tail.ino and st.st_ino != tail.ino)
+        if other:
             unread = max(tail.size - tail.offset, 0)
             self._lost(tail, "rotated", f"replaced by a new file; {unread} bytes of the old one "
                        f"after offset {tail.offset} (_seq {tail.seq}) were not read; reading the "
@@ -211,7 +212,11 @@ class Tailer:
                        f"{tail.offset} (_seq {tail.seq}); {unread} bytes not yet read were lost; "
                        "reading it again from its start")
             tail.offset = tail.committed = 0
-        tail.ino, tail.size = st.st_ino, st.st_size
+        tail.ino = st.st_ino
+        if other or tail.reader is None or not tail.reader.zeros or st.st_size < tail.size:
+            # (a memory-mapped segment's size is its allocation: its data ends where the
+            # last read found zeros, which the read below moves on)
+            tail.size = st.st_size
         return True
 
     def _lost(self, tail: FileTail, kind: str, reason: str) -> None:
