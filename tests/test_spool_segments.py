@@ -75,12 +75,15 @@ def test_segments_roll_are_deleted_once_applied_and_replay_applies_them(tmp_path
     try:
         wait_ready(state, d)
         w = spawn(STEPS.format(name="live", root=str(root), spool=str(spool), n=1500,
-                               pause=0.001, tail="et.finish()"), env=env)
+                               pause=0.002, tail="print(et.info()['segment'])\net.finish()"),
+                  env=env)
         most = 0
         live_dir = spool / "p" / "live"
         while w.poll() is None:
             most = max(most, len(list(live_dir.glob("*.jsonl"))) if live_dir.exists() else 0)
+            time.sleep(0.01)
         assert w.returncode == 0
+        written = _steps(w)[-1] + 1  # the last segment's index, printed last
         shard = root / "p" / "live" / "metrics.jsonl"
         wait_for(lambda: len(lines_of(shard)) == 1500, 20, "1500 rows")
         wait_for(lambda: len(list(live_dir.glob("*.jsonl"))) == 1, 20,
@@ -90,8 +93,9 @@ def test_segments_roll_are_deleted_once_applied_and_replay_applies_them(tmp_path
     rows = lines_of(shard)
     assert [r["i"] for r in rows] == list(range(1500))
     assert sidecar(shard.with_name("metrics.meta.json"))["status"] == "finished"
-    # the run wrote about 25 segments; the spool never held more than a few at once
-    assert most <= 6, most
+    # the run wrote about 20 segments; the spool held a few at once (more only if exprd
+    # falls behind on a loaded machine)
+    assert written >= 15 and most <= max(6, written // 2), (most, written)
 
 
 def test_kill9_of_a_spool_mode_rank_loses_no_row_log_returned_from(tmp_path: Path) -> None:
@@ -136,25 +140,35 @@ open(cfg, "w").write(f"spool = {json.dumps(spool)}\nstate = {json.dumps(state)}\
 d = subprocess.Popen([sys.executable, "-m", "exprd.main", "--allow-root", "--config", cfg],
                      stdout=subprocess.DEVNULL, stderr=open(state + ".log", "ab"))
 WRITER = '''
-import json, os, sys, time, warnings, expr_tracker as et
+import json, os, sys, threading, time, warnings, expr_tracker as et
 spool, name = sys.argv[1], sys.argv[2]
 run = et.init("p", name, dir=sys.argv[3], upload_mode="spool", spool_dir=spool,
               system_metrics=False)
 mine = os.path.join(spool, "p", name)
 filler = os.path.join(spool, "filler")
-for i in range(500):
-    if i == 150:
-        # the disk fills up (another job's files) while only the open segment is left
-        t = time.monotonic() + 5
-        while len([f for f in os.listdir(mine) if f.endswith(".jsonl")]) > 1 and time.monotonic() < t:
-            time.sleep(0.05)
-        with open(filler, "wb", buffering=0) as fh:
+full = threading.Event()
+def fill():
+    # another job's files: whatever space comes free is taken again at once
+    with open(filler, "ab", buffering=0) as fh:
+        while full.is_set():
             try:
                 while True:
                     fh.write(b"f" * 512)
             except OSError:
-                pass
+                time.sleep(0.01)
+for i in range(500):
+    if i == 150:
+        # the disk fills up while only the open segment is left
+        t = time.monotonic() + 15
+        while len([f for f in os.listdir(mine) if f.endswith(".jsonl")]) > 1 and time.monotonic() < t:
+            time.sleep(0.05)
+        full.set()
+        filler_thread = threading.Thread(target=fill)
+        filler_thread.start()
+        time.sleep(0.05)
     if i == 300:
+        full.clear()
+        filler_thread.join()
         os.unlink(filler)  # space returns
     et.log({"loss": 1.0 / (i + 1), "i": i, "pad": "x" * 24})
     time.sleep(0.01)
