@@ -383,12 +383,14 @@ class Segments:
 def _allocate(fd: int, size: int) -> None:
     """Give the file `size` bytes of real blocks (ENOSPC now, not SIGBUS later). Where the
     filesystem has no fallocate, zeros are written (the blocks are then allocated too)."""
-    try:
-        os.posix_fallocate(fd, 0, size)
-        return
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS):
-            raise
+    fallocate = getattr(os, "posix_fallocate", None)  # (not on macOS)
+    if fallocate is not None:
+        try:
+            fallocate(fd, 0, size)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS):
+                raise
     zeros = bytes(min(size, 1 << 20))
     for pos in range(0, size, len(zeros)):
         n = min(len(zeros), size - pos)
