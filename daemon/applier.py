@@ -70,6 +70,10 @@ class ShardSlot:
         self.kept: tuple[str, Any, Any] | None = None
         if spec.rank_aware:
             self._newer_sidecar(spec, self.hint)
+        dropped = (self.hint or {}).get("dropped")
+        if isinstance(dropped, list):
+            # notes of sessions before this exprd looked: they stay in the sidecar
+            self.writer.spool_dropped = [d for d in dropped if isinstance(d, dict)][-64:]
 
     def _newer_sidecar(self, spec: RunSpec, side: Mapping[str, Any] | None) -> None:
         """The sidecar was written for a session newer than `spec` (a stale copy of an older
@@ -597,6 +601,42 @@ class RunPipeline:
         if lines:
             self.slot.writer.append_file(spans_name(self.spec.rank), lines)
         self._done(seq)
+
+    def adopt_rules(self, rules: Any) -> None:
+        """The rule set of the session's previous segment, with its state."""
+        self.rules = rules
+        self.pipeline.rules = rules
+        self.needs_values = bool(rules.rules)
+
+    def rolled(self) -> None:
+        """The segment is over, its session goes on in the next one: each backend closes
+        once it has read it (the run stays "running")."""
+        self.forwarder.finish("running")
+
+    def set_dropped(self, ev: Mapping[str, Any]) -> bool:
+        """A `dropped` note of the SDK (rows it could not put in a full spool): the count
+        so far of this session, into the sidecar. False if the note is malformed."""
+        rows, since, host = ev.get("rows"), ev.get("since"), ev.get("host")
+        cause = ev.get("cause")
+        if type(rows) is not int or rows < 0 or not isinstance(cause, str) or \
+                not isinstance(since, (int, float)) or isinstance(since, bool):
+            return False
+        if self.dry_run:
+            return True
+        note = {"cause": cause[:64], "session": self.spec.session, "rows": rows,
+                "since": float(since), "host": str(host or self.spec.host)[:256]}
+        writer = self.slot.writer
+        kept = [d for d in writer.spool_dropped
+                if (d.get("cause"), d.get("session")) != (note["cause"], note["session"])]
+        old = [d for d in writer.spool_dropped if d not in kept]
+        if old and old[0].get("rows", 0) >= rows:
+            return True  # a replay of an older note
+        writer.spool_dropped = [*kept, note][-64:]
+        if writer.sidecar_enabled:
+            self.slot.open()
+            self.slot.sidecar_dirty = True
+            self.slot.last_sidecar = 0.0  # news: at the next commit
+        return True
 
     def tick(self, now: float) -> None:
         """Time rules (no_data, age, elapsed) of a live run."""

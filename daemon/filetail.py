@@ -22,7 +22,8 @@ class FileTail:
     committed: int = 0  # offset covered by flushed shard data (what the checkpoint says)
     seq: int = -1  # last `_seq` consumed
     committed_seq: int = -1  # last `_seq` before `committed`
-    state: str = "new"  # new | live | finished | crashed | refused
+    state: str = "new"  # new | live | rolled (its session goes on in its next segment) |
+    # finished | crashed | refused
     reason: str = ""
     host: str = ""
     pid: int | None = None
@@ -59,7 +60,7 @@ class FileTail:
         state, seq = self.state, self.seq
         if self.committed < self.offset:
             seq = self.committed_seq
-            state = "live" if state in ("finished", "crashed") else state
+            state = "live" if state in ("finished", "crashed", "rolled") else state
         out: dict[str, Any] = {"ino": self.ino, "shard": self.committed, "seq": seq,
                                "state": state, "host": self.host, "pid": self.pid,
                                "pid_start": self.pid_start}

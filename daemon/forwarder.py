@@ -98,7 +98,8 @@ def _kind(spec: Any) -> str | None:
 def spool_rel(spec: RunSpec) -> str:
     """The spool file of `spec` relative to the spool root (as check_init verified it)."""
     ident = spec.identity
-    return f"{ident['project']}/{ident['name']}/{spec.paths.stem}.{spec.session}.jsonl"
+    part = f"{spec.session}~{spec.segment}" if spec.segment else spec.session
+    return f"{ident['project']}/{ident['name']}/{spec.paths.stem}.{part}.jsonl"
 
 
 def resolve(requested: list[Any], cfg: Config) -> dict[str, Any]:

@@ -385,6 +385,9 @@ class Daemon:
             if due_now or self.tailer.forwarding() or self.tailer.blocked():
                 # an idle daemon has nothing to flush or checkpoint; a blocked shard retries
                 self.tailer.commit()
+            if self.tailer.rolled_seen and not self.dry_run:
+                # a segment the writer went on from: deleted once applied (a bounded spool)
+                self.tailer.rolled_seen = retire.expire_rolled(self.tailer)
             self.presence.beat()
             if now >= next_tick:
                 # time rules (no_data, age, elapsed) need a clock; without them, no wake-ups

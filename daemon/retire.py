@@ -9,10 +9,13 @@ error, is quarantined as a torn tail. Finished, fully applied files are deleted 
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import time
 from typing import TYPE_CHECKING
 
 from expr_tracker.procs import pid_alive
+from expr_tracker.store.layout import spool_segment
 
 if TYPE_CHECKING:
     from .filetail import FileTail
@@ -32,7 +35,9 @@ def check_crash(tailer: Tailer, tail: FileTail, now: float,
         st = tail.path.stat()
     except OSError:
         return
-    tail.size, tail.mtime = st.st_size, st.st_mtime
+    tail.mtime = st.st_mtime
+    if tail.reader is None or not tail.reader.zeros:
+        tail.size = st.st_size  # (a segment's data ends at its zeros: the pump says where)
     if tail.host == HOST and tail.pid is not None:
         who = (tail.pid, tail.pid_start)
         found = alive.get(who) if alive is not None else None
@@ -51,6 +56,17 @@ def check_crash(tailer: Tailer, tail: FileTail, now: float,
         pass
     if tail.state != "live" or not tail.drained:
         return  # not read to its end (a read error, a blocked shard): try again later
+    prefix, index = spool_segment(tail.path.name)
+    if tail.path.with_name(f"{prefix}~{index + 1}.jsonl").exists():
+        # its session went on in the next segment (this is a copy of a moved segment, or
+        # the writer died between the two): that one says how the session ended
+        log.info("%s: no segment marker, but its session went on in segment %d", tail.path,
+                 index + 1)
+        tail.state = "rolled"
+        tailer.rolled_seen = True
+        if tail.run is not None:
+            tail.run.rolled()
+        return
     if tail.size > tail.offset:
         tailer.log_bad(tail, tail.offset, tail.size, "torn tail: its writer is gone")
         tail.offset = tail.size
@@ -67,17 +83,49 @@ def check_crash(tailer: Tailer, tail: FileTail, now: float,
     if tail.run is not None:
         tail.run.finish("crashed", now)
     tail.state = "crashed"
+    _cut_zeros(tailer, tail)
 
 
-def expire(tailer: Tailer, now: float) -> int:
-    """Delete finished, fully applied spool files older than the retention."""
+def _cut_zeros(tailer: Tailer, tail: FileTail) -> None:
+    """A memory-mapped segment whose writer died is zeros after its data: cut them, so the
+    file reads like any other (and is not read again at each rescan)."""
+    if tailer.dry_run:
+        return
+    try:
+        fd = os.open(tail.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        if os.fstat(fd).st_ino == tail.ino and os.fstat(fd).st_size > tail.offset:
+            os.ftruncate(fd, tail.offset)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def expire_rolled(tailer: Tailer) -> bool:
+    """Delete the rolled segments every consumer is done with, at once (the daemon loop,
+    after a commit); True while some rolled segment is still waiting for a consumer."""
+    expire(tailer, time.time(), only_rolled=True)
+    return any(t.state == "rolled" for t in tailer.tails.values())
+
+
+def expire(tailer: Tailer, now: float, *, only_rolled: bool = False) -> int:
+    """Delete spool files every consumer is done with: a segment its session went on
+    from at once (the spool holds only segments in flight), a finished file after the
+    retention."""
     removed = 0
     for tail in list(tailer.tails.values()):
-        if tail.state != "finished" or tail.run is not None or tail.committed < tail.size:
+        if tail.state not in (("rolled",) if only_rolled else ("finished", "rolled")) \
+                or tail.run is not None \
+                or tail.committed < tail.size:
             continue
         if any(off < tail.size for off in tail.backends.values()):
             continue
-        if now - tail.mtime < tailer.cfg.retention:
+        if tail.state == "finished" and now - tail.mtime < tailer.cfg.retention:
+            continue
+        if tailer.dry_run:
             continue
         try:
             tail.path.unlink()
@@ -86,7 +134,7 @@ def expire(tailer: Tailer, now: float) -> int:
         except OSError as exc:
             tailer.warn(f"unlink:{tail.path}", f"cannot delete {tail.path}: {exc.strerror}")
             continue
-        log.info("deleted %s (finished and applied)", tail.path)
+        log.info("deleted %s (%s and applied)", tail.path, tail.state)
         tailer.forget(tail)
         removed += 1
     return removed

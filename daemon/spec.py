@@ -54,6 +54,8 @@ class RunSpec:
     # the run directory was missing when the init was checked: the shard's first look
     # need not walk to it (only exprd writes a spool file's rows, and it is doing this)
     new_dir: bool = False
+    segment: int = 0  # which segment of its session the file is (DESIGN 6)
+    first_seq: int = 1  # the `_seq` its events start at
 
     def writer_identity(self) -> dict[str, Any]:
         # session_time: which session is the shard's newest, for a stale copy read later
@@ -163,9 +165,13 @@ def check_init(ev: Mapping[str, Any], path: Path, spool_root: Path, cfg: Config,
     if not isinstance(ident.get("config") or {}, dict):
         raise InitError("config in init must be an object")
     stem = shard_stem(stream, rank if rank_aware else 0)
+    segment, first_seq = ev.get("segment", 0), ev.get("first_seq", 1)
+    if type(segment) is not int or segment < 0 or type(first_seq) is not int or first_seq < 1:
+        raise InitError(f"bad segment/first_seq in init: {segment!r}/{first_seq!r}")
+    part = f"{session}~{segment}" if segment else session
     # the usual case told by one string comparison (the spool root has no trailing "/")
-    if str(path) != f"{spool_root}/{project}/{name}/{stem}.{session}.jsonl" and \
-            path != (expected := spool_path(spool_root, project, name, stem, session)):
+    if str(path) != f"{spool_root}/{project}/{name}/{stem}.{part}.jsonl" and \
+            path != (expected := spool_path(spool_root, project, name, stem, session, segment)):
         raise InitError(f"init identity says {expected.relative_to(spool_root)}, "
                         f"not {path.relative_to(spool_root)}")
     raw_dir = ev.get("dir")
@@ -198,4 +204,6 @@ def check_init(ev: Mapping[str, Any], path: Path, spool_root: Path, cfg: Config,
         backend_rank_metrics=ev.get("backend_rank_metrics") is True,
         backends=list(ev.get("backends") or []),
         new_dir=missing,
+        segment=segment,
+        first_seq=first_seq,
     )

@@ -26,7 +26,7 @@ def build(tailer: Tailer, *, started: float, mode: str, dispatcher: Any = None,
     now = time.time()
     mono = time.monotonic()
     files: dict[str, Any] = {}
-    totals = {"files": 0, "live": 0, "finished": 0, "crashed": 0, "refused": 0, "new": 0,
+    totals = {"files": 0, "live": 0, "rolled": 0, "finished": 0, "crashed": 0, "refused": 0, "new": 0,
               "lag_bytes": 0, "applied": 0, "skipped": 0, "quarantined": 0, "blocked": 0}
     backends: dict[str, dict[str, int]] = {}
     for key, tail in sorted(tailer.tails.items()):

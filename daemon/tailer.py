@@ -25,6 +25,7 @@ from typing import Any
 import orjson
 
 from expr_tracker.store import untrusted
+from expr_tracker.store.layout import spool_segment
 from expr_tracker.store.shard import ShardWriter
 from expr_tracker.store.spoolfile import SpoolReader
 
@@ -116,6 +117,9 @@ class Tailer:
         self.checkpoints = Checkpoints(sdir, self.warn, durable)
         self.quarantine = Quarantine(sdir, self.warn)
         self.roots = Roots()  # the run roots of init events, resolved once a few seconds
+        self.rolled_seen = False  # a segment was rolled: the loop deletes it once applied
+        # the rule state a rolled segment leaves to its session's next one
+        self.handover: dict[tuple[str, str], Any] = {}
 
     def warn(self, cause: str, message: str) -> None:
         """Count every failure; log a cause once (and again, with its count, hourly)."""
@@ -190,7 +194,8 @@ class Tailer:
             st = os.stat(tail.path, follow_symlinks=False)
         except FileNotFoundError:
             return False
-        if tail.ino and st.st_ino != tail.ino:
+        other = bool(tail.ino and st.st_ino != tail.ino)
+        if other:
             unread = max(tail.size - tail.offset, 0)
             self._lost(tail, "rotated", f"replaced by a new file; {unread} bytes of the old one "
                        f"after offset {tail.offset} (_seq {tail.seq}) were not read; reading the "
@@ -207,7 +212,11 @@ class Tailer:
                        f"{tail.offset} (_seq {tail.seq}); {unread} bytes not yet read were lost; "
                        "reading it again from its start")
             tail.offset = tail.committed = 0
-        tail.ino, tail.size = st.st_ino, st.st_size
+        tail.ino = st.st_ino
+        if other or tail.reader is None or not tail.reader.zeros or st.st_size < tail.size:
+            # (a memory-mapped segment's size is its allocation: its data ends where the
+            # last read found zeros, which the read below moves on)
+            tail.size = st.st_size
         return True
 
     def _lost(self, tail: FileTail, kind: str, reason: str) -> None:
@@ -271,6 +280,12 @@ class Tailer:
         tail.host, tail.pid, tail.pid_start = spec.host, spec.pid, spec.pid_start
         tail.run = RunPipeline(spec, self.pool, self.cfg, self.dispatcher, tail.backends,
                                dry_run=self.dry_run)
+        if spec.segment:
+            # the rules go on with the state the segment before left them in (windows,
+            # what fired), not from nothing at each segment
+            rules = self.handover.pop((str(spec.paths.shard), spec.session), None)
+            if rules is not None:
+                tail.run.adopt_rules(rules)
         if tail.run.unsafe:
             self._refuse_unsafe(tail.run)
             return False
@@ -295,7 +310,7 @@ class Tailer:
             assert tail.run is not None
             if tail.run.rules is not None and tail.run.rules.rules:
                 # rebuild rule windows from the start; the shard's seqs skip what it holds
-                tail.offset, tail.seq = end, 0
+                tail.offset, tail.seq = end, tail.run.spec.first_seq - 1
             return True
         tail.drained = True  # the init line is not complete yet
         return False
@@ -312,9 +327,11 @@ class Tailer:
         try:
             if not self._same_file(tail):
                 return False
-            if tail.run is None and tail.state in ("finished", "crashed") \
+            if tail.run is None and tail.state in ("finished", "crashed", "rolled") \
                     and tail.size <= tail.offset:
                 return False
+            if not self._previous_read(tail):
+                return True  # the segment before it first (come back)
             if not self._ensure_run(tail) or (tail.run is not None and tail.run.blocked):
                 return False
             reader = tail.reader or SpoolReader(tail.path, block=READ_BLOCK)
@@ -342,6 +359,23 @@ class Tailer:
         tail.size = reader.size
         tail.drained = not reader.more and not paused
         return reader.more or paused or forwarding
+
+    def _previous_read(self, tail: FileTail) -> bool:
+        """A session's segments are applied in their order: the events of segment N are
+        applied only once segment N-1 (if it is still there) is read to its end, as far
+        as it is written (a record applied from N would make the shard skip N-1's rest)."""
+        prefix, index = spool_segment(tail.path.name)
+        if index == 0:
+            return True
+        prev = tail.path.with_name(f"{prefix}~{index - 1}.jsonl" if index > 1 else
+                                   f"{prefix}.jsonl")
+        if not prev.exists():
+            return True
+        before = self.tails.get(str(prev)) or self.track(prev)
+        if before.state in ("rolled", "finished", "crashed", "refused"):
+            return True  # read to its marker (or its end)
+        self.pump(before, 64 << 20)
+        return before.drained
 
     @staticmethod
     def _tell_repeat(tail: FileTail, run: RunPipeline) -> None:
@@ -526,9 +560,13 @@ class Tailer:
         if run is None:
             if kind != "init" or seq != 0:
                 self.log_bad(tail, start, end, "event before its init")
-            else:
-                self._open_run(tail, ev)
-                tail.seq = max(tail.seq, 0)  # a truncated file's init is read again
+            elif self._open_run(tail, ev) and tail.run is not None:
+                # a truncated file's init is read again; a later segment's events start
+                # where its init says
+                tail.seq = max(tail.seq, tail.run.spec.first_seq - 1)
+            return
+        if kind == "segment" or kind == "dropped":
+            self._note(tail, run, kind, ev, start, end)
             return
         if seq <= tail.seq:
             self.log_bad(tail, start, end, f"_seq repeat: {seq} after {tail.seq}")
@@ -537,8 +575,8 @@ class Tailer:
             # events went missing (the writer dropped them): say so, keep this one
             self.log_bad(tail, start, start, f"_seq gap: {tail.seq + 1}..{seq - 1} missing",
                           copy=False)
-        if tail.state == "finished":
-            self.log_bad(tail, start, end, "event after finish")
+        if tail.state in ("finished", "rolled"):
+            self.log_bad(tail, start, end, f"event after {'finish' if tail.state == 'finished' else 'the segment marker'}")
             return
         tail.seq = seq
         if kind is None:
@@ -595,6 +633,23 @@ class Tailer:
             # an event of a newer SDK: skipped (and kept in quarantine), the file goes on
             self.log_bad(tail, start, end, f"unknown event {kind!r}")
 
+    def _note(self, tail: FileTail, run: RunPipeline, kind: str, ev: dict[str, Any],
+              start: int, end: int) -> None:
+        """A line of the SDK's segment writer that is not an event of the session: the
+        segment is over (the session goes on in the next one), or rows were dropped."""
+        if kind == "segment":
+            if tail.state == "live":
+                tail.state = "rolled"
+                self.rolled_seen = True
+                run.rolled()
+                if run.rules is not None:
+                    if len(self.handover) >= 4096:  # sessions that never went on: the oldest go
+                        self.handover.pop(next(iter(self.handover)))
+                    self.handover[(str(run.spec.paths.shard), run.spec.session)] = run.rules
+            return
+        if not run.set_dropped(ev):
+            self.log_bad(tail, start, end, "bad dropped note")
+
     # -- committing ----------------------------------------------------------------------
     def commit(self, *, force: bool = False, sidecar_interval: float = 2.0,
                wait: bool | None = None) -> None:
@@ -622,7 +677,7 @@ class Tailer:
             tail.behind_since = (tail.behind_since or now) if lag > 0 else None
             if run is not None:
                 self._settle(tail, run)
-                if tail.state in ("finished", "crashed", "refused"):
+                if tail.state in ("finished", "crashed", "refused", "rolled"):
                     # the status first, whatever the backends: a sidecar left "running"
                     # by a process that is gone reads as a crash (health pages it)
                     if not ok or not run.status_written() or run.closing():

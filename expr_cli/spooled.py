@@ -19,6 +19,7 @@ import typer
 
 from expr_tracker.procs import pid_alive
 from expr_tracker.store.layout import default_spool
+from expr_tracker.store.spoolfile import data_end, is_note
 
 HEARTBEAT_FILE = ".exprd.json"
 HEARTBEAT_STALE = 30.0  # seconds without a heartbeat before exprd counts as gone
@@ -65,12 +66,16 @@ def _first_line(fh: Any) -> dict[str, Any] | None:
 
 
 def _last_seq(fh: Any, size: int) -> int | None:
-    """`_seq` of the last complete line (read from the end, 64 KiB at most)."""
+    """`_seq` of the last complete event line (read from the end, 64 KiB at most; a
+    memory-mapped segment's data ends at its first NUL)."""
+    size = data_end(fh.fileno(), size)
     start = max(0, size - _TAIL)
     fh.seek(start)
     data = fh.read(size - start)
     lines = data[: data.rfind(b"\n") + 1].splitlines()
     for line in reversed(lines):
+        if is_note(line):
+            continue  # a segment marker or a dropped note: no `_seq` of its own
         try:
             seq = orjson.loads(line).get("_seq")
         except (orjson.JSONDecodeError, AttributeError):

@@ -43,6 +43,7 @@ class RunContext:
     backend_specs: list[Any] = field(default_factory=list)
     backend_objs: list[Any] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)  # tags, notes, entity (those given)
+    lock: Any = None  # the run's lock (log()'s hot path holds it while it writes)
 
     def identity(self) -> dict[str, Any]:
         """Who writes this shard (stored in the sidecar and the spool's init event)."""

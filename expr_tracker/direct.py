@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+import sys
 import time
 from typing import Any
 
@@ -10,8 +12,10 @@ import orjson
 from expr_tracker.context import RunContext
 from expr_tracker.errors import UsageError
 from expr_tracker.pipeline import Pipeline
+from expr_tracker.store.cursor import read_sidecar
 from expr_tracker.store.layout import spans_name
 from expr_tracker.store.lock import ShardBusyError
+from expr_tracker.store.logmark import LogMark, read_mark
 from expr_tracker.store.shard import ShardWriter
 
 FINISH_TIMEOUT = 30.0
@@ -59,6 +63,12 @@ class DirectSink:
         self.rows = cursor.rows
         self.last_step = cursor.last_step
         self.next_step = 0 if cursor.last_step is None else cursor.last_step + 1
+        self.mark: Any = None  # log()'s hot path stores each step it commits (`logmark`)
+        self._mark: LogMark | None = None
+        if run.rank_aware:
+            self._gap(read_mark(self.writer.open_file, run.paths.shard.name), cursor.last_step)
+            self._mark = LogMark(self.writer.open_file, run.paths.shard.name)
+            self.mark = self._mark.mark
         self.writer.write_sidecar()
         backends = self._backends()
         self.reporting = bool(backends)
@@ -78,6 +88,21 @@ class DirectSink:
         self.fast_append: Any = None
         self.after_write: Any = None
         self._update_fast_path()
+
+    def _gap(self, logged: int | None, last: int | None) -> None:
+        """The previous session logged steps its shard does not hold: it was killed between
+        two flushes. Said on stderr and kept in the sidecar (DESIGN 6)."""
+        if logged is None or (last is not None and logged <= last):
+            return
+        first = 0 if last is None else last + 1
+        self.writer.spool_dropped = [*self.writer.spool_dropped, {
+            "cause": "killed", "session": str((read_sidecar(self.run.paths.sidecar) or {})
+                                               .get("session")),
+            "from": first, "to": logged, "rows": logged - first + 1, "since": time.time(),
+            "host": socket.gethostname()}][-64:]
+        print(f"expr_tracker: steps {first}-{logged} of {self.run.paths.shard} were not "
+              "written: the process that logged them was killed before its flush",
+              file=sys.stderr, flush=True)
 
     def _update_fast_path(self) -> None:
         """Run.log may append lines straight to the writer when nothing else must see them."""
@@ -116,6 +141,8 @@ class DirectSink:
     # -- the sink interface used by Run ---------------------------------------
     def apply(self, record: dict[str, Any], nonfinite: bool | None) -> None:
         self.pipeline.apply(record, nonfinite)
+        if self.mark is not None and "_kind" not in record:
+            self.mark[0] = max(self.mark[0], record["_step"])
 
     def alert(self, title: str, text: str, level: str) -> None:
         if self.alerting and self.pipeline.dispatcher is None:
@@ -175,12 +202,16 @@ class DirectSink:
         # backends such as wandb need seconds to start and sync; finish waits for them,
         # within a bound, so the end of a run does not lose its last rows
         self.pipeline.close(status, timeout=FINISH_TIMEOUT)
+        self.mark = None
+        if self._mark is not None:
+            self._mark.close()
 
     def detach(self) -> None:
         # a forked child shares the parent's descriptor: forget the buffer, never flush it
         self.writer._buf.clear()
         self.writer._pending = b""
         self._span_buf.clear()
+        self.mark = None  # the parent's mark, never this child's
         self.writer.forget_lock()
 
     def info(self) -> dict[str, Any]:

@@ -99,6 +99,7 @@ class Run:
         self._sidecar_due = False  # update_config: write the sidecar at the next tick
         self._system = sysmetrics.make_sampler(o.system_metrics, o.system_interval, o.local_rank)
         self._sink = self._make_sink()
+        self._sink.on_switch = self._reopen  # the spool's segment changed (under the lock)
         self._reopen()
         self._step = self._mark = self._sink.next_step
         self._rows_base = self._sink.rows
@@ -139,6 +140,7 @@ class Run:
             time_rule_interval=self.time_rule_interval, warn_once=self.warn_once,
             dropped=self.dropped, ruleset=self._ruleset, alert_config=self._alert_config,
             backend_specs=self._backend_specs, backend_objs=self._backend_objs, meta=self.meta,
+            lock=self._lock,
         )
         if self.mode == "spool":
             from expr_tracker.spool import SpoolSink
@@ -215,7 +217,15 @@ class Run:
                             run._step = at + 1
                             if seq is not None:
                                 sink.seq = seq + 1
-                            append(line)
+                            try:
+                                append(line)
+                            except ValueError:
+                                # spool mode: the open segment is full (mmap.write)
+                                sink.overflow(line)
+                                return
+                            mark = sink.mark  # direct mode: the step, where kill -9 keeps it
+                            if mark is not None:
+                                mark[0] = at
                             after = sink.after_write
                             if after is not None:
                                 after(record)
@@ -488,9 +498,9 @@ class Run:
         own shard or spool file: nothing on the hot path), with `summary`'s values over them."""
         from expr_tracker.store.reader import last_values
 
-        path = self._sink.path if self.mode == "spool" else self.paths.shard
         try:
-            found = last_values(path)
+            found = self._sink.last_values() if self.mode == "spool" else \
+                last_values(self.paths.shard)
         except OSError:
             found = {}
         return {**found, **self.summary}

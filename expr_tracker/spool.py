@@ -1,17 +1,20 @@
-"""Spool mode (DESIGN 6): the SDK appends events to a node-local spool file; exprd applies them.
+"""Spool mode (DESIGN 6): the SDK appends events to a node-local spool; exprd applies them.
 
-A spool file is `{spool}/{project}/{name}/{shard-stem}.{session}.jsonl`. Line 1 is an
-`init` event (identity, run dir, config, rule texts, rank/backend/alert options, never a
-secret), then one line per record (the record plus `_seq`), `alert`, `rules` and
-`config` events, and a `finish` event. Every line has `_seq` 0, 1, 2, ...; the event id is
-`{session}:{seq}`. The training process evaluates no rules and opens no connection.
+A session's spool is a chain of segments `{spool}/{project}/{name}/{shard-stem}.{session}.jsonl`,
+`...{session}~1.jsonl`, ... (`store.segment`: memory-mapped, rolled at a size bound, deleted
+by exprd once applied). Each segment's line 1 is an `init` event (identity, run dir,
+config, rule texts, rank/backend/alert options, never a secret; past the first segment
+also `segment` and `first_seq`), then one line per record (the record plus `_seq`),
+`alert`, `rules` and `config` events, and at the end a `segment` marker (the session goes
+on in the next one) or the `finish` event. Events are numbered `_seq` 1, 2, ... across
+segments (the init is 0); the event id is `{session}:{seq}`. The training process
+evaluates no rules and opens no connection.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import socket
 import time
 from collections.abc import Iterator, Mapping
@@ -26,20 +29,21 @@ from expr_tracker.procs import proc_start
 from expr_tracker.store import records
 from expr_tracker.store.layout import ShardPaths, spool_path
 from expr_tracker.store.lock import ShardBusyError, lock_writer
-from expr_tracker.store.reader import ShardReader, select_rows
-from expr_tracker.store.shard import ShardWriter
+from expr_tracker.store.reader import ShardReader, last_values_of, select_rows
+from expr_tracker.store.segment import BUFFER_BYTES, SEGMENT_BYTES, Segments
 from expr_tracker.store.spoolfile import (
     HEARTBEAT,
     HEARTBEAT_STALE,
     SEQ_RE,
     SPOOL_VERSION,
-    line_seq,
+    is_note,
     make_private_dirs,
     pending_of,
     scan_shard,
     unapplied_rows,
 )
 
+FINISH_WAIT = 10.0  # seconds finish() waits for a full spool to take the rows in memory
 SPANS_PER_EVENT = 4096  # spans of one `spans` event (a line stays well under exprd's cap)
 # backend spec keys that never carry a secret; everything else stays out of the spool
 _SAFE_BACKEND_KEYS = ("type", "name", "entity", "project", "mode", "token_env", "batch",
@@ -79,6 +83,16 @@ def init_event(run: RunContext, session_path: Path) -> dict[str, Any]:
         "backends": [backend_spec_for_spool(s) for s in run.backend_specs],
         "time_rule_interval": run.time_rule_interval,
     }
+
+
+def _env_bytes(name: str, default: int) -> int:
+    """A size in bytes from the environment (a bad value: the default, never an error
+    at init for a tuning knob)."""
+    try:
+        value = int(os.environ.get(name, default))
+    except ValueError:
+        return default
+    return value if value > 0 else default
 
 
 def check_consumer(run: RunContext) -> None:
@@ -121,7 +135,11 @@ class _ListReader(ShardReader):
 
 
 class SpoolSink:
-    """The spool-mode sink of a Run: one O_APPEND spool file, buffered like a shard."""
+    """The spool-mode sink of a Run: a chain of memory-mapped segments (`store.segment`).
+
+    Every method is called with the run's lock held, except `flush` and `close`, which
+    take it (or run after the hot path closed): the segments' state has one writer at a time.
+    """
 
     def __init__(self, run: RunContext) -> None:
         self.run = run
@@ -139,9 +157,7 @@ class SpoolSink:
             last = pending.last_step
         self.last_step = last
         self.next_step = 0 if last is None else last + 1
-        self.seq = 0  # the next event number; Run's hot path numbers records with it too
-        self._shift = 0  # after a rotation: original seq - seq in the current file
-        self._rotations = 0
+        self.seq = 1  # the next event number (0 is the init); Run's hot path numbers records too
         try:
             make_private_dirs(self.path.parent)
         except OSError as exc:
@@ -155,99 +171,93 @@ class SpoolSink:
         except ShardBusyError as exc:
             raise UsageError(str(exc).replace(f"shard {self.path.parent / run.paths.stem}.jsonl",
                                               f"shard {run.paths.shard}")) from None
-        self.writer = ShardWriter(
-            ShardPaths(self.path.parent, self.path.name[: -len(".jsonl")]),
-            {},
-            write_sidecar=False,
-            warn=run.warn_once,
-            dropped=run.dropped,
-        )
-        self.writer.on_deleted = self._rotate
-        self.writer.is_current = self._is_current
-        self.writer.open()
+        self.writer = Segments(self._segment_path, self._head, size=_env_bytes(
+            "EXPR_SPOOL_SEGMENT_BYTES", SEGMENT_BYTES), max_buffer=_env_bytes(
+            "EXPR_SPOOL_BUFFER_BYTES", BUFFER_BYTES), warn=run.warn_once, dropped=run.dropped)
+        self.finish_wait = float(os.environ.get("EXPR_SPOOL_FINISH_WAIT", FINISH_WAIT))
+        self.writer.open_first()
+        self.path = self.writer.path
         check_consumer(run)
-        # rank_aware=False records carry `_rank`, which Run's fast path does not add
-        # Run.log's hot path queues whole record lines, `_seq` included (it numbers them)
-        self.fast_append = self.writer.queue if run.rank_aware else None
+        # Run.log's hot path writes whole record lines, `_seq` included (it numbers them),
+        # with the open segment's `mmap.write`; rank_aware=False records carry `_rank`,
+        # which the hot path does not add
+        self.fast_append = self.writer.fast_append if run.rank_aware else None
+        self.on_switch: Any = None  # Run: `fast_append` changed (called under the run's lock)
+        self.writer.on_switch = self._switched
+        self.writer.new_session = self._new_session
         self.after_write = None  # exprd runs the rules and backends
-        self._emit(init_event(run, self.path))
-        self.writer.flush()  # exprd learns about the run at once
+        self.mark = None  # rows are in the kernel once written: no step mark needed
 
-    # -- a spool file deleted or moved under us (issue 10 case 5, issue 20) -----------
+    def _segment_path(self, index: int) -> Path:
+        run = self.run
+        return spool_path(run.spool_root, run.project, run.name, run.paths.stem, run.session,
+                          index)
 
-    def _is_current(self, fd: int) -> bool:
-        """Is `fd` still the file at our spool path? Checked before every flush (one stat).
+    def _head(self, index: int, first_seq: int) -> bytes:
+        """A segment's first line: the init event (the current rules and config), and past
+        the first segment where its events start."""
+        ev = init_event(self.run, self._segment_path(index))
+        if index:
+            ev["segment"] = index
+            ev["first_seq"] = first_seq
+        return orjson.dumps(ev, option=orjson.OPT_APPEND_NEWLINE)
 
-        A file moved away (`mv f f.1`, then maybe `cp f.1 f`: logrotate without
-        copytruncate) is still open here but no longer read by exprd, which follows the
-        name: rows written to it would be lost and its missing `finish` would mark the
-        run crashed. So a path that is gone or names another inode means: a new session.
-        """
-        try:
-            at = os.stat(self.path, follow_symlinks=False)
-        except FileNotFoundError:
-            return False
-        except OSError:
-            return True  # cannot tell (EACCES, EMFILE): keep writing where we are
-        mine = os.fstat(fd)
-        return (at.st_ino, at.st_dev) == (mine.st_ino, mine.st_dev)
+    def _switched(self) -> None:
+        self.path = self.writer.path
+        self.fast_append = self.writer.fast_append if self.run.rank_aware else None
+        if self.on_switch is not None:
+            self.on_switch()
 
-    def _rotate(self) -> None:
-        """The spool file was deleted or moved: go on in a new file of a new session.
+    def _new_session(self, lines: list[bytes]) -> list[bytes]:
+        """The spool file was deleted or moved (logrotate without copytruncate): the run
+        goes on in a new session (same run, same options), the lines not written yet
+        numbered from 1 in it, in their order (a copy of the moved file may come back and
+        be applied after them)."""
+        self.run = dataclasses.replace(self.run, session=os.urandom(6).hex())
+        seq = 1
+        out = []
+        for chunk in lines:
+            renumbered = []
+            for line in chunk.splitlines(keepends=True):
+                m = SEQ_RE.search(line)
+                if m is not None and not is_note(line):
+                    line = line[: m.start(2)] + b"%d" % seq + line[m.end(2) :]
+                    seq += 1
+                renumbered.append(line)
+            out.append(b"".join(renumbered))
+        self.seq = seq
+        return out
 
-        Called by the writer under its lock before it opens the new file. A spool file
-        without an init event is never applied, so the new file starts with one (same
-        run, same options, a new session id); the lines that had not been written yet
-        keep their order and are renumbered from 1 as they are written (`_renumber`),
-        so the hot path keeps numbering as it did and takes no extra lock.
-        """
-        old = self.path
-        run = dataclasses.replace(self.run, session=os.urandom(6).hex())
-        self.path = spool_path(run.spool_root, run.project, run.name, run.paths.stem, run.session)
-        self.writer.paths = ShardPaths(self.path.parent, self.path.name[: -len(".jsonl")])
-        self._session_ctx = run
-        self._rotations += 1
-        self.run.warn_once(
-            "spool_deleted",
-            f"expr_tracker: spool file {old} was deleted or moved while in use; going on in "
-            f"a new session {self.path.name} (if it was deleted, rows exprd had not read "
-            "from it yet are lost)",
-        )
-        try:
-            make_private_dirs(self.path.parent)
-        except OSError:
-            pass  # the open that follows fails, is reported and retried
-        self.writer.transform = self._renumber
-
-    def _renumber(self, data: bytes, offset: int) -> bytes:
-        """Lines for a file started by `_rotate`: its init event first, `_seq` from 1."""
-        head = b""
-        if offset == 0:
-            first = line_seq(data[: data.find(b"\n")])
-            self._shift = (first if first is not None else self.seq) - 1
-            head = orjson.dumps(init_event(self._session_ctx, self.path),
-                                option=orjson.OPT_APPEND_NEWLINE)
-        shift = self._shift
-
-        def renum(m: re.Match[bytes]) -> bytes:
-            return m.group(1) + b'"_seq":' + str(int(m.group(2)) - shift).encode()
-
-        return head + SEQ_RE.sub(renum, data)
+    def overflow(self, line: bytes) -> None:
+        """A record the hot path could not write into the open segment (it is full)."""
+        if not self.writer.overflow(line):
+            self.seq -= 1  # dropped: its number goes to the next event (no gap for exprd)
 
     # -- writing --------------------------------------------------------------------
+
+    def _put(self, line: bytes, record: bool) -> None:
+        append = self.writer.fast_append
+        if append is not None:
+            try:
+                append(line)
+                return
+            except ValueError:
+                pass  # the segment is full
+        if not self.writer.overflow(line, record):
+            self.seq -= 1
 
     def _emit(self, event: dict[str, Any]) -> None:
         seq = self.seq
         event["_seq"] = seq
         self.seq = seq + 1
-        self.writer.append(orjson.dumps(event, option=orjson.OPT_APPEND_NEWLINE))
+        self._put(orjson.dumps(event, option=orjson.OPT_APPEND_NEWLINE), False)
 
     def apply(self, record: dict[str, Any], nonfinite: bool | None) -> None:
         """Append one record event (the record plus `_seq`)."""
         seq = self.seq
         self.seq = seq + 1
         record["_seq"] = seq
-        self.writer.append(records.dumps(record, nonfinite))
+        self._put(records.dumps(record, nonfinite), True)
 
     def alert(self, title: str, text: str, level: str) -> None:
         """A manual alert: exprd records it and delivers it from the alerting rank."""
@@ -262,7 +272,7 @@ class SpoolSink:
 
     def config_changed(self, config: dict[str, Any]) -> None:
         """`Run.update_config`: a `config` event with the whole merged config (a replay
-        of it is harmless); a later init (after a rotation) carries it too."""
+        of it is harmless); the next segment's init carries it too."""
         self.run.config = config
         self._emit({"_event": "config", "_time": time.time(), "config": config})
 
@@ -278,7 +288,18 @@ class SpoolSink:
                         "spans": lines[i : i + SPANS_PER_EVENT]})
 
     def flush(self) -> None:
-        self.writer.flush()
+        """Rows are in the kernel once written; this sends what waits in memory (a full
+        spool), checks that the segment is still ours and wakes exprd up."""
+        lock = self.run.lock
+        if lock is None:
+            self.writer.check()
+            return
+        if lock.acquire(timeout=5.0):
+            try:
+                if not self.writer.closed:
+                    self.writer.check()
+            finally:
+                lock.release()
 
     def tick(self) -> None:
         """Time rules are evaluated by exprd, not here."""
@@ -290,48 +311,57 @@ class SpoolSink:
         """`Run.finish`: the finish event carries the summary, which exprd puts in the sidecar."""
         self._summary = summary
 
+    def last_values(self) -> dict[str, Any]:
+        """The last value of each key in the open segment (the summary finish saves)."""
+        return last_values_of(self.writer.data())
+
     def close(self, status: str, exit: dict[str, Any] | None = None) -> None:
         """The finish event; `exit` (a crash's {type, message, time}) and the summary go
-        into the sidecar."""
+        into the sidecar. Always written: space for it is kept in every segment."""
         event: dict[str, Any] = {"_event": "finish", "_time": time.time(), "status": status}
         if exit is not None:
             event["exit"] = exit
         if self._summary:
             event["summary"] = self._summary
-        self._emit(event)
-        self.writer.close("finished")
+        event["_seq"] = self.seq
+        self.seq += 1
+        self.writer.finish(orjson.dumps(event, option=orjson.OPT_APPEND_NEWLINE),
+                           self.finish_wait)
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the writer lock
             self._lock_fd = None
 
     def detach(self) -> None:
-        # a forked child shares the parent's descriptor: forget the buffer, never flush it
-        self.writer._buf.clear()
-        self.writer._pending = b""
+        # a forked child shares the parent's mapping: let go of it, never write into it
+        self.writer.crash_close()
         if self._lock_fd is not None:  # the parent keeps the lock (see forget_lock)
             os.close(self._lock_fd)
             self._lock_fd = None
 
     def info(self) -> dict[str, Any]:
-        return {
+        w = self.writer
+        out = {
             "spool_file": str(self.path),
-            "spool_seq": self.seq - self._shift,
-            "session": self.path.name[len(self.run.paths.stem) + 1 : -len(".jsonl")],
-            "buffered_bytes": self.writer.buffered(),
-            "errors": dict(self.writer.errors),
+            "spool_seq": self.seq,
+            "session": self.run.session,
+            "buffered_bytes": w.buffered(),
+            "errors": dict(w.errors),
             "alerting": self.alerting,
             "reporting": self.reporting,
             "alerts_fired": {},
             "alerts": {},
             "backends": {},
+            **w.info(),
         }
+        if w.drops:
+            out["spool_full_since"] = w.drops_since
+        return out
 
     # -- reading --------------------------------------------------------------------
     def history(
         self, n: int | None, metrics: list[str] | None, step_range: tuple[int | None, int | None] | None
     ) -> list[dict[str, Any]]:
         """Read-your-writes: the shard's rows, then this shard's spool events not applied yet."""
-        self.writer.flush()
         paths = self.run.paths
         cursor = scan_shard(paths)
         if n is not None and n >= 0 and not metrics and step_range is None:

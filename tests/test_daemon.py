@@ -196,9 +196,12 @@ def test_kill9_writer_keeps_complete_events_and_marks_crashed(tmp_path: Path) ->
         shard = root / "proj" / "crash" / "metrics.jsonl"
         wait_for(lambda: count_lines(shard) == 600, 20, "600 rows in the shard")
         # the half line a dying writer can leave behind, written while it still lives so
-        # exprd cannot finish with the file first
+        # exprd cannot finish with the file first: at the end of the segment's data (it is
+        # memory-mapped, zeros after its data)
         spool_file = next(spool.rglob("*.jsonl"))
-        with open(spool_file, "ab") as fh:
+        data = spool_file.read_bytes()
+        with open(spool_file, "r+b") as fh:
+            fh.seek(data.find(b"\0") if b"\0" in data else len(data))
             fh.write(b'{"_step":600,"_time":1.0,"lo')
         w.kill()
         w.wait()

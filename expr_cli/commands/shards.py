@@ -129,6 +129,8 @@ def _attention(row: dict[str, Any], slow: float | None) -> list[str]:
         why.append(f"crashed: {ex.get('type')}: {ex.get('message')}" if ex else "crashed")
     elif row["status"] == "stale":
         why.append("stale: its process is gone without a finish")
+    if row.get("dropped"):
+        why.append(row["dropped"])
     if row["behind"] is not None and row["behind"] >= BEHIND_STEPS:
         why.append(f"behind {row['behind']:,} steps")
     if slow is not None:

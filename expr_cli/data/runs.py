@@ -14,7 +14,7 @@ from expr_cli.resolve import ShardRef, compact_ranks, list_runs, list_shards, st
 from expr_tracker.health.tail import ShardTail
 from expr_tracker.procs import pid_alive
 from expr_tracker.store import records
-from expr_tracker.store.cursor import read_sidecar
+from expr_tracker.store.cursor import dropped_text, read_sidecar
 from expr_tracker.store.reader import ShardReader
 
 _BLOCK = 1 << 20  # counting lines
@@ -182,6 +182,7 @@ def _shard_row(ref: ShardRef, meta: dict[str, Any] | None, corrupt: bool, size: 
         "torn_saved": torn_saved,
         "world_size": (meta or {}).get("world_size"),
         "host": (meta or {}).get("host"),
+        "dropped": dropped_text((meta or {}).get("dropped")),
     }
 
 

@@ -168,7 +168,7 @@ class TopView:
                 "rank": rs.rank, "host": rs.host, "step": rs.last_step,
                 "status": "lost" if rs.rank in lost and rs.live else rs.status,
                 "behind": state.behind(rs.rank), "steps_per_s": steps_per_s(rs, wall),
-                "last_write_age": age_now(rs.last_write), "pid": rs.pid,
+                "last_write_age": age_now(rs.last_write), "pid": rs.pid, "dropped": rs.dropped,
                 # rows, not probes or system samples (they keep the files fresh)
                 "no_step_for": age_now(rs.advanced) if rs.live else None,
                 "incident": min((k for k, v in _SEVERITY.items() if v == worst.get(rs.rank)), default=None),

@@ -140,6 +140,12 @@ def top_frame(view: Mapping[str, Any], height: int, agg: str = "worst",
         style = {"stalled": "bold red", "crashed": "bold red", "lost": "bold red",
                  "finished": "green"}.get(job.get("state"), "")
         parts.append(_line(Text(str(job["text"]), style=style)))
+    # rows that never reached a shard (a full spool disk): a line per rank, a few at most
+    lost = [r for r in view.get("ranks") or () if r.get("dropped")]
+    for r in sorted(lost, key=lambda r: r["rank"])[:3]:
+        parts.append(_line(Text(f"rank {r['rank']}: {r['dropped']}", style="bold yellow")))
+    if len(lost) > 3:
+        parts.append(_line(Text(f"... {len(lost) - 3} more ranks dropped rows", style="yellow")))
     left = height - len(parts)
     cap = 0 if left < 6 else max(1, height // 5)
     shown_inc = incidents if len(incidents) <= cap else incidents[: max(0, cap - 1)]

@@ -117,3 +117,6 @@ def table(rows: Sequence[Mapping[str, Any]], label: str) -> None:
         c[8] = Text(r["sidecar"], style="green" if r["sidecar"] == "ok" else "yellow")
         table.add_row(*(v for h, v in zip(headers, c, strict=True) if h not in drop))
     _show(out, f"shards of {label}", table)
+    for r in rows:
+        if r.get("dropped"):  # rows that never reached the shard (a full spool disk)
+            prose(out, Text(f"rank {r['rank']}: {r['dropped']}", style="bold yellow"))

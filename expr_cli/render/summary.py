@@ -99,6 +99,8 @@ def _ranks_line(out: Console, ranks: Mapping[str, Any]) -> None:
     """`4,096 shards: 4,093 live, 2 finished, 1 crashed (rank 17)`."""
     from rich.text import Text
 
+    for rank, why in (ranks or {}).get("dropped", {}).items():
+        prose(out, Text(f"  rank {rank}: {why}", style="bold yellow"))
     if not ranks or ranks.get("shards", 0) <= 1:
         return
     text = Text(f"  {ranks['shards']:,} shards: {ranks['live']:,} live, {ranks['finished']:,} finished")

@@ -39,6 +39,7 @@ from expr_tracker.health.clock import PassClock, Seen, heartbeat_host, mtime_on_
 from expr_tracker.health.tail import MAX_CATCHUP as MAX_CATCHUP  # (re-exported)
 from expr_tracker.health.tail import ShardTail, decoded, refresh_all
 from expr_tracker.procs import pid_alive
+from expr_tracker.store.cursor import dropped_text
 from expr_tracker.store.layout import parse_shard_name
 
 DEFAULT_WINDOW = 64  # step rows (and rank records per rank) kept per shard
@@ -75,6 +76,7 @@ class RankState:
     advanced: float | None = None
     sidecar_write: float | None = None
     probe: dict[str, Any] | None = None  # where its main thread is, while silent (DESIGN 13)
+    dropped: str | None = None  # rows the SDK could not spool: "311 rows dropped, spool ..."
     size: int = 0
     steps: Sequence[int] = ()  # the recent step rows' steps, oldest first ...
     times: Sequence[float] = ()  # ... and their `_time`s
@@ -236,6 +238,7 @@ def _rank_state(tail: ShardTail) -> RankState:
     out.exit = dict(ex) if isinstance(ex, Mapping) else None
     probe = meta.get("probe")
     out.probe = dict(probe) if isinstance(probe, Mapping) else None
+    out.dropped = dropped_text(meta.get("dropped"))
     status = meta.get("status")
     out.status = status if status in STATUSES else "running"
     if out.status == "crashed":

@@ -194,3 +194,47 @@ def rank_last_step(fd: int, size: int, rank: int) -> int | None:
 def _line_boundary(fd: int, offset: int) -> bool:
     """True if `offset` is the start of a line (the byte before it is a newline)."""
     return os.pread(fd, 1, offset - 1) == b"\n"
+
+
+_CAUSES = {"spool_full": "spool disk full"}
+
+
+def dropped_text(notes: Any) -> str | None:
+    """A sidecar's `dropped` notes (DESIGN 6: rows that never reached the shard) in one
+    phrase: "311 rows dropped, spool disk full on node1 since 2026-12-06 12:04:05" (the
+    SDK could not spool them), "steps 138-150 not written: the process was killed" (direct
+    mode, between two flushes); None if there are none."""
+    if not isinstance(notes, list):
+        return None
+    rows, causes, hosts, since, killed = 0, [], [], [], []
+    for note in notes:
+        if not isinstance(note, dict) or type(note.get("rows")) is not int or note["rows"] <= 0:
+            continue
+        if note.get("cause") == "killed":
+            first, last = note.get("from"), note.get("to")
+            if type(first) is int and type(last) is int:
+                killed.append(f"{first}" if first == last else f"{first}-{last}")
+            continue
+        rows += note["rows"]
+        cause = _CAUSES.get(str(note.get("cause")), str(note.get("cause")))
+        if cause not in causes:
+            causes.append(cause)
+        host = note.get("host")
+        if isinstance(host, str) and host and host not in hosts:
+            hosts.append(host)
+        if isinstance(note.get("since"), (int, float)):
+            since.append(float(note["since"]))
+    out = []
+    if rows:
+        where = f" on {', '.join(hosts)}" if hosts else ""
+        when = ""
+        if since:
+            import time
+
+            when = time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(min(since)))
+        out.append(f"{rows:,} row{'s' if rows != 1 else ''} dropped, {', '.join(causes)}"
+                   f"{where}{when}")
+    if killed:
+        out.append(f"step{'s' if len(killed) > 1 or '-' in killed[0] else ''} "
+                   f"{', '.join(killed)} not written: the process was killed")
+    return "; ".join(out) or None

@@ -157,8 +157,20 @@ def default_spool() -> Path:
 
 
 def spool_path(
-    spool: str | os.PathLike[str], project: str, name: str, stem: str, session: str
+    spool: str | os.PathLike[str], project: str, name: str, stem: str, session: str,
+    segment: int = 0,
 ) -> Path:
-    """`{spool}/{project}/{name}/{shard-stem}.{session}.jsonl`."""
+    """`{spool}/{project}/{name}/{shard-stem}.{session}.jsonl`, and for the segments after
+    the first `{shard-stem}.{session}~{segment}.jsonl` (`~` is in no valid name)."""
     validate_name(session, "session")
-    return run_dir(spool, project, name) / f"{stem}.{session}.jsonl"
+    part = f"{session}~{segment}" if segment else session
+    return run_dir(spool, project, name) / f"{stem}.{part}.jsonl"
+
+
+def spool_segment(filename: str) -> tuple[str, int]:
+    """(`{stem}.{session}`, segment) of a spool file name (segment 0 without a `~N`)."""
+    base = filename.removesuffix(".jsonl")
+    head, sep, tail = base.rpartition("~")
+    if sep and tail.isdigit() and tail[:1] != "0":
+        return head, int(tail)
+    return base, 0

@@ -157,7 +157,6 @@ SUMMARY_TAIL = 1 << 20  # bytes of a shard's end that `last_values` reads
 def last_values(path: Path, tail: int = SUMMARY_TAIL) -> dict[str, Any]:
     """The last value of each key among the step rows in the last `tail` bytes of a shard or
     spool file, and the largest `_step` (the summary `finish` saves)."""
-    import orjson
 
     with open_read(path) as fh:
         end = fh.seek(0, 2)
@@ -166,6 +165,15 @@ def last_values(path: Path, tail: int = SUMMARY_TAIL) -> dict[str, Any]:
         data = fh.read(end - start)
     if start:
         data = data[data.find(b"\n") + 1:]
+    return last_values_of(data)
+
+
+def last_values_of(data: bytes, tail: int = SUMMARY_TAIL) -> dict[str, Any]:
+    """`last_values` of whole lines in memory (a spool segment's data)."""
+    import orjson
+
+    if len(data) > tail:
+        data = data[data.find(b"\n", len(data) - tail) + 1:]
     out: dict[str, Any] = {}
     for line in data.splitlines():
         try:

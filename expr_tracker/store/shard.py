@@ -96,6 +96,9 @@ class ShardWriter:
         self.status = "running"
         self.exit: dict[str, Any] | None = None  # {type, message, time} of a crash (DESIGN 5)
         self.probe: dict[str, Any] | None = None  # where a silent rank is (DESIGN 13)
+        # rows the SDK dropped before they reached the spool (a full spool disk), per
+        # (cause, session): {cause, session, rows, since, host}; exprd fills it (DESIGN 6)
+        self.spool_dropped: list[dict[str, Any]] = []
         self.start_time = time.time()
         self.end_time: float | None = None
         self.last_write: float | None = None
@@ -142,10 +145,22 @@ class ShardWriter:
                         self.cursor.last_step = self._own_last_step()
                 if hint and isinstance(hint.get("start_time"), (int, float)) and self.cursor.rows:
                     self.start_time = float(hint["start_time"])
+                self._keep_notes(hint)
                 self._open_fd()
         except OSError as exc:
             self._fail("open", exc)
         return self.cursor
+
+    def _keep_notes(self, hint: Mapping[str, Any] | None) -> None:
+        """The sidecar's notes of rows that never reached the shard (earlier sessions'
+        too) stay in it: those already known here win."""
+        old = (hint or {}).get("dropped")
+        if not isinstance(old, list):
+            return
+        have = {(d.get("cause"), d.get("session")) for d in self.spool_dropped}
+        kept = [d for d in old if isinstance(d, dict)
+                and (d.get("cause"), d.get("session")) not in have]
+        self.spool_dropped = [*kept, *self.spool_dropped][-64:]
 
     def walked(self, *, create: bool = False) -> _Walked:
         """Within (`with writer.walked():`): the files of the run directory are opened (on
@@ -482,6 +497,8 @@ class ShardWriter:
             out["exit"] = self.exit
         if self.probe is not None and self.status == "running":
             out["probe"] = self.probe
+        if self.spool_dropped:
+            out["dropped"] = self.spool_dropped
         return out
 
     def write_sidecar(self) -> bool:

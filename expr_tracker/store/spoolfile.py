@@ -17,7 +17,7 @@ import orjson
 
 from expr_tracker.store import records
 from expr_tracker.store.cursor import Cursor, cursor_from, rank_last_step, read_sidecar
-from expr_tracker.store.layout import ShardPaths
+from expr_tracker.store.layout import ShardPaths, spool_segment
 
 SPOOL_VERSION = 1
 MAX_LINE = 16 * 1024 * 1024  # a longer spool line is quarantined by exprd
@@ -54,13 +54,20 @@ def make_private_dirs(path: Path) -> None:
 
 def spool_files_of(spool_dir: Path, stem: str) -> list[Path]:
     """Spool files of shard `stem` in one run's spool directory, oldest first."""
-    pattern = re.compile(re.escape(stem) + r"\.(" + _SESSION_RE + r")\.jsonl\Z")
+    pattern = re.compile(re.escape(stem) + r"\.(" + _SESSION_RE + r")(?:~[1-9]\d*)?\.jsonl\Z")
     try:
         names = [n for n in os.listdir(spool_dir) if pattern.match(n)]
     except OSError:
         return []
-    paths = [spool_dir / n for n in names]
-    return sorted(paths, key=_mtime)
+    # sessions by the time of their oldest segment, a session's segments in their order
+    # (cutting a full segment at its roll makes it newer than the next one)
+    first: dict[str, float] = {}
+    for n in names:
+        base = spool_segment(n)[0]
+        t = _mtime(spool_dir / n)
+        first[base] = min(first.get(base, t), t)
+    return [spool_dir / n for n in sorted(
+        names, key=lambda n: (first[spool_segment(n)[0]], spool_segment(n)))]
 
 
 def _mtime(path: Path) -> float:
@@ -71,8 +78,33 @@ def _mtime(path: Path) -> float:
 
 
 def session_of(path: Path, stem: str) -> str:
-    """The session part of `{stem}.{session}.jsonl`."""
-    return path.name[len(stem) + 1 : -len(".jsonl")]
+    """The session part of `{stem}.{session}.jsonl` (or of its segment `~N`)."""
+    return spool_segment(path.name)[0][len(stem) + 1 :]
+
+
+# lines a segment writer adds that are not events of the session: no `_seq` of their own
+NOTES = (b'{"_event":"segment"', b'{"_event":"dropped"')
+
+
+def is_note(line: bytes) -> bool:
+    """A segment marker or a dropped-rows note (`store.segment`)."""
+    return line.startswith(NOTES)
+
+
+def data_end(fd: int, size: int) -> int:
+    """Where the data of a spool file ends: a memory-mapped segment is pre-sized and zeros
+    after its data (a JSON line holds no NUL byte). Found by bisection; `size` if the file
+    does not end in a NUL."""
+    if size == 0 or os.pread(fd, 1, size - 1) != b"\0":
+        return size
+    lo, hi = 0, size - 1  # the first NUL is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if os.pread(fd, 1, mid) == b"\0":
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def scan_shard(paths: ShardPaths, rank: int | None = None) -> Cursor:
@@ -113,8 +145,15 @@ def iter_unapplied_reverse(path: Path, done: int) -> Iterator[bytes]:
     except OSError:
         return
     try:
-        with open(fd, "rb", closefd=False) as fh:
-            end = records.complete_end(fh, _BLOCK)
+        size = data_end(fd, os.fstat(fd).st_size)
+        end = 0
+        while size > 0:  # the last newline before `size`
+            start = max(0, size - _BLOCK)
+            nl = os.pread(fd, size - start, start).rfind(b"\n")
+            if nl >= 0:
+                end = start + nl + 1
+                break
+            size = start
         carry = b""
         while end > 0:
             start = max(0, end - _BLOCK)
@@ -129,7 +168,7 @@ def iter_unapplied_reverse(path: Path, done: int) -> Iterator[bytes]:
                 body = lines[1:]
             for line in reversed(body):
                 seq = line_seq(line)
-                if seq is None:
+                if seq is None or is_note(line):
                     continue
                 if seq <= done:
                     return
@@ -219,6 +258,7 @@ class SpoolReader:
         self.size = 0  # the file size when `lines()` started
         self.more = False  # `lines()` stopped at its limit with more data after it
         self.span = 0  # bytes of the lines `chunks()` yielded last, with their newlines
+        self.zeros = False  # the last read ended at a NUL byte (a segment's unwritten part)
 
     def lines(self, offset: int, limit: int | None = None) -> Iterator[tuple[int, int, bytes | None]]:
         """Complete lines from `offset`; stops after about `limit` bytes at a line end."""
@@ -240,6 +280,7 @@ class SpoolReader:
         try:
             size = self.size = os.fstat(fd).st_size
             self.more = False
+            self.zeros = False
             stop = size if limit is None else min(size, offset + limit)
             pos = rd = offset  # pos: start of the line being assembled; rd: next read
             carry = b""
@@ -250,6 +291,12 @@ class SpoolReader:
                 block = os.pread(fd, min(max(self.block, len(carry)), size - rd), rd)
                 if not block:
                     break
+                nul = block.find(0)
+                if nul >= 0:
+                    # a memory-mapped segment's zeros: its data ends here, for now
+                    block = block[:nul]
+                    size = self.size = rd + nul
+                    self.zeros = True
                 rd += len(block)
                 if oversize:
                     nl = block.find(b"\n")
