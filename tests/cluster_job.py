@@ -213,19 +213,13 @@ def login(cluster: Cluster, *args: str, ok: tuple[int, ...] = (0,)) -> Any:
         return [json.loads(x) for x in text.splitlines() if x.strip()]
 
 
-# [health] keys of issue 48's features, which today's HealthConfig rejects as unknown: a
-# test sets them only where they exist, so it runs the same before and after they land
-_FUTURE_KEYS = ("page_after", "evidence_after")
-
-
 def health_toml(**keys: Any) -> str:
     """A `[health]` table (durations as text, e.g. hang_after="5s")."""
     from expr_tracker.health.config import KEYS
 
-    unknown = [k for k in keys if k not in KEYS and k not in _FUTURE_KEYS]
+    unknown = [k for k in keys if k not in KEYS]
     assert not unknown, f"not [health] keys: {unknown}"
-    return "[health]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items()
-                                  if k in KEYS)
+    return "[health]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items())
 
 
 class Watcher:

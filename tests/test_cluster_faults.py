@@ -3,8 +3,7 @@
 Each case runs a real `torchrun --nnodes 2 --nproc_per_node 2` job over gloo, counts every
 rank's rows against what it logged, and checks what the watchers recorded and paged:
 node1's spool on a 64 KiB tmpfs, node1 killed whole, node1's link cut (node1's clock
-120 s ahead is in tests/test_cluster_healthy.py) (in tests/test_cluster_healthy.py). The cases whose feature is still being built are strict xfails naming the
-missing piece, so they turn into failures (to flip) the day it lands.
+120 s ahead is in tests/test_cluster_healthy.py).
 """
 
 from __future__ import annotations
@@ -50,9 +49,6 @@ def make_cluster(tmp_path: Path) -> Iterator[Any]:
         c.close()
 
 
-@pytest.mark.xfail(reason="issue 42 items 1-2: a full spool loses rows silently (sidecars "
-                          "read crashed); no info()['dropped']['spool_full'], no note in the "
-                          "sidecar", strict=True)
 def test_full_spool_on_node1_loses_nothing_silently(make_cluster: Any) -> None:
     """Issue 42's case: node1's spool on a 64 KiB tmpfs (16 KiB segments, so one fits) fills
     up at step 60 and gets its space back at step 240. Rank 2 keeps its rows in memory
@@ -87,9 +83,6 @@ def test_full_spool_on_node1_loses_nothing_silently(make_cluster: Any) -> None:
     assert not [i for i in incidents(job.run_dir).values() if i[0]["kind"] == "crashed"]
 
 
-@pytest.mark.xfail(reason="issue 48 item 1: a dead node is not named (ranks 2-3 read running, "
-                          "ranks 0-1 crash on their own); issue 42 item 3: kill -9 loses the "
-                          "rows in the SDK's buffer", strict=True)
 def test_node1_killed_whole_is_one_incident_and_loses_no_logged_row(make_cluster: Any) -> None:
     """node1 dies whole (ranks, torchrun, exprd) in spool mode; its spool is on its disk.
     Soon after the stall threshold one incident names node1 lost with ranks 2-3, and the
@@ -141,8 +134,6 @@ def test_node1_killed_whole_is_one_incident_and_loses_no_logged_row(make_cluster
         assert not c.doubled and not c.doubled_events and not c.garbled, str(c)
 
 
-@pytest.mark.xfail(reason="issue 48 item 2: a cut link reads as a stall naming an innocent "
-                          "rank, not 'every rank waits in a collective'", strict=True)
 def test_cut_link_says_every_rank_waits_and_names_no_one(make_cluster: Any) -> None:
     """node1's cable is pulled until a stall is seen (and 2 s more): every rank waits in the
     all-reduce. The stall says so and names no innocent rank; it resolves when the link is
