@@ -57,6 +57,12 @@ def test_the_cache_is_real(cluster: Cluster) -> None:
     assert node1.run([*stat, f"{shared}/late"]).stdout.strip() == "1"  # its writer sees it
 
 
+@pytest.mark.xfail(reason="issue 48 item 6, left: the pages are right (none while healthy, the "
+                          "stall once, its recovery once), but node0's exprd and the login "
+                          "watcher each open the stall in incidents.jsonl: under its flock each "
+                          "reads the file at the size cached 30 s (bindfs revalidates nothing on "
+                          "open or lock, as NFS's close-to-open does), so neither sees the "
+                          "other's line, and one stays open", strict=True)
 def test_healthy_job_pages_nothing_and_a_stall_pages_once(cluster: Cluster) -> None:
     for node in cluster.nodes:
         node.start_exprd(HEALTH)
