@@ -447,7 +447,13 @@ try:
     watcher = Watcher(run, replace(cfg, fs_cache=6.0))
     naive, memory, found = RunReader(run), Memory(), set()
     end = time.monotonic() + {seconds}
+    stale = 0  # passes that saw a shard smaller than it was (the cache at work)
+    shard = os.path.join("p", "cached", "metrics.rank2.jsonl")
     while time.monotonic() < end:
+        try:
+            stale += os.stat(os.path.join(mnt, shard)).st_size < os.stat(os.path.join(src, shard)).st_size
+        except OSError:
+            pass
         watcher.check()
         now = naive.clock()
         state = naive.read(now)
@@ -456,7 +462,7 @@ try:
         time.sleep(0.5)
     lines = [json.loads(x) for x in open(os.path.join(run, "incidents.jsonl"))] \\
         if os.path.exists(os.path.join(run, "incidents.jsonl")) else []
-    print(json.dumps({{"note": watcher.cache_note, "naive": sorted(found),
+    print(json.dumps({{"note": watcher.cache_note, "naive": sorted(found), "stale": stale,
                       "recorded": [(i["kind"], i["detail"]) for i in lines]}}))
 finally:
     subprocess.run(["umount", mnt], check=False)
@@ -494,7 +500,9 @@ def test_through_an_attribute_cache_silence_and_behind_are_believed_only_beyond_
             p.wait(10)
     assert "up to 6s old (configured)" in got["note"], got
     assert got["recorded"] == [], got
-    assert got["naive"], got  # (the same reads without fs_cache: a false incident)
+    # the watcher read a stale view: the same reads without fs_cache may take it for a
+    # false incident (seen: behind, hang), as the machine's pace decides
+    assert got["stale"] >= 3, got
 
 
 STALLER = """

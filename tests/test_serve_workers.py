@@ -49,7 +49,7 @@ def _answers(root: Path) -> dict[str, Any]:
     for v in out.values():
         v.pop("version", None)
     top = out.pop("top")
-    clock = ("last_write_age", "steps_per_s")  # (they move with the wall clock)
+    clock = ("last_write_age", "steps_per_s", "no_step_for")  # (they move with the wall clock)
     out["ranks"] = [{k: v for k, v in r.items() if k not in clock} for r in top["ranks"]]
     out["incidents"] = sorted((i["kind"], tuple(i["ranks"]), i["step"]) for i in top["incidents"])
     return out
