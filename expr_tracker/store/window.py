@@ -63,7 +63,12 @@ def window_start(fh: BinaryIO, lo: int, block: int = WINDOW_BLOCK) -> int:
     window costs its own bytes, whatever the shard's length (DESIGN 14). Rank records and
     step rows are each in increasing step order, and the two are interleaved as writers
     append them (`_bound`); lines after the offset may still have smaller steps, which
-    readers skip or keep as they do any line. 0 when the window reaches back to the start."""
+    readers skip or keep as they do any line. 0 when the window reaches back to the start.
+
+    A shared `rank_aware=False` file (DESIGN 3) holds each rank's lines in step order, but
+    the ranks' flushes follow one another in any order (rank 1's steps 0-9 after rank 0's
+    steps 0-20): no line bounds the steps before it, and the window is the whole file. Its
+    step rows carry `_rank` (those of a rank's own shard do not), which tells it."""
     end = fh.seek(0, 2)
     while end > 0:
         start = max(0, end - block)
@@ -71,6 +76,8 @@ def window_start(fh: BinaryIO, lo: int, block: int = WINDOW_BLOCK) -> int:
         data = fh.read(end - start)  # ends where a line starts (or at the end of the file)
         # the first line of a block may be cut, unless the block starts the file
         pos = 0 if start == 0 else data.find(b"\n") + 1
+        if data.count(b'"_rank"', pos) > data.count(b'"rank"', pos):
+            return 0  # step rows with `_rank` (`"_kind":"rank"` marks the rank records)
         if start > 0 and (pos == 0 or pos >= len(data)):
             end = start  # no whole line in the block (a long line): look further back
             continue
