@@ -247,7 +247,7 @@ def reduce_step(table: RankTable, key: str, step: int) -> Stats:
             xs.append(x)
     if ws is None:
         wl = table._wlist
-        ws = cast("list[float]", [wl(r)[i] for r in rk])
+        ws = cast("list[float]", [wl(r, key)[i] for r in rk])
     return _reduce(rk, xs, world, ws, _missing(set(rk), world))
 
 
@@ -269,7 +269,7 @@ def _window_parts(
     nonfinite = 0
     for r, values, complete in zip(col.ranks, col.lists, col.full, strict=True):
         seg = cast("list[float]", values[i:j])
-        wseg = None if wconst is not None else cast("list[float]", table._wlist(r)[i:j])
+        wseg = None if wconst is not None else cast("list[float]", table._wlist(r, key)[i:j])
         try:
             total = _fsum(seg) if complete else _NAN  # gaps (None) take the slow path
         except (OverflowError, ValueError):
