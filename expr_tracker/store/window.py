@@ -14,6 +14,7 @@ from typing import BinaryIO
 
 _STEP_RE = re.compile(rb'"_step":\s*(\d+)')
 _RANK_RE = re.compile(rb'"_kind":\s*"rank"')
+_SAMPLE_RE = re.compile(rb'"_source":\s*"system"')  # the SDK's system samples (DESIGN 19)
 WINDOW_BLOCK = 64 << 10  # reverse-read block when looking for the start of a recent window
 
 
@@ -31,16 +32,17 @@ def _bound(data: bytes, pos: int) -> tuple[int, int | None]:
     row of step N is committed only when step N+1 opens (`et.log(step=N+1)`), after that
     step's rank records, so those precede it. A rank record of step s bounds what precedes
     it by s; a step row bounds it by the step of the next row (the rank records before it
-    belong to that step at most)."""
+    belong to that step at most). A system sample is dated like a step row (the step of
+    the last row committed, behind the rank records of the open step) and bounds alike."""
     m = _STEP_RE.search(data, pos)
     if m is None:
         return len(data), None
     line = data.rfind(b"\n", 0, m.start()) + 1
     nl = data.find(b"\n", m.end())
     nl = len(data) if nl < 0 else nl
-    if _RANK_RE.search(data, line, nl) is not None:
+    if _RANK_RE.search(data, line, nl) is not None and _SAMPLE_RE.search(data, line, nl) is None:
         return line, int(m.group(1))
-    # a step row: the step of the next step row
+    # a step row (or a sample): the step of the next step row
     pos = nl + 1
     while pos < len(data):
         nl = data.find(b"\n", pos)
