@@ -234,8 +234,8 @@ def collect(records: Iterable[Mapping[str, Any]]) -> RankTable:
         if step in wr:
             if sampled and (rank, step) in sampled:
                 sampled.discard((rank, step))
-            elif wr[step] != w:
-                _keep_weights(key_weights, cols, rank, step, wr[step], rec)
+            elif wr[step] != w or key_weights:
+                _keep_weights(key_weights, cols, rank, step, wr[step], rec, w)
         wr[step] = w
         for key, value in rec.items():
             if key[0] == "_":
@@ -264,13 +264,15 @@ def collect(records: Iterable[Mapping[str, Any]]) -> RankTable:
 
 def _keep_weights(key_weights: dict[str, dict[int, dict[int, float]]],
                   cols: dict[str, dict[int, float]], rank: int, step: int, before: float,
-                  rec: Mapping[str, Any]) -> None:
-    """A record of `rank` at `step` with another weight than the step's records so far
-    (`before`): the keys they carried keep `before` (unless one of their own already),
-    the keys of `rec` take the step's new weight. Rare: not on the hot path."""
-    for key, col in cols.items():
-        if step in col and key not in rec:
-            key_weights.setdefault(key, {}).setdefault(rank, {}).setdefault(step, before)
+                  rec: Mapping[str, Any], weight: float) -> None:
+    """A record of `rank` at `step` with `weight`, after records of the step weighing
+    `before`: if the two differ, the keys they carried keep `before` (unless one of their
+    own already); the keys of `rec` take the step's weight, `weight`. Rare: not on the hot
+    path."""
+    if weight != before:
+        for key, col in cols.items():
+            if step in col and key not in rec:
+                key_weights.setdefault(key, {}).setdefault(rank, {}).setdefault(step, before)
     for key in rec:
         own = key_weights.get(key, {}).get(rank)
         if own:
