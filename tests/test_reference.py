@@ -656,9 +656,13 @@ def check_top(api: Any, ref: Ref, plan: Plan) -> None:
 
         time.sleep(0.05)
         top = api.top("p", "ref", {})
-    last: dict[int, int] = {}
+    last: dict[int, int] = {}  # each rank's last step: of its rows and its own records
     for r in ref.rows:
         last[r["_rank"]] = max(last.get(r["_rank"], -1), r["_step"])
+    own = ref.cells[~ref.cells.key.isin(ref.sample_keys)]
+    for r, s in own.groupby("rank").step.max().items():
+        if r in last:
+            last[r] = max(last[r], int(s))
     got = {row["rank"]: row for row in top["ranks"]}
     assert set(got) == set(last), (sorted(got), sorted(last))
     for r, row in got.items():
@@ -820,3 +824,17 @@ def test_a_key_logged_again_takes_its_new_records_weight(tmp_path: Path) -> None
         run.finish()
     view = cli(tmp_path, "summary", "p/ref", "--step", "0", "-m", "loss", "--json")
     assert view["keys"][0]["stats"]["wmean"] == 2.5
+
+
+def test_a_rank_with_a_sample_alone_at_a_step_is_missing_there(tmp_path: Path) -> None:
+    """Rank 1 logs its rank records from step 2 on; its sample at finish is dated step 0,
+    its last row: coverage counted the sample as rank 1 reporting step 0."""
+    runs = _two_ranks(tmp_path, system=True)
+    runs[0].log_rank_metrics({"tput": 1.0}, step=0)
+    runs[1].log({"queue": 1})
+    runs[1].log_rank_metrics({"tput": 1.0}, step=2)
+    runs[0].log_rank_metrics({"tput": 1.0}, step=2)
+    for run in runs:
+        run.finish()
+    view = cli(tmp_path, "summary", "p/ref", "-m", "tput", "--json")
+    assert view["coverage"] == [{"step": 0, "reported": 1, "world": 2, "missing": [1]}]

@@ -76,6 +76,7 @@ class RankTable(TableShape):
         skipped: int = 0,
         sample_keys: frozenset[str] = frozenset(),
         key_weights: dict[str, dict[int, dict[int, float]]] | None = None,
+        sampled: set[tuple[int, int]] | None = None,
     ) -> None:
         """Build from key -> rank -> step -> value and rank -> step -> weight (see `collect`),
         the keys only samples carry (weighted 1.0), and key -> rank -> step -> weight where
@@ -84,6 +85,8 @@ class RankTable(TableShape):
         self._sample_keys = sample_keys
         self._wrank = weights if weights is not None else {}
         self._kw = key_weights or {}
+        # (rank, step) of which the table holds samples alone: not a step the rank reported
+        self._sampled = sampled or set()
         self._steps: list[int] = sorted(set().union(*self._wrank.values()))
         self._index = {s: i for i, s in enumerate(self._steps)}
         self._keys = sorted(self._cols)
@@ -108,8 +111,9 @@ class RankTable(TableShape):
         return {r: wr[r][step] for r in sorted(wr) if step in wr[r]}
 
     def ranks_at(self, step: int) -> set[int]:
-        """Ranks with a record at `step`."""
-        return {r for r, w in self._wrank.items() if step in w}
+        """Ranks with a record of their own (not a system sample alone) at `step`."""
+        got = {r for r, w in self._wrank.items() if step in w}
+        return {r for r in got if (r, step) not in self._sampled} if self._sampled else got
 
     def key_steps(self, key: str) -> list[int]:
         """Sorted steps at which some rank reported `key`."""
@@ -259,7 +263,7 @@ def collect(records: Iterable[Mapping[str, Any]]) -> RankTable:
     for rank, per_key in by_rank.items():
         for key, col in per_key.items():
             by_key.setdefault(key, {})[rank] = col
-    return RankTable(by_key, weights, world, skipped, sample_keys, key_weights)
+    return RankTable(by_key, weights, world, skipped, sample_keys, key_weights, sampled)
 
 
 def _keep_weights(key_weights: dict[str, dict[int, dict[int, float]]],

@@ -389,10 +389,9 @@ def coverage(
 ) -> list[tuple[int, int, int, list[int]]]:
     """Per step: (step, ranks reported, world size, missing ranks)."""
     world = table._world
-    wrank = table._wrank
     out = []
     for s in table._steps if steps is None else steps:
-        got = {r for r, w in wrank.items() if s in w}
+        got = table.ranks_at(s)  # (a system sample alone is not the rank reporting the step)
         missing = _missing(got, world)
         out.append((s, len(got), world, missing))
     return out
