@@ -42,7 +42,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-EXAMPLES = int(os.environ.get("EXPR_REFERENCE_EXAMPLES") or 5)
+EXAMPLES = int(os.environ.get("EXPR_REFERENCE_EXAMPLES") or 20)
 REL = 1e-9
 THRESHOLD, MIN_REL = 3.5, 0.05  # DESIGN 10
 
@@ -187,8 +187,9 @@ def _log_step(run: Any, plan: Plan, vals: Values, rank: int, step: int,
         run.log(vals.row(rank, step))
 
 
-def write_run(root: Path, plan: Plan) -> None:
-    """Write the run of `plan` under root/p/ref with the SDK."""
+def write_run(root: Path, plan: Plan, **options: Any) -> None:
+    """Write the run of `plan` under root/p/ref with the SDK (`options`: more of `init`'s,
+    for every rank's runs)."""
     vals = Values(plan)
     writers = [0] if plan.gathered else list(range(plan.world))
     runs: dict[int, Any] = {}
@@ -197,10 +198,10 @@ def write_run(root: Path, plan: Plan) -> None:
         if r == 0 and plan.resume is not None:
             runs[r] = _killed_then_resumed(root, plan, vals)
         else:
-            runs[r] = _start(root, plan, r)
+            runs[r] = _start(root, plan, r, **options)
             runs[r]._log_system()  # the sample soon after init
         if plan.stream:
-            data[r] = _start(root, plan, r, stream="data")
+            data[r] = _start(root, plan, r, stream="data", **options)
     first = plan.resume + 1 if plan.resume is not None else 0
     for step in range(plan.steps):
         for r in list(runs):
@@ -840,3 +841,74 @@ def test_a_rank_with_a_sample_alone_at_a_step_is_missing_there(tmp_path: Path) -
         run.finish()
     view = cli(tmp_path, "summary", "p/ref", "-m", "tput", "--json")
     assert view["coverage"] == [{"step": 0, "reported": 1, "world": 2, "missing": [1]}]
+
+
+# -- the team store, on fixed examples (a server start is seconds) ---------------------------
+
+STORE_PLANS = [
+    Plan(world=3, steps=5, gathered=False, shared=False, order="explicit",
+         keys=("f", "i", "x", "system/step_time"), weights="varied", split=True, samples=(1, 3),
+         crash=2, resume=None, stream=True, seed=7),
+    Plan(world=12, steps=3, gathered=True, shared=False, order="before", keys=("f", "c"),
+         weights="per-step", split=False, samples=(0,), crash=None, resume=None, stream=False,
+         seed=8),
+]
+
+
+def _store_rows(text: str) -> list[tuple[Any, ...]]:
+    """TSV rows of (stream, rank, step, key, value, text[, weight]) with numbers parsed."""
+    out = []
+    for line in text.splitlines():
+        stream, rank, step, key, value, txt, *weight = line.split("\t")
+        out.append((stream, int(rank), int(step), key,
+                    repr(float(value)) if value not in ("nan", "inf", "-inf") else value,
+                    txt, *(float(w) for w in weight)))
+    return sorted(out)
+
+
+def _value_text(v: Any) -> tuple[str, str]:
+    if isinstance(v, bool):
+        return repr(float(v)), "true" if v else "false"
+    if isinstance(v, str):
+        return "nan", v
+    x = float(v)
+    return (repr(x) if math.isfinite(x) else "nan" if math.isnan(x) else
+            "inf" if x > 0 else "-inf"), ""
+
+
+@pytest.mark.parametrize("plan", STORE_PLANS, ids=["3-ranks-2-streams", "gathered-12"])
+def test_the_team_stores_rows_are_the_lines(plan: Plan, tmp_path: Path) -> None:
+    """Every rank reporting to a real ClickHouse (DESIGN 16): the rows of `metrics` and
+    `rank_metrics` (FINAL) are the values of the lines, weights and samples included."""
+    from tests.chserver import ClickHouse, binary
+
+    binary()  # (skips, naming why, where the server is not installed)
+    server = ClickHouse(tmp_path / "ch")
+    server.start()
+    try:
+        spec = {"type": "clickhouse", "url": server.url, "database": "ref"}
+        write_run(tmp_path / "runs", plan, backends=[spec])
+        lines = raw_lines(tmp_path / "runs" / "p" / "ref")
+        cols = "stream, rank, step, key, value, text"
+        got = _store_rows(server.query(f"SELECT {cols} FROM ref.metrics FINAL FORMAT TSV"))
+        ranked = _store_rows(server.query(f"SELECT {cols}, weight FROM ref.rank_metrics FINAL "
+                                          "FORMAT TSV"))
+    finally:
+        server.stop()
+    want, want_ranked = [], []
+    for ln in lines:
+        rec = ln["rec"]
+        kind = rec.get("_kind") == "rank"
+        for k, v in rec.items():
+            if k.startswith("_") or v is None:
+                continue
+            row = (ln["stream"] or "", rec.get("_rank", ln["file_rank"]), rec["_step"], k, *_value_text(v))
+            if kind:
+                want_ranked.append((*row, float(rec["_weight"])))
+            else:
+                want.append(row)
+    assert got == sorted(want)
+    # direct mode sends no event id: a (rank, key, step) logged twice (two samples before the
+    # step advanced) is one row under FINAL, the later one, as the reducers take it
+    later = {r[:4]: r for r in want_ranked}
+    assert ranked == sorted(later.values())
