@@ -75,9 +75,12 @@ bench-scale: $(STAMP)
 	$(PY) -m pip install -q duckdb
 	$(PY) bench/scale.py
 
-# minutes of kill -9, a full run root and a descriptor limit (needs root: it mounts a tmpfs)
+# minutes of kill -9, a full run root and a descriptor limit (needs root: it mounts a tmpfs);
+# then every reader against the reference on many more generated runs than `make test` tries
+REFERENCE_EXAMPLES ?= 400
 torture: $(STAMP)
 	$(PY) bench/torture.py
+	EXPR_REFERENCE_EXAMPLES=$(REFERENCE_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider tests/test_reference.py
 
 completions: $(STAMP)
 	$(PY) -m expr_cli.completions completions
