@@ -464,9 +464,12 @@ def check_summary(root: Path, ref: Ref, stream: str | None) -> None:
                  "missing": [r for r in range(ref.world) if r not in ref.reported(s)]}
                 for s in recent]
         assert view["coverage"] == [c for c in want if c["missing"]], f"coverage at {step}"
-    # the default step: the latest with these metrics (no rank is live)
-    view = cli(root, "summary", "p/ref", *sargs, "-m", ",".join(keys), "--json")
+    # the default step: the latest with these metrics (no rank is live); by default every
+    # key of the user's records, a user's system/* key too, and the samples' keys apart
+    view = cli(root, "summary", "p/ref", *sargs, "--json")
     assert view["step"] == max(max(ref.cells.step[ref.cells.key == k]) for k in keys)
+    assert [item["key"] for item in view["keys"]] == keys
+    assert set(view["system_keys"]) == ref.sample_keys
     # windows
     lo, hi = steps[0], steps[-1] + 1
     for a, b in sorted({(lo, hi), (steps[len(steps) // 2], hi), (lo, max(lo + 1, hi - 2))}):
