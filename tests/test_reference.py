@@ -430,6 +430,35 @@ def same_outliers(item: dict[str, Any], want: dict[int, dict[str, Any]], what: s
     assert item["n_flagged"] == sum(w["flagged"] for w in want.values()), what
 
 
+def same_variability(got: dict[str, Any], ref: Ref, key: str, lo: int, hi: int, what: str) -> None:
+    """Each rank's std and CV of its finite values in the window (two or more), and the
+    noisier ranks: outliers of the CV (of the std where a rank's mean is 0), above the
+    median (issue 21)."""
+    c = ref.cells[(ref.cells.key == key) & (ref.cells.step >= lo) & (ref.cells.step < hi)]
+    c = c[np.isfinite(c.value)]
+    rows = []
+    for r, g in c.groupby("rank"):
+        x = g.value.to_numpy(float)
+        if len(x) < 2:
+            continue
+        sd = 0.0 if (x == x[0]).all() else float(np.std(x))
+        m = float(np.mean(x))
+        rows.append((int(r), len(x), m, sd, sd / abs(m) if m != 0 else None))
+    assert [o["rank"] for o in got["ranks"]] == [r[0] for r in rows], what
+    for o, (r, n, m, sd, cv) in zip(got["ranks"], rows, strict=True):
+        assert o["n"] == n, what
+        for name, w in (("mean", m), ("std", sd), ("cv", cv)):
+            close(o[name], w, f"{what} variability rank {r} {name}")
+    by_cv = bool(rows) and all(r[4] is not None for r in rows)
+    assert got["by"] == ("cv" if by_cv else "std"), what
+    score = pd.DataFrame([(r[0], r[4] if by_cv else r[3], 1.0) for r in rows],
+                         columns=["rank", "value", "weight"]).astype({"value": float})
+    med = float(np.median(score.value)) if len(score) else None
+    noisier = {r for r, o in Ref.outliers(score).items()
+               if o["flagged"] and med is not None and o["value"] > med}
+    assert {o["rank"] for o in got["noisier"]} == noisier, what
+
+
 def cli(root: Path, *args: str) -> Any:
     from expr_cli.main import build_app
 
@@ -483,6 +512,7 @@ def check_summary(root: Path, ref: Ref, stream: str | None) -> None:
             want.update(nonfinite=nonfinite, nonfinite_ranks=bad)
             same_stats(item["stats"], want, what)
             same_outliers(item, ref.outliers(means), what)
+            same_variability(item["variability"], ref, key, a, b, what)
 
 
 def heat_cells(ref: Ref, key: str, steps: list[int], buckets: list[list[int]]) -> dict[int, list[Any]]:
@@ -515,6 +545,8 @@ def check_heatmap(root: Path, ref: Ref, stream: str | None, api: Any) -> None:
     """`expr summary --heatmap KEY --json` and the page's heatmap, over the whole run."""
     sargs = ["-s", stream] if stream else []
     steps = ref.user_steps
+    if not steps:  # (a stream of samples alone)
+        return
     lo, hi = steps[0], steps[-1] + 1
     for key in ref.user_keys:
         view = cli(root, "summary", "p/ref", *sargs, "--steps", f"{lo}:{hi}", "-m", key,
