@@ -82,11 +82,14 @@ bench-scale: $(STAMP)
 	$(PY) bench/mcp.py
 
 # minutes of kill -9, a full run root and a descriptor limit (needs root: it mounts a tmpfs);
-# then issue 43's soak sizes: a 20 GB NUL tail, 1,100 half-sent requests
+# then issue 43's soak sizes: a 20 GB NUL tail, 1,100 half-sent requests; then every reader
+# against the reference on many more generated runs than `make test` tries
+REFERENCE_EXAMPLES ?= 400
 torture: $(STAMP)
 	$(PY) bench/torture.py
 	$(PY) bench/torture.py health
 	$(PY) bench/hostile.py
+	EXPR_REFERENCE_EXAMPLES=$(REFERENCE_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider tests/test_reference.py
 
 completions: $(STAMP)
 	$(PY) -m expr_cli.completions completions

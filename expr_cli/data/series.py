@@ -115,20 +115,28 @@ def load_series(run_dir: Path, stream: str | None, metrics: list[str], ranks: li
                             step_range=steps), metrics)
     rest = [m for m in metrics if not out[m]]
     if rest:
+        # the latest record of a step wins before non-finite values go: a NaN logged again
+        # for a step (a resumed rank) replaces the finite value before it
         more = _series(RunReader(run_dir, stream=stream, rank_records=True, metrics=rest,
-                                 ranks=ranks, step_range=steps), rest)
-        out.update({m: {r: _last_of_each_step(xs, ys) for r, (xs, ys) in by_rank.items()}
+                                 ranks=ranks, step_range=steps), rest, finite=False)
+        out.update({m: {r: pts for r, (xs, ys) in by_rank.items()
+                        if (pts := _finite(*_last_of_each_step(xs, ys)))[0]}
                     for m, by_rank in more.items()})
     return out
 
 
-def _series(reader: Any, metrics: list[str]) -> Series:
+def _finite(xs: list[int], ys: list[float]) -> tuple[list[int], list[float]]:
+    keep = [i for i, y in enumerate(ys) if math.isfinite(y)]
+    return [xs[i] for i in keep], [ys[i] for i in keep]
+
+
+def _series(reader: Any, metrics: list[str], finite: bool = True) -> Series:
     out: Series = {m: {} for m in metrics}
     for row in reader.rows():
         r = row["_rank"]
         for m in metrics:
             v = row.get(m)
-            if type(v) in (int, float) and math.isfinite(v):
+            if type(v) in (int, float) and (not finite or math.isfinite(v)):
                 xs, ys = out[m].setdefault(r, ([], []))
                 xs.append(row["_step"])
                 ys.append(float(v))

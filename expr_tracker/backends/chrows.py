@@ -5,8 +5,9 @@ One row per value of a record: `metrics` for step rows, `rank_metrics` for
 every event), so the usual batch (runs of records with the same keys, numbers as values)
 is encoded without Python work per value: for each run of records with one key tuple the
 columns are taken with `itemgetter`, their types checked with one `set(map(type, ...))`,
-numbers written by one `orjson.dumps` of the whole column (the same text, value for value,
-as `orjson.dumps` of each), and the lines put together with `map`. Anything else (text,
+numbers checked finite by one `orjson.dumps` of the whole column and written with 17
+significant digits by `map` (`float_text`, value for value), and the lines put together
+with `map`. Anything else (text,
 booleans, non-finite values, an odd `_step` or `_rank`) takes `_slow`, record by record,
 which is the definition: both give the same bytes (tests/test_chrows.py).
 
@@ -49,10 +50,16 @@ def escape(text: str) -> bytes:
     return data
 
 
+# 17 significant digits: the shortest text of a double (orjson's, repr's) is read back one
+# unit in the last place off by ClickHouse's own parser (18.x: 1.501117743431572 ->
+# 1.5011177434315721, 136 of 10,000 normal values); with 17 digits it reads every one exactly
+_F17 = b"%.17g".__mod__
+
+
 def float_text(value: float) -> bytes:
     """A float as the server reads it back exactly (non-finite: `nan`, `inf`, `-inf`)."""
     if value - value == 0.0:
-        return orjson.dumps(value)
+        return _F17(value)
     return b"nan" if value != value else b"inf" if value > 0 else b"-inf"
 
 
@@ -131,8 +138,8 @@ class Encoder:
                 or set(map(type, ids)) != {str}):
             return None
         latest = max(times)
-        time_text = orjson.dumps(list(map(float, times)))
-        if b"n" in time_text:  # null: a non-finite time
+        time_floats = list(map(float, times))
+        if b"n" in orjson.dumps(time_floats):  # null: a non-finite time
             return None
         if "_rank" in shape:
             rank_col = list(map(_RANK, evs))
@@ -143,7 +150,7 @@ class Encoder:
         eid_text = "\t".join(ids)
         if eid_text.count("\t") != len(ids) - 1 or any(c in eid_text for c in "\\\n\r\0"):
             return None
-        columns = [rank_col, steps, time_text[1:-1].split(b","), eid_text.encode().split(b"\t")]
+        columns = [rank_col, steps, list(map(_F17, time_floats)), eid_text.encode().split(b"\t")]
         fmt = self.head + b"%d\t%d\t%b\t%b\t"
         if out is ranks:
             extra = self._rank_columns(shape, evs)
@@ -159,11 +166,9 @@ class Encoder:
             field = self._key(key)
             kinds = set(map(type, col))
             if kinds <= _NUMBERS:
-                text = orjson.dumps(col if kinds == {float} else list(map(float, col)))
-                if b"n" not in text:  # no null: every value finite
-                    values = text[1:-1].split(b",")
-                    if len(values) != len(heads):  # floats hold no comma: never
-                        raise AssertionError(f"column {key!r}: {len(values)} values")
+                floats = col if kinds == {float} else list(map(float, col))
+                if b"n" not in orjson.dumps(floats):  # no null: every value finite
+                    values = list(map(_F17, floats))
                     # the column's lines as one piece: head, key, value, tab and newline
                     out.append(b"".join(chain.from_iterable(zip(
                         heads, repeat(field), values, repeat(b"\t\n"), strict=False))))
@@ -193,10 +198,10 @@ class Encoder:
             weights = list(map(_WEIGHT, evs))
             if not set(map(type, weights)) <= _NUMBERS:
                 return None
-            text = orjson.dumps(list(map(float, weights)))
-            if b"n" in text:
+            wfloats = list(map(float, weights))
+            if b"n" in orjson.dumps(wfloats):
                 return None
-            weight = text[1:-1].split(b",")
+            weight = list(map(_F17, wfloats))
         else:
             weight = [b"1.0"] * n
         return [world, local, weight]

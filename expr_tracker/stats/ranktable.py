@@ -11,7 +11,10 @@ without an integer `_step`, or with `_rank` outside [0, 1048576), is skipped and
 The weight of a key at a step is the weight of the record that carried it (DESIGN 19): a
 system-metrics sample (`records.is_sample`) at a step where the user logged a weighted record
 does not replace that record's weight, and the keys only samples carry (`sample_keys`) are
-weighted as the samples are, 1.0.
+weighted as the samples are, 1.0. Two records of one rank and step with different weights
+(`log_rank_metrics({"loss": l}, step, weight=tokens)` then `({"grad_norm": g}, step)`) keep
+each key's own: the step's weight is the last record's, and the keys of the earlier ones
+keep theirs in `key_weights`.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ from array import array
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any, cast
 
-from expr_tracker.store.records import is_sample
+from expr_tracker.store.records import DECODE_NONFINITE, is_sample
 
 _NAN = math.nan
 _INF = math.inf
+_NONFINITE: dict[Any, float] = dict(DECODE_NONFINITE)
 _MAX_INT = 1 << 63
 # a corrupt _rank or _world_size must not make every reducer list a billion missing ranks:
 # the writers' sanity cap (records.MAX_WORLD, 1,048,576; DESIGN 14)
@@ -71,12 +75,18 @@ class RankTable(TableShape):
         world_size: int = 0,
         skipped: int = 0,
         sample_keys: frozenset[str] = frozenset(),
+        key_weights: dict[str, dict[int, dict[int, float]]] | None = None,
+        sampled: set[tuple[int, int]] | None = None,
     ) -> None:
         """Build from key -> rank -> step -> value and rank -> step -> weight (see `collect`),
-        and the keys only samples carry (weighted 1.0)."""
+        the keys only samples carry (weighted 1.0), and key -> rank -> step -> weight where
+        a key's record had another weight than the step's last record."""
         self._cols = cols if cols is not None else {}
         self._sample_keys = sample_keys
         self._wrank = weights if weights is not None else {}
+        self._kw = key_weights or {}
+        # (rank, step) of which the table holds samples alone: not a step the rank reported
+        self._sampled = sampled or set()
         self._steps: list[int] = sorted(set().union(*self._wrank.values()))
         self._index = {s: i for i, s in enumerate(self._steps)}
         self._keys = sorted(self._cols)
@@ -85,7 +95,7 @@ class RankTable(TableShape):
         lo = min(map(min, present), default=1.0)
         hi = max(map(max, present), default=1.0)
         # one weight on every record (the common case) spares all per-rank weighting work
-        self._wconst: float | None = lo if lo == hi else None
+        self._wconst: float | None = lo if lo == hi and not self._kw else None
         self._columns: dict[str, _Column] = {}
         self._wlists: dict[int, list[float | None]] = {}
         self.skipped = skipped  # rank records without an integer _step or a sane _rank
@@ -101,8 +111,9 @@ class RankTable(TableShape):
         return {r: wr[r][step] for r in sorted(wr) if step in wr[r]}
 
     def ranks_at(self, step: int) -> set[int]:
-        """Ranks with a record at `step`."""
-        return {r for r, w in self._wrank.items() if step in w}
+        """Ranks with a record of their own (not a system sample alone) at `step`."""
+        got = {r for r, w in self._wrank.items() if step in w}
+        return {r for r in got if (r, step) not in self._sampled} if self._sampled else got
 
     def key_steps(self, key: str) -> list[int]:
         """Sorted steps at which some rank reported `key`."""
@@ -121,19 +132,26 @@ class RankTable(TableShape):
         """The one weight of every value of `key`, if there is one (else per rank and step)."""
         return 1.0 if key in self._sample_keys else self._wconst
 
-    def _wlist(self, rank: int) -> list[float | None]:
+    def _wlist(self, rank: int, key: str | None = None) -> list[float | None]:
+        """The weights of `rank` at the table's steps (of `key`'s records, if given)."""
         wl = self._wlists.get(rank)
         if wl is None:
             wl = self._wlists[rank] = list(map(self._wrank[rank].get, self._steps))
+        own = self._kw.get(key, {}).get(rank) if key is not None and self._kw else None
+        if own:
+            wl = wl[:]
+            for step, w in own.items():
+                wl[self._index[step]] = w
         return wl
 
 
 class _Column:
     """One key's values per rank aligned with the table's sorted steps (None: no value)."""
 
-    __slots__ = ("full", "gaps", "lists", "missing", "ranks", "rows", "wrows")
+    __slots__ = ("full", "gaps", "key", "lists", "missing", "ranks", "rows", "wrows")
 
     def __init__(self, table: RankTable, key: str) -> None:
+        self.key = key
         steps = table._steps
         by_rank = table._cols.get(key, {})
         self.ranks = sorted(by_rank)
@@ -153,7 +171,7 @@ class _Column:
     def weight_rows(self, table: RankTable) -> array[float]:
         """Step-major weights of the key's ranks, like `rows`."""
         if self.wrows is None:
-            self.wrows = _step_major(list(map(table._wlist, self.ranks)), self.full)
+            self.wrows = _step_major([table._wlist(r, self.key) for r in self.ranks], self.full)
         return self.wrows
 
 
@@ -181,6 +199,8 @@ def collect(records: Iterable[Mapping[str, Any]]) -> RankTable:
     cols: dict[str, dict[int, float]] = {}
     wr: dict[int, float] = {}
     samples: dict[int, dict[str, dict[int, float]]] = {}  # the samples' values, apart
+    sampled: set[tuple[int, int]] = set()  # (rank, step) whose weight a sample set
+    key_weights: dict[str, dict[int, dict[int, float]]] = {}
     float_ = float
     int_ = int
     # The hot loop: files hold runs of one rank, so the rank's dicts stay at hand and each
@@ -208,20 +228,31 @@ def collect(records: Iterable[Mapping[str, Any]]) -> RankTable:
         if ("_source" in rec or "system/rss_mb" in rec) and is_sample(rec):
             if step not in wr:
                 wr[step] = 1.0  # a sample never replaces the weight of the user's record
+                sampled.add((rank, step))
             _put(samples.setdefault(rank, {}), rec, step)
             continue
         w = rec.get("_weight", 1.0)
         if w.__class__ is not float_ or not 0.0 <= w < _INF:
             ok = w.__class__ is not bool and isinstance(w, (int_, float_)) and 0 <= w < _MAX_INT
             w = float_(w) if ok else 1.0
+        if step in wr:
+            if sampled and (rank, step) in sampled:
+                sampled.discard((rank, step))
+            elif wr[step] != w or key_weights:
+                _keep_weights(key_weights, cols, rank, step, wr[step], rec, w)
         wr[step] = w
         for key, value in rec.items():
             if key[0] == "_":
                 continue
             if value.__class__ is not float_:
                 if value.__class__ is bool or not isinstance(value, (int_, float_)):
-                    continue
-                value = float_(value)
+                    # non-finite values as written ("NaN", "Infinity"): the columnar
+                    # parse hands records over undecoded
+                    value = _NONFINITE.get(value) if value.__class__ is str else None
+                    if value is None:
+                        continue
+                else:
+                    value = float_(value)
             col = cols.get(key)
             if col is None:
                 cols[key] = {step: value}
@@ -232,7 +263,24 @@ def collect(records: Iterable[Mapping[str, Any]]) -> RankTable:
     for rank, per_key in by_rank.items():
         for key, col in per_key.items():
             by_key.setdefault(key, {})[rank] = col
-    return RankTable(by_key, weights, world, skipped, sample_keys)
+    return RankTable(by_key, weights, world, skipped, sample_keys, key_weights, sampled)
+
+
+def _keep_weights(key_weights: dict[str, dict[int, dict[int, float]]],
+                  cols: dict[str, dict[int, float]], rank: int, step: int, before: float,
+                  rec: Mapping[str, Any], weight: float) -> None:
+    """A record of `rank` at `step` with `weight`, after records of the step weighing
+    `before`: if the two differ, the keys they carried keep `before` (unless one of their
+    own already); the keys of `rec` take the step's weight, `weight`. Rare: not on the hot
+    path."""
+    if weight != before:
+        for key, col in cols.items():
+            if step in col and key not in rec:
+                key_weights.setdefault(key, {}).setdefault(rank, {}).setdefault(step, before)
+    for key in rec:
+        own = key_weights.get(key, {}).get(rank)
+        if own:
+            own.pop(step, None)
 
 
 def _put(cols: dict[str, dict[int, float]], rec: Mapping[str, Any], step: int) -> None:
@@ -242,8 +290,11 @@ def _put(cols: dict[str, dict[int, float]], rec: Mapping[str, Any], step: int) -
             continue
         if value.__class__ is not float:
             if value.__class__ is bool or not isinstance(value, (int, float)):
-                continue
-            value = float(value)
+                value = _NONFINITE.get(value) if value.__class__ is str else None
+                if value is None:
+                    continue
+            else:
+                value = float(value)
         cols.setdefault(key, {})[step] = value
 
 

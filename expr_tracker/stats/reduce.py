@@ -255,7 +255,7 @@ def reduce_step(table: RankTable, key: str, step: int) -> Stats:
             xs.append(x)
     if ws is None:
         wl = table._wlist
-        ws = cast("list[float]", [wl(r)[i] for r in rk])
+        ws = cast("list[float]", [wl(r, key)[i] for r in rk])
     return _reduce(rk, xs, world, ws, _missing(set(rk), world))
 
 
@@ -277,7 +277,7 @@ def _window_parts(
     nonfinite = 0
     for r, values, complete in zip(col.ranks, col.lists, col.full, strict=True):
         seg = cast("list[float]", values[i:j])
-        wseg = None if wconst is not None else cast("list[float]", table._wlist(r)[i:j])
+        wseg = None if wconst is not None else cast("list[float]", table._wlist(r, key)[i:j])
         try:
             total = _fsum(seg) if complete else _NAN  # gaps (None) take the slow path
         except (OverflowError, ValueError):
@@ -397,10 +397,9 @@ def coverage(
 ) -> list[tuple[int, int, int, list[int]]]:
     """Per step: (step, ranks reported, world size, missing ranks)."""
     world = table._world
-    wrank = table._wrank
     out = []
     for s in table._steps if steps is None else steps:
-        got = {r for r, w in wrank.items() if s in w}
+        got = table.ranks_at(s)  # (a system sample alone is not the rank reporting the step)
         missing = _missing(got, world)
         out.append((s, len(got), world, missing))
     return out

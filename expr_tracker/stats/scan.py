@@ -313,15 +313,23 @@ def rank_table(blocks: Iterable[Block], keys: Collection[str] | None = None) -> 
     cols: dict[str, dict[int, dict[int, float]]] = {}
     weights: dict[int, dict[int, float]] = {}
     world = 0
+    sampled: set[tuple[int, int]] = set()
     for b in blocks:
         world = max(world, b.world)
-        w = [b.weights] * len(b.steps) if isinstance(b.weights, float) else b.weights
-        weights.setdefault(b.rank, {}).update(zip(b.steps, w, strict=True))
+        mine = weights.setdefault(b.rank, {})
+        if b.sample:  # a sample never replaces the weight of the user's record
+            new = [s for s in b.steps if s not in mine]
+            mine.update(dict.fromkeys(new, 1.0))
+            sampled.update((b.rank, s) for s in new)
+        else:
+            w = [b.weights] * len(b.steps) if isinstance(b.weights, float) else b.weights
+            mine.update(zip(b.steps, w, strict=True))
+            sampled.difference_update((b.rank, s) for s in b.steps)
         for key, values in b.columns.items():
             if keys is None or key in keys:
                 by_rank = cols.setdefault(key, {})
                 by_rank.setdefault(b.rank, {}).update(zip(b.steps, values, strict=True))
-    return RankTable(cols, weights, world, sample_keys=sample_keys(blocks))
+    return RankTable(cols, weights, world, sample_keys=sample_keys(blocks), sampled=sampled)
 
 
 def sample_keys(blocks: Iterable[Block]) -> frozenset[str]:
@@ -533,6 +541,10 @@ class ColumnTable(TableShape):
         seen = set()
         for b in self._blocks:
             seen.add(b.rank)
+            if b.sample:  # a rank with samples alone reported no step (DESIGN 19)
+                for s in want:
+                    missing[s].append(b.rank)
+                continue
             i = bisect_left(b.steps, lo)
             j = bisect_left(b.steps, hi + 1)
             have = b.steps[i:j]

@@ -17,6 +17,7 @@ from typing import BinaryIO
 
 _STEP_RE = re.compile(rb'"_step":\s*(\d+)')
 _RANK_RE = re.compile(rb'"_kind":\s*"rank"')
+_SAMPLE_RE = re.compile(rb'"_source":\s*"system"')  # the SDK's system samples (DESIGN 19)
 WINDOW_BLOCK = 64 << 10  # reverse-read block when looking for the start of a recent window
 
 
@@ -34,16 +35,17 @@ def _bound(data: bytes, pos: int) -> tuple[int, int | None]:
     row of step N is committed only when step N+1 opens (`et.log(step=N+1)`), after that
     step's rank records, so those precede it. A rank record of step s bounds what precedes
     it by s; a step row bounds it by the step of the next row (the rank records before it
-    belong to that step at most)."""
+    belong to that step at most). A system sample is dated like a step row (the step of
+    the last row committed, behind the rank records of the open step) and bounds alike."""
     m = _STEP_RE.search(data, pos)
     if m is None:
         return len(data), None
     line = data.rfind(b"\n", 0, m.start()) + 1
     nl = data.find(b"\n", m.end())
     nl = len(data) if nl < 0 else nl
-    if _RANK_RE.search(data, line, nl) is not None:
+    if _RANK_RE.search(data, line, nl) is not None and _SAMPLE_RE.search(data, line, nl) is None:
         return line, int(m.group(1))
-    # a step row: the step of the next step row
+    # a step row (or a sample): the step of the next step row
     pos = nl + 1
     while pos < len(data):
         nl = data.find(b"\n", pos)
@@ -66,7 +68,12 @@ def window_start(fh: BinaryIO, lo: int, block: int = WINDOW_BLOCK) -> int:
     window costs its own bytes, whatever the shard's length (DESIGN 14). Rank records and
     step rows are each in increasing step order, and the two are interleaved as writers
     append them (`_bound`); lines after the offset may still have smaller steps, which
-    readers skip or keep as they do any line. 0 when the window reaches back to the start."""
+    readers skip or keep as they do any line. 0 when the window reaches back to the start.
+
+    A shared `rank_aware=False` file (DESIGN 3) holds each rank's lines in step order, but
+    the ranks' flushes follow one another in any order (rank 1's steps 0-9 after rank 0's
+    steps 0-20): no line bounds the steps before it, and the window is the whole file. Its
+    step rows carry `_rank` (those of a rank's own shard do not), which tells it."""
     end = data_end(fh)
     while end > 0:
         start = max(0, end - block)
@@ -74,6 +81,8 @@ def window_start(fh: BinaryIO, lo: int, block: int = WINDOW_BLOCK) -> int:
         data = fh.read(end - start)  # ends where a line starts (or at the end of the file)
         # the first line of a block may be cut, unless the block starts the file
         pos = 0 if start == 0 else data.find(b"\n") + 1
+        if data.count(b'"_rank"', pos) > data.count(b'"rank"', pos):
+            return 0  # step rows with `_rank` (`"_kind":"rank"` marks the rank records)
         if start > 0 and (pos == 0 or pos >= len(data)):
             end = start  # no whole line in the block (a long line): look further back
             continue
