@@ -140,7 +140,9 @@ class Sampler:
         while True:
             with self._cond:
                 while not self._closed and not self._asked and time.monotonic() < self._next:
-                    self._cond.wait(max(0.0, self._next - time.monotonic()))
+                    # (at most a minute at a time: the loop looks again; a far `_next`
+                    # must not overflow the lock's timeout)
+                    self._cond.wait(min(60.0, max(0.0, self._next - time.monotonic())))
                 if self._closed and not self._asked:
                     return
                 self._asked = False

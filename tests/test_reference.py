@@ -4,7 +4,7 @@ A hypothesis strategy draws a run's shape; `write_run` writes it with the real S
 process (one `et.Run` per rank and stream, the rank from RANK/WORLD_SIZE/LOCAL_RANK as a
 launcher sets them), in the order a training loop calls it: rank records before and after
 the step rows of their step (`log(step=N)` commits row N-1 when N opens), system samples at
-start, between steps and at finish (the sampler's own `_log_system`, called at chosen
+start, between steps and at finish (the sampler's own `sample` and `_log_sample`, called at chosen
 points instead of on its timer, so an example is the same every time), weights 0, equal and
 varied, a key carried by two records of one step with different weights, NaN/inf, text,
 bools and None in step rows, integer and constant metrics, a rank that crashed early, a rank
@@ -29,6 +29,7 @@ import json
 import math
 import os
 import re
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -116,8 +117,17 @@ def _start(root: Path, plan: Plan, rank: int, stream: str | None = None, **kw: A
                      system_interval=3600, **kw)
     # samples at the points the plan names, not on the sampler's clock (the first one
     # would land a second after init, wherever the loop is by then)
-    run._system._next = math.inf
+    run._system._next = time.monotonic() + 1e6
     return run
+
+
+def sample_now(run: Any) -> None:
+    """A system sample taken and logged now, as the SDK logs the ones its sampler's thread
+    takes (`Run._log_sample`)."""
+    metrics = run._system.sample()
+    run._system._next = time.monotonic() + 1e6
+    if metrics:
+        run._log_sample(metrics)
 
 
 class Values:
@@ -199,7 +209,7 @@ def write_run(root: Path, plan: Plan, **options: Any) -> None:
             runs[r] = _killed_then_resumed(root, plan, vals)
         else:
             runs[r] = _start(root, plan, r, **options)
-            runs[r]._log_system()  # the sample soon after init
+            sample_now(runs[r])  # the sample soon after init
         if plan.stream:
             data[r] = _start(root, plan, r, stream="data", **options)
     first = plan.resume + 1 if plan.resume is not None else 0
@@ -219,7 +229,7 @@ def write_run(root: Path, plan: Plan, **options: Any) -> None:
                 data[r].log_rank_metrics({"tput": float(vals.rng.normal(100, 5))}, step=step)
                 data[r].log({"queue": int(vals.rng.integers(0, 5))})
             if step in plan.samples:
-                runs[r]._log_system()
+                sample_now(runs[r])
             if r == 1 and plan.crash == step:
                 runs.pop(r).finish(exit_code=1)
                 if r in data:
@@ -236,11 +246,11 @@ def _killed_then_resumed(root: Path, plan: Plan, vals: Values) -> Any:
     assert plan.resume is not None
     scratch = root.parent / (root.name + "-killed")
     run = _start(scratch, plan, 0)
-    run._log_system()
+    sample_now(run)
     for step in range(plan.resume + 1):
         _log_step(run, plan, vals, 0, step, [0])
         if step in plan.samples:
-            run._log_system()
+            sample_now(run)
     run._system = None  # killed: no sample at finish, and no finish at all for its shard
     run.finish()
     src = scratch / "p" / "ref" / "metrics.jsonl"
@@ -256,8 +266,8 @@ def _killed_then_resumed(root: Path, plan: Plan, vals: Values) -> Any:
     plan.redo = [plan.resume]
     with rank_env(0, plan.world):
         resumed = et.Run("p", "ref", dir=root, rank_aware=True, system_interval=3600)
-    resumed._system._next = math.inf
-    resumed._log_system()
+    resumed._system._next = time.monotonic() + 1e6
+    sample_now(resumed)
     return resumed
 
 

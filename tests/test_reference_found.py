@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.test_reference import Plan, _start, cli, rank_env
+from tests.test_reference import Plan, _start, cli, rank_env, sample_now
 
 # -- what the reference found: one focused test each ------------------------------------
 
@@ -51,7 +51,7 @@ def test_a_non_finite_value_in_an_irregular_shard_is_counted_not_missing(tmp_pat
     there a "NaN" or "Infinity" (as written) was skipped as text: the rank read missing."""
     runs = _two_ranks(tmp_path, system=True)
     for r, run in enumerate(runs):
-        run._log_system()
+        sample_now(run)
         run.log_rank_metrics({"loss": [math.inf, 1.0][r]}, step=0)
         run.finish()
     stats = cli(tmp_path, "summary", "p/ref", "--step", "0", "-m", "loss", "--json")["keys"][0]["stats"]
@@ -101,7 +101,7 @@ def test_a_window_of_a_step_sampled_after_its_records_sees_them(tmp_path: Path) 
         for step in range(300):
             run.log_rank_metrics({"f": 1.0 + run.rank}, step=step)
             run.log({"loss": 1.0}, step=step)
-            run._log_system()
+            sample_now(run)
         run.finish()
     body = (tmp_path / "p" / "ref" / "metrics.rank1.jsonl").read_bytes()
     steps = [json.loads(line)["_step"] for line in body.splitlines()]
