@@ -91,17 +91,23 @@ def list_runs(root: Path) -> list[RunRef]:
     return out
 
 
-def _not_found(arg: str, root: Path) -> CLIError:
+def near_runs(text: str, labels: list[str], n: int, cutoff: float) -> list[str]:
+    """At most `n` run labels (`project/name`) close to `text`, as a label or as a bare
+    name, closest first (difflib's ratio of at least `cutoff`)."""
     import difflib
 
+    names = {label.split("/", 1)[1]: label for label in labels}
+    close = difflib.get_close_matches(text, labels, n=n, cutoff=cutoff)
+    close += [names[m] for m in difflib.get_close_matches(text, list(names), n=n, cutoff=cutoff)]
+    return list(dict.fromkeys(close))[:n]
+
+
+def _not_found(arg: str, root: Path) -> CLIError:
     runs = list_runs(root)
     if not runs:
         return CLIError(f"no run {arg!r}: no runs under {root} (set --dir or $EXPR_DIR)")
     labels = [r.label for r in runs]
-    names = {r.label.split("/", 1)[1]: r.label for r in runs}
-    close = difflib.get_close_matches(arg, labels, n=3, cutoff=0.6)
-    close += [names[n] for n in difflib.get_close_matches(arg, list(names), n=3, cutoff=0.6)]
-    close = list(dict.fromkeys(close))[:3]
+    close = near_runs(arg, labels, 3, 0.6)
     if close:
         return CLIError(f"no run {arg!r} under {root}; did you mean {', '.join(close)}?")
     shown = ", ".join(labels[:5]) + (f" and {len(labels) - 5} more" if len(labels) > 5 else "")

@@ -16,7 +16,6 @@ not there raises `NoRun` with the nearest names.
 
 from __future__ import annotations
 
-import difflib
 import math
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from expr_cli.data import jsonable, now
 from expr_cli.data.runs import runs_data, runs_json
 from expr_cli.data.summary import summary_data
 from expr_cli.errors import CLIError
-from expr_cli.resolve import RunRef, compact_ranks, list_runs, parse_metrics
+from expr_cli.resolve import RunRef, compact_ranks, list_runs, near_runs, parse_metrics
 from expr_cli.web.api import RUNS_TTL
 from expr_cli.web.live import QUICK_MIN, LiveRuns, incident_lines
 from expr_cli.web.paths import BadRequest, NotFound, inside, no_links, run_ref
@@ -97,10 +96,7 @@ class Answers:
         labels = self._labels()
         if not labels:
             return NoRun(f"no run {text!r}: the run root has no runs")
-        names = {label.split("/", 1)[1]: label for label in labels}
-        near = difflib.get_close_matches(text, labels, n=5, cutoff=0.5)
-        near += [names[n] for n in difflib.get_close_matches(text, list(names), n=5, cutoff=0.5)]
-        near = list(dict.fromkeys(near))[:5]
+        near = near_runs(text, labels, 5, 0.5)
         if near:
             return NoRun(f"no run {text!r} under the run root; near names: {', '.join(near)}")
         shown = ", ".join(labels[:8]) + (f" and {len(labels) - 8} more" if len(labels) > 8 else "")

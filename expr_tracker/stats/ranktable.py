@@ -244,15 +244,10 @@ def collect(records: Iterable[Mapping[str, Any]]) -> RankTable:
         for key, value in rec.items():
             if key[0] == "_":
                 continue
-            if value.__class__ is not float_:
-                if value.__class__ is bool or not isinstance(value, (int_, float_)):
-                    # non-finite values as written ("NaN", "Infinity"): the columnar
-                    # parse hands records over undecoded
-                    value = _NONFINITE.get(value) if value.__class__ is str else None
-                    if value is None:
-                        continue
-                else:
-                    value = float_(value)
+            if value.__class__ is not float_:  # (floats, the usual value, inline)
+                value = _number(value)
+                if value is None:
+                    continue
             col = cols.get(key)
             if col is None:
                 cols[key] = {step: value}
@@ -288,14 +283,20 @@ def _put(cols: dict[str, dict[int, float]], rec: Mapping[str, Any], step: int) -
     for key, value in rec.items():
         if key[0] == "_":
             continue
-        if value.__class__ is not float:
-            if value.__class__ is bool or not isinstance(value, (int, float)):
-                value = _NONFINITE.get(value) if value.__class__ is str else None
-                if value is None:
-                    continue
-            else:
-                value = float(value)
-        cols.setdefault(key, {})[step] = value
+        value = _number(value)
+        if value is not None:
+            cols.setdefault(key, {})[step] = value
+
+
+def _number(value: Any) -> float | None:
+    """A metric value as a float: ints and floats, and the non-finite values as written
+    ("NaN", "Infinity": the columnar parse hands records over undecoded); None for text,
+    bools and the rest, which the reducers leave out."""
+    if value.__class__ is float:
+        return value
+    if value.__class__ is bool or not isinstance(value, (int, float)):
+        return _NONFINITE.get(value) if value.__class__ is str else None
+    return float(value)
 
 
 def _merge_samples(

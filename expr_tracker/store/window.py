@@ -21,12 +21,6 @@ _SAMPLE_RE = re.compile(rb'"_source":\s*"system"')  # the SDK's system samples (
 WINDOW_BLOCK = 64 << 10  # reverse-read block when looking for the start of a recent window
 
 
-def _first_step(data: bytes, pos: int) -> int | None:
-    """The `_step` of the first line at or after `pos` that has one."""
-    m = _STEP_RE.search(data, pos)
-    return int(m.group(1)) if m is not None else None
-
-
 def _bound(data: bytes, pos: int) -> tuple[int, int | None]:
     """The first line at or after `pos` that has a step: its offset, and the step that
     every line before it stays under (None: not known from `data`).
