@@ -5,7 +5,8 @@ Each node is a network namespace with its own hostname (UTS) and mount namespace
 directory standing for the node's disk) and, on request, its own exprd. Every node
 sees one shared run root at the same path as the host; in caching mode the root is
 mounted inside each node (and the login node) through bindfs with FUSE attribute and
-entry caching, as an NFS client caches. Faults: a node killed whole (every pid in its
+entry caching, as an NFS client caches, and its locks forwarded to the shared root, as
+NFS's are. Faults: a node killed whole (every pid in its
 network namespace), a link set down, a node's wall clock shifted (an LD_PRELOAD shim of
 CLOCK_REALTIME; libfaketime would break `time.sleep`), a small spool tmpfs.
 
@@ -184,17 +185,22 @@ class Node:
             # after TCP's backoff (up to 2 minutes): the test waits for the job, not for TCP
             rto = Path("/proc/sys/net/ipv4/tcp_rto_max_ms")
             if rto.exists():  # Linux 6.15+; per network namespace
+                # ... and a connection outlives a cut as long as a real node's does: with
+                # a 1 s backoff, the default 15 retries give up after ~14 s (a real node's,
+                # backing off to 2 minutes, after ~15 minutes); 255 (the most) are ~4 minutes
                 _sh("ip", "netns", "exec", self.ns, "sysctl", "-qw",
-                    "net.ipv4.tcp_rto_max_ms=1000")
+                    "net.ipv4.tcp_rto_max_ms=1000", "net.ipv4.tcp_retries2=255")
         steps = [f"hostname {self.name}", f"mount --bind {c.hosts} /etc/hosts"]
         if self.spool_size:
             steps.append(f"mount -t tmpfs -o size={self.spool_size},mode=700 tmpfs {self.spool}")
         if c.cache is not None:
             # the same path as on the host, so a run's `dir` means the same file everywhere
-            # attributes (sizes), names and, as NFS's lookupcache does, absent names
+            # attributes (sizes), names and, as NFS's lookupcache does, absent names; locks
+            # reach the shared root, as NFS's do (NLM, NFSv4): every node's flock is one
+            # lock (bindfs needs --multithreaded for that, or it deadlocks on contention)
             t = c.cache
             steps.append(f"bindfs -o attr_timeout={t},entry_timeout={t},negative_timeout={t} "
-                         f"{c.root} {c.root}")
+                         f"--multithreaded --enable-lock-forwarding {c.root} {c.root}")
         steps += ["echo ready", "exec sleep infinity"]  # the anchor holds the namespaces
         self.anchor = subprocess.Popen(
             ["nsenter", f"--net=/run/netns/{self.ns}", "unshare", "--uts", "--mount",

@@ -14,6 +14,7 @@ Nothing here writes but `fs_offset`, which touches one file it is handed.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 
@@ -41,6 +42,29 @@ def fs_offset(fd: int) -> float | None:
     except OSError:
         return None
     return mtime - (before + after) / 2
+
+
+# statx(2): AT_EMPTY_PATH | AT_STATX_FORCE_SYNC, STATX_SIZE; the struct is 256 bytes
+_AT_EMPTY_PATH, _AT_STATX_FORCE_SYNC, _STATX_SIZE, _STATX_BYTES = 0x1000, 0x2000, 0x200, 256
+_statx: object = None  # libc's statx once looked up; False where there is none
+
+
+def revalidate(fd: int) -> bool:
+    """Ask the filesystem, not the client's attribute cache, for the open file's size, so
+    that the reads that follow see what other hosts appended (an NFS client does this on
+    open and on taking a lock; a FUSE mount with `attr_timeout`, bindfs, never does).
+    `statx` with AT_STATX_FORCE_SYNC: a no-op on a local filesystem. False where libc has
+    no `statx` or the call failed (the cached size is then what the reads see)."""
+    global _statx
+    if _statx is None:
+        try:
+            _statx = ctypes.CDLL(None, use_errno=True).statx
+        except (AttributeError, OSError):
+            _statx = False
+    if _statx is False:
+        return False
+    buf = ctypes.create_string_buffer(_STATX_BYTES)
+    return _statx(fd, b"", _AT_EMPTY_PATH | _AT_STATX_FORCE_SYNC, _STATX_SIZE, buf) == 0  # type: ignore[operator,no-any-return]
 
 
 class Seen:

@@ -464,7 +464,8 @@ def detect(
     seen, left_over = _probes_seen(state, memory, now)
     lost = lost_nodes(state, evidence, now)
     # a lost node explains the others' wait: no stall names its ranks as suspects
-    stalled = None if lost else stall(state, threshold, now, period, seen, left_over, evidence)
+    stalled = None if lost else stall(state, threshold, now, period, seen, left_over, evidence,
+                                      cache)
     if stalled is None and memory.stalled:
         memory.stall_end, memory.stall_step = now, state.lead
     memory.stalled = stalled is not None

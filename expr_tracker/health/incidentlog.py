@@ -3,8 +3,9 @@
 The file is opened relative to a descriptor of the run directory, with O_NOFOLLOW and
 O_APPEND, and each line is one `os.write`: nothing is written outside the run directory
 and a reader never sees half a line. Every line is appended under an `flock` of the file
-after re-reading what others appended, so two watchers (exprd and `expr watch`) record
-one incident once.
+after re-reading what others appended (the file's size asked of the filesystem, not an
+attribute cache: `clock.revalidate`), so two watchers (exprd and `expr watch`, on any
+hosts whose locks the filesystem shares, as NFS's) record one incident once.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from expr_tracker.health.clock import fs_offset
+from expr_tracker.health.clock import fs_offset, revalidate
 from expr_tracker.health.incidents import Incident
 from expr_tracker.procs import pid_alive
 from expr_tracker.store import records
@@ -210,6 +211,9 @@ class IncidentLog:
         fd = self._open_fd()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
+            # what other hosts appended before we took the lock: through an attribute
+            # cache (bindfs; NFS revalidates on the lock itself) the size may be old
+            revalidate(fd)
             yield fd
         finally:
             os.close(fd)

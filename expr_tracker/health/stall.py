@@ -112,9 +112,12 @@ def where(probe: dict[str, Any] | None) -> str:
     return f"in {what}" + (f" ({', '.join(paren)})" if paren else "")
 
 
-def suspects(live: Sequence[RankState], left_over: Set[int] = frozenset()) -> tuple[list[RankState], str]:
+def suspects(live: Sequence[RankState], left_over: Set[int] = frozenset(),
+             cache: float = 0.0) -> tuple[list[RankState], str]:
     """The suspects of a stall among the live ranks, and the rule that named them.
-    `left_over`: ranks whose probe the watcher knows to be from an earlier silence."""
+    `left_over`: ranks whose probe the watcher knows to be from an earlier silence;
+    `cache`: seconds the filesystem may show a sidecar old (`HealthConfig.fs_cache`), by
+    which another host's rewrite may reach this reader later than its own host's."""
     sides = [rs.sidecar_write for rs in live if rs.sidecar_write is not None]
     freshest = max(sides) if sides else None
 
@@ -124,7 +127,7 @@ def suspects(live: Sequence[RankState], left_over: Set[int] = frozenset()) -> tu
         since = rs.probe.get("since")
         if isinstance(since, (int, float)) and rs.times and since < rs.times[-1] - LEFT_OVER:
             return False
-        return freshest - rs.sidecar_write <= PROBE_STALE
+        return freshest - rs.sidecar_write <= PROBE_STALE + cache
 
     probed = [rs for rs in live if fresh(rs)]
     waiting = [rs for rs in probed if in_collective(rs.probe)]
@@ -188,7 +191,8 @@ def peer_error(state: RunState) -> str | None:
 
 def stall(state: RunState, threshold: float, now: float, period: float | None = None,
           probes_seen: Mapping[int, float] | None = None,
-          left_over: Set[int] = frozenset(), evidence: float | None = None) -> dict[str, Any] | None:
+          left_over: Set[int] = frozenset(), evidence: float | None = None,
+          cache: float = 0.0) -> dict[str, Any] | None:
     """The stall of this pass, or None: {"ranks", "step", "quiet", "detail", "where",
     "host", "rule"}. `now` and the ranks' times are on the reader's clock; `period` is the
     job's median step period (for `probe_horizon`); `probes_seen`, rank -> when the reader
@@ -196,7 +200,9 @@ def stall(state: RunState, threshold: float, now: float, period: float | None = 
     ranks whose probe is from an earlier silence (`detect._probes_seen`). A stall whose
     probes are evidence (`EVIDENCE_RULES`) is raised after `evidence` seconds (default
     `threshold`), one named by no evidence (the lowest step, the oldest write) after
-    `threshold`."""
+    `threshold`. `cache`: the filesystem's attribute cache (`suspects`): a probe on
+    another host can show that much later than one on ours, so a missing probe is
+    evidence only that much later too."""
     live = state.live
     # every rank still running: once one finished or crashed, silence is that (its
     # `crashed` incident explains the others' wait), not a collective waiting for a rank
@@ -207,7 +213,7 @@ def stall(state: RunState, threshold: float, now: float, period: float | None = 
     if newest is None or now - newest < soonest:
         return None
     quiet = now - newest
-    named, rule = suspects(live, left_over)
+    named, rule = suspects(live, left_over, cache)
     if rule not in EVIDENCE_RULES and quiet < threshold:
         return None
     if rule == "all wait":
@@ -218,7 +224,7 @@ def stall(state: RunState, threshold: float, now: float, period: float | None = 
         mine = {rs.rank for rs in named}
         seen_at = min((probes_seen.get(rs.rank, -math.inf) for rs in live if rs.rank not in mine),
                       default=-math.inf)
-        if now - seen_at < PROBE_REWRITE:  # the others only just probed: the rest may yet
+        if now - seen_at < PROBE_REWRITE + cache:  # the others just probed: the rest may yet
             return None
     step = state.lead
     if rule in ("busy", "no probe") and len(named) <= 3:

@@ -161,12 +161,23 @@ class Watcher:
         watcher with a higher `behind_steps` must not resolve what exprd still sees);
         this one only when the run ended or the ranks stopped, or its owner is gone (on
         this host, its pid; on another, never known: it stays until the run ends)."""
-        keep = [inc for inc in p.resolved if inc.by is not None and inc.by != self.log.owner
-                and inc.reason is None and owner_alive(inc.by)]
+        keep = [inc for inc in p.resolved if self._theirs(inc) and inc.reason is None]
         if keep:
             ids = {inc.id for inc in keep}
             p.resolved = [inc for inc in p.resolved if inc.id not in ids]
             p.still_open.extend(self.log.open[i] for i in ids if i in self.log.open)
+        # nor does it rename another's stall: its suspects are that watcher's judgement
+        # (two views of one stall, through a cache, would rewrite them back and forth);
+        # evidence it only adds (a crash's ranks, a lost node's collateral) it writes
+        theirs = [inc for inc in p.updated if inc.kind == "stall" and self._theirs(inc)]
+        if theirs:
+            ids = {inc.id for inc in theirs}
+            p.updated = [inc for inc in p.updated if inc.id not in ids]
+            p.still_open.extend(self.log.open[i] for i in ids if i in self.log.open)
+
+    def _theirs(self, inc: Incident) -> bool:
+        """`inc` was opened by another watcher that may still run."""
+        return inc.by is not None and inc.by != self.log.owner and owner_alive(inc.by)
 
     def _due(self, inc: Incident) -> bool:
         """`inc` may be paged now: it has held `page_after` on this watcher's clock (from
