@@ -625,3 +625,49 @@ def test_a_webhook_that_hangs_leaves_the_page_to_the_next_watcher(tmp_path: Path
         assert [(i["delivered"], "paging" in i) for i in lines] == [(False, True), (False, False)]
     finally:
         hung.close()
+
+
+QUIET_RANK = """
+import os, time
+import expr_tracker as et
+
+run = et.init("p", "quiet", dir=os.environ["ROOT"], system_metrics=True, system_interval=1)
+for step in range(30):
+    et.log({"loss": 1.0 / (step + 1)}, step=step)
+    time.sleep(0.02)
+open(os.environ["READY"], "w").close()
+time.sleep(120)  # a rank stuck outside tracking: its probe and samples keep its files fresh
+"""
+
+
+def test_no_step_for_is_shown_before_any_incident(tmp_path: Path) -> None:
+    """Issue 48 row 7: a rank that stopped stepping while its probes and system samples keep
+    its files fresh reads "no step for N s" in `top`, `runs` and `shards`, with the default
+    thresholds, before any incident opens (a minute of silence at the least)."""
+    root, ready = tmp_path / "runs", tmp_path / "ready"
+    script = tmp_path / "quiet.py"
+    script.write_text(QUIET_RANK)
+    proc = subprocess.Popen([sys.executable, str(script)], stderr=subprocess.PIPE,
+                            env=env_for({"ROOT": str(root), "READY": str(ready),
+                                         "EXPR_PROBE_AFTER": "1"}))
+    try:
+        _wait(ready.exists, 60, "the rank's 30 steps")
+        stopped = time.time()
+        time.sleep(13)  # past NO_STEP_SHOWN (10 s) of files written without a step
+        run = root / "p" / "quiet"
+        side = json.loads((run / "metrics.meta.json").read_text())
+        assert side.get("probe"), side  # what keeps the files fresh: a probe, samples
+        top = _json("top", str(run), "--once")
+        (row,) = top["ranks"]
+        assert row["status"] == "running" and row["no_step_for"] >= 12, row
+        assert top["job"]["no_step_for"] >= 12 and "no step for" in top["job"]["text"], top["job"]
+        assert not top.get("incidents"), top  # nothing yet: the threshold is a minute
+        for args in (("runs", "--dir", str(root)), ("shards", str(run))):
+            out = expr(*args)
+            assert out.returncode == 0, out.stderr
+            said = " ".join(out.stdout.split())
+            assert "no step for 1" in said, (args, out.stdout)  # 12-19 s: "no step for 1Ns"
+        assert time.time() - stopped < 60
+    finally:
+        proc.kill()
+        proc.wait(10)
