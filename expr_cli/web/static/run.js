@@ -96,10 +96,12 @@ function chartMarks(one, top, hm) {
   if (top && !top.reading && top.job && top.job.state === "stalled" && top.frontier !== null) {
     marks.push({ step: top.frontier, label: `stalled at step ${top.frontier}` });
   }
-  // a lost node: ranks silent while the others went on (hang), at the step they stopped
+  // a lost node (its ranks and exprd silent), or ranks silent while the others went on
+  // (hang), at the step they stopped
   for (const inc of (top && !top.reading && top.incidents) || []) {
-    if (inc.kind === "hang" && typeof inc.step === "number") {
-      marks.push({ step: inc.step, label: `lost: rank${inc.ranks.length > 1 ? "s" : ""} ${ranksText(inc.ranks)}` });
+    if ((inc.kind === "hang" || inc.kind === "lost") && typeof inc.step === "number") {
+      const on = inc.kind === "lost" && inc.hosts && inc.hosts.length ? `${inc.hosts.join(", ")}, ` : "";
+      marks.push({ step: inc.step, label: `lost: ${on}rank${inc.ranks.length > 1 ? "s" : ""} ${ranksText(inc.ranks)}` });
     }
   }
   const root = hm && hm.heatmap_page ? (hm.heatmap_page.marked || []).find((m) => m.root) : null;
