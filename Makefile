@@ -51,7 +51,7 @@ $(EXTRAS_STAMP): $(TORCH_STAMP)
 	touch $(EXTRAS_STAMP)
 
 test: $(STAMP) $(EXTRAS_STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -m "not torture"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -90,6 +90,7 @@ torture: $(STAMP)
 	$(PY) bench/torture.py health
 	$(PY) bench/hostile.py
 	EXPR_REFERENCE_EXAMPLES=$(REFERENCE_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider tests/test_reference.py
+	$(PY) -m pytest -q -p no:cacheprovider -m torture
 
 completions: $(STAMP)
 	$(PY) -m expr_cli.completions completions

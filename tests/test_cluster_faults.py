@@ -83,6 +83,9 @@ def test_full_spool_on_node1_loses_nothing_silently(make_cluster: Any) -> None:
     assert not [i for i in incidents(job.run_dir).values() if i[0]["kind"] == "crashed"]
 
 
+# the same case at the default thresholds runs in `make test` (test_cluster_defaults.py);
+# this one, at 5 s, in `make torture`
+@pytest.mark.torture
 def test_node1_killed_whole_is_one_incident_and_loses_no_logged_row(make_cluster: Any) -> None:
     """node1 dies whole (ranks, torchrun, exprd) in spool mode; its spool is on its disk.
     Soon after the stall threshold one incident names node1 lost with ranks 2-3, and the
@@ -134,6 +137,7 @@ def test_node1_killed_whole_is_one_incident_and_loses_no_logged_row(make_cluster
         assert not c.doubled and not c.doubled_events and not c.garbled, str(c)
 
 
+@pytest.mark.torture  # (at the defaults: test_cluster_defaults.py)
 def test_cut_link_says_every_rank_waits_and_names_no_one(make_cluster: Any) -> None:
     """node1's cable is pulled until a stall is seen (and 2 s more): every rank waits in the
     all-reduce. The stall says so and names no innocent rank; it resolves when the link is

@@ -146,6 +146,8 @@ def _json(*args: str) -> Any:
     return json.loads(proc.stdout)
 
 
+# on the cluster harness (netns nodes, torchrun) at the defaults: test_cluster_defaults.py
+@pytest.mark.torture
 def test_a_node_killed_whole_is_one_incident_naming_it_and_its_ranks_read_lost(
         cluster: Cluster, tmp_path: Path) -> None:
     run = cluster.run

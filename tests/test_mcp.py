@@ -301,7 +301,8 @@ def test_series_compare_and_crossing_of_many_ranks(small: Path, client: Any) -> 
     assert [r["ranks"] for r in cmp["runs"]] == [64, 4] and cmp["covers"]["last_common_step"] == 39
 
 
-@pytest.mark.slow  # 16-42 s on the 2-core box (32,768 files written, then read by each tool)
+# 16-42 s on the 2-core box (32,768 files written, then read by each tool): `make torture`
+@pytest.mark.torture
 def test_16384_ranks_answers_within_the_caps(tmp_path: Path, client: Any) -> None:
     root = (tmp_path / "runs").resolve()
     write_run(root / "bench" / "big", 16384, 2, straggler=8193, crashed=17)

@@ -43,7 +43,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-EXAMPLES = int(os.environ.get("EXPR_REFERENCE_EXAMPLES") or 20)
+EXAMPLES = int(os.environ.get("EXPR_REFERENCE_EXAMPLES") or 12)
 REL = 1e-9
 THRESHOLD, MIN_REL = 3.5, 0.05  # DESIGN 10
 
