@@ -308,6 +308,21 @@ class Node:
         self.procs, self.anchor, self.exprd = [], None, None
         return killed
 
+    def rank_pid(self, rank: int) -> int:
+        """The pid of the training process of `rank` on this node (its RANK variable)."""
+        want = f"RANK={rank}".encode()
+        for pid in pids_in_netns(self.ns):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as fh:
+                    env = fh.read().split(b"\0")
+                with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                    cmd = fh.read()
+            except OSError:
+                continue
+            if want in env and b"cluster_train.py" in cmd and b"torch.distributed.run" not in cmd:
+                return pid
+        raise AssertionError(f"no process of rank {rank} on {self.name}")
+
     def fill_spool(self, full: bool = True) -> None:
         """The node's spool disk fills up, as another job's files would fill it (a filler
         file written to ENOSPC), or, with full=False, gets its space back."""

@@ -9,6 +9,8 @@ rank 3 stalls for 10 s and that pages once, and its recovery once.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -90,6 +92,46 @@ def test_healthy_job_pages_nothing_and_a_stall_pages_once(cluster: Cluster) -> N
     # finds the first's line; a probe on the other node counts missing only once the
     # cache could have shown it
     stalls = [x for x in incidents(job.run_dir).values() if x[0]["kind"] == "stall"]
-    assert len(stalls) == 1, stalls
-    assert {tuple(x["ranks"]) for x in stalls[0]} == {(3,)}, stalls
+    said = [[(x["id"], x["state"], x["ranks"], x.get("by"), x.get("reason"), x["detail"][:90])
+             for x in lines] for lines in stalls]
+    assert len(stalls) == 1, said
+    assert {tuple(x["ranks"]) for x in stalls[0]} == {(3,)}, said
     assert [x["state"] for x in stalls[0]][-1] == "resolved", stalls
+
+
+@pytest.mark.torture
+def test_a_stopped_rank_in_direct_mode_pages_once(cluster: Cluster) -> None:
+    """The issue's SIGSTOP case (9 pages in direct mode before): rank 3 is stopped (its
+    tracker thread cannot write a probe either) for longer than the cache and the
+    threshold, in direct mode: node0's exprd and the login watcher record one stall naming
+    rank 3, paged once, and its recovery once."""
+    for node in cluster.nodes:
+        node.start_exprd(HEALTH)
+    job = Job(cluster, "stopped", mode="direct", steps=HEALTHY_STEPS + AFTER + 200,
+              env={"EXPR_PROBE_AFTER": "2"}).start()
+    watcher = Watcher(cluster, job, HEALTH)
+    try:
+        job.wait_steps(HEALTHY_STEPS, timeout=90)
+        assert _pages(cluster) == [], _pages(cluster)
+        pid = cluster.nodes[1].rank_pid(3)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(STALL_FOR)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        job.check_ok(120)
+        job.wait_finished([0, 1, 2, 3])
+        assert_exactly_once(job)
+        wait_for(lambda: any(k == "recover" for _, k, _ in _pages(cluster)), CACHE + 15,
+                 lambda: f"the stall's recovery paged; pages: {_pages(cluster)}")
+        time.sleep(3)
+    finally:
+        printed = watcher.stop()
+    pages = _pages(cluster)
+    assert [(k, r) for _, k, r in pages] == [("fire", "health:stall:3"),
+                                             ("recover", "health:stall:3")], (pages, printed[-6000:])
+    stalls = [x for x in incidents(job.run_dir).values() if x[0]["kind"] == "stall"]
+    said = [[(x["id"], x["state"], x["ranks"], x.get("by"), x.get("reason"), x["detail"][:90])
+             for x in lines] for lines in stalls]
+    assert len(stalls) == 1, said
+    assert {tuple(x["ranks"]) for x in stalls[0]} == {(3,)}, said

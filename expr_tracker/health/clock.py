@@ -64,7 +64,7 @@ def revalidate(fd: int) -> bool:
     if _statx is False:
         return False
     buf = ctypes.create_string_buffer(_STATX_BYTES)
-    return _statx(fd, b"", _AT_EMPTY_PATH | _AT_STATX_FORCE_SYNC, _STATX_SIZE, buf) == 0  # type: ignore[operator,no-any-return]
+    return _statx(fd, b"", _AT_EMPTY_PATH | _AT_STATX_FORCE_SYNC, _STATX_SIZE, buf) == 0  # type: ignore[operator]
 
 
 class Seen:

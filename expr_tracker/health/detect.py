@@ -78,6 +78,7 @@ class Memory:
     probes: dict[int, tuple[float, float, Any, float]] = field(default_factory=dict)
     passes: int = 0
     behind_since: dict[int, float] = field(default_factory=dict)  # rank -> first found behind
+    newest: float | None = None  # the last advance of any live rank, at the last pass
 
 
 class _Derived:
@@ -462,6 +463,15 @@ def detect(
     threshold = cfg.hang_threshold(period) + cache
     evidence = cfg.evidence_threshold(period) + cache
     seen, left_over = _probes_seen(state, memory, now)
+    newest = max([t for rs in state.live if (t := rs.advanced) is not None], default=None)
+    last, memory.newest = memory.newest, newest
+    if newest is not None and last is not None and newest - last >= threshold - cache \
+            and not memory.stalled:
+        # the whole job paused as long as a stall takes, and went on, whether or not the
+        # stall was raised (through a cache it is raised `fs_cache` later): as after one,
+        # silence before now is not a hang (another host's ranks are seen going on up to
+        # `fs_cache` after this host's), and the step that waited is not a slowdown
+        memory.stall_end, memory.stall_step = now, state.lead
     lost = lost_nodes(state, evidence, now)
     # a lost node explains the others' wait: no stall names its ranks as suspects
     stalled = None if lost else stall(state, threshold, now, period, seen, left_over, evidence,
@@ -470,7 +480,6 @@ def detect(
         memory.stall_end, memory.stall_step = now, state.lead
     memory.stalled = stalled is not None
     job: list[Finding] = []
-    newest = max([t for rs in state.live if (t := rs.advanced) is not None], default=None)
     if stalled is not None:  # the suspects are named: no rank is a hang on its own
         job.append(Finding("stall", stalled["ranks"], stalled["detail"], stalled["step"],
                            stalled["host"], LEVELS["stall"], group=False, info=stalled))

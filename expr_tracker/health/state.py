@@ -348,6 +348,10 @@ class RunReader:
         self._full_at = -math.inf  # wall clock of the last full pass
         self.clock = PassClock()  # the pass times of `health.clock`
         self.fs_offset = 0.0  # the filesystem's clock minus ours (a watcher measures it)
+        # s the filesystem may show a file's old size and mtime (`HealthConfig.fs_cache`,
+        # set by the watcher): a change seen now may have been made that long before the
+        # last pass, and is dated by its mtime as far back
+        self.cache = 0.0
         self._when: dict[int, Seen] = {}  # shard rank -> when it wrote, advanced, ...
         self.changes: Any = None  # a `changes.DirChanges` once `watch_changes` set one up
         self.blind = False  # the watch missed a change a stat pass found: dropped for good
@@ -604,7 +608,7 @@ class RunReader:
             if old is None:
                 when = mtime_on_our_clock(mtime, self.fs_offset)
             elif old[0] != mtime:
-                when = _within(mtime_on_our_clock(mtime, self.fs_offset), self._since,
+                when = _within(mtime_on_our_clock(mtime, self.fs_offset), self._lo(),
                                self._pass_at if self._pass_at is not None else old[1])
             else:
                 when = old[1]
@@ -675,8 +679,9 @@ class RunReader:
             # a change seen now came after the last pass: dated by its mtime within that
             # span (passes can be far apart: `expr serve` passes only when asked, and a
             # crash seen by the first request after it read "0s ago")
+            lo = self._lo()
             w.update(at, t.read_now, t.side_read_now, t.last_step,
-                     _within(wrote, self._since, at), _within(side_at, self._since, at))
+                     _within(wrote, lo, at), _within(side_at, lo, at))
         rs.last_write, rs.advanced, rs.sidecar_write = w.write, w.advance, w.side
         quiet = quiet_since(rs)
         if quiet is not None:
@@ -685,6 +690,12 @@ class RunReader:
                 rs.last_write = quiet
             if rs.advanced is not None and rs.advanced > quiet:
                 rs.advanced = quiet
+
+    def _lo(self) -> float | None:
+        """The earliest a change seen this pass can be dated: the last pass, less what an
+        attribute cache may have hidden (another host's write, seen up to `cache` late,
+        is dated when the server stamped it, not when the cache let us see it)."""
+        return None if self._since is None else self._since - self.cache
 
     def _count_size(self, ws: int | None, n: int) -> None:
         if ws:

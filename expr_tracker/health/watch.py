@@ -71,6 +71,7 @@ class Watcher:
         need = 2 * max(self.cfg.straggler_steps, self.cfg.slowdown_steps) + 1
         self.reader = RunReader(self.run_dir, stream, window=window or max(DEFAULT_WINDOW, need),
                                 series=self.cfg.step_time_key)
+        self.reader.cache = self.cfg.fs_cache or 0.0
         self.memory = Memory()
         self.log = IncidentLog(self.run_dir)
         self._alerts: dict[str, _LineTail] = {}
