@@ -26,16 +26,27 @@ DEFAULTS = health_toml()  # every threshold its default; page_after too
 BOUND = EVIDENCE_FLOOR + 10
 
 
+def _started(cluster: Cluster, name: str, steps: int) -> tuple[Job, Watcher]:
+    """An exprd per node and a login watcher, all at the defaults, and a spool-mode job
+    past its 30th step."""
+    for node in cluster.nodes:
+        node.start_exprd(DEFAULTS)
+    job = Job(cluster, name, mode="spool", steps=steps).start()
+    watcher = Watcher(cluster, job, DEFAULTS)
+    try:
+        job.wait_steps(30, timeout=120)
+    except BaseException:
+        watcher.stop()
+        raise
+    return job, watcher
+
+
 def _dead_node(cluster: Cluster) -> str:
     """node1 dies whole in spool mode: one incident names node1 lost with ranks 2-3 within
     BOUND; the crash of ranks 0-1 joins it; `expr top` reads ranks 2-3 lost; node1's spool,
     applied after a reboot, holds every row once."""
-    for node in cluster.nodes:
-        node.start_exprd(DEFAULTS)
-    job = Job(cluster, "dies", mode="spool", steps=100_000).start()
-    watcher = Watcher(cluster, job, DEFAULTS)
+    job, watcher = _started(cluster, "dies", 100_000)
     try:
-        job.wait_steps(30, timeout=120)
         time.sleep(6)  # every exprd has left its heartbeat (every 5 s) where others look
         cluster.nodes[1].kill()
         killed_at = time.monotonic()
@@ -70,12 +81,8 @@ def _dead_node(cluster: Cluster) -> str:
 def _cut_link(cluster: Cluster) -> str:
     """node1's link is down until the stall is seen: within BOUND the stall says every rank
     waits and names none; it resolves once the link is back, and every row lands once."""
-    for node in cluster.nodes:
-        node.start_exprd(DEFAULTS)
-    job = Job(cluster, "cut", mode="spool", steps=400).start()
-    watcher = Watcher(cluster, job, DEFAULTS)
+    job, watcher = _started(cluster, "cut", 400)
     try:
-        job.wait_steps(30, timeout=120)
         cluster.nodes[1].link(up=False)
         cut_at = time.monotonic()
         try:
