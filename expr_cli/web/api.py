@@ -159,6 +159,10 @@ class Api:
             raise BadRequest("use either step or steps, not both")
         chart = _one(params, "chart") or True
         live = self.lives.get(ref, stream)
+        if _one(params, "first") and step is None and steps is None:
+            got = self._first(ref, stream, metrics, live)
+            if got is not None:
+                return got
 
         def build(state: Any) -> Any:
             view, _, _ = _cli(lambda: summary_data(
@@ -170,6 +174,30 @@ class Api:
 
         key = ("summary", tuple(metrics or ()), step, steps, chart)
         return live.answer(key, build)  # type: ignore[no-any-return]
+
+    def _first(self, ref: RunRef, stream: str | None, metrics: list[str] | None,
+               live: Any) -> dict[str, Any] | None:
+        """`first=1`: the summary at the frontier step from the live state's own records
+        (`data.first`: the tiles of a run of thousands of ranks in a second or two, before
+        the window of every tail is read); None where that cannot answer exactly, and
+        then the caller's answer is the whole summary."""
+        from expr_cli.data.first import first_summary
+
+        def build(state: Any) -> Any:
+            shards = live.memo.get(("shards", stream))
+            if shards is None:
+                shards = live.memo[("shards", stream)] = _cli(lambda: shards_of(ref, stream),
+                                                               self.root)
+            view = first_summary(ref, stream, metrics, state, shards, live.own_records())
+            if view is None:
+                return None
+            view.pop("stream_text", None)
+            view["version"] = version_tag(live)
+            return jsonable(view)
+
+        got = live.answer(("first", tuple(metrics or ())), build, scan=False)
+        live.scan_now()  # (the whole summary's read, begun while this answer goes out)
+        return got  # type: ignore[no-any-return]
 
     def heatmap(self, project: str, name: str, params: Params) -> dict[str, Any]:
         """`expr summary --heatmap KEY --json` (`metric`, `steps`, `agg`, `buckets`; `node`)."""
