@@ -49,12 +49,7 @@ def first_summary(ref: RunRef, stream: str | None, metrics: list[str] | None, st
     at: int | None = None
     reread: set[int] = set()
     for _ in range(3):  # a step read again can only move `at` later, once (module doc)
-        table = collect(r for rs in recs.values() for r in rs)
-        user = [k for k in table.keys if not is_system(table, k)]
-        keys = metrics or user
-        if not user or any(k not in table.keys or is_system(table, k) for k in keys):
-            return None
-        at = _pick(table, keys, state.frontier)
+        at = _pick(recs, metrics, state.frontier)
         if at is None:
             return None
         short = [r for r, rs in state.ranks.items() if r not in reread
@@ -71,6 +66,13 @@ def first_summary(ref: RunRef, stream: str | None, metrics: list[str] | None, st
         reread.update(short)
     else:
         return None
+    # the records of that step alone: the reducers' (and the pick's) of a table of them are
+    # those of the window's table (a key logged at an earlier step only is left out)
+    table = collect(r for rs in recs.values() for r in rs if r.get("_step") == at)
+    user = [k for k in table.keys if not is_system(table, k)]
+    keys = metrics or user
+    if not user or any(k not in table.keys or is_system(table, k) for k in keys):
+        return None
     view = build_view(ref, stream, dict.fromkeys(keys, table), table, None, None, None, 1,
                       False, keys=keys, state=state)
     for name in WINDOW_FIELDS:
@@ -81,14 +83,24 @@ def first_summary(ref: RunRef, stream: str | None, metrics: list[str] | None, st
     return view
 
 
-def _pick(table: Any, keys: list[str], frontier: int) -> int | None:
-    """`summary._pick_step` at the frontier: the last step at or before it where any of
-    `keys` has a record (None: none has)."""
-    from bisect import bisect_right
+_NONFINITE = frozenset({"NaN", "Infinity", "-Infinity"})
 
-    last = [ks[bisect_right(ks, frontier) - 1] for k in keys
-            if (ks := table.key_steps(k)) and ks[0] <= frontier]
-    return max(last) if last else None
+
+def _pick(recs: dict[int, list[dict[str, Any]]], metrics: list[str] | None,
+          frontier: int) -> int | None:
+    """`summary._pick_step` at the frontier, over the records themselves: the last step at
+    or before it of a user's record with a number (of `metrics`, when given); None: none."""
+    at = None
+    for rs in recs.values():
+        for r in rs:
+            step = r.get("_step")
+            if type(step) is not int or step > frontier or (at is not None and step <= at) \
+                    or r.get("_kind") != "rank" or is_sample(r):
+                continue
+            if any(k[:1] != "_" and (type(v) in (int, float) or (type(v) is str and v in _NONFINITE))
+                   for k, v in r.items() if metrics is None or k in metrics):
+                at = step
+    return at
 
 
 def _covers(recs: list[dict[str, Any]] | None, last_step: int | None, at: int) -> bool:

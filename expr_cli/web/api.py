@@ -196,7 +196,7 @@ class Api:
             return jsonable(view)
 
         got = live.answer(("first", tuple(metrics or ())), build, scan=False)
-        live.scan_now()  # (the whole summary's read, begun while this answer goes out)
+        live.scan_soon()  # (the whole summary's read, begun while this answer goes out)
         return got  # type: ignore[no-any-return]
 
     def heatmap(self, project: str, name: str, params: Params) -> dict[str, Any]:
