@@ -2,7 +2,7 @@
 // ranks over the chart's steps), the heatmap and top for the user's step window (the URL's:
 // window.js), and hands each to its panel; the event stream triggers a refetch, never a
 // reload. Until the first answers are in, the page says what it is reading.
-import { ApiError, get, runPath } from "./api.js";
+import { ApiError, answerOf, get, runPath } from "./api.js";
 import { drawChart, resizeChart } from "./chart.js";
 import { drawCoverage } from "./coverage.js";
 import { h, ranksText, replace } from "./dom.js";
@@ -112,7 +112,11 @@ function chartMarks(one, top, hm) {
 // needs (seconds at 16,384 ranks); the whole summary draws them again. Null once drawn;
 // else the whole summary (the server had it, or the first answer could not be exact).
 async function drawFirst() {
-  const first = await get(`${base}/summary`, { chart: page.metric, first: 1 });
+  const early = window.firstSummary; // (sent by first.js before this module was loaded)
+  window.firstSummary = null;
+  let first = null;
+  try { if (early) first = await answerOf(await early); } catch (err) { if (err instanceof ApiError) throw err; }
+  first = first || await get(`${base}/summary`, { chart: page.metric, first: 1 });
   if (!first.first) return first;
   $("missing").hidden = true;
   $("content").hidden = false;
