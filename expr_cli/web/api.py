@@ -165,6 +165,8 @@ class Api:
                 return got
 
         def build(state: Any) -> Any:
+            if step is None and steps is None:
+                live.scan_now()  # (after a first answer that did not start it)
             view, _, _ = _cli(lambda: summary_data(
                 ref, stream, metrics, step, steps, None, False, lambda w: 1, state=state,
                 chart=chart, memo=live.memo), self.root)
@@ -195,9 +197,8 @@ class Api:
             view["version"] = version_tag(live)
             return jsonable(view)
 
-        got = live.answer(("first", tuple(metrics or ())), build, scan=False)
-        live.scan_soon()  # (the whole summary's read, begun while this answer goes out)
-        return got  # type: ignore[no-any-return]
+        return live.answer(("first", tuple(metrics or ())), build,  # type: ignore[no-any-return]
+                           scan=False)
 
     def heatmap(self, project: str, name: str, params: Params) -> dict[str, Any]:
         """`expr summary --heatmap KEY --json` (`metric`, `steps`, `agg`, `buckets`; `node`)."""

@@ -250,29 +250,15 @@ class LiveRun:
         self._scan = start_scan(shards)
         return self._scan
 
-    def scan_soon(self) -> None:
+    def scan_now(self) -> None:
         """Start the summary's scan of every tail (in worker processes where a core is
-        idle), on a thread, if no pass started it: after the first tiles
-        (`refresh(scan=False)`), whose answer it would have slowed down (and whose
-        response it would hold up: whether a core is idle takes a tenth of a second to
-        tell), before the page asks the whole summary."""
-        threading.Thread(target=self._scan_now, daemon=True,
-                         name=f"expr-serve-scan-{self.ref.label}").start()
-
-    def _scan_now(self) -> None:
-        from expr_cli.summary_load import start_scan
-
-        memo = self.memo
-        shards = memo.get(("shards", self.stream))
-        if shards is None or ("scan", self.stream) in memo or ("table", None, None) in memo:
-            return
-        job = start_scan(shards)
-        with self.lock:
-            if memo is self.memo and ("scan", self.stream) not in memo \
-                    and ("table", None, None) not in memo:
-                memo[("scan", self.stream)] = self._scan = job
-                return
-        job.close()  # (a new version meanwhile, or the summary read the tails itself)
+        idle) if no pass started it and the window is not read yet: after the first tiles
+        (`refresh(scan=False)`), whose answer it would have slowed down, the whole
+        summary's build starts it here, where `progress` counts it. Under `lock`."""
+        shards = self.memo.get(("shards", self.stream))
+        if shards is not None and ("scan", self.stream) not in self.memo \
+                and ("table", None, None) not in self.memo:
+            self.memo[("scan", self.stream)] = self._start_scan(shards)
 
     def progress(self) -> dict[str, Any]:
         """How far the first read is (a page shows it until its first answers come): the
