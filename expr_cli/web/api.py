@@ -57,12 +57,16 @@ def _aged(frame: dict[str, Any], since: float) -> dict[str, Any]:
     """A top frame built `since` seconds ago, its ranks' last-write ages as of now: a kept
     answer means nothing was written since it was built (a write is a new version), so
     each rank's silence has grown by that much (a finished run's page said "0s ago" for
-    ever, a stalled rank's its age at the last change)."""
+    ever, a stalled rank's its age at the last change), and the job's `no_step_for` too."""
     if since <= 0:
         return frame
     ranks = [r if r.get("last_write_age") is None
              else {**r, "last_write_age": r["last_write_age"] + since} for r in frame["ranks"]]
-    return {**frame, "ranks": ranks}
+    out = {**frame, "ranks": ranks}
+    job = frame.get("job")
+    if isinstance(job, dict) and job.get("no_step_for") is not None:  # (the header's, alike)
+        out["job"] = {**job, "no_step_for": job["no_step_for"] + since}
+    return out
 
 
 def _one(params: Params, name: str) -> str | None:

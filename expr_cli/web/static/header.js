@@ -1,5 +1,6 @@
 // The run page's header: the run, its frontier as `step N`, its state (running, stalled,
-// crashed, finished: the job line of `expr top` once its detectors ran), a lost node, the
+// crashed, finished: the job line of `expr top` once its detectors ran), "no step for N s"
+// of a live run whose ranks have not advanced for a while, a lost node, the
 // stalls found after the fact in a finished run's files, and the live marker.
 import { age, h, ranksText, replace } from "./dom.js";
 
@@ -21,6 +22,11 @@ export function drawHeader(label, summary, top) {
   el.hidden = !status;
   const notes = [];
   if (job && job.state === "stalled") notes.push(h("span", { class: "badge stall long", id: "stall-badge", title: job.text }, job.text));
+  // issue 48: no live rank took a step for a while, though their files are written (probes,
+  // samples): said before any incident opens, as `expr top` says it
+  if (job && job.state === "running" && typeof job.no_step_for === "number") {
+    notes.push(h("span", { class: "badge stall", id: "no-step-badge", title: job.text }, `no step for ${age(job.no_step_for)}`));
+  }
   // a lost node: ranks that never wrote a shard (missing), or went silent while others ran (hang)
   for (const [kind, what] of [["missing", "never wrote a shard"], ["hang", "silent"]]) {
     const incs = ((top && top.incidents) || []).filter((i) => i.kind === kind);
