@@ -300,3 +300,24 @@ def test_a_page_opened_before_its_run_exists_shows_it_once_it_does(site: Server,
     assert re.search(r"\brank 2\b", page.inner_text("#outliers"))
     assert page.evaluate("window.__same_page") is True
     page.errors_seen[:] = [e for e in page.errors_seen if "status of 404" not in e]
+
+
+def test_a_live_run_whose_ranks_stopped_stepping_says_no_step_for_in_the_header(
+        site: Server, page: Any) -> None:
+    """Issue 48: a running job whose ranks took no step for half a minute while their
+    sidecars are still written (the SDK's probes) says so in the header, before any
+    incident opens, as `expr top` does: "no step for 33s"."""
+    run = write_run(site.root / "demo" / "stuck", 4, 20)  # (status running, sidecars fresh)
+    then = time.time() - 33
+    for shard in run.glob("*.jsonl"):
+        os.utime(shard, (then, then))  # the last rows written 33 s ago
+    page.goto(site.base + "/runs/demo/stuck")
+    page.wait_for_selector("body[data-loaded='1'] #rank-table")
+    badge = page.wait_for_selector("#no-step-badge")
+    assert re.fullmatch(r"no step for (3[3-9]|[4-5]\d)s", badge.inner_text()), badge.inner_text()
+    assert page.inner_text("#run-status") == "running"
+    assert "no step for" in (badge.get_attribute("title") or "")  # top's job line
+    # a run that steps shows none
+    page.goto(site.base + "/runs/demo/live-2")
+    page.wait_for_selector("body[data-loaded='1'] #rank-table")
+    assert page.query_selector("#no-step-badge") is None

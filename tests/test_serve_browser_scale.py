@@ -269,63 +269,27 @@ def test_compare_has_a_log_scale_and_smoothing_kept_in_the_url(site: Server, pag
     assert page.evaluate(f"{plot}.data[1][2]") == pytest.approx(2 / 3 + 0.3, abs=0.01)  # raw again
 
 
-QUIET_RANK = """
-import os, time
-import expr_tracker as et
 
-et.init("demo", "quiet", dir=os.environ["ROOT"], system_metrics=True, system_interval=1)
-for step in range(30):
-    et.log({"loss": 1.0 / (step + 1)}, step=step)
-    time.sleep(0.02)
-open(os.environ["READY"], "w").close()
-time.sleep(120)  # stuck outside tracking: its probe and samples keep its files fresh
-"""
-
-
-def test_no_step_for_and_a_lost_node_show_in_the_header_and_on_the_chart(
-        tmp_path: Path, page: Any) -> None:
-    """Issue 48 item 4 on the page: a live rank that took no step for 13 s while its files
-    stay fresh reads "no step for 13s" before any incident; a lost node that exprd
-    recorded (a line of incidents.jsonl) is in the header and marked on the chart."""
+def test_a_lost_node_shows_in_the_header_and_on_the_chart(tmp_path: Path, page: Any) -> None:
+    """Issue 48 item 4 on the page: a lost node that exprd recorded (a line of
+    incidents.jsonl, as the cluster harness's node-kill case writes it) is in the header
+    and marked on the chart at the step its ranks stopped."""
     import json
-    import subprocess
-    import sys
     import time
 
-    from tests.procs import env_for
-
-    root, ready = tmp_path / "runs", tmp_path / "ready"
-    script = tmp_path / "quiet.py"
-    script.write_text(QUIET_RANK)
-    proc = subprocess.Popen([sys.executable, str(script)], stderr=subprocess.DEVNULL,
-                            env=env_for({"ROOT": str(root), "READY": str(ready),
-                                         "EXPR_PROBE_AFTER": "1"}))
-    srv: Server | None = None
+    root = tmp_path / "runs"
+    run = write_run(root / "demo" / "node", 4, 20, status="running")
+    lost = {"id": "l1", "kind": "lost", "state": "open", "delivered": True, "ranks": [2, 3],
+            "level": "error", "hosts": ["node1"], "step": 19, "first_seen": time.time(),
+            "last_seen": time.time(), "by": "node0:4242:1",
+            "detail": "node1 lost: ranks 2-3 and exprd silent 61s; ranks 0-1 wait in all_reduce"}
+    (run / "incidents.jsonl").write_text(json.dumps(lost) + "\n")
+    srv = Server(root)
     try:
-        gone = write_run(root / "demo" / "node", 4, 20, status="running")
-        lost = {"id": "l1", "kind": "lost", "state": "open", "delivered": True, "ranks": [2, 3],
-                "level": "error", "hosts": ["node1"], "step": 19, "first_seen": time.time(),
-                "last_seen": time.time(), "by": "node0:4242:1",
-                "detail": "node1 lost: ranks 2-3 and exprd silent 61s; ranks 0-1 wait in all_reduce"}
-        (gone / "incidents.jsonl").write_text(json.dumps(lost) + "\n")
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert time.monotonic() < deadline and proc.poll() is None, "the rank's 30 steps"
-            time.sleep(0.1)
-        quiet_from = time.monotonic()
-        srv = Server(root)
         _open(page, srv.base + "/runs/demo/node")
         assert page.inner_text("#lost-node-node1") == "lost: node1 (ranks 2-3)"
         marks = page.evaluate("document.querySelector('#chart').__plot.__marks.map((m) => [m.step, m.label])")
         assert [19, "lost: node1, ranks 2-3"] in marks, marks
-        time.sleep(max(0.0, 13 - (time.monotonic() - quiet_from)))
-        _open(page, srv.base + "/runs/demo/quiet")
-        assert page.inner_text("#run-status") == "running"
-        quiet = page.inner_text("#quiet-badge")
-        assert re.fullmatch(r"no step for 1\ds", quiet), quiet
     finally:
-        proc.kill()
-        proc.wait(10)
         page.goto("about:blank")  # (its event stream closed before the server stops)
-        if srv is not None:
-            assert srv.stop() == 130
+        assert srv.stop() == 130

@@ -57,12 +57,16 @@ def _aged(frame: dict[str, Any], since: float) -> dict[str, Any]:
     """A top frame built `since` seconds ago, its ranks' last-write ages as of now: a kept
     answer means nothing was written since it was built (a write is a new version), so
     each rank's silence has grown by that much (a finished run's page said "0s ago" for
-    ever, a stalled rank's its age at the last change)."""
+    ever, a stalled rank's its age at the last change), and the job's `no_step_for` too."""
     if since <= 0:
         return frame
     ranks = [r if r.get("last_write_age") is None
              else {**r, "last_write_age": r["last_write_age"] + since} for r in frame["ranks"]]
-    return {**frame, "ranks": ranks}
+    out = {**frame, "ranks": ranks}
+    job = frame.get("job")
+    if isinstance(job, dict) and job.get("no_step_for") is not None:  # (the header's, alike)
+        out["job"] = {**job, "no_step_for": job["no_step_for"] + since}
+    return out
 
 
 def _one(params: Params, name: str) -> str | None:
@@ -159,8 +163,14 @@ class Api:
             raise BadRequest("use either step or steps, not both")
         chart = _one(params, "chart") or True
         live = self.lives.get(ref, stream)
+        if _one(params, "first") and step is None and steps is None:
+            got = self._first(ref, stream, metrics, live)
+            if got is not None:
+                return got
 
         def build(state: Any) -> Any:
+            if step is None and steps is None:
+                live.scan_now()  # (after a first answer that did not start it)
             view, _, _ = _cli(lambda: summary_data(
                 ref, stream, metrics, step, steps, None, False, lambda w: 1, state=state,
                 chart=chart, memo=live.memo), self.root)
@@ -170,6 +180,29 @@ class Api:
 
         key = ("summary", tuple(metrics or ()), step, steps, chart)
         return live.answer(key, build)  # type: ignore[no-any-return]
+
+    def _first(self, ref: RunRef, stream: str | None, metrics: list[str] | None,
+               live: Any) -> dict[str, Any] | None:
+        """`first=1`: the summary at the frontier step from the live state's own records
+        (`data.first`: the tiles of a run of thousands of ranks in a second or two, before
+        the window of every tail is read); None where that cannot answer exactly, and
+        then the caller's answer is the whole summary."""
+        from expr_cli.data.first import first_summary
+
+        def build(state: Any) -> Any:
+            shards = live.memo.get(("shards", stream))
+            if shards is None:
+                shards = live.memo[("shards", stream)] = _cli(lambda: shards_of(ref, stream),
+                                                               self.root)
+            view = first_summary(ref, stream, metrics, state, shards, live.own_records())
+            if view is None:
+                return None
+            view.pop("stream_text", None)
+            view["version"] = version_tag(live)
+            return jsonable(view)
+
+        return live.answer(("first", tuple(metrics or ())), build,  # type: ignore[no-any-return]
+                           scan=False)
 
     def heatmap(self, project: str, name: str, params: Params) -> dict[str, Any]:
         """`expr summary --heatmap KEY --json` (`metric`, `steps`, `agg`, `buckets`; `node`)."""

@@ -30,8 +30,8 @@ from collections.abc import Callable
 from typing import Any
 
 from expr_cli.data.top import TopView
-from expr_cli.resolve import RunRef
-from expr_tracker.health.state import list_shards
+from expr_cli.errors import CLIError
+from expr_cli.resolve import RunRef, list_shards
 
 from .paths import NotFound, no_links
 
@@ -79,14 +79,18 @@ class LiveRun:
         self._scan: Any = None  # the first summary's scan of every tail (`progress` counts it)
         self._scanned = 0  # ... tails the quick pass scanned so far, when it does
         self._shards_total: int | None = None
+        self.listing: list[Any] | None = None  # the shards `LiveRuns.get` listed, for the first pass
 
-    def refresh(self, max_age: float = MIN_PASS) -> Any:
-        """The live state, from a pass at most `max_age` seconds old."""
+    def refresh(self, max_age: float = MIN_PASS, scan: bool = True) -> Any:
+        """The live state, from a pass at most `max_age` seconds old. `scan=False` (the
+        first tiles, `first_answer`): a first pass reads the state alone, and the scan
+        of every tail for the summary's window starts after it, not beside it (on two
+        cores its workers took the core the first pass needed)."""
         with self.lock:
             t = time.monotonic()
             if self.state is not None and t - self.pass_at < max_age:
                 return self.state
-            job = self._prefetch() if self.state is None else None
+            job = self._prefetch(scan) if self.state is None else None
             if self.state is None and not self.full:
                 shards = job.get(("shards", self.stream)) if job else None
                 if shards is not None and len(shards) >= QUICK_MIN:
@@ -94,11 +98,15 @@ class LiveRun:
 
                     self.quick = RunReader(self.ref.path, self.stream, window=2)
                     self.quick.watch_changes()  # (its passes meanwhile: what the kernel names)
+                    # the listing taken already, not a second one (a fifth of a second)
+                    self.quick.listed = {s.rank: s.path for s in shards if s.stream == self.stream}
                     self._quick_at = t
-                    if job is not None and not job[("scan", self.stream)].parallel:
+                    if scan and job is not None and not job[("scan", self.stream)].parallel:
                         # no workers to scan the tails meanwhile (a busy machine): the quick
                         # pass scans them with its one read of each shard, as `expr summary`
                         self._scan_in_pass(job, shards)
+                    elif not scan:
+                        self._read_here()
                 else:
                     self.full = True
             if self.quick is not None and t - self._quick_at >= AUTO_FULL:
@@ -133,6 +141,22 @@ class LiveRun:
             job.join()
         return self.refresh()
 
+    def _read_here(self) -> None:
+        """Make the quick reader's first read of the tails run in this process, in pieces
+        counted for `progress`: for the first tiles, a window of 2 is a few lines of each
+        shard, and a forked worker's share came back (marshalled tails, each merged here)
+        no sooner than this process read it, and later where the other core was busy
+        (16,384 ranks: 2.2-3.2 s against 1.4-2.1 s, one core busy elsewhere)."""
+        from expr_tracker.health.tail import refresh_all
+
+        def first_reads(fresh: list[Any]) -> Any:
+            for i in range(0, len(fresh), SCAN_PIECE):
+                piece = refresh_all(fresh[i:i + SCAN_PIECE])
+                self._scanned += len(piece)
+                yield piece
+
+        self.quick.first_reads = first_reads
+
     def _scan_in_pass(self, job: dict[Any, Any], shards: list[Any]) -> None:
         """Make the quick reader's first read of each tail scan it too (`tail.read_scanned`),
         and the memo's scan job its scans: one read of each shard, not two."""
@@ -142,7 +166,6 @@ class LiveRun:
         from expr_tracker.health.tail import read_scanned
 
         scanned: dict[int, Any] = {}
-        by_rank = {s.rank: s for s in shards}
         read = partial(read_scanned, recent=RECENT)
 
         def first_reads(fresh: list[Any]) -> Any:
@@ -154,7 +177,6 @@ class LiveRun:
                 yield [tl for tl, _ in pairs]
 
         self.quick.first_reads = first_reads
-        self.quick.listed = {r: sh.path for r, sh in by_rank.items() if sh.stream == self.stream}
         key = ("scan", self.stream)
         job[key].close()
         job[key] = self._scan = _Scanned(shards, scanned)
@@ -203,21 +225,40 @@ class LiveRun:
             self.state = state
             self.pass_at = time.monotonic()
 
-    def _prefetch(self) -> dict[Any, Any] | None:
+    def _prefetch(self, scan: bool = True) -> dict[Any, Any] | None:
         """Before the first pass: the shard listing, and the summary's scan of every tail
         started in worker processes, which run while this process reads the live state
         (the page's first request is its summary): at 16,384 ranks the two reads overlap
         instead of one waiting for the other."""
         from expr_cli.errors import CLIError
         from expr_cli.resolve import shards_of
-        from expr_cli.summary_load import start_scan
 
+        shards, self.listing = self.listing, None
         try:
-            shards = shards_of(self.ref, self.stream)
+            if not shards:  # (not listed by `LiveRuns.get` a moment ago)
+                shards = shards_of(self.ref, self.stream)
         except CLIError:
             return None  # an empty run, an unknown stream: the answers say so
-        self._shards_total, self._scan = len(shards), start_scan(shards)
-        return {("shards", self.stream): shards, ("scan", self.stream): self._scan}
+        self._shards_total = len(shards)
+        if not scan:
+            return {("shards", self.stream): shards}
+        return {("shards", self.stream): shards, ("scan", self.stream): self._start_scan(shards)}
+
+    def _start_scan(self, shards: list[Any]) -> Any:
+        from expr_cli.summary_load import start_scan
+
+        self._scan = start_scan(shards)
+        return self._scan
+
+    def scan_now(self) -> None:
+        """Start the summary's scan of every tail (in worker processes where a core is
+        idle) if no pass started it and the window is not read yet: after the first tiles
+        (`refresh(scan=False)`), whose answer it would have slowed down, the whole
+        summary's build starts it here, where `progress` counts it. Under `lock`."""
+        shards = self.memo.get(("shards", self.stream))
+        if shards is not None and ("scan", self.stream) not in self.memo \
+                and ("table", None, None) not in self.memo:
+            self.memo[("scan", self.stream)] = self._start_scan(shards)
 
     def progress(self) -> dict[str, Any]:
         """How far the first read is (a page shows it until its first answers come): the
@@ -236,11 +277,16 @@ class LiveRun:
             if key[0] == "scan" and hasattr(value, "close"):
                 value.close()
 
-    def answer(self, key: Any, build: Callable[[Any], Any], ttl: float | None = None) -> Any:
+    def own_records(self) -> bool:
+        """Each shard the state was read from holds its own rank's records alone."""
+        return bool((self.quick if self.quick is not None else self.top.reader).own_records())
+
+    def answer(self, key: Any, build: Callable[[Any], Any], ttl: float | None = None,
+               scan: bool = True) -> Any:
         """`build(state)` for this version, from memory when it was built already (and, with
-        `ttl`, at most that many seconds ago)."""
+        `ttl`, at most that many seconds ago). `scan`: as `refresh`'s."""
         with self.lock:
-            state = self.refresh()
+            state = self.refresh(scan=scan)
             hit = self._answers.get(key)
             if hit is not None and (ttl is None or time.monotonic() - hit[0] < ttl):
                 self._answers.move_to_end(key)
@@ -328,7 +374,11 @@ class LiveRuns:
             if run is not None:
                 self.runs.move_to_end(key)
                 return run
-        ranks = len(list_shards(ref.path, stream))
+        try:
+            listing = [s for s in list_shards(ref) if s.stream == stream]
+        except CLIError:
+            listing = []
+        ranks = len(listing)
         if not ranks:
             if stream is not None:
                 raise NotFound(f"run {ref.label} has no shards of stream {stream}")
@@ -337,6 +387,7 @@ class LiveRuns:
             run = self.runs.get(key)
             if run is None:
                 run = self.runs[key] = LiveRun(ref, stream, self.cfg)
+                run.listing = listing  # (its first pass's: one listing of 16,384 shards)
                 self.ranks[key] = ranks
                 # bounded by memory (about its ranks' tails each), not only by count
                 while len(self.runs) > 1 and (len(self.runs) > MAX_RUNS

@@ -385,6 +385,11 @@ class RunReader:
         t = self._tails.get(rank)
         return t if t is not None and t.ok else None
 
+    def own_records(self) -> bool:
+        """Every shard read holds rank records of its own rank alone (or none): each
+        rank's records come from one shard, its own (no rank 0 logging for the others)."""
+        return all(k <= {r} for r, k in self._keys.items())
+
     def files(self) -> dict[int, tuple[Any, ...]]:
         """What the last pass saw of each shard and its sidecar (inode, size, mtime): two
         readers of a run that saw the same files read the same bytes."""

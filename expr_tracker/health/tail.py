@@ -28,7 +28,7 @@ from expr_tracker.gcpause import paused_gc
 from expr_tracker.store import records
 from expr_tracker.store.cursor import read_sidecar
 from expr_tracker.store.records import is_sample
-from expr_tracker.store.safedir import open_read, open_regular
+from expr_tracker.store.safedir import open_read, open_regular_stat, read_all
 from expr_tracker.store.window import WINDOW_BLOCK, Short, TailBytes
 
 if TYPE_CHECKING:
@@ -38,6 +38,7 @@ MAX_CATCHUP = 4 << 20  # bytes read forward per shard and pass; beyond it, re-re
 MAX_TAIL_LINES = 100_000  # records parsed by one tail read
 TAIL_BLOCK = 16 << 10  # reverse-read block: a few dozen lines, not the 256 KiB of a full read
 SMALL_WINDOW, SMALL_BLOCK = 8, 4 << 10  # ... and for a window of a few steps, a few lines
+MIN_BLOCK = 512  # the least a first reverse block of a small window parses
 _MIN_STEP, _MAX_STEP = -(1 << 63), (1 << 63) - 1  # steps an array("q") holds
 
 
@@ -369,9 +370,12 @@ class ShardTail:
                 # the next block sized by the bytes a step took so far (a quarter more),
                 # not doubled: parsing is most of a first read, and a doubled block can
                 # parse up to twice the lines the window needs
+                # (a small window's first block fell short by a line or two: a step more)
                 per_step = (end - start) / n_steps
-                block = min(MAX_CATCHUP, max(int((self.window - n_steps) * per_step * 1.25),
-                                             SMALL_BLOCK))
+                small = self.window <= SMALL_WINDOW
+                more = max(self.window - n_steps, 0) + 1 if small else self.window - n_steps
+                block = min(MAX_CATCHUP, max(int(more * per_step * 1.25),
+                                             MIN_BLOCK if small else SMALL_BLOCK))
             else:
                 block = min(2 * block, MAX_CATCHUP)
             pos = start
@@ -387,8 +391,18 @@ class ShardTail:
 
     def _first_block(self) -> int:
         """The first reverse read: the state of a run (window 2) needs a few lines, and
-        at 16,384 shards parsing 16 KiB of each would be most of the pass."""
-        return SMALL_BLOCK if self.window <= SMALL_WINDOW else TAIL_BLOCK
+        at 16,384 shards parsing 16 KiB of each would be most of the pass. For a small
+        window, about its steps and one more by the sidecar's cursor (bytes per step so
+        far, a quarter more), at most `SMALL_BLOCK`: parsing 4 KiB of each shard where a
+        window of 2 takes 5 lines was half of `expr serve`'s first pass (issue 44)."""
+        if self.window > SMALL_WINDOW:
+            return TAIL_BLOCK
+        cursor = (self.sidecar or {}).get("cursor")
+        if isinstance(cursor, dict):
+            n, last = cursor.get("bytes"), cursor.get("last_step")
+            if type(n) is int and type(last) is int and n > 0 and last >= 0:
+                return min(SMALL_BLOCK, max(MIN_BLOCK, int(n / (last + 1) * (self.window + 1) * 1.25)))
+        return SMALL_BLOCK
 
     def _read_forward(self, end: int) -> None:
         with open_read(self._shard_name) as fh:
@@ -443,11 +457,10 @@ class ShardTail:
         file, open, for a caller that reads more of it (`read_scanned`); the read then
         takes about the shard's last `steps` steps too (`_bytes_for`)."""
         try:
-            fd = open_regular(self._shard_name)
+            fd, st = open_regular_stat(self._shard_name)
         except OSError:
             return False
         try:
-            st = os.fstat(fd)
             if self._refresh_sidecar(first=True):
                 self.version += 1
             self.ino, self.mtime_ns, self.size = st.st_ino, st.st_mtime_ns, st.st_size
@@ -456,13 +469,23 @@ class ShardTail:
             size = st.st_size
             want = min(size, max(self._tail_bytes(), self._bytes_for(steps)))
             data = os.pread(fd, want, size - want) if want else b""
+            block = self._first_block()
+            if len(data) == want and also is None:
+                # the usual first read of a small window: from memory, no file object
+                tail = cast("BinaryIO", TailBytes(data, size - want))
+                try:
+                    self._read_tail(records.complete_end(tail, block), tail)
+                    self.ok = True
+                    return True
+                except Short:
+                    pass
             with open(fd, "rb", closefd=False) as fh:
                 fh.raw.name = self._shard_name  # type: ignore[attr-defined]  # (for messages)
                 held = cast("BinaryIO", TailBytes(data, size - want) if len(data) == want else fh)
                 try:
-                    self._read_tail(records.complete_end(held, self._first_block()), held)
+                    self._read_tail(records.complete_end(held, block), held)
                 except Short:
-                    self._read_tail(records.complete_end(fh, self._first_block()), fh)
+                    self._read_tail(records.complete_end(fh, block), fh)
                 if also is not None:
                     also(held, fh)
         except OSError:
@@ -475,7 +498,7 @@ class ShardTail:
     def _tail_bytes(self) -> int:
         """How much of the end of a shard a first read takes in one `pread`: the last line's
         end and the first reverse block (and, for a long window, the next ones)."""
-        return 2 * self._first_block() if self.window <= SMALL_WINDOW else 4 * TAIL_BLOCK
+        return 2 * SMALL_BLOCK if self.window <= SMALL_WINDOW else 4 * TAIL_BLOCK
 
     def _bytes_for(self, steps: int) -> int:
         """About the bytes of the shard's last `steps` steps (0 for none), by its sidecar's
@@ -497,9 +520,12 @@ class ShardTail:
         True if it did. `first`: never read yet, so it is opened at once (no `stat` first)."""
         if first:
             try:
-                with open_read(self._side_name) as fh:
-                    st = os.fstat(fh.fileno())
-                    raw = fh.read()
+                # a descriptor, no file object: 16,384 of them were a tenth of a first pass
+                fd, st = open_regular_stat(self._side_name)
+                try:
+                    raw = read_all(fd, st.st_size)
+                finally:
+                    os.close(fd)
             except OSError:
                 pass  # missing (or unreadable: the `stat` below tells which)
             else:

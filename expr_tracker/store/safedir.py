@@ -139,16 +139,37 @@ def open_regular(path: str | os.PathLike[str], *, follow: bool = True) -> int:
     A FIFO put where a shard, sidecar or incidents file belongs would block the open, and
     every run a watcher serves behind it, for good: O_NONBLOCK makes the open return, and
     the `fstat` refuses it. `follow=False` refuses a symlink too (ELOOP)."""
+    return open_regular_stat(path, follow=follow)[0]
+
+
+def open_regular_stat(path: str | os.PathLike[str], *, follow: bool = True) -> tuple[
+        int, os.stat_result]:
+    """`open_regular`, and the `fstat` it took of the descriptor."""
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
     fd = os.open(path, flags)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             refused_special(os.fspath(path))
             raise NotRegular(errno.EINVAL, f"{os.fspath(path)} is not a regular file")
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, st
+
+
+def read_all(fd: int, size: int) -> bytes:
+    """The bytes of an open regular file from its start to its end (`size` as `fstat` gave
+    it, and whatever it grew by since)."""
+    parts = []
+    pos = 0
+    while True:
+        want = max(size - pos, 0) + 4096
+        got = os.pread(fd, want, pos)
+        parts.append(got)
+        pos += len(got)
+        if len(got) < want:  # (a regular file's short read is its end)
+            return got if len(parts) == 1 else b"".join(parts)
 
 
 _said: set[str] = set()

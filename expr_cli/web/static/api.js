@@ -11,7 +11,11 @@ export async function get(path, params = {}) {
     for (const one of Array.isArray(v) ? v : [v]) q.append(k, one);
   }
   const url = q.toString() ? `${path}?${q}` : path;
-  const resp = await fetch(url, { credentials: "same-origin", headers: { accept: "application/json" } });
+  return answerOf(await fetch(url, { credentials: "same-origin", headers: { accept: "application/json" } }));
+}
+
+// a response's JSON, or its error as an ApiError
+export async function answerOf(resp) {
   let body = null;
   try { body = await resp.json(); } catch { body = null; }
   if (!resp.ok) throw new ApiError(resp.status, (body && body.error) || `${resp.status} ${resp.statusText}`);

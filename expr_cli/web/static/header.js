@@ -1,7 +1,7 @@
 // The run page's header: the run, its frontier as `step N`, its state (running, stalled,
-// crashed, finished: the job line of `expr top` once its detectors ran), "no step for N"
-// while files stay fresh, a lost node, the stalls found after the fact in a finished run's
-// files, and the live marker.
+// crashed, finished: the job line of `expr top` once its detectors ran), "no step for N s"
+// of a live run whose ranks have not advanced for a while, a lost node, the
+// stalls found after the fact in a finished run's files, and the live marker.
 import { age, h, ranksText, replace } from "./dom.js";
 
 export function drawHeader(label, summary, top) {
@@ -22,10 +22,10 @@ export function drawHeader(label, summary, top) {
   el.hidden = !status;
   const notes = [];
   if (job && job.state === "stalled") notes.push(h("span", { class: "badge stall long", id: "stall-badge", title: job.text }, job.text));
-  // a probe or a system sample keeps the files fresh but is not progress (said before any
-  // incident opens: the threshold of a stall is a minute at the least)
-  if (job && job.state === "running" && job.no_step_for) {
-    notes.push(h("span", { class: "badge stall", id: "quiet-badge", title: job.text }, `no step for ${age(job.no_step_for)}`));
+  // issue 48: no live rank took a step for a while, though their files are written (probes,
+  // samples): said before any incident opens, as `expr top` says it
+  if (job && job.state === "running" && typeof job.no_step_for === "number") {
+    notes.push(h("span", { class: "badge stall", id: "no-step-badge", title: job.text }, `no step for ${age(job.no_step_for)}`));
   }
   // a node lost whole: its ranks and its exprd silent while the others wait
   const lost = ((top && top.incidents) || []).filter((i) => i.kind === "lost" && i.state !== "resolved");

@@ -2,7 +2,7 @@
 // ranks over the chart's steps), the heatmap and top for the user's step window (the URL's:
 // window.js), and hands each to its panel; the event stream triggers a refetch, never a
 // reload. Until the first answers are in, the page says what it is reading.
-import { ApiError, get, runPath } from "./api.js";
+import { ApiError, answerOf, get, runPath } from "./api.js";
 import { drawChart, resizeChart } from "./chart.js";
 import { drawCoverage } from "./coverage.js";
 import { h, ranksText, replace } from "./dom.js";
@@ -109,13 +109,35 @@ function chartMarks(one, top, hm) {
   return marks;
 }
 
+// the first visit: the tiles at the frontier step from the state the server reads first
+// (`first=1`), drawn while it reads the window of every tail that the rest of the summary
+// needs (seconds at 16,384 ranks); the whole summary draws them again. Null once drawn;
+// else the whole summary (the server had it, or the first answer could not be exact).
+async function drawFirst() {
+  const early = window.firstSummary; // (sent by first.js before this module was loaded)
+  window.firstSummary = null;
+  let first = null;
+  try { if (early) first = await answerOf(await early); } catch (err) { if (err instanceof ApiError) throw err; }
+  first = first || await get(`${base}/summary`, { chart: page.metric, first: 1 });
+  if (!first.first) return first;
+  $("missing").hidden = true;
+  $("content").hidden = false;
+  drawHeader(label, first, null);
+  if (first.keys) drawTiles($("tiles"), first, page.metric);
+  document.body.dataset.first = "1";
+  // painted before the whole summary is asked: on two cores its read takes both
+  await new Promise((done) => requestAnimationFrame(() => setTimeout(done, 0)));
+  return null;
+}
+
 async function load() {
   if (page.busy) { page.again = true; return; }
   page.busy = true;
   try {
     let steps = apiSteps(page.win, page.frontier);
+    const firstVisit = !page.loaded && steps === null && page.win.kind === "last" && page.win.n === DEFAULT_LAST;
     // one summary answers the tiles, the outliers, the coverage and the chart (chart=KEY)
-    let all = await get(`${base}/summary`, { chart: page.metric, steps });
+    let all = (firstVisit && await drawFirst()) || await get(`${base}/summary`, { chart: page.metric, steps });
     if (page.win.kind === "last" && page.win.n !== DEFAULT_LAST && steps === null && typeof all.step === "number") {
       page.frontier = all.step; // the last N steps: of the frontier the default answer found
       steps = apiSteps(page.win, page.frontier);
