@@ -123,8 +123,11 @@ async function drawFirst() {
   $("missing").hidden = true;
   $("content").hidden = false;
   drawHeader(label, first, null);
-  if (first.keys) drawTiles($("tiles"), first, page.metric);
-  document.body.dataset.first = "1";
+  // (not another key's tiles for a picked key the first answer has not: a step rows' key)
+  if (first.keys && (!page.metric || first.keys.some((k) => k.key === page.metric))) {
+    drawTiles($("tiles"), first, page.metric);
+    document.body.dataset.first = "1";
+  }
   // painted before the whole summary is asked: on two cores its read takes both
   await new Promise((done) => requestAnimationFrame(() => setTimeout(done, 0)));
   return null;
