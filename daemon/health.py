@@ -146,7 +146,7 @@ class DaemonHealth:
 
     def _from_roots(self, now: float) -> None:
         for root in self.watch_roots:
-            for side in root.glob("*/*/metrics.meta.json"):
+            for side in _sidecars(root):
                 meta = read_sidecar(side)
                 if not meta or meta.get("status") != "running":
                     continue
@@ -154,6 +154,15 @@ class DaemonHealth:
                 if meta.get("origin_host" if spool else "host") != self._here or spool:
                     continue  # another node's run; a spool run's exprd watches it already
                 self._watch(side.parent, None, now + LINGER)
+
+    def _scan_roots(self, now: float) -> None:
+        try:
+            self._from_roots(now)
+        except OSError as exc:  # a root gone or unreadable must not stop the daemon
+            cause = f"watch_roots:{type(exc).__name__}"
+            if cause not in self._warned:
+                self._warned.add(cause)
+                log.warning("looking for direct-mode runs under the watch roots failed: %s", exc)
 
     def tick(self, now: float, tails: Iterable[Any] = ()) -> int:
         """A pass over each watched run that is due; returns the incidents recorded."""
@@ -166,7 +175,7 @@ class DaemonHealth:
             self._from_tails(tails, now)
             if self.watch_roots and now >= self._next_scan:
                 self._next_scan = now + ROOT_SCAN
-                self._from_roots(now)
+                self._scan_roots(now)
         recorded = 0
         soon = now + SLACK * self.interval
         for key, watcher in list(self.watchers.items()):
@@ -208,3 +217,27 @@ class DaemonHealth:
             self._wait[key] = wait
             self._due[key] = end + max(wait, PACE * took)
         return recorded
+
+
+def _sidecars(root: Path) -> list[Path]:
+    """`root/*/*/metrics.meta.json`, each directory listed on its own: a name the listing
+    gives and a lookup then says is not there (a shared filesystem's cached failed lookup,
+    NFS's or a FUSE mount's negative entry, or a run deleted meanwhile) is skipped, not
+    raised (pathlib's glob raised FileNotFoundError for it, and exprd stopped)."""
+    return [run / "metrics.meta.json" for project in _subdirs(root) for run in _subdirs(project)]
+
+
+def _subdirs(path: Path) -> list[Path]:
+    try:
+        with os.scandir(path) as it:
+            names = [e.name for e in it if _is_dir(e)]
+    except OSError:
+        return []
+    return [path / n for n in sorted(names)]
+
+
+def _is_dir(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir(follow_symlinks=False)
+    except OSError:
+        return False

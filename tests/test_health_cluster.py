@@ -603,6 +603,47 @@ def test_a_run_that_appears_later_is_found_through_a_cached_lookup(tmp_path: Pat
     assert [r["name"] for r in json.loads(got["runs"])] == ["r"], got
 
 
+
+NEGATIVE = """
+import json, pathlib, subprocess, sys
+src, mnt = pathlib.Path({src!r}), pathlib.Path({mnt!r})
+sys.path.insert(0, {repo!r})  # (exprd's package, `daemon`, lives at the repository's top)
+subprocess.run(["bindfs", "-o", "attr_timeout=30,entry_timeout=30,negative_timeout=30",
+                str(src), str(mnt)], check=True)
+try:
+    from daemon.health import _sidecars
+    before = (mnt / "cluster").exists()  # looked up before the project exists: cached
+    (src / "cluster" / "r").mkdir(parents=True)
+    (src / "cluster" / "r" / "metrics.meta.json").write_text("{{}}")
+    try:
+        list(mnt.glob("*/*/metrics.meta.json"))
+        glob = "ok"
+    except FileNotFoundError:
+        glob = "FileNotFoundError"
+    print(json.dumps({{"before": before, "glob": glob, "found": [str(p) for p in _sidecars(mnt)]}}))
+finally:
+    subprocess.run(["umount", str(mnt)], check=False)
+"""
+
+
+def test_exprds_scan_of_its_roots_survives_a_cached_failed_lookup(tmp_path: Path) -> None:
+    """The listing of a shared root names a project that a cached failed lookup (FUSE's
+    negative entry, NFS's lookup cache) says is not there: pathlib's glob raised
+    FileNotFoundError, and exprd's health scan of its `watch_roots` died with it (the
+    cluster cache case saw node0's exprd stop). The scan skips it until the cache lets it
+    through."""
+    from tests.procs import in_mount_namespace
+
+    if shutil.which("bindfs") is None:
+        pytest.skip("needs bindfs (apt-get install bindfs)")
+    src, mnt = tmp_path / "src", tmp_path / "mnt"
+    src.mkdir()
+    mnt.mkdir()
+    repo = str(Path(__file__).resolve().parent.parent)
+    got = in_mount_namespace(NEGATIVE.format(src=str(src), mnt=str(mnt), repo=repo), timeout=60)
+    assert got["before"] is False and got["glob"] == "FileNotFoundError", got  # the case is real
+    assert got["found"] == [], got  # skipped, not raised
+
 def test_a_webhook_that_hangs_leaves_the_page_to_the_next_watcher(tmp_path: Path) -> None:
     """Issue 43 row 4: `expr watch --once` with a webhook that never answers: the page is
     counted undelivered at exit and its claim dropped, so the next watcher need not wait
