@@ -18,10 +18,10 @@ Linux only; nothing here reads or writes the files themselves.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import struct
-import sys
+
+from expr_tracker.health.mounts import libc, mount_of
 
 # <sys/inotify.h>
 IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE = 0x2, 0x4, 0x8
@@ -41,41 +41,23 @@ _READ = 1 << 20  # bytes per read of the queue (a 16,384-event queue is about 1 
 LOCAL_FS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "overlay", "zfs",
                       "f2fs", "jfs", "reiserfs", "ramfs", "bcachefs"})
 
-_libc: ctypes.CDLL | None = None
-
-
 def _lib() -> ctypes.CDLL | None:
-    global _libc
-    if _libc is None and sys.platform.startswith("linux"):
-        try:
-            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            lib.inotify_init1.argtypes = [ctypes.c_int]
-            lib.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
-        except (OSError, AttributeError):
-            return None
-        _libc = lib
-    return _libc
+    """libc with the inotify calls' argument types set, or None (not Linux, no inotify)."""
+    lib = libc()
+    if lib is None:
+        return None
+    try:
+        lib.inotify_init1.argtypes = [ctypes.c_int]
+        lib.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+    except AttributeError:
+        return None
+    return lib
 
 
 def fs_type(path: str) -> str | None:
     """The filesystem type of the mount holding `path` (/proc/self/mountinfo); None if unknown."""
-    try:
-        real = os.path.realpath(path)
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as fh:
-            lines = fh.read().splitlines()
-    except OSError:
-        return None
-    best, kind = -1, None
-    for line in lines:
-        left, sep, right = line.partition(" - ")
-        parts = left.split()
-        if not sep or len(parts) < 5 or not right:
-            continue
-        mount = parts[4].replace("\\040", " ")
-        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
-        if inside and len(mount) >= best:  # the last of equal mount points is on top
-            best, kind = len(mount), right.split()[0]
-    return kind
+    found = mount_of(path)
+    return found[0] if found is not None else None
 
 
 class DirChanges:

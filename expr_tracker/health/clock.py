@@ -14,9 +14,10 @@ Nothing here writes but `fs_offset`, which touches one file it is handed.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import time
+
+from expr_tracker.health.mounts import mount_of
 
 
 class PassClock:
@@ -42,29 +43,6 @@ def fs_offset(fd: int) -> float | None:
     except OSError:
         return None
     return mtime - (before + after) / 2
-
-
-# statx(2): AT_EMPTY_PATH | AT_STATX_FORCE_SYNC, STATX_SIZE; the struct is 256 bytes
-_AT_EMPTY_PATH, _AT_STATX_FORCE_SYNC, _STATX_SIZE, _STATX_BYTES = 0x1000, 0x2000, 0x200, 256
-_statx: object = None  # libc's statx once looked up; False where there is none
-
-
-def revalidate(fd: int) -> bool:
-    """Ask the filesystem, not the client's attribute cache, for the open file's size, so
-    that the reads that follow see what other hosts appended (an NFS client does this on
-    open and on taking a lock; a FUSE mount with `attr_timeout`, bindfs, never does).
-    `statx` with AT_STATX_FORCE_SYNC: a no-op on a local filesystem. False where libc has
-    no `statx` or the call failed (the cached size is then what the reads see)."""
-    global _statx
-    if _statx is None:
-        try:
-            _statx = ctypes.CDLL(None, use_errno=True).statx
-        except (AttributeError, OSError):
-            _statx = False
-    if _statx is False:
-        return False
-    buf = ctypes.create_string_buffer(_STATX_BYTES)
-    return _statx(fd, b"", _AT_EMPTY_PATH | _AT_STATX_FORCE_SYNC, _STATX_SIZE, buf) == 0  # type: ignore[operator]
 
 
 class Seen:
@@ -133,28 +111,14 @@ def attr_cache(path: str | os.PathLike[str]) -> tuple[float, str] | None:
     (NFS: actimeo, acregmax, acdirmax; `noac` is 0). None where nothing can be told: a
     local filesystem (0 s) and FUSE mounts (bindfs's `attr_timeout` is not shown there:
     configure `fs_cache`)."""
-    try:
-        real = os.path.realpath(path)
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as fh:
-            lines = fh.read().splitlines()
-    except OSError:
+    found = mount_of(path)
+    if found is None or not found[0].startswith("nfs"):
         return None
-    best: tuple[int, str, str] | None = None
-    for line in lines:
-        left, _, right = line.partition(" - ")
-        parts, rest = left.split(), right.split()
-        if len(parts) < 5 or len(rest) < 3:
-            continue
-        mnt = parts[4].replace("\\040", " ")
-        if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and (
-                best is None or len(mnt) > best[0]):
-            best = (len(mnt), rest[0], f"{parts[5]},{rest[2]}")
-    if best is None or not best[1].startswith("nfs"):
-        return None
-    opts = dict(o.partition("=")[::2] for o in best[2].split(","))
+    kind, options = found
+    opts = dict(o.partition("=")[::2] for o in options.split(","))
     if "noac" in opts:
-        return 0.0, f"{best[1]} noac"
+        return 0.0, f"{kind} noac"
     for key in ("actimeo", "acregmax"):
         if opts.get(key, "").isdigit():
-            return float(opts[key]), f"{best[1]} {key}={opts[key]}"
-    return _NFS_DEFAULT, f"{best[1]} (acregmax default)"
+            return float(opts[key]), f"{kind} {key}={opts[key]}"
+    return _NFS_DEFAULT, f"{kind} (acregmax default)"

@@ -4,7 +4,7 @@ The file is opened relative to a descriptor of the run directory, with O_NOFOLLO
 O_APPEND, and each line is one `os.write`: nothing is written outside the run directory
 and a reader never sees half a line. Every line is appended under an `flock` of the file
 after re-reading what others appended (the file's size asked of the filesystem, not an
-attribute cache: `clock.revalidate`), so two watchers (exprd and `expr watch`, on any
+attribute cache: `mounts.revalidate`), so two watchers (exprd and `expr watch`, on any
 hosts whose locks the filesystem shares, as NFS's) record one incident once.
 """
 
@@ -25,8 +25,9 @@ from typing import Any
 
 import orjson
 
-from expr_tracker.health.clock import fs_offset, revalidate
+from expr_tracker.health.clock import fs_offset
 from expr_tracker.health.incidents import Incident
+from expr_tracker.health.mounts import revalidate
 from expr_tracker.procs import pid_alive
 from expr_tracker.store import records
 from expr_tracker.store.safedir import open_file
