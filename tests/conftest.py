@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.browser import browser, page  # noqa: F401  (the page's tests' fixtures)
+
 # Variables that change what the code under test does: rank detection, run roots,
 # spool and mode, terminal width and colour, shell completion.
 _EXACT = frozenset((

@@ -19,19 +19,15 @@ from typing import Any
 
 import pytest
 
-CHROMIUM = "/usr/bin/chromium"
-if not Path(CHROMIUM).exists():
-    pytest.skip(f"no chromium at {CHROMIUM} (.ci/run installs Debian's chromium)", allow_module_level=True)
-pytest.importorskip("playwright.sync_api", reason="the browser tests need playwright (extra test)")
-pytest.importorskip("starlette", reason="expr serve needs the serve extra (starlette, uvicorn)")
+from tests.browser import require
+
+require()
 
 from .servers import Server, kill_all, train, wait_all  # noqa: E402
 from .synthetic import PER_NODE, host_of, write_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WIDE, WIDE_SLOW = 320, 163  # past the page's 256 rows: one row per node
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
 
 
 @pytest.fixture(scope="module")
@@ -58,31 +54,6 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             assert srv.stop() == 130
     finally:
         kill_all(live)
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
-        try:
-            yield b
-        finally:
-            b.close()
-
-
-@pytest.fixture
-def page(browser: Any) -> Iterator[Any]:
-    ctx = browser.new_context(viewport={"width": 1280, "height": 1200})
-    pg = ctx.new_page()
-    errors: list[str] = []
-    pg.on("pageerror", lambda e: errors.append(str(e)))
-    pg.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-    pg.errors_seen = errors
-    yield pg
-    ctx.close()
-    assert not errors, errors  # no script error, no resource the CSP or the server refused
 
 
 def colours(png: bytes) -> int:

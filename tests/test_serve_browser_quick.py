@@ -5,24 +5,19 @@ so (no "no open incidents" before the detectors ran), then shows the real panels
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-CHROMIUM = "/usr/bin/chromium"
-if not Path(CHROMIUM).exists():
-    pytest.skip(f"no chromium at {CHROMIUM} (.ci/run installs Debian's chromium)", allow_module_level=True)
-pytest.importorskip("playwright.sync_api", reason="the browser tests need playwright (extra test)")
-pytest.importorskip("starlette", reason="expr serve needs the serve extra (starlette, uvicorn)")
+from tests.browser import require
+
+require()
 
 from expr_cli.web.live import QUICK_MIN  # noqa: E402
 
 from .servers import Server  # noqa: E402
 from .synthetic import write_run  # noqa: E402
 
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
 CRASHED = 9
 
 
@@ -39,23 +34,12 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 @pytest.fixture
-def page(site: Server) -> Iterator[Any]:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
-        ctx = browser.new_context(viewport={"width": 1280, "height": 1200})
-        pg = ctx.new_page()
-        errors: list[str] = []
-        pg.on("pageerror", lambda e: errors.append(str(e)))
-        pg.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-        tops: list[Any] = []
-        pg.on("response", lambda r: tops.append(r.json()) if "/top" in r.url else None)
-        pg.tops_seen = tops
-        yield pg
-        ctx.close()
-        browser.close()
-        assert not errors, errors
+def page(page: Any) -> Any:
+    """conftest's page, keeping every answer of top it receives (`page.tops_seen`)."""
+    tops: list[Any] = []
+    page.on("response", lambda r: tops.append(r.json()) if "/top" in r.url else None)
+    page.tops_seen = tops
+    return page
 
 
 def test_top_says_it_is_reading_then_shows_the_ranks(site: Server, page: Any) -> None:

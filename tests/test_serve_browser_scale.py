@@ -27,19 +27,15 @@ from typing import Any
 
 import pytest
 
-CHROMIUM = "/usr/bin/chromium"
-if not Path(CHROMIUM).exists():
-    pytest.skip(f"no chromium at {CHROMIUM} (.ci/run installs Debian's chromium)", allow_module_level=True)
-pytest.importorskip("playwright.sync_api", reason="the browser tests need playwright (extra test)")
-pytest.importorskip("starlette", reason="expr serve needs the serve extra (starlette, uvicorn)")
+from tests.browser import require
+
+require()
 
 from .servers import Server  # noqa: E402
 from .synthetic import write_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 _UPDATE = bool(os.environ.get("UPDATE_SCREENSHOT"))  # read before the env is cleaned
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
 WIDE, SLOW, DEAD = 320, 163, 17  # past the page's 256 ranks: nodes; the straggler; the crash
 ROW_H = 16
 
@@ -62,30 +58,6 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield srv
     finally:
         assert srv.stop() == 130
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
-        try:
-            yield b
-        finally:
-            b.close()
-
-
-@pytest.fixture
-def page(browser: Any) -> Iterator[Any]:
-    ctx = browser.new_context(viewport={"width": 1280, "height": 1200})
-    pg = ctx.new_page()
-    errors: list[str] = []
-    pg.on("pageerror", lambda e: errors.append(str(e)))
-    pg.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-    yield pg
-    ctx.close()
-    assert not errors, errors
 
 
 def _open(page: Any, url: str) -> None:

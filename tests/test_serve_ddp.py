@@ -23,10 +23,11 @@ from typing import Any
 
 import pytest
 
+from tests.browser import require
 from tests.extras import need
 from tests.procs import env_for
 
-from .test_serve_browser import ARGS, CHROMIUM
+require()
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "ddp_train.py"
 EXPR = Path(sys.executable).parent / "expr"
@@ -41,10 +42,9 @@ def _until(what: str, ok: Callable[[], Any], within: float, page: Any) -> Any:
 
 
 @pytest.mark.slow
-def test_a_live_torchrun_job_its_steps_its_straggler_and_its_stall(tmp_path: Path) -> None:
+def test_a_live_torchrun_job_its_steps_its_straggler_and_its_stall(tmp_path: Path,
+                                                                   page: Any) -> None:
     need("torch", "torch")
-    pytest.importorskip("playwright.sync_api")
-    from playwright.sync_api import sync_playwright
 
     root = tmp_path / "runs"
     root.mkdir()
@@ -58,43 +58,40 @@ def test_a_live_torchrun_job_its_steps_its_straggler_and_its_stall(tmp_path: Pat
     try:
         assert srv.stdout is not None
         base = srv.stdout.readline().strip().rstrip("/")
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
-            try:
-                page = browser.new_page(viewport={"width": 1280, "height": 1200})
-                page.goto(base + "/runs/ddp/mlp?metric=step_time")
-                page.wait_for_selector("#missing:not([hidden])")
-                page.evaluate("window.__same_page = true")
-                job = subprocess.Popen(
-                    [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                     "--nproc_per_node", "4", str(EXAMPLE), "--dir", str(root), "--steps", "100000",
-                     "--slow-rank", "2", "--slow-ms", "40"],
-                    cwd=tmp_path, env=env_for({"OMP_NUM_THREADS": "1"}), stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL, start_new_session=True)
-                page.wait_for_selector("body[data-loaded='1']", timeout=90_000)
+        page.goto(base + "/runs/ddp/mlp?metric=step_time")
+        page.wait_for_selector("#missing:not([hidden])")
+        page.evaluate("window.__same_page = true")
+        job = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc_per_node", "4", str(EXAMPLE), "--dir", str(root), "--steps", "100000",
+             "--slow-rank", "2", "--slow-ms", "40"],
+            cwd=tmp_path, env=env_for({"OMP_NUM_THREADS": "1"}), stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True)
+        page.wait_for_selector("body[data-loaded='1']", timeout=90_000)
 
-                def step() -> int | None:
-                    m = re.fullmatch(r"step (\d+)", page.inner_text("#frontier"))
-                    return int(m.group(1)) if m else None
+        def step() -> int | None:
+            m = re.fullmatch(r"step (\d+)", page.inner_text("#frontier"))
+            return int(m.group(1)) if m else None
 
-                first = _until("a step in the header", step, 20, page)
-                _until("the step to advance", lambda: (step() or 0) > first, 20, page)
-                assert page.inner_text("#tile-ranks").split("\n")[1] == "4/4"
-                straggler = _until("a straggler incident", lambda: next(
-                    (li for li in page.locator("#open-incidents li").all_inner_texts()
-                     if li.startswith("straggler")), None), 30, page)
-                assert re.search(r"\brank 2\b", straggler) and "x the ranks' median" in straggler
-                sidecar = root / "ddp" / "mlp" / "metrics.rank3.meta.json"
-                stopped = int(json.loads(sidecar.read_text())["pid"])
-                os.kill(stopped, signal.SIGSTOP)  # rank 3 stops: every other rank waits for it
-                stall = _until("a stall incident", lambda: next(
-                    (li for li in page.locator("#open-incidents li").all_inner_texts()
-                     if li.startswith("stall")), None), 30, page)
-                assert re.search(r"\brank 3\b", stall) and "job stalled at step" in stall, stall
-                assert page.evaluate("window.__same_page") is True  # all of it without a reload
-            finally:
-                browser.close()
+        first = _until("a step in the header", step, 20, page)
+        _until("the step to advance", lambda: (step() or 0) > first, 20, page)
+        assert page.inner_text("#tile-ranks").split("\n")[1] == "4/4"
+        straggler = _until("a straggler incident", lambda: next(
+            (li for li in page.locator("#open-incidents li").all_inner_texts()
+             if li.startswith("straggler")), None), 30, page)
+        assert re.search(r"\brank 2\b", straggler) and "x the ranks' median" in straggler
+        sidecar = root / "ddp" / "mlp" / "metrics.rank3.meta.json"
+        stopped = int(json.loads(sidecar.read_text())["pid"])
+        os.kill(stopped, signal.SIGSTOP)  # rank 3 stops: every other rank waits for it
+        stall = _until("a stall incident", lambda: next(
+            (li for li in page.locator("#open-incidents li").all_inner_texts()
+             if li.startswith("stall")), None), 30, page)
+        assert re.search(r"\brank 3\b", stall) and "job stalled at step" in stall, stall
+        assert page.evaluate("window.__same_page") is True  # all of it without a reload
+        # the run's answers were 404 until its first shard (the "missing" page above)
+        page.errors_seen[:] = [e for e in page.errors_seen if "status of 404" not in e]
     finally:
+        page.goto("about:blank")  # (its event stream closed before the server stops)
         if stopped is not None:
             os.kill(stopped, signal.SIGCONT)
         if job is not None:
