@@ -162,6 +162,24 @@ def _by_step(per_rank: dict[int, tuple[list[int], list[float]]]) -> dict[int, di
     return table
 
 
+def band_of(rows: Iterable[tuple[int, Any]]) -> tuple[list[int], list[float], list[float],
+                                                      list[float]]:
+    """(steps, p50s, p05s, p95s) of the (step, reducers) rows whose reducers have all three:
+    the median line and the p05-p95 band past MAX_LINES ranks."""
+    steps: list[int] = []
+    med: list[float] = []
+    lo: list[float] = []
+    hi: list[float] = []
+    for step, st in rows:
+        if st.p50 is None or st.p05 is None or st.p95 is None:
+            continue
+        steps.append(step)
+        med.append(st.p50)
+        lo.append(st.p05)
+        hi.append(st.p95)
+    return steps, med, lo, hi
+
+
 def build_panel(metric: str, per_rank: dict[int, tuple[list[int], list[float]]], window: int) -> Panel:
     """One rank per line, or median + band + outliers beyond MAX_LINES ranks."""
     from expr_cli.layout import outlier_order
@@ -171,15 +189,8 @@ def build_panel(metric: str, per_rank: dict[int, tuple[list[int], list[float]]],
     if len(per_rank) <= MAX_LINES:
         lines = [Line(f"rank {r}", xs, ys) for r, (xs, ys) in per_rank.items()]
         return Panel(metric, lines, None, "")
-    steps, med, lo, hi = [], [], [], []
-    for step, values in sorted(_by_step(per_rank).items()):
-        stats = reduce_values(values, len(values))
-        if stats.p50 is None or stats.p05 is None or stats.p95 is None:
-            continue
-        steps.append(step)
-        med.append(stats.p50)
-        lo.append(stats.p05)
-        hi.append(stats.p95)
+    steps, med, lo, hi = band_of((step, reduce_values(values, len(values)))
+                                 for step, values in sorted(_by_step(per_rank).items()))
     means = {r: sum(ys) / len(ys) for r, (_, ys) in per_rank.items() if ys}
     # the furthest first; with a MAD of 0 (most ranks equal, DESIGN 10) the robust score is
     # None and the distance from the median tells

@@ -18,6 +18,7 @@ from typing import Any
 from expr_cli.data.series import (
     MAX_LINES,
     MAX_OUTLIERS,
+    band_of,
     build_panel,
     load_series,
     panels_json,
@@ -293,14 +294,8 @@ class StepAnswers:
         if not steps:
             raise BadArgument("steps", f"no values of {metric} in that step range")
         keep = [steps[i] for i in thin(len(steps), points)]
-        band_steps, med, p05, p95 = [], [], [], []
-        for s_, st in zip(keep, table.reduce_steps(metric, keep), strict=True):
-            if st.p50 is None or st.p05 is None or st.p95 is None:
-                continue
-            band_steps.append(s_)
-            med.append(st.p50)
-            p05.append(st.p05)
-            p95.append(st.p95)
+        band_steps, med, p05, p95 = band_of(zip(keep, table.reduce_steps(metric, keep),
+                                                strict=True))
         means = table.window_means(metric, steps[0], steps[-1] + 1)
         flagged = sorted(outliers(means, flagged_only=True), key=outlier_order)
         by_rank = {b.rank: b for b in table.blocks}
