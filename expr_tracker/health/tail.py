@@ -470,7 +470,8 @@ class ShardTail:
             want = min(size, max(self._tail_bytes(), self._bytes_for(steps)))
             data = os.pread(fd, want, size - want) if want else b""
             block = self._first_block()
-            if len(data) == want and also is None:
+            whole = len(data) == want
+            if whole and also is None:
                 # the usual first read of a small window: from memory, no file object
                 tail = cast("BinaryIO", TailBytes(data, size - want))
                 try:
@@ -481,7 +482,9 @@ class ShardTail:
                     pass
             with open(fd, "rb", closefd=False) as fh:
                 fh.raw.name = self._shard_name  # type: ignore[attr-defined]  # (for messages)
-                held = cast("BinaryIO", TailBytes(data, size - want) if len(data) == want else fh)
+                # (what fell short from memory above is read from the file, not parsed again)
+                held = cast("BinaryIO", TailBytes(data, size - want)
+                            if whole and also is not None else fh)
                 try:
                     self._read_tail(records.complete_end(held, block), held)
                 except Short:
