@@ -230,7 +230,6 @@ class LiveRun:
         started in worker processes, which run while this process reads the live state
         (the page's first request is its summary): at 16,384 ranks the two reads overlap
         instead of one waiting for the other."""
-        from expr_cli.errors import CLIError
         from expr_cli.resolve import shards_of
 
         shards, self.listing = self.listing, None
