@@ -279,6 +279,17 @@ def test_two_runs_stalling_on_rank_3_both_page_and_a_blip_pages_nothing(
         disp.close(2.0)
 
 
+def _rank_1_crashed(tmp_path: Path) -> Path:
+    """A run of WORLD ranks at step 120, rank 1 crashed 5 s ago ("RuntimeError: boom")."""
+    run = tmp_path / "p" / "r"
+    now = time.time()
+    for r in range(WORLD):
+        write_rank(run, r, 120, now - 1)
+    write_rank(run, 1, 120, now - 5, status="crashed",
+               exit={"type": "RuntimeError", "message": "boom", "time": now - 5})
+    return run
+
+
 def test_a_page_no_channel_delivered_is_recorded_undelivered_and_paged_by_the_next_watcher(
         tmp_path: Path, httpserver: Any) -> None:
     """Issue 43 row 4: a command channel exiting 7."""
@@ -287,12 +298,7 @@ def test_a_page_no_channel_delivered_is_recorded_undelivered_and_paged_by_the_ne
     bad.write_text('[channels.cmd]\ntype = "command"\nargv = ["sh", "-c", "exit 7"]\n'
                    "retries = 0\n[policy]\nrate = 0\n")
     good = _hook_config(tmp_path / "good.toml", httpserver.url_for("/hook"))
-    run = tmp_path / "p" / "r"
-    now = time.time()
-    for r in range(WORLD):
-        write_rank(run, r, 120, now - 1)
-    write_rank(run, 1, 120, now - 5, status="crashed",
-               exit={"type": "RuntimeError", "message": "boom", "time": now - 5})
+    run = _rank_1_crashed(tmp_path)
     first = expr("watch", str(run), "--once", "--json", "--config", str(bad))
     assert first.returncode == 1, first.stderr
     lines = _lines(run)
@@ -654,12 +660,7 @@ def test_a_webhook_that_hangs_leaves_the_page_to_the_next_watcher(tmp_path: Path
     try:
         cfg = _hook_config(tmp_path / "a.toml", f"http://127.0.0.1:{hung.getsockname()[1]}/hook")
         cfg.write_text(cfg.read_text() + "timeout = 30\nexit_timeout = 1\n")
-        run = tmp_path / "p" / "r"
-        now = time.time()
-        for r in range(WORLD):
-            write_rank(run, r, 120, now - 1)
-        write_rank(run, 1, 120, now - 5, status="crashed",
-                   exit={"type": "RuntimeError", "message": "boom", "time": now - 5})
+        run = _rank_1_crashed(tmp_path)
         env = env_for()
         proc = subprocess.run([sys.executable, "-m", "expr_cli.main", "watch", str(run), "--once",
                                "--config", str(cfg)], env=env, capture_output=True, text=True,
