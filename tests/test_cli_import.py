@@ -100,6 +100,13 @@ def test_tensorboard_tree_round_trips_float32_values_at_their_steps(run, tmp_pat
                 # exactly the float32 written, as its double: not rounded to fewer digits
                 assert row.get(key) == tb_expected(row["_step"], key), (name, row)
     assert rows[1]["train/loss"] == 0.6000000238418579
+    # the other readers know them as any run
+    listed = run("runs", "--json")
+    assert listed.exit_code == 0, listed.output
+    assert {(r["project"], r["name"], r["status"]) for r in json.loads(listed.stdout)} >= \
+        {("vision", "resnet-lr_0.1", "finished"), ("vision", "resnet-seed-2", "finished")}
+    summary = run("summary", "vision/resnet-seed-2", "--json")
+    assert summary.exit_code == 0 and "train/loss" in summary.stdout, summary.output
 
 
 def test_a_damaged_event_file_leaves_nothing_and_names_the_file(run, tmp_path):
@@ -249,12 +256,16 @@ for name in ("alpha", "beta"):
 """
 
 
-def test_mlflow_file_store_round_trips_metrics_params_tags(run, tmp_path):
+def test_mlflow_file_store_round_trips_metrics_params_tags(run, tmp_path, monkeypatch):
     need("mlflow", "import-mlflow")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     _child(MLFLOW_WRITE, tmp_path, MLFLOW_ALLOW_FILE_STORE="true")
-    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    before = tree(tmp_path / "mlruns")
+    # not set here: an import opens the old file store without being told to
     result = run("import", "mlflow", str(tmp_path / "mlruns"), "--project", "p", "--name", "m")
     assert result.exit_code == 0, result.output
+    assert tree(tmp_path / "mlruns") == before  # the source is read, never written
+    assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ
     for name in ("alpha", "beta"):
         rows = history(run, f"p/m-{name}")
         assert [r["_step"] for r in rows] == [i * 3 for i in range(40)]
@@ -264,6 +275,12 @@ def test_mlflow_file_store_round_trips_metrics_params_tags(run, tmp_path):
         side = json.loads((tmp_path / "root" / "p" / f"m-{name}" / "metrics.meta.json").read_text())
         assert side["config"]["lr"] == "0.01" and side["config"]["opt"] == name
         assert side["tags"] == ["team=vision"] and side["notes"] == f"note {name}"
+
+
+def tree(path: Path) -> dict[str, tuple[int, int]]:
+    """Every file under `path` with its size and mtime."""
+    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(path.rglob("*"))}
 
 
 def test_a_missing_mlflow_store_is_one_line(run, tmp_path):

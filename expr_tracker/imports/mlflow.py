@@ -42,17 +42,29 @@ def tracking_uri(source: str) -> str:
     return path.resolve().as_uri()
 
 
-def _client(uri: str) -> Any:
+def _client(uri: str, source: str) -> Any:
     need("mlflow", EXTRA, "MLflow runs")
+    from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=uri)
+    # MLflow 3 opens a file store only with this set ("maintenance mode"); importing the
+    # old `mlruns` folders people have is the point, and reading one changes nothing
+    allow = uri.startswith("file:") and "MLFLOW_ALLOW_FILE_STORE" not in os.environ
+    if allow:
+        os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    try:
+        return MlflowClient(tracking_uri=uri)
+    except MlflowException as exc:
+        raise ImportFailed(f"{source}: MLflow could not open it ({exc.message})") from None
+    finally:
+        if allow:
+            os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)
 
 
 def find(source: str) -> list[Found]:
     """Every run of the store, named by its run name (its id when names repeat)."""
     uri = tracking_uri(source)
-    client = _client(uri)
+    client = _client(uri, source)
     from mlflow.entities import ViewType
     from mlflow.exceptions import MlflowException
 
@@ -109,8 +121,3 @@ def load(client: Any, info_run: Any, origin: str) -> Imported:
         raise ImportFailed(f"{origin}: MLflow could not read it ({exc.message})") from None
     run.rows = steps.done()
     return run
-
-
-def allow_file_store() -> None:
-    """MLflow 3 refuses a file store unless told it may (reading one changes nothing)."""
-    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
