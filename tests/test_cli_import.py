@@ -353,3 +353,38 @@ def test_a_damaged_parquet_leaves_nothing(run, tmp_path):
     result = run("import", "neptune", str(tmp_path / "export"), "--project", "p", "--name", "n")
     assert result.exit_code == 1 and str(part) in result.output, result.output
     assert nothing_written(tmp_path)
+
+
+def test_an_import_killed_midway_leaves_no_run_and_the_next_one_clears_its_remains(run, tmp_path):
+    need("tensorboard", "import-tensorboard")
+    logdir = tmp_path / "big"
+    writer = (ROOT / "bench" / "imports.py").read_text().split('WRITE = """', 1)[1].split('"""', 1)[0]
+    # two runs: `a` is staged whole while `b`, long enough to be killed in, is read
+    for sub, steps in (("a", 1000), ("b", 60000)):
+        _child(f"import sys; sys.argv = ['w', {str(logdir / sub)!r}, '{steps}', '10']\n{writer}",
+               tmp_path)
+    root = tmp_path / "root"
+    args = ["import", "tensorboard", str(logdir), "--project", "p", "--name", "r", "--dir", str(root)]
+    child = subprocess.Popen([sys.executable, "-c", "from expr_cli.main import entry; entry()", *args],
+                             env={**os.environ, "PYTHONPATH": str(ROOT)},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        import time
+
+        deadline = time.monotonic() + 120
+        while not list((root / "p").glob(".import-*-r-a/metrics.meta.json")) and child.poll() is None:
+            assert time.monotonic() < deadline, "the import never staged run r-a"
+            time.sleep(0.01)
+        assert child.poll() is None, "the import finished before it could be killed"
+        os.kill(child.pid, 9)
+    finally:
+        child.wait(timeout=60)
+    assert not (root / "p" / "r-a").exists()  # staged whole, but the import did not finish
+    assert not (root / "p" / "r-b").exists()
+    assert list((root / "p").glob(".import-*"))
+    listed = run("runs", "--json", "--dir", str(root))
+    assert listed.exit_code == 0 and "import" not in listed.stdout, listed.output
+    again = run(*args)
+    assert again.exit_code == 0, again.output
+    assert sorted(p.name for p in (root / "p").iterdir()) == ["r-a", "r-b"]  # remains gone
+    assert len(history(run, "p/r-b")) == 60000
