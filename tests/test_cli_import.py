@@ -218,6 +218,15 @@ def test_wandb_offline_run_round_trips_history_config_tags_notes(run, tmp_path):
     assert side["summary"]["best"] == 0.5 and side["import"]["kind"] == "wandb"
 
 
+def test_a_wandb_directory_of_runs_is_one_run_each(run, tmp_path):
+    rundir = write_wandb(tmp_path)
+    assert (tmp_path / "wandb" / "latest-run").is_symlink()  # wandb's link to the same run
+    result = run("import", "wandb", str(tmp_path / "wandb"), "--project", "p", "--name", "w",
+                 "--json")
+    assert result.exit_code == 0, result.output
+    assert [r["run"] for r in json.loads(result.stdout)["runs"]] == [f"p/w-{rundir.name}"]
+
+
 def test_a_truncated_wandb_file_leaves_nothing(run, tmp_path):
     rundir = write_wandb(tmp_path)
     [log] = rundir.glob("*.wandb")
@@ -344,6 +353,22 @@ def test_neptune_parquet_round_trips_series_params_tags(run, tmp_path):
         assert side["config"] == {"parameters/lr": 0.1, "parameters/epochs": 3}
         assert side["tags"] == ["a", "b"] and side["notes"] == "from neptune"
         assert side["import"]["skipped"] == {"string_series attributes": 1}
+
+
+def test_a_fractional_neptune_step_is_refused_naming_the_attribute(run, tmp_path):
+    import pyarrow.parquet as pq
+
+    write_neptune(tmp_path / "export", {"RUN-1": 5})
+    part = tmp_path / "export" / "RUN-1_part_1.parquet"
+    table = pq.read_table(part).to_pylist()
+    from decimal import Decimal
+
+    table[-1]["step"] = Decimal("4.5")
+    pq.write_table(pq.read_table(part).from_pylist(table, schema=pq.read_schema(part)), part)
+    result = run("import", "neptune", str(tmp_path / "export"), "--project", "p", "--name", "n")
+    assert result.exit_code == 1, result.output
+    assert "'train/loss'" in result.output and "4.5" in result.output, result.output
+    assert nothing_written(tmp_path)
 
 
 def test_a_damaged_parquet_leaves_nothing(run, tmp_path):

@@ -49,8 +49,9 @@ def find(source: str) -> list[Found]:
     own = sorted(path.glob("*.wandb"))
     if own:
         return [Found(None, str(own[0]), lambda: load(own[0]))]
+    # `latest-run` is a symlink to one of the run directories: that run once, not twice
     found = [Found(safe_part(f.parent.name), str(f), partial(load, f))
-             for f in sorted(path.glob("*/*.wandb"))]
+             for f in sorted(path.glob("*/*.wandb")) if not f.parent.is_symlink()]
     if not found:
         raise ImportFailed(f"{source}: no .wandb file in it or in its run directories")
     return found
