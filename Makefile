@@ -82,6 +82,7 @@ bench: $(STAMP)
 	$(PY) bench/completion.py
 	-$(PY) bench/clickhouse.py
 	-$(PY) bench/store_burst.py
+	-$(PY) bench/imports.py
 	$(PY) bench/scale.py 16384 200
 
 # 1,024 / 4,096 / 16,384 synthetic ranks (about 1.3 GB, cached under /tmp/expr-scale-cache);

@@ -413,3 +413,30 @@ def test_an_import_killed_midway_leaves_no_run_and_the_next_one_clears_its_remai
     assert again.exit_code == 0, again.output
     assert sorted(p.name for p in (root / "p").iterdir()) == ["r-a", "r-b"]  # remains gone
     assert len(history(run, "p/r-b")) == 60000
+
+
+def test_a_full_disk_fails_the_import_in_one_line_and_leaves_nothing(tmp_path):
+    from tests.procs import in_mount_namespace
+
+    need("tensorboard", "import-tensorboard")
+    writer = (ROOT / "bench" / "imports.py").read_text().split('WRITE = """', 1)[1].split('"""', 1)[0]
+    _child(f"import sys; sys.argv = ['w', {str(tmp_path / 'tb')!r}, '2000', '10']\n{writer}", tmp_path)
+    root = tmp_path / "root"
+    root.mkdir()
+    # a 64 KiB filesystem for the run root: the rows (about 500 KB of JSON) do not fit
+    out = in_mount_namespace(f"""
+        import json, os, subprocess, sys
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", {str(root)!r}], check=True)
+        done = subprocess.run([sys.executable, "-c", "from expr_cli.main import entry; entry()",
+                               "import", "tensorboard", {str(tmp_path / 'tb')!r}, "--project", "p",
+                               "--name", "r", "--dir", {str(root)!r}],
+                              capture_output=True, text=True,
+                              env={{**os.environ, "PYTHONPATH": {str(ROOT)!r}}})
+        left = [os.path.relpath(os.path.join(d, f), {str(root)!r})
+                for d, dirs, files in os.walk({str(root)!r}) for f in dirs + files]
+        print(json.dumps({{"code": done.returncode, "err": done.stderr, "left": left}}))
+    """)
+    assert out["code"] == 1, out
+    assert "No space left on device" in out["err"] and "Traceback" not in out["err"], out
+    assert len(out["err"].strip().splitlines()) == 1, out["err"]
+    assert out["left"] == [], out  # no run, no staging directory, not even the project

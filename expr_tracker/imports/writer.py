@@ -149,7 +149,9 @@ def _write(stage: Path, project: str, name: str, run: Imported, note: dict[str, 
     writer.last_write = writer.end_time
     writer.write_sidecar()
     if errors or writer.dropped:
-        raise ImportFailed(f"could not write {stage}: {errors[0] if errors else writer.dropped}")
+        why = writer.last_error or (errors[0] if errors else "rows dropped")
+        raise ImportFailed(f"could not write run {project}/{name} under {stage.parent.parent}: "
+                           f"{why}; nothing was imported")
     try:
         fd = os.open(writer.paths.shard, os.O_RDONLY | os.O_CLOEXEC)
         try:
