@@ -91,19 +91,30 @@ class Steps:
         self.into = into
 
     def add(self, step: int, wall: float | None, key: str, value: Any) -> None:
-        if not key or key[0] == "_":
-            self.into.skip("reserved or empty keys")
-            return
-        try:
-            value = records.encode_value(key, value)
-        except (TypeError, ValueError):
-            self.into.skip("values that are not numbers, booleans or short strings")
-            return
+        """One value of `key` at `step`, logged at wall time `wall` (None: not known)."""
+        self.put(self.at(step, wall), key, value)
+
+    def at(self, step: int, wall: float | None) -> dict[str, Any]:
+        """The row of `step` (made on first use), its `_time` the earliest `wall` seen."""
         row = self.rows.get(step)
         if row is None:
             row = self.rows[step] = {"_step": step, "_time": wall}
         elif wall is not None and (row["_time"] is None or wall < row["_time"]):
             row["_time"] = wall
+        return row
+
+    def put(self, row: dict[str, Any], key: str, value: Any) -> None:
+        """`row[key] = value` as a row holds it; a key or value a row cannot hold is counted
+        in `skipped` instead (a million-value import calls this a million times)."""
+        if not key or key[0] == "_":
+            self.into.skip("reserved or empty keys")
+            return
+        if value.__class__ is not float or value - value != 0.0:  # not a finite float
+            try:
+                value = records.encode_value(key, value)
+            except (TypeError, ValueError):
+                self.into.skip("values that are not numbers, booleans or short strings")
+                return
         if key in row:
             self.into.skip("values replaced by a later one at the same step")
         row[key] = value

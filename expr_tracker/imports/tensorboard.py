@@ -100,6 +100,7 @@ def load(files: list[Path], origin: str) -> Imported:
                 first = wall
             if not event.HasField("summary"):
                 continue
+            row = None  # made at the event's first scalar: an event of images makes no row
             for value in event.summary.value:
                 kind = value.WhichOneof("value")
                 if kind == "simple_value":
@@ -113,8 +114,9 @@ def load(files: list[Path], origin: str) -> Imported:
                 else:
                     run.skip(f"{value.metadata.plugin_data.plugin_name or kind} summaries")
                     continue
-                step = check_step(event.step, str(path), f"tag {value.tag!r}")
-                steps.add(step, wall, value.tag, number)
+                if row is None:
+                    row = steps.at(check_step(event.step, str(path), f"tag {value.tag!r}"), wall)
+                steps.put(row, value.tag, number)
     run.rows = steps.done()
     run.start_time = first
     return run
