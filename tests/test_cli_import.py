@@ -109,6 +109,34 @@ def test_tensorboard_tree_round_trips_float32_values_at_their_steps(run, tmp_pat
     assert summary.exit_code == 0 and "train/loss" in summary.stdout, summary.output
 
 
+TB2_WRITE = """
+import sys
+import numpy as np
+from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
+from tensorboard.util import tensor_util
+w = EventFileWriter(sys.argv[1])
+meta = summary_pb2.SummaryMetadata(plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"))
+for i in range(20):
+    value = summary_pb2.Summary.Value(tag="v2/acc", metadata=meta,
+                                      tensor=tensor_util.make_tensor_proto(np.float32(i / 7)))
+    w.add_event(event_pb2.Event(wall_time=1000.0 + i, step=i, summary=summary_pb2.Summary(value=[value])))
+w.close()
+"""
+
+
+def test_tensorboard_scalar_tensors_round_trip_as_written(run, tmp_path):
+    """TF2's `tf.summary.scalar` writes a float32 tensor with the scalars plugin's metadata."""
+    import numpy as np
+
+    need("tensorboard", "import-tensorboard")
+    _child(f"import sys; sys.argv = ['w', 'tb2']\n{TB2_WRITE}", tmp_path)
+    result = run("import", "tensorboard", str(tmp_path / "tb2"), "--project", "p", "--name", "v2")
+    assert result.exit_code == 0, result.output
+    assert [(r["_step"], r["_time"], r["v2/acc"]) for r in history(run, "p/v2")] == \
+        [(i, 1000.0 + i, float(np.float32(i / 7))) for i in range(20)]
+
+
 def test_a_damaged_event_file_leaves_nothing_and_names_the_file(run, tmp_path):
     logdir = write_tb(tmp_path, "a", "b")
     [events] = (logdir / "b").glob("*tfevents*")
