@@ -167,6 +167,18 @@ def test_a_second_import_is_refused_and_force_replaces_it(run, tmp_path):
     assert [p.name for p in (tmp_path / "root" / "p").iterdir()] == ["r"]  # nothing aside
 
 
+def test_the_same_source_under_another_name_is_refused_unless_forced(run, tmp_path):
+    logdir = write_tb(tmp_path, "a")
+    assert run("import", "tensorboard", str(logdir), "--project", "p", "--name", "r").exit_code == 0
+    again = run("import", "tensorboard", str(logdir), "--project", "p", "--name", "other")
+    assert again.exit_code == 1, again.output
+    assert "imported already, as run p/r-a" in again.output, again.output
+    assert sorted(p.name for p in (tmp_path / "root" / "p").iterdir()) == ["r-a"]
+    forced = run("import", "tensorboard", str(logdir), "--project", "p", "--name", "other", "--force")
+    assert forced.exit_code == 0, forced.output
+    assert len(history(run, "p/other-a")) == 50
+
+
 def test_force_never_replaces_a_run_training_wrote(run, tmp_path):
     import expr_tracker as et
 

@@ -91,7 +91,7 @@ def find(source: str) -> list[Found]:
         suffix = None
         if len(runs) > 1:
             suffix = safe_part(label if names.count(label) == 1 else f"{label}-{run.info.run_id}")
-        origin = f"{source} run {run.info.run_id}"
+        origin = f"{uri} run {run.info.run_id}"
         found.append(Found(suffix, origin, partial(load, client, run, origin)))
     return found
 

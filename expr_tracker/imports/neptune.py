@@ -73,7 +73,8 @@ def find(source: str) -> list[Found]:
     if not where:
         raise ImportFailed(f"{source}: no Neptune runs in its Parquet files")
     several = len(where) > 1
-    return [Found(safe_part(rid) if several else None, f"{source} run {rid}",
+    label = Path(source).absolute()
+    return [Found(safe_part(rid) if several else None, f"{label} run {rid}",
                   partial(load, rid, files))
             for rid, files in sorted(where.items())]
 

@@ -4,8 +4,9 @@ A run is written to a hidden directory beside its final place (`{root}/{project}
 .import-{pid}-{name}`) by the same `ShardWriter` the SDK uses, fsynced, and renamed to
 `{root}/{project}/{name}` only when every run of the import was read and written: a
 corrupt or truncated source leaves nothing under a run name. A run that exists is
-refused (the same source imported twice would double its rows); `force` replaces it,
-but only a run an earlier import wrote, never one a training job did.
+refused (the same source imported twice would double its rows), and so is a source run
+an earlier import brought in under another name; `force` replaces the run, but only one
+an earlier import wrote, never one a training job did.
 """
 
 from __future__ import annotations
@@ -82,6 +83,22 @@ def check_targets(project_dir: Path, names: Sequence[str], force: bool) -> None:
                                "by expr import: --force replaces only imported runs")
 
 
+def check_elsewhere(project_dir: Path, found: Sequence[Found], names: Sequence[str]) -> None:
+    """Refuse a source run an earlier import brought in under another name of the project
+    (the same rows twice there); `force` skips this check."""
+    wanted = {f.origin: target for f, target in zip(found, names, strict=True)}
+    with contextlib.suppress(OSError), os.scandir(project_dir) as it:
+        for entry in it:
+            if entry.name.startswith(".") or not entry.is_dir():
+                continue
+            note = imported_before(Path(entry.path))
+            origin = note.get("origin") if note else None
+            if origin in wanted and wanted[origin] != entry.name:
+                raise ImportFailed(f"{origin} was imported already, as run {project_dir.name}/"
+                                   f"{entry.name}; pass --force to import it again as "
+                                   f"{wanted[origin]!r}")
+
+
 def write_runs(
     root: str | os.PathLike[str], project: str, name: str, kind: str, source: str,
     found: Sequence[Found], *, force: bool = False, progress: Progress | None = None,
@@ -90,6 +107,8 @@ def write_runs(
     project_dir = run_dir(root, project, name).parent
     names = target_names(name, found)
     check_targets(project_dir, names, force)
+    if not force:
+        check_elsewhere(project_dir, found, names)
     made = not project_dir.exists()
     project_dir.mkdir(parents=True, exist_ok=True)
     _clear_stale(project_dir)
