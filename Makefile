@@ -26,6 +26,9 @@ EXTRAS_STAMP := $(VENV)/.extras
 # why an optional install failed, one file per extra: tests/extras.py prints it when skipping
 MISSING := $(VENV)/missing
 INTEGRATIONS := transformers lightning accelerate
+# expr import's readers (wandb's and pyarrow come with the base install): they need no torch,
+# but its tests write TensorBoard logs with torch's SummaryWriter, so they come after it
+IMPORTS := import-tensorboard import-mlflow
 
 $(TORCH_STAMP): $(STAMP) $(CONSTRAINTS)
 	@mkdir -p $(MISSING) && rm -f $(MISSING)/torch
@@ -47,6 +50,13 @@ $(EXTRAS_STAMP): $(TORCH_STAMP)
 			echo "pip install -e '.[$$extra]' failed (see $(MISSING)/$$extra.log)" > $(MISSING)/$$extra; \
 		fi; \
 		if [ -f $(MISSING)/$$extra ]; then echo "extra $$extra not installed: $$(cat $(MISSING)/$$extra)"; fi; \
+	done
+	@for extra in $(IMPORTS); do \
+		rm -f $(MISSING)/$$extra; \
+		if ! $(PIP) -e ".[$$extra]" > $(MISSING)/$$extra.log 2>&1; then \
+			echo "pip install -e '.[$$extra]' failed (see $(MISSING)/$$extra.log)" > $(MISSING)/$$extra; \
+			echo "extra $$extra not installed: $$(cat $(MISSING)/$$extra)"; \
+		fi; \
 	done
 	touch $(EXTRAS_STAMP)
 
@@ -72,6 +82,7 @@ bench: $(STAMP)
 	$(PY) bench/completion.py
 	-$(PY) bench/clickhouse.py
 	-$(PY) bench/store_burst.py
+	-$(PY) bench/imports.py
 	$(PY) bench/scale.py 16384 200
 
 # 1,024 / 4,096 / 16,384 synthetic ranks (about 1.3 GB, cached under /tmp/expr-scale-cache);

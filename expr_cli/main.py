@@ -30,7 +30,9 @@ if TYPE_CHECKING:
 PROG = "expr"
 # Each module registers the command (or command group) of the same name.
 COMMAND_MODULES = ("runs", "shards", "history", "tail", "summary", "alerts", "rules", "replay", "status",
-                   "plot", "export", "query", "watch", "top", "trace", "serve", "mcp")
+                   "plot", "export", "query", "watch", "top", "trace", "serve", "mcp", "import")
+# a command whose name is a Python keyword lives in a module of another name
+_MODULE_OF = {"import": "imports"}
 # Commands whose modules declare FAST_ARGS, FAST_OPTIONS and fast_run: `entry` runs them
 # without typer when `resolve.parse_fast` understands the arguments. Importing typer, and
 # the pydantic models it coerces parameters with, costs more than the whole of `expr history`.
@@ -157,7 +159,7 @@ def entry() -> None:
 def _command_module(name: str) -> ModuleType:
     import importlib
 
-    return importlib.import_module(f"{__package__}.commands.{name}")
+    return importlib.import_module(f"{__package__}.commands.{_MODULE_OF.get(name, name)}")
 
 
 def _run_fast(module: ModuleType, args: list[str]) -> None:
@@ -380,7 +382,7 @@ def build_app(only: str | None = None) -> typer.Typer:
         try:
             module = _command_module(name)
         except ModuleNotFoundError as exc:
-            if exc.name == f"{__package__}.commands.{name}":
+            if exc.name == f"{__package__}.commands.{_MODULE_OF.get(name, name)}":
                 continue  # that command group is not written yet
             raise
         module.register(app)

@@ -84,7 +84,8 @@ def list_runs(root: Path) -> list[RunRef]:
         return out
     for project in projects:
         try:
-            runs = sorted(p for p in project.iterdir() if p.is_dir())
+            # a name starting with "." is never a run's (`expr import` stages runs there)
+            runs = sorted(p for p in project.iterdir() if p.is_dir() and p.name[:1] != ".")
         except OSError:
             continue
         out.extend(RunRef(run, _label(run)) for run in runs if _has_shards(run))
