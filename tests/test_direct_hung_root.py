@@ -212,3 +212,23 @@ def test_finish_on_a_hung_root_returns_within_its_bound_and_says_what_it_left(tm
     assert ended < FINISH_BOUND + 15
     assert res["dropped"].get("finish_timeout", 0) > 0, res["dropped"]
     assert rows + sum(res["dropped"].values()) == res["logged"], (rows, res["dropped"])
+
+
+def test_the_step_mark_is_node_local_and_copied_beside_the_shard(tmp_path):
+    """The hot path's kill -9 mark is a mapping of a file under the spool directory, never
+    of one on the run root (whose writeback would hold log() and the process's exit); the
+    writer copies the step beside the shard at each flush; a clean finish removes it."""
+    import struct
+
+    import expr_tracker as et
+
+    run = et.init("p", "r", dir=tmp_path / "runs", spool_dir=tmp_path / "spool")
+    for i in range(10):
+        et.log({"x": i})
+    marks = list((tmp_path / "spool" / ".marks").iterdir())
+    assert len(marks) == 1 and struct.unpack("=q", marks[0].read_bytes()[:8])[0] == 9
+    et.flush()
+    beside = run.paths.run_dir / ".metrics.jsonl.logged"
+    assert struct.unpack("=q", beside.read_bytes()[:8])[0] == 9
+    et.finish()
+    assert list((tmp_path / "spool" / ".marks").iterdir()) == []

@@ -195,7 +195,8 @@ class QueuedWriter(ShardWriter):
             return
         if len(self._q) > self.queue_bytes:
             self._trim()
-        self._ask()
+        if self._asked == self._served:  # (else a wake-up is pending: the slow path's rows
+            self._ask()  # would each ask again while a hung writer does not answer)
 
     def _trim(self) -> None:
         """Drop the oldest whole lines down to 3/4 of the bound (not at every call), counted."""
