@@ -22,7 +22,7 @@ from expr_tracker.store.queued import QueuedWriter
 from expr_tracker.store.reader import last_values
 
 # finish() waits at most this long for the shard (its rows, then the sidecar), then for
-# alert delivery and backends within what is left of it (docs/direct.md)
+# alert delivery and backends within what is left of it (docs/getting-started.md)
 FINISH_TIMEOUT = 30.0
 MAX_SPAN_BUFFER = 16 * 1024 * 1024  # trace lines kept while their file cannot be written
 
@@ -273,11 +273,10 @@ class DirectSink:
         self.mark = None
         if self._mark is not None:
             self.writer.call(self._close_mark, None, wait=False)
-        # backends such as wandb need seconds to start and sync; finish waits for them,
-        # within a bound, so the end of a run does not lose its last rows
-        start = time.monotonic()
         # at most FINISH_TIMEOUT for the shard (the rows left then are counted and warned
-        # about: `finish_timeout`), the rest of it for alert delivery and backends
+        # about: `finish_timeout`), the rest of it for alert delivery and backends: such as
+        # wandb need seconds to start and sync, and the end of a run must not lose its rows
+        start = time.monotonic()
         self.writer.close(status, flush_timeout=FINISH_TIMEOUT)
         self.writer.say()
         self.pipeline.drain(max(0.1, FINISH_TIMEOUT - (time.monotonic() - start)), status)
