@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import sys
 import time
@@ -15,9 +17,12 @@ from expr_tracker.pipeline import Pipeline
 from expr_tracker.store.cursor import read_sidecar
 from expr_tracker.store.layout import spans_name
 from expr_tracker.store.lock import ShardBusyError
-from expr_tracker.store.logmark import LogMark, read_mark
-from expr_tracker.store.shard import ShardWriter
+from expr_tracker.store.logmark import LogMark, local_path, mark_name, read_local, read_mark
+from expr_tracker.store.queued import QueuedWriter
+from expr_tracker.store.reader import last_values
 
+# finish() waits at most this long for the shard (its rows, then the sidecar), then for
+# alert delivery and backends within what is left of it (docs/getting-started.md)
 FINISH_TIMEOUT = 30.0
 MAX_SPAN_BUFFER = 16 * 1024 * 1024  # trace lines kept while their file cannot be written
 
@@ -45,7 +50,9 @@ class DirectSink:
         self.run = run
         self.seq = None  # direct mode does not number records (spool events do)
         self.alerting = run.alerting
-        self.writer = ShardWriter(
+        # every file operation after init runs on the writer's thread, never log()'s: a hung
+        # run root costs counted rows, not step time (DESIGN 6)
+        self.writer = QueuedWriter(
             run.paths,
             run.identity(),
             shared=not run.rank_aware,
@@ -55,6 +62,7 @@ class DirectSink:
             dropped=run.dropped,
             exclusive=True,  # one writer per shard (DESIGN 5); per rank in a shared file
             own_rank=run.rank,  # a shared file resumes after this rank's own rows
+            session=run.session,
         )
         try:
             cursor = self.writer.open()
@@ -65,10 +73,9 @@ class DirectSink:
         self.next_step = 0 if cursor.last_step is None else cursor.last_step + 1
         self.mark: Any = None  # log()'s hot path stores each step it commits (`logmark`)
         self._mark: LogMark | None = None
+        self._mark_fd: int | None = None  # the mark beside the shard, copied by the writer
         if run.rank_aware:
-            self._gap(read_mark(self.writer.open_file, run.paths.shard.name), cursor.last_step)
-            self._mark = LogMark(self.writer.open_file, run.paths.shard.name)
-            self.mark = self._mark.mark
+            self._open_mark(cursor.last_step)
         self.writer.write_sidecar()
         backends = self._backends()
         self.reporting = bool(backends)
@@ -82,12 +89,58 @@ class DirectSink:
             reporting=self.reporting,
             warn=run.warn_once,
         )
+        self.pipeline.append_alert = self.writer.append_file  # on the writer thread too
         if self.alerting and (run.alert_config is not None or run.ruleset is not None):
             self.pipeline.dispatcher = self._dispatcher()
         self._span_buf = bytearray()  # trace lines waiting for the next flush
         self.fast_append: Any = None
         self.after_write: Any = None
         self._update_fast_path()
+        self._summary_read = True  # last_values() read the shard (not: the root hung)
+        self.writer.start()
+
+    def _open_mark(self, last: int | None) -> None:
+        """The step mark (`logmark`): node-local, mapped for the hot path; the one beside the
+        shard is opened for the writer thread to copy it into at each flush."""
+        run = self.run
+        try:
+            inode = os.stat(run.paths.shard).st_ino
+        except OSError:
+            inode = 0
+        local = local_path(run.spool_root, run.paths.shard)
+        marks = [m for m in (read_mark(self.writer.open_file, run.paths.shard.name),
+                             read_local(local, inode)) if m is not None]
+        self._gap(max(marks) if marks else None, last)
+        self._mark = LogMark(local, inode)
+        self.mark = self._mark.mark
+        try:
+            self._mark_fd = self.writer.open_file(mark_name(run.paths.shard.name),
+                                                  os.O_RDWR | os.O_CREAT)
+        except OSError:
+            return  # copied nowhere: a session on another node does not see the step
+        self.writer.on_drain = self._copy_mark
+
+    def _copy_mark(self) -> None:
+        """(The writer thread, after each write of rows.)"""
+        if self._mark is not None and self._mark_fd is not None:
+            try:
+                self._mark.copy_to(self._mark_fd)
+            except OSError:
+                self.writer.errors["mark"] = self.writer.errors.get("mark", 0) + 1
+
+    def _close_mark(self) -> None:
+        """(The writer thread, at finish.) The last copy; the node-local mark goes once
+        every row is written (else the next session here says which were not)."""
+        mark = self._mark
+        if mark is None:
+            return
+        self._copy_mark()
+        if self._mark_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._mark_fd)
+            self._mark_fd = None
+        self._mark = None
+        mark.close(remove=self.writer.unwritten() == 0)
 
     def _gap(self, logged: int | None, last: int | None) -> None:
         """The previous session logged steps its shard does not hold: it was killed between
@@ -172,8 +225,9 @@ class DirectSink:
                                    for line in lines)
 
     def flush(self) -> None:
-        self.writer.flush()
+        """Write what is buffered: waits until it is written, or until the root is seen hung."""
         self._flush_spans()
+        self.writer.flush()
 
     def _flush_spans(self) -> None:
         if self._span_buf:
@@ -190,29 +244,48 @@ class DirectSink:
     def checkpoint(self) -> None:
         self.writer.write_sidecar()
 
+    def last_values(self) -> dict[str, Any]:
+        """The last value of each key, read from the shard's tail on the writer thread after
+        the rows queued now; {} if the root hangs (`set_summary` reads them later)."""
+        found = self.writer.call(self._read_last_values, None)
+        self._summary_read = found is not None
+        return found or {}
+
+    def _read_last_values(self) -> dict[str, Any]:
+        try:
+            return last_values(self.run.paths.shard)
+        except OSError:
+            return {}
+
     def set_summary(self, summary: dict[str, Any]) -> None:
         """`Run.finish`: the final sidecar carries the run's summary."""
         self.writer.identity["summary"] = summary
+        if not self._summary_read:  # the root hung: the writer reads them when it answers
+            identity = self.writer.identity
+            self.writer.call(lambda: identity.__setitem__(
+                "summary", {**self._read_last_values(), **summary}), None, wait=False)
 
     def close(self, status: str, exit: dict[str, Any] | None = None) -> None:
         """Finish the shard with `status`; `exit` is the crash's {type, message, time}."""
         self.writer.exit = exit
         self.writer.probe = None
         self._flush_spans()
-        # backends such as wandb need seconds to start and sync; finish waits for them,
-        # within a bound, so the end of a run does not lose its last rows
-        self.pipeline.close(status, timeout=FINISH_TIMEOUT)
         self.mark = None
         if self._mark is not None:
-            self._mark.close()
+            self.writer.call(self._close_mark, None, wait=False)
+        # at most FINISH_TIMEOUT for the shard (the rows left then are counted and warned
+        # about: `finish_timeout`), the rest of it for alert delivery and backends: such as
+        # wandb need seconds to start and sync, and the end of a run must not lose its rows
+        start = time.monotonic()
+        self.writer.close(status, flush_timeout=FINISH_TIMEOUT)
+        self.writer.say()
+        self.pipeline.drain(max(0.1, FINISH_TIMEOUT - (time.monotonic() - start)), status)
 
     def detach(self) -> None:
         # a forked child shares the parent's descriptor: forget the buffer, never flush it
-        self.writer._buf.clear()
-        self.writer._pending = b""
+        self.writer.detach()
         self._span_buf.clear()
         self.mark = None  # the parent's mark, never this child's
-        self.writer.forget_lock()
 
     def info(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -48,6 +48,9 @@ class Pipeline:
         self.rules = rules
         self.alerts_path = writer.paths.run_dir / alerts_name(int(self.context.get("rank", 0)))
         self.alert_counts = {"fired": 0, "delivered": 0, "suppressed_rank": 0}
+        # direct mode: hands an alert line to the shard's writer thread (False: its queue
+        # is full); else the line is written here
+        self.append_alert: Callable[[str, bytes], bool] | None = None
 
     def apply(
         self, record: dict[str, Any], nonfinite: bool | None = None, line: bytes | None = None
@@ -146,6 +149,11 @@ class Pipeline:
         elif outcome and not delivered:
             entry["suppressed"] = ",".join(sorted(set(outcome.values())))
         line = orjson.dumps(entry, option=orjson.OPT_APPEND_NEWLINE)
+        if self.append_alert is not None:
+            if not self.append_alert(self.alerts_path.name, line):
+                self._warn("alerts_file", f"expr_tracker: cannot write {self.alerts_path}: "
+                           "its writer is behind (a hung run root?); alert lines are dropped")
+            return
         try:
             # opened like the shard: no symlink followed, below exprd's allowed root
             fd = self.writer.open_file(self.alerts_path.name,
@@ -164,6 +172,10 @@ class Pipeline:
     def close(self, status: str = "finished", timeout: float = 5.0) -> None:
         """Final flush, sidecar, then drain alert delivery and backends within `timeout`."""
         self.writer.close(status)
+        self.drain(timeout, status)
+
+    def drain(self, timeout: float, status: str = "finished") -> None:
+        """Drain alert delivery and backends within `timeout`; backends are told `status`."""
         deadline = time.monotonic() + timeout
         if self.dispatcher is not None:
             # its own short bound (policy exit_timeout, 5 s): a hanging webhook must not

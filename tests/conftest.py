@@ -31,6 +31,8 @@ def clean_environ(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[N
     # system metrics (DESIGN 19) add rank records to every run; the tests that pin exact
     # shard contents predate them, and tests/test_sysmetrics.py turns them on
     monkeypatch.setenv("EXPR_SYSTEM_METRICS", "0")
+    # the default spool (and direct mode's node-local step marks) under the test's tmp
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     monkeypatch.chdir(tmp_path)
     # wall-clock times in CLI output must not depend on the machine's time zone
     old_tz = os.environ.get("TZ")
