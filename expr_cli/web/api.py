@@ -33,6 +33,7 @@ from expr_cli.data import jsonable, now
 from expr_cli.data.runs import runs_data, runs_json
 from expr_cli.data.series import load_series, parse_ranks, series_data
 from expr_cli.data.summary import AGGS, page_heatmap, summary_data
+from expr_cli.data.top import screenful
 from expr_cli.errors import CLIError
 from expr_cli.resolve import RunRef, compact_ranks, parse_metrics, parse_step_range, shards_of
 from expr_cli.summary_load import COVERAGE_STEPS
@@ -267,8 +268,7 @@ class Api:
 
         built, frame = live.answer(("top",), build, ttl=TOP_TTL)
         if limit is not None:
-            frame = {**frame, "ranks_total": len(frame["ranks"]), "nodes_total": len(frame["nodes"]),
-                     "ranks": frame["ranks"][:limit], "nodes": frame["nodes"][:limit]}
+            frame = screenful(frame, limit)
         return _aged(frame, now() - built)
 
     def series(self, project: str, name: str, params: Params) -> dict[str, Any]:
