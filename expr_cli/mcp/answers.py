@@ -164,7 +164,8 @@ class Answers:
         from expr_cli.resolve import shards_of
 
         live, _ = self._live(ref, stream, full=True)
-        self.translated(lambda: shards_of(ref, stream))
+        if ("shards", stream) not in live.memo:  # (listed by the first pass: not twice)
+            self.translated(lambda: shards_of(ref, stream))
 
         def build(state: Any) -> Any:
             return now(), jsonable(live.top(state))
