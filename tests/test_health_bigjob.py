@@ -198,3 +198,17 @@ def test_a_single_host_job_all_silent_is_no_job_wide_silence(tmp_path: Path) -> 
     run = write_run(tmp_path / "proj" / "one", PER_NODE, STEPS)
     _age(run, AGE)
     assert "silent" not in {i.kind for i in _pass(run)}
+
+
+def test_an_incident_of_many_ranks_is_brief_for_readers() -> None:
+    from expr_cli.data.top import brief
+
+    few = {"kind": "hang", "ranks": [3, 4], "hosts": ["gpu-0000"]}
+    assert brief(few) is few
+    many = {"kind": "silent", "ranks": [r for r in range(300) if r != 17], "hosts": []}
+    got = brief(many)
+    assert got["ranks"] == many["ranks"][:100] and got["ranks_cut"] is True
+    assert got["rank_count"] == 299 and got["ranks_text"] == "0-16,18-299"
+    assert "hosts_cut" not in got and many["ranks"][100] == 101  # (the line is not changed)
+    gaps = brief({"kind": "silent", "ranks": list(range(0, 2000, 2)), "hosts": []})
+    assert len(gaps["ranks_text"]) <= 124 and gaps["ranks_text"].endswith(",...")
