@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from expr_cli.data.top import TopView
+from expr_cli.data.top import TopView, screenful
 from expr_cli.errors import CLIError
 from expr_cli.layout import NODE_AGGS
 from expr_cli.resolve import DIR_OPT, JSON_OPT, RUN_ARG, STREAM_OPT, resolve_run, root_dir
@@ -30,7 +30,8 @@ def top_command(run: str, dir: str | None, stream: str | None, metric: str | Non
 
             with paused_gc():  # (a row per rank printed: `gcpause`)
                 frame = view()
-                if as_json:
+                if as_json:  # (nodes last: a reader of the head sees the ranks first)
+                    frame = screenful(frame)
                     render.print_json({k: v for k, v in frame.items() if k != "nodes"}
                                       | {"nodes": frame["nodes"]})
                 else:
@@ -66,7 +67,8 @@ def register(app: typer.Typer) -> None:
         -m, a metric's latest value. A frame fits the terminal: big jobs show the worst
         ranks that fit, name the other ranks with incidents, then the nodes that need a
         look and the other nodes folded into bins (--agg).
-        --once prints one frame (--json: {"ranks": [...], "incidents": [...]}).
+        --once prints one frame (--json: {"ranks": [...], "incidents": [...]}: the worst
+        100 ranks and nodes, with ranks_total, nodes_total and counts by status).
         """
         if agg not in NODE_AGGS:
             raise CLIError(f"--agg must be one of {', '.join(NODE_AGGS)}, got {agg!r}", 2)

@@ -15,8 +15,11 @@ from expr_cli.resolve import RunRef
 
 from . import now
 
-_SEVERITY = {"lost": 0, "crashed": 0, "stall": 1, "hang": 2, "missing": 3, "alert": 4,
-             "straggler": 5, "slowdown": 6, "behind": 7}
+_SEVERITY = {"lost": 0, "crashed": 0, "stall": 1, "silent": 1, "hang": 2, "missing": 3,
+             "alert": 4, "straggler": 5, "slowdown": 6, "behind": 7}
+# rows of ranks and of nodes `--json` prints (the worst first; `counts` tells them all): a
+# screenful, never 16,384 rows (6.5 MB)
+JSON_ROWS = 100
 NO_STEP_AFTER = 5.0  # s without a new step (and 3 step periods) that the job line names
 RATE_GRACE = 2.0  # seconds of silence that are the flush lag, not a slower rank
 RATE_HORIZON = 2.0  # a live rank's steps/s counts the steps of the last this many seconds ...
@@ -61,6 +64,16 @@ def job_line(state: Any, findings: list[Any], incidents: list[Any], rows: list[d
     node = next((i for i in incidents if i.kind == "lost"), None)
     if node is not None:
         return {"state": "lost", "lost": list(node.ranks), "text": node.detail}
+    silent = next((i for i in incidents if i.kind == "silent" and i.state == "open"), None)
+    if silent is not None:  # the scheduler killed the job: said once, with the crash before
+        first = first_crash(state)
+        why = ": ".join(str(x) for x in (first.get("type"), first.get("message")) if x) \
+            if first else ""
+        text = silent.detail.split("; ")[0] + (
+            f"; rank {first['rank']} crashed first" + (f" ({why})" if why else "")
+            if first else "")
+        return {"state": "silent", "silent": len(silent.ranks), "first_crash": first,
+                "text": text}
     stall = next((f.info for f in findings if f.kind == "stall" and f.info), None)
     if stall is not None and stall.get("rule") == "all wait":
         return {"state": "stalled", "suspects": [], "text":
@@ -158,6 +171,7 @@ class TopView:
         incidents = sorted([*shown.values(), *p.opened],
                            key=lambda i: (_SEVERITY.get(i.kind, 9), i.ranks))
         lost = {r for i in incidents if i.kind == "lost" for r in i.ranks}
+        silent = {r for i in incidents if i.kind == "silent" for r in i.ranks}
         worst: dict[int, int] = {}
         for inc in incidents:
             for r in inc.ranks:
@@ -166,7 +180,8 @@ class TopView:
         for rs in state.ranks.values():
             rows.append({
                 "rank": rs.rank, "host": rs.host, "step": rs.last_step,
-                "status": "lost" if rs.rank in lost and rs.live else rs.status,
+                "status": ("lost" if rs.rank in lost else "silent" if rs.rank in silent
+                           else rs.status) if rs.live else rs.status,
                 "behind": state.behind(rs.rank), "steps_per_s": steps_per_s(rs, wall),
                 "last_write_age": age_now(rs.last_write), "pid": rs.pid, "dropped": rs.dropped,
                 # rows, not probes or system samples (they keep the files fresh)
@@ -185,7 +200,56 @@ class TopView:
             "job": job_line(state, findings, incidents, rows, wall),
             "ranks": rows, "nodes": _nodes(rows, state),
             "incidents": [i.as_line() for i in incidents],
+            "counts": _counts(rows),
         }
+
+
+def _counts(rows: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """How many ranks have each status and each (worst) incident kind: what a screenful
+    of the worst rows leaves out is still counted."""
+    status: dict[str, int] = {}
+    incident: dict[str, int] = {}
+    for r in rows:
+        status[r["status"]] = status.get(r["status"], 0) + 1
+        if (k := r["incident"]) is not None:
+            incident[k] = incident.get(k, 0) + 1
+    return {"status": status, "incident": incident}
+
+
+def screenful(frame: dict[str, Any], limit: int = JSON_ROWS) -> dict[str, Any]:
+    """`frame` with its worst `limit` ranks and nodes (rows are worst first), and how many
+    there are (`ranks_total`, `nodes_total`; `counts` tells the statuses of them all); its
+    incidents `brief`."""
+    out = {**frame, "ranks_total": len(frame["ranks"]), "nodes_total": len(frame["nodes"]),
+           "ranks": frame["ranks"][:limit], "nodes": frame["nodes"][:limit],
+           "incidents": [brief(i, limit) for i in frame["incidents"]]}
+    if "history" in frame:
+        out["history"] = [brief(i, limit) for i in frame["history"]]
+    return out
+
+
+RANKS_TEXT = 120  # characters of `ranks_text` before its ranges are cut
+
+
+def brief(line: dict[str, Any], limit: int = JSON_ROWS) -> dict[str, Any]:
+    """An incident line for a reader: past `limit` ranks (or hosts), the first `limit` of
+    them, their count (`rank_count`, `host_count`), `ranks_cut: true` and the ranges as
+    text (`ranks_text`); incidents.jsonl keeps them all. A job-wide silence names 16,383
+    ranks: a reader gets a line, not 16,383 numbers."""
+    from expr_cli.resolve import compact_ranks
+
+    ranks, hosts = line.get("ranks") or [], line.get("hosts") or []
+    if len(ranks) <= limit and len(hosts) <= limit:
+        return line
+    out = {**line, "rank_count": len(ranks), "host_count": len(hosts)}
+    if len(ranks) > limit:
+        text = compact_ranks(list(ranks))
+        if len(text) > RANKS_TEXT:
+            text = text[:RANKS_TEXT].rpartition(",")[0] + ",..."
+        out.update(ranks=list(ranks[:limit]), ranks_cut=True, ranks_text=text)
+    if len(hosts) > limit:
+        out.update(hosts=list(hosts[:limit]), hosts_cut=True)
+    return out
 
 
 def _nodes(rows: list[dict[str, Any]], state: Any) -> list[dict[str, Any]]:

@@ -25,6 +25,7 @@ from typing import Any
 from expr_cli.data import jsonable, now
 from expr_cli.data.runs import runs_data, runs_json
 from expr_cli.data.summary import summary_data
+from expr_cli.data.top import brief
 from expr_cli.errors import CLIError
 from expr_cli.resolve import RunRef, compact_ranks, list_runs, near_runs, parse_metrics
 from expr_cli.web.api import RUNS_TTL
@@ -163,7 +164,8 @@ class Answers:
         from expr_cli.resolve import shards_of
 
         live, _ = self._live(ref, stream, full=True)
-        self.translated(lambda: shards_of(ref, stream))
+        if ("shards", stream) not in live.memo:  # (listed by the first pass: not twice)
+            self.translated(lambda: shards_of(ref, stream))
 
         def build(state: Any) -> Any:
             return now(), jsonable(live.top(state))
@@ -261,7 +263,7 @@ class Answers:
         stream = self.stream_arg(stream)
         frame = self._frame(ref, stream)
         _, state = self._live(ref, stream, full=True)
-        opened = frame["incidents"]
+        opened = [brief(i) for i in frame["incidents"]]  # (a job-wide silence: 16,383 ranks)
         named: set[int] = set(frame["job"].get("suspects") or ())
         for inc in opened:
             named.update(inc["ranks"][:NAMED])
@@ -286,7 +288,7 @@ class Answers:
             probes[str(r)] = {"status": rs.status, "step": rs.last_step, "host": rs.host,
                               "where": where(rs.probe) if rs.status == "running" else None,
                               "probe": rs.probe, "exit": rs.exit}
-        past = [i for i in incident_lines(ref) if i.get("state") == "resolved"]
+        past = [brief(i) for i in incident_lines(ref) if i.get("state") == "resolved"]
         root = first_crash(state)
         if root is None:
             root = next((i.get("root") for i in opened if i.get("kind") == "crashed"), None)

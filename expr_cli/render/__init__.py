@@ -32,7 +32,7 @@ GLYPHS = "▁▂▃▄▅▆▇█"  # the same scale without colour (NO_COLOR, 
 MISSING = "·"
 NONFINITE = "\N{MULTIPLICATION SIGN}"
 STATUS_STYLE = {"running": "green", "finished": "blue", "crashed": "bold red", "stale": "yellow",
-                "corrupt": "bold red", "lost": "bold red"}
+                "corrupt": "bold red", "lost": "bold red", "silent": "red"}
 
 
 def console(stderr: bool = False, soft_wrap: bool = False) -> Console:

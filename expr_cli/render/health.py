@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 
     from expr_tracker.health.incidents import Incident
 
-KIND_STYLE = {"crashed": "bold red", "stall": "bold red", "lost": "bold red", "hang": "red", "missing": "red", "alert": "red",
+KIND_STYLE = {"crashed": "bold red", "stall": "bold red", "lost": "bold red", "silent": "bold red",
+              "hang": "red", "missing": "red", "alert": "red",
               "straggler": "yellow", "slowdown": "yellow", "behind": "yellow"}
 
 
@@ -137,7 +138,7 @@ def top_frame(view: Mapping[str, Any], height: int, agg: str = "worst",
     parts.append(_line(head))
     job = view.get("job") or {}
     if job.get("text"):
-        style = {"stalled": "bold red", "crashed": "bold red", "lost": "bold red",
+        style = {"stalled": "bold red", "crashed": "bold red", "lost": "bold red", "silent": "bold red",
                  "finished": "green"}.get(job.get("state"), "")
         parts.append(_line(Text(str(job["text"]), style=style)))
     # rows that never reached a shard (a full spool disk): a line per rank, a few at most

@@ -33,6 +33,7 @@ from expr_cli.data import jsonable, now
 from expr_cli.data.runs import runs_data, runs_json
 from expr_cli.data.series import load_series, parse_ranks, series_data
 from expr_cli.data.summary import AGGS, page_heatmap, summary_data
+from expr_cli.data.top import JSON_ROWS, screenful
 from expr_cli.errors import CLIError
 from expr_cli.resolve import RunRef, compact_ranks, parse_metrics, parse_step_range, shards_of
 from expr_cli.summary_load import COVERAGE_STEPS
@@ -247,7 +248,8 @@ class Api:
 
     def top(self, project: str, name: str, params: Params) -> dict[str, Any]:
         """`expr top --once --json`, plus `history` (incident lines, newest first); `limit=N`
-        keeps the worst N ranks and nodes (a page shows a screenful, not 16,384 rows)."""
+        keeps the worst N ranks and nodes (a page shows a screenful, not 16,384 rows;
+        default the CLI's 100)."""
         ref, stream = self._run(project, name, params)
         limit = _int(params, "limit", 1)
         live = self.lives.get(ref, stream)
@@ -266,9 +268,7 @@ class Api:
             return now(), jsonable(frame)
 
         built, frame = live.answer(("top",), build, ttl=TOP_TTL)
-        if limit is not None:
-            frame = {**frame, "ranks_total": len(frame["ranks"]), "nodes_total": len(frame["nodes"]),
-                     "ranks": frame["ranks"][:limit], "nodes": frame["nodes"][:limit]}
+        frame = screenful(frame, JSON_ROWS if limit is None else limit)  # (as `--json`)
         return _aged(frame, now() - built)
 
     def series(self, project: str, name: str, params: Params) -> dict[str, Any]:

@@ -81,11 +81,12 @@ class LiveRun:
         self._shards_total: int | None = None
         self.listing: list[Any] | None = None  # the shards `LiveRuns.get` listed, for the first pass
 
-    def refresh(self, max_age: float = MIN_PASS, scan: bool = True) -> Any:
+    def refresh(self, max_age: float = MIN_PASS, scan: bool = True, quick: bool = True) -> Any:
         """The live state, from a pass at most `max_age` seconds old. `scan=False` (the
         first tiles, `first_answer`): a first pass reads the state alone, and the scan
         of every tail for the summary's window starts after it, not beside it (on two
-        cores its workers took the core the first pass needed)."""
+        cores its workers took the core the first pass needed). `quick=False`: a first
+        pass reads the watcher's window at once, never the quick window of 2."""
         with self.lock:
             t = time.monotonic()
             if self.state is not None and t - self.pass_at < max_age:
@@ -93,7 +94,7 @@ class LiveRun:
             job = self._prefetch(scan) if self.state is None else None
             if self.state is None and not self.full:
                 shards = job.get(("shards", self.stream)) if job else None
-                if shards is not None and len(shards) >= QUICK_MIN:
+                if shards is not None and len(shards) >= QUICK_MIN and quick:
                     from expr_tracker.health.state import RunReader
 
                     self.quick = RunReader(self.ref.path, self.stream, window=2)
@@ -131,8 +132,12 @@ class LiveRun:
 
     def full_state(self) -> Any:
         """The state of the watcher's window (what top's detectors need), read now and
-        waited for if it is not read yet (`expr mcp`: a tool cannot answer `reading`)."""
-        state = self.refresh()
+        waited for if it is not read yet (`expr mcp`: a tool cannot answer `reading`).
+        A first pass reads that window at once, alone: the quick pass and the summary's
+        scan beside it were two more reads of 16,384 tails before the answer (MCP
+        run_incidents of a killed 16,384-rank job: 22 s)."""
+        first = self.state is None
+        state = self.refresh(scan=not first, quick=not first)
         if self.full:
             return state
         self.start_full()

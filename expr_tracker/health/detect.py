@@ -27,13 +27,15 @@ from typing import Any
 
 from expr_tracker.health.config import HealthConfig
 from expr_tracker.health.lost import lost_nodes
+from expr_tracker.health.silence import job_silence
 from expr_tracker.health.stall import stall
 from expr_tracker.health.state import RankState, RunState
 
-KINDS = ("straggler", "slowdown", "hang", "stall", "behind", "crashed", "missing", "alert", "lost")
+KINDS = ("straggler", "slowdown", "hang", "stall", "behind", "crashed", "missing", "alert", "lost",
+         "silent")
 LEVELS = {"straggler": "warning", "slowdown": "warning", "hang": "error", "stall": "error",
           "behind": "warning", "crashed": "error", "missing": "error", "alert": "error",
-          "lost": "error"}
+          "lost": "error", "silent": "error"}
 JOB = -1  # the rank key of the whole job's slowdown window in `Memory.best`
 # A slowdown must also cost at least this much per step: a best window is the minimum of
 # many noisy windows, so sub-millisecond step times (timer noise, a CPU toy job) would
@@ -472,10 +474,13 @@ def detect(
         # silence before now is not a hang (another host's ranks are seen going on up to
         # `fs_cache` after this host's), and the step that waited is not a slowdown
         memory.stall_end, memory.stall_step = now, state.lead
-    lost = lost_nodes(state, evidence, now)
+    # every rank of every node silent, as after the scheduler killed the job: one incident,
+    # no node lost (no peer waits for it), no stall naming suspects, no hang per rank
+    silent = job_silence(state, evidence, now)
+    lost = [] if silent is not None else lost_nodes(state, evidence, now)
     # a lost node explains the others' wait: no stall names its ranks as suspects
-    stalled = None if lost else stall(state, threshold, now, period, seen, left_over, evidence,
-                                      cache)
+    stalled = None if lost or silent is not None else stall(
+        state, threshold, now, period, seen, left_over, evidence, cache)
     if stalled is None and memory.stalled:
         memory.stall_end, memory.stall_step = now, state.lead
     memory.stalled = stalled is not None
@@ -485,8 +490,11 @@ def detect(
                            stalled["host"], LEVELS["stall"], group=False, info=stalled))
     job.extend(Finding("lost", node["ranks"], node["detail"], node["step"], node["host"],
                        LEVELS["lost"], group=False, info=node) for node in lost)
+    if silent is not None:
+        job.append(Finding("silent", silent["ranks"], silent["detail"], silent["step"], None,
+                           LEVELS["silent"], group=False, info=silent))
     gone = {r for node in lost for r in node["ranks"]}
-    if stalled is None and newest is not None and now - newest < threshold / 2:
+    if stalled is None and silent is None and newest is not None and now - newest < threshold / 2:
         # a silent rank is a hang while the others still advance; once they stopped too
         # (a synchronous job waits for it at its next collective) it is a stall coming
         job.extend(f for f in _hangs(state, threshold, now, memory.stall_end)

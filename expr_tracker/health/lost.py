@@ -13,7 +13,8 @@ their transport notices. A host is **lost** when
   which a live tracker thread rewrites with a probe every few seconds, serve;
 - and the job shows life elsewhere: another node's rank wrote within `threshold` (a
   probe while it waits) or crashed. With every node silent nothing tells a dead node from
-  a frozen filesystem, and nothing is named.
+  a frozen filesystem, and no node is named (two nodes or more: one job-wide silence,
+  `silence.job_silence`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,14 @@ def lost_nodes(state: RunState, threshold: float, now: float) -> list[dict[str, 
     if len(by_host) < 2:
         return []
     beats = state.heartbeats
+    # a lost host's ranks are all live and silent: none of them is alive or crashed, so
+    # "the other nodes' ranks" alive or crashed are every node's, found once (not a loop
+    # over the other hosts' ranks per host: 2,048 hosts x 16,384 ranks was a minute)
+    alive = [rs for rs in state.live if rs.wrote_at is not None and now - rs.wrote_at < threshold]
+    crashed = [rs for rs in state.ranks.values() if rs.status == "crashed"]
+    if not alive and not crashed:
+        return []
+    others = _others(alive, crashed)  # the same words for every lost node of this pass
     out = []
     for host, mine in by_host.items():
         if any(not rs.live for rs in mine):
@@ -72,25 +81,14 @@ def lost_nodes(state: RunState, threshold: float, now: float) -> list[dict[str, 
             exprd = now - beat if beat is not None else None
             if exprd is not None and exprd < threshold:
                 continue  # its exprd lives: the ranks' own silence (a stall names them)
-        others = [rs for h, rss in by_host.items() if h != host for rs in rss]
-        alive = [rs for rs in others if rs.live and rs.wrote_at is not None
-                 and now - rs.wrote_at < threshold]
-        crashed = [rs for rs in others if rs.status == "crashed"]
-        if not alive and not crashed:
-            continue
-        out.append(_verdict(host, mine, quiet, exprd, alive, crashed))
+        out.append(_verdict(host, mine, quiet, exprd, others))
     return out
 
 
-def _verdict(host: str, mine: list[RankState], quiet: float, exprd: float | None,
-             alive: list[RankState], crashed: list[RankState]) -> dict[str, Any]:
-    spooled = any(rs.spooled for rs in mine)
-    what = f"{_ranks(mine)} and exprd" if spooled else _ranks(mine)
-    silent = (f"silent {fmt_quiet(quiet)}" if not spooled or exprd is None or exprd >= quiet
-              else f"silent {fmt_quiet(quiet)} (exprd {fmt_quiet(exprd)})")
-    detail = f"{host} lost: {what} {silent}"
-    if not spooled:
-        detail += " (no rows, no probes)"
+def _others(alive: list[RankState], crashed: list[RankState]) -> tuple[str, tuple[int, ...]]:
+    """What the other nodes do meanwhile, as the end of a lost node's detail, and the
+    crashed ranks that blame a peer (its collateral)."""
+    detail = ""
     waiting = [rs for rs in alive if in_collective(rs.probe)]
     if waiting:
         fns = Counter(fn for rs in waiting[:256] if (fr := _frames(rs.probe))
@@ -103,7 +101,19 @@ def _verdict(host: str, mine: list[RankState], quiet: float, exprd: float | None
         first = next((rs for rs in collateral if rs.exit), None)
         why = f" ({(first.exit or {}).get('message')})" if first is not None else ""
         detail += f"; {_ranks(crashed)} crashed{why}"
+    return detail, tuple(rs.rank for rs in collateral)
+
+
+def _verdict(host: str, mine: list[RankState], quiet: float, exprd: float | None,
+             others: tuple[str, tuple[int, ...]]) -> dict[str, Any]:
+    spooled = any(rs.spooled for rs in mine)
+    what = f"{_ranks(mine)} and exprd" if spooled else _ranks(mine)
+    silent = (f"silent {fmt_quiet(quiet)}" if not spooled or exprd is None or exprd >= quiet
+              else f"silent {fmt_quiet(quiet)} (exprd {fmt_quiet(exprd)})")
+    detail = f"{host} lost: {what} {silent}"
+    if not spooled:
+        detail += " (no rows, no probes)"
     steps = [rs.last_step for rs in mine if rs.last_step is not None]
     return {"host": host, "ranks": tuple(rs.rank for rs in mine), "quiet": quiet,
-            "exprd": exprd, "collateral": tuple(rs.rank for rs in collateral),
-            "detail": detail, "step": max(steps) if steps else None}
+            "exprd": exprd, "collateral": others[1], "detail": detail + others[0],
+            "step": max(steps) if steps else None}

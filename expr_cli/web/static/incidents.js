@@ -18,7 +18,9 @@ function line(inc) {
     ? h("div", { class: "muted" }, `first: rank ${inc.root.rank ?? "?"}${inc.root.host ? ` on ${inc.root.host}` : ""}: ${inc.root.type ?? ""} ${inc.root.message ?? ""}`) : null;
   return h("li", { class: `incident ${inc.state || ""}` },
     badge(String(inc.kind)), " ", badge(inc.state || "?"), " ",
-    ranks.length ? h("strong", {}, `rank${ranks.length > 1 ? "s" : ""} ${ranksText(ranks)}`) : null, hosts,
+    // (past 100 ranks the answer holds their count and ranges as text, not every number)
+    ranks.length ? h("strong", {}, inc.ranks_cut ? `${inc.rank_count.toLocaleString("en-US")} ranks ${inc.ranks_text}`
+      : `rank${ranks.length > 1 ? "s" : ""} ${ranksText(ranks)}`) : null, hosts,
     inc.step !== null && inc.step !== undefined ? h("span", { class: "muted" }, ` at step ${inc.step}`) : null,
     inc.state === "resolved" ? resolvedWhy(inc) : null,
     inc.detail ? h("div", {}, String(inc.detail)) : null, root);
