@@ -112,3 +112,109 @@ def test_nan_is_one_incident_by_default(tmp_path: Path,
     recorded = [i for i in _lines(run / "incidents.jsonl") if i["kind"] == "nonfinite"]
     assert [i["state"] for i in recorded] == ["open", "resolved"], recorded
     assert recorded[-1]["reason"] == "run ended"
+
+
+STALL_JOB = """
+import os, time
+import expr_tracker as et
+rank = int(os.environ["RANK"])
+with et.init("p", "stall", dir=os.environ["ROOT"]):
+    for s in range(80):
+        et.log({"loss": 1.0 / (s + 1)})
+        # rank 1 stops at step 20, rank 0 waits for it at 22: the job stalls 7 s
+        time.sleep(7.0 if s == 20 + 2 * (rank == 0) else 0.05)
+"""
+
+
+def _webhook_config(path: Path, url: str) -> Path:
+    path.write_text(f'[channels.hook]\ntype = "webhook"\nurl = {json.dumps(url)}\nretries = 0\n'
+                    '[policy]\nrate = 0\n')
+    return path
+
+
+@pytest.fixture
+def stalled_run(tmp_path_factory: pytest.TempPathFactory, httpserver: Any) -> Path:
+    """Row b's run: two ranks stall 7 s at step 22 and finish; `expr watch` beside them
+    raised the stall, paged it and its recovery (2 pages)."""
+    tmp = tmp_path_factory.mktemp("stall")
+    httpserver.expect_request("/hook", method="POST").respond_with_data("ok")
+    root = tmp / "runs"
+    cfg = _webhook_config(tmp / "alert.toml", httpserver.url_for("/hook"))
+    ranks = [spawn(STALL_JOB, {"RANK": str(r), "WORLD_SIZE": "2", "ROOT": str(root)})
+             for r in range(2)]
+    run = root / "p" / "stall"
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "expr_cli.main", "watch", str(run), "--config", str(cfg),
+         "--hang-after", "2s", "--page-after", "0", "--notify-recovery", "--exit-on-finish",
+         "--interval", "0.3", "--json"], env=env_for(), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    for p in ranks:
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+    out, err = watch.communicate(timeout=60)
+    lines = [json.loads(x) for x in out.splitlines()]
+    assert [(i["kind"], i["state"]) for i in lines if i["kind"] == "stall"][:2] == [
+        ("stall", "open"), ("stall", "resolved")], (out, err)
+    assert len(httpserver.log) == 2, httpserver.log  # the page and the recovery
+    return run
+
+
+def test_finished_run_keeps_its_story(stalled_run: Path) -> None:
+    """Row b: every reader of the finished run tells its stall and the pages sent."""
+    run = stalled_run
+    summary = expr("summary", str(run), "--json")
+    assert summary.returncode == 0, summary.stderr
+    story = json.loads(summary.stdout)["story"]
+    assert story["pages"] == {"sent": 1, "recoveries": 1}, story
+    [stall] = story["incidents"]
+    assert stall["kind"] == "stall" and stall["state"] == "resolved" and stall["paged"]
+    assert stall["step"] == 22 and stall["recovery_paged"], stall
+    text = expr("summary", str(run))
+    assert "stall (resolved; paged; recovery paged)" in text.stdout, text.stdout
+    assert "1 page sent" in text.stdout, text.stdout
+
+    alerts = expr("alerts", str(run))
+    assert alerts.returncode == 0, alerts.stderr
+    assert "no alerts" not in alerts.stdout and "stall" in alerts.stdout, alerts.stdout
+    pages = json.loads(expr("alerts", str(run), "--json").stdout)["health"]
+    assert [(p["kind"], p["state"]) for p in pages] == [("stall", "open"), ("stall", "resolved")]
+
+    top = expr("top", str(run), "--once", "--json")
+    assert top.returncode == 0, top.stderr
+    told = json.loads(top.stdout)["story"]
+    assert [(i["kind"], i["state"]) for i in told["incidents"]] == [("stall", "resolved")]
+    text = expr("top", str(run), "--once")
+    assert "stall (resolved; paged; recovery paged)" in text.stdout, text.stdout
+
+    once = expr("watch", str(run), "--once")
+    assert once.returncode == 0, once.stdout  # nothing open
+    assert "stall (resolved; paged; recovery paged)" in once.stdout, once.stdout
+
+    pytest.importorskip("mcp")
+    from tests.mcpclient import McpClient
+
+    with McpClient(["--dir", str(run.parent.parent)], env_for()) as c:
+        [row] = c.call("list_runs").json["runs"]
+    assert row["job"]["state"] == "finished", row
+    assert row["story"]["pages"] == {"sent": 1, "recoveries": 1}, row
+    assert [(i["kind"], i["state"], i["step"]) for i in row["story"]["told"]] == [
+        ("stall", "resolved", 22)], row
+
+
+def test_list_runs_tells_a_big_runs_job_line(tmp_path: Path) -> None:
+    """Row d: MCP `list_runs` of a 1,024-rank run with a crash: the job line `expr top`
+    shows (the crash and its root), not `job: null` and no incident."""
+    pytest.importorskip("mcp")
+    from tests.mcpclient import McpClient
+    from tests.synthetic import write_run
+
+    root = (tmp_path / "runs").resolve()
+    write_run(root / "bench" / "big", 1024, 8, crashed=17)
+    top = json.loads(expr("top", "bench/big", "--dir", str(root), "--once", "--json").stdout)
+    assert top["job"]["state"] == "crashed" and top["job"]["first_crash"]["rank"] == 17, top["job"]
+    with McpClient(["--dir", str(root)], env_for()) as c:
+        [row] = c.call("list_runs", timeout=300).json["runs"]
+        incidents = c.call("run_incidents", run="bench/big", timeout=300).json
+    assert incidents["crash_root"]["rank"] == 17
+    assert row["n_ranks"] == 1024 and row["job"] == top["job"], row
+    assert [i["kind"] for i in row["open_incidents"]] == ["crashed"], row

@@ -275,6 +275,10 @@ def build_view(
         recent = all_steps[:bisect_right(all_steps, at)][-COVERAGE_STEPS:]
     view["ranks"] = _ranks_block(state, at if at is not None else (span[1] - 1 if span else None),
                                  world)
+    if state is not None:  # its incidents, open and past, and the pages sent
+        from expr_tracker.health.story import story
+
+        view["story"] = story(state.run_dir)
     nodes = layout.Nodes.of(state, world)
     view["world_sizes"] = layout.disagreeing_world_sizes(world_sizes or {}, world)
     sidecars = {r: rs.world_size for r, rs in state.ranks.items()} if state is not None else {}

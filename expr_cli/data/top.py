@@ -140,6 +140,7 @@ class TopView:
     def _frame(self, state: Any) -> dict[str, Any]:
         from expr_tracker.health.detect import detect, ended
         from expr_tracker.health.incidents import first_crash, plan
+        from expr_tracker.health.story import story
 
         wall = self.reader.clock()
         if state is None:
@@ -185,6 +186,8 @@ class TopView:
             "job": job_line(state, findings, incidents, rows, wall),
             "ranks": rows, "nodes": _nodes(rows, state),
             "incidents": [i.as_line() for i in incidents],
+            # a run that is over keeps its story: every incident it had, the pages sent
+            "story": story(self.ref.path) if state.ranks and not state.live else {},
         }
 
 

@@ -75,6 +75,10 @@ def summary(view: Mapping[str, Any]) -> None:
     if why and why != "as asked":
         prose(out, Text(f"  {where}: {why}", style="dim"))
     _ranks_line(out, view.get("ranks") or {})
+    from .health import story_lines
+
+    for line in story_lines(view.get("story") or {}):
+        prose(out, line)
     keys = view["keys"][:MAX_KEYS]  # a screenful: a row of 50,000 keys was 300k lines
     narrow = _narrow_width(out.width, view["world_size"], [i["stats"] for i in keys])
     for item in keys:
