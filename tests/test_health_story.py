@@ -218,3 +218,46 @@ def test_list_runs_tells_a_big_runs_job_line(tmp_path: Path) -> None:
     assert incidents["crash_root"]["rank"] == 17
     assert row["n_ranks"] == 1024 and row["job"] == top["job"], row
     assert [i["kind"] for i in row["open_incidents"]] == ["crashed"], row
+
+
+RATE_JOB = """
+import os, time
+import expr_tracker as et
+with et.init("p", "rate", dir=os.environ["ROOT"], upload_mode="spool",
+             spool_dir=os.environ["SPOOL"]):
+    t = time.time()
+    while time.time() - t < float(os.environ["FOR"]):
+        et.log({"loss": 1.0})
+        time.sleep(0.125)  # 8 steps/s
+"""
+
+
+def test_top_rates_a_spool_mode_job_by_its_rows(tmp_path: Path) -> None:
+    """Row e: `expr top` on a spool-mode job that exprd applies (default settings) says
+    about 8 steps/s whenever it looks, not 0 between two of exprd's applies."""
+    from tests.test_daemon import start_exprd, stop
+
+    spool, state, root = tmp_path / "spool", tmp_path / "state", tmp_path / "runs"
+    cfg = tmp_path / "exprd.toml"
+    cfg.write_text(f"spool = {json.dumps(str(spool))}\nstate = {json.dumps(str(state))}\n"
+                   f"allowed_roots = {json.dumps([str(root)])}\n")  # exprd's defaults
+    daemon = start_exprd(cfg)
+    ranks = [spawn(RATE_JOB, {"RANK": str(r), "WORLD_SIZE": "2", "ROOT": str(root),
+                              "SPOOL": str(spool), "FOR": "25"}) for r in range(2)]
+    try:
+        run = root / "p" / "rate"
+        def applied() -> bool:
+            step = (_sidecar(run, 1).get("cursor") or {}).get("last_step")
+            return type(step) is int and step > 40
+        _wait(applied, 30, "exprd to apply 40 steps")
+        rates = []
+        for _ in range(8):  # over 10 s: two of exprd's rescans at least
+            frame = json.loads(expr("top", str(run), "--once", "--json").stdout)
+            assert frame["job"]["state"] == "running", frame["job"]
+            rates.append([r["steps_per_s"] for r in frame["ranks"]])
+            time.sleep(1.25)
+        assert all(r is not None and 5.0 < r < 9.0 for pair in rates for r in pair), rates
+    finally:
+        for p in ranks:
+            p.communicate(timeout=60)
+        stop(daemon)

@@ -19,6 +19,10 @@ _SEVERITY = {"lost": 0, "crashed": 0, "stall": 1, "hang": 2, "missing": 3, "aler
              "straggler": 5, "slowdown": 6, "behind": 7}
 NO_STEP_AFTER = 5.0  # s without a new step (and 3 step periods) that the job line names
 RATE_GRACE = 2.0  # seconds of silence that are the flush lag, not a slower rank
+# ... for a rank in spool mode: its rows reach the shard when exprd applies them, on its
+# rescan (every 5 s by default: writes to a memory-mapped segment raise no inotify
+# event), so its shard is that old between two applies while the rank steps on
+SPOOL_RATE_GRACE = 12.0
 RATE_HORIZON = 2.0  # a live rank's steps/s counts the steps of the last this many seconds ...
 RATE_PERIODS = 4  # ... or of this many of its step periods, if longer
 
@@ -32,7 +36,8 @@ def steps_per_s(rs: Any, now: float) -> float | None:
     """A rank's steps/s up to now: over its recent step rows, and for a live rank over
     the last max(RATE_HORIZON, RATE_PERIODS periods) up to `now` (the reader's clock),
     so that it falls to 0 while the rank is silent (a stall) instead of showing the rate
-    of its last rows. Its rows' `_time`s are only compared with each other (its clock);
+    of its last rows; silence within the writer's lag (exprd's, for a rank in spool mode)
+    is not counted. Its rows' `_time`s are only compared with each other (its clock);
     its silence is measured on ours."""
     steps, times = rs.steps, rs.times
     if len(steps) < 2:
@@ -42,7 +47,10 @@ def steps_per_s(rs: Any, now: float) -> float | None:
         return None
     if not rs.live or rs.last_write is None:
         return (s1 - s0) / (t1 - t0)
-    end = t1 + max(0.0, now - rs.last_write - RATE_GRACE)  # `now` on the rank's clock
+    # within the writer's lag, the rate of the rows' own times up to the last one; past
+    # it, the silence beyond the lag counts (`now` on the rank's clock)
+    grace = SPOOL_RATE_GRACE if rs.spooled else RATE_GRACE
+    end = t1 + max(0.0, now - rs.last_write - grace)
     start = max(t0, end - max(RATE_HORIZON, RATE_PERIODS * (t1 - t0) / (s1 - s0)))
     if start >= t1:
         return 0.0
