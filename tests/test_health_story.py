@@ -261,3 +261,73 @@ def test_top_rates_a_spool_mode_job_by_its_rows(tmp_path: Path) -> None:
         for p in ranks:
             p.communicate(timeout=60)
         stop(daemon)
+
+
+LATE_JOB = """
+import os, time
+import expr_tracker as et
+rank = int(os.environ["RANK"])
+with et.init("p", "late", dir=os.environ["ROOT"]):
+    for s in range(60):
+        et.log({"loss": 1.0 / (s + 1)})
+        # rank 1 stops at step 20, rank 0 waits for it at 22: the job stalls 25 s
+        time.sleep(25.0 if s == 20 + 2 * (rank == 0) else 0.05)
+"""
+
+
+def test_a_late_watcher_records_the_stall_it_finds(tmp_path: Path) -> None:
+    """Row c: direct mode, no exprd, no `expr watch`: `expr serve` (a long-running
+    watcher) started well into a stall records it once, and its end; a watcher after it
+    writes no second copy."""
+    import urllib.request
+
+    root = tmp_path / "runs"
+    cfg = tmp_path / "health.toml"
+    cfg.write_text('[health]\nhang_after = "5s"\n')
+    ranks = [spawn(LATE_JOB, {"RANK": str(r), "WORLD_SIZE": "2", "ROOT": str(root)})
+             for r in range(2)]
+    run = root / "p" / "late"
+    serve = None
+    try:
+        def stopped() -> bool:
+            return [(_sidecar(run, r).get("cursor") or {}).get("last_step") for r in (0, 1)] \
+                == [22, 20]
+        _wait(stopped, 30, "both ranks at their stop")
+        time.sleep(8)  # the stall is older than hang_after before anyone watches
+        assert not (run / "incidents.jsonl").exists()
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "expr_cli.main", "serve", "--dir", str(root), "--port", "0"],
+            env=env_for({"EXPR_ALERT_CONFIG": str(cfg)}), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True)
+        assert serve.stdout is not None
+        base = serve.stdout.readline().strip().rstrip("/")
+        assert base.startswith("http://127.0.0.1:"), base
+
+        def top() -> dict[str, Any]:
+            with urllib.request.urlopen(f"{base}/api/runs/p/late/top", timeout=60) as r:
+                return json.loads(r.read())  # type: ignore[no-any-return]
+        for _ in range(3):  # asked again and again: recorded once
+            frame = top()
+            assert frame["job"]["state"] == "stalled", frame["job"]
+            time.sleep(0.6)
+        stalls = [i for i in _lines(run / "incidents.jsonl") if i["kind"] == "stall"]
+        assert [(i["state"], i["step"], i["ranks"]) for i in stalls] == [("open", 22, [1])]
+        again = expr("watch", str(run), "--once", "--json", "--hang-after", "5s")
+        assert again.returncode == 1, again.stdout
+        assert len(_lines(run / "incidents.jsonl")) == 1  # not a second copy
+
+        for p in ranks:
+            p.communicate(timeout=60)
+        frame = top()
+        assert frame["job"]["state"] == "finished", frame["job"]
+        stalls = [i for i in _lines(run / "incidents.jsonl") if i["kind"] == "stall"]
+        assert [i["state"] for i in stalls] == ["open", "resolved"], stalls
+        assert len({i["id"] for i in stalls}) == 1
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+        if serve is not None:
+            serve.terminate()
+            serve.communicate(timeout=10)

@@ -125,12 +125,18 @@ def _metric(state: Any, rs: Any, key: str | None) -> Any:
 class TopView:
     """Builds one frame's data: a reader and detector memory kept between frames."""
 
-    def __init__(self, ref: RunRef, stream: str | None, metric: str | None, cfg: Any) -> None:
+    def __init__(self, ref: RunRef, stream: str | None, metric: str | None, cfg: Any,
+                 record: bool = False) -> None:
+        """`record`: this view is a long-running watcher's (`expr serve`), which records
+        the stalls it finds (`_record`)."""
         from expr_tracker.health.detect import Memory
         from expr_tracker.health.watch import IncidentLog, Watcher
 
         self.ref = ref
         self.metric = metric
+        self.record = record
+        self.recorded: set[str] = set()  # ids of the open stalls this view recorded
+        self.record_errors = 0
         watcher = Watcher(ref.path, cfg, None, stream=stream, owner=False)
         self.reader = watcher.reader
         self.cfg = watcher.cfg  # (`fs_cache` resolved)
@@ -160,11 +166,13 @@ class TopView:
         # every open incident of incidents.jsonl, whoever recorded it (a watcher with other
         # thresholds, or evidence this frame lacks: its line stands until a watcher
         # resolves it), with this frame's news of it; then what only this frame finds
+        if self.record:
+            self._record(p)
         shown = dict(self.log.open)
         for inc in (*p.still_open, *p.updated):
             if inc.id in shown:
                 shown[inc.id] = inc
-        incidents = sorted([*shown.values(), *p.opened],
+        incidents = sorted([*shown.values(), *(i for i in p.opened if i.id not in shown)],
                            key=lambda i: (_SEVERITY.get(i.kind, 9), i.ranks))
         lost = {r for i in incidents if i.kind == "lost" for r in i.ranks}
         worst: dict[int, int] = {}
@@ -197,6 +205,26 @@ class TopView:
             # a run that is over keeps its story: every incident it had, the pages sent
             "story": story(self.ref.path) if state.ranks and not state.live else {},
         }
+
+
+    def _record(self, p: Any) -> None:
+        """A long-running watcher records what it finds (DESIGN 13): a stall this view
+        finds that no watcher recorded (none runs, as in direct mode without exprd, or it
+        started after the stall began) goes to incidents.jsonl once, undelivered (a
+        watcher with channels delivers it), and its resolution when the job goes on. Only
+        stalls: the other kinds are the watchers' own (their thresholds). A write that
+        fails (a read-only root) is counted, never raised."""
+        opened = [i for i in p.opened if i.kind == "stall"]
+        resolved = [i for i in p.resolved if i.kind == "stall" and i.id in self.recorded]
+        if not opened and not resolved:
+            return
+        try:  # (an opening already open, another watcher's, is not written again)
+            done = self.log.record([*resolved, *opened], None)
+        except OSError:
+            self.record_errors += 1
+            return
+        self.recorded.update(i.id for i in done if i.state == "open")
+        self.recorded.difference_update(i.id for i in done if i.state == "resolved")
 
 
 def _nodes(rows: list[dict[str, Any]], state: Any) -> list[dict[str, Any]]:
