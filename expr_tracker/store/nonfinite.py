@@ -5,8 +5,8 @@ infinite, and keeps the notes in the shard's sidecar (`nonfinite`), so every rea
 run (a watcher, `expr top --once` long after the step) knows of it from the sidecars it
 reads anyway, without scanning a shard. Non-finite floats are written as the strings
 "NaN", "Infinity", "-Infinity" (DESIGN 4): a flush whose bytes hold neither `"NaN"` nor
-`Infinity"` (nearly all of them; one search in C each) costs nothing more; only the lines
-that do are parsed.
+`Infinity"` (nearly all of them: a `memchr` for a capital letter, else one search in C)
+costs next to nothing more; only the lines that do are parsed.
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ def note(data: bytes, notes: dict[str, dict[str, Any]], own_rank: int | None) ->
     """Add to `notes` (key -> {step, rank, rows, ranks}) the non-finite values in the
     whole lines `data`; True when a note was added or changed. A record's rank is its
     `_rank`, else `own_rank` (the shard's)."""
-    if not (_NEEDLES[0] in data or _NEEDLES[1] in data):
+    # a capital N or I first (memchr: about 1 us a flush where the needles take 50): the
+    # keys of most jobs hold neither, and "NaN" and "Infinity" each hold one
+    if not ((b"N" in data and _NEEDLES[0] in data) or (b"I" in data and _NEEDLES[1] in data)):
         return False
     changed = False
     for line in _lines_with(data):
