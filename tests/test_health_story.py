@@ -112,6 +112,8 @@ def test_nan_is_one_incident_by_default(tmp_path: Path,
     recorded = [i for i in _lines(run / "incidents.jsonl") if i["kind"] == "nonfinite"]
     assert [i["state"] for i in recorded] == ["open", "resolved"], recorded
     assert recorded[-1]["reason"] == "run ended"
+    summary = expr("summary", str(run))  # the finished run, read by anyone
+    assert "non-finite: loss is NaN on rank 1 at step 100" in summary.stdout, summary.stdout
 
 
 STALL_JOB = """

@@ -105,6 +105,8 @@ def _ranks_line(out: Console, ranks: Mapping[str, Any]) -> None:
 
     for rank, why in (ranks or {}).get("dropped", {}).items():
         prose(out, Text(f"  rank {rank}: {why}", style="bold yellow"))
+    for bad in (ranks or {}).get("nonfinite", [])[:4]:
+        prose(out, Text(f"  non-finite: {bad['detail']}", style="bold red"))
     if not ranks or ranks.get("shards", 0) <= 1:
         return
     text = Text(f"  {ranks['shards']:,} shards: {ranks['live']:,} live, {ranks['finished']:,} finished")
