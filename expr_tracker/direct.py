@@ -173,6 +173,8 @@ class DirectSink:
 
     def flush(self) -> None:
         self.writer.flush()
+        if self.writer.notes_new:  # a key went non-finite: the watchers learn it now
+            self.writer.write_sidecar()
         self._flush_spans()
 
     def _flush_spans(self) -> None:

@@ -55,3 +55,29 @@ def test_a_resumed_shard_keeps_the_first_note(tmp_path: Path) -> None:
     side = json.loads((root / "p" / "r" / "metrics.meta.json").read_text())
     assert side["nonfinite"]["loss"]["step"] == 10, side["nonfinite"]  # the first stays first
     assert side["nonfinite"]["loss"]["rows"] == 2
+
+
+def test_the_detector_names_the_first_and_takes_only_changed_ranks() -> None:
+    from expr_tracker.health.nonfinite import Seen, nonfinite
+    from expr_tracker.health.state import RankState, RunState
+
+    ranks = {r: RankState(rank=r, stream=None, path=Path(f"/r/{r}"), host=f"h{r // 8}")
+             for r in range(32)}
+    ranks[5].nonfinite = {"loss": {"step": 12, "rank": 5, "value": "NaN", "rows": 1, "ranks": [5]}}
+    ranks[3].nonfinite = {"loss": {"step": 12, "rank": 3, "value": "Infinity", "ranks": [3]},
+                          "bad": "not a note"}
+
+    def state(changed: set[int]) -> RunState:
+        return RunState(run_dir=Path("/r"), stream=None, ranks=ranks, rank_records={},
+                        read_time=0.0, changed=frozenset(changed))
+
+    seen = Seen()
+    [got] = nonfinite(state(set(ranks)), seen)
+    assert (got["key"], got["rank"], got["step"], got["ranks"]) == ("loss", 3, 12, (3, 5))
+    assert got["detail"] == "loss is Infinity on rank 3 at step 12 (first; 2 ranks so far: 3,5)"
+    assert got["host"] == "h0"
+    ranks[9].nonfinite = {"loss": {"step": 4, "rank": 9, "value": "NaN", "ranks": [9]}}
+    assert nonfinite(state(set()), seen)[0]["rank"] == 3  # not changed: not looked at
+    [got] = nonfinite(state({9}), seen)
+    assert (got["rank"], got["step"], got["ranks"]) == (9, 4, (3, 5, 9))
+    assert nonfinite(state(set()))[0]["rank"] == 9  # one-shot: every rank

@@ -27,7 +27,7 @@ from typing import Any
 
 from expr_tracker.health.config import HealthConfig
 from expr_tracker.health.lost import lost_nodes
-from expr_tracker.health.nonfinite import nonfinite
+from expr_tracker.health.nonfinite import Seen, nonfinite
 from expr_tracker.health.stall import stall
 from expr_tracker.health.state import RankState, RunState
 
@@ -81,6 +81,7 @@ class Memory:
     passes: int = 0
     behind_since: dict[int, float] = field(default_factory=dict)  # rank -> first found behind
     newest: float | None = None  # the last advance of any live rank, at the last pass
+    nonfinite: Seen = field(default_factory=Seen)  # the sidecars' non-finite notes so far
 
 
 class _Derived:
@@ -508,5 +509,6 @@ def detect(
         *_missing(state, cfg, now),
         *_alerts(state, suppressed),
         *(Finding("nonfinite", n["ranks"], n["detail"], n["step"], n["host"],
-                  LEVELS["nonfinite"], group=False, info=n) for n in nonfinite(state)),
+                  LEVELS["nonfinite"], group=False, info=n)
+          for n in nonfinite(state, memory.nonfinite)),
     ]

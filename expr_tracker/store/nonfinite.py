@@ -40,8 +40,9 @@ def _lines_with(data: bytes) -> list[bytes]:
 
 def note(data: bytes, notes: dict[str, dict[str, Any]], own_rank: int | None) -> bool:
     """Add to `notes` (key -> {step, rank, rows, ranks}) the non-finite values in the
-    whole lines `data`; True when a note was added or changed. A record's rank is its
-    `_rank`, else `own_rank` (the shard's)."""
+    whole lines `data`; True when a key or a rank was added (news for the readers: the
+    writer then rewrites the sidecar soon, not at its usual few seconds). A record's rank
+    is its `_rank`, else `own_rank` (the shard's)."""
     # a capital N or I first (memchr: about 1 us a flush where the needles take 50): the
     # keys of most jobs hold neither, and "NaN" and "Infinity" each hold one
     if not ((b"N" in data and _NEEDLES[0] in data) or (b"I" in data and _NEEDLES[1] in data)):
@@ -68,12 +69,13 @@ def note(data: bytes, notes: dict[str, dict[str, Any]], own_rank: int | None) ->
                     continue
                 notes[key] = {"step": step, "rank": rank, "value": value, "rows": 1,
                               "ranks": [] if rank is None else [rank]}
+                changed = True
             else:
                 got["rows"] = int(got.get("rows") or 0) + 1
                 ranks = got.setdefault("ranks", [])
                 if rank is not None and rank not in ranks and len(ranks) < MAX_RANKS:
                     ranks.append(rank)
-            changed = True
+                    changed = True
     return changed
 
 

@@ -102,6 +102,7 @@ class ShardWriter:
         self.spool_dropped: list[dict[str, Any]] = []
         # key -> where it was first non-finite in this shard (`store.nonfinite`)
         self.nonfinite: dict[str, dict[str, Any]] = {}
+        self.notes_new = False  # a key or rank went non-finite since the sidecar was written
         self.start_time = time.time()
         self.end_time: float | None = None
         self.last_write: float | None = None
@@ -400,7 +401,8 @@ class ShardWriter:
             if step is not None and (self.cursor.last_step is None or step > self.cursor.last_step):
                 self.cursor.last_step = step
             self.last_write = time.time()
-            nonfinite.note(written, self.nonfinite, self._rank)
+            if nonfinite.note(written, self.nonfinite, self._rank):
+                self.notes_new = True
             if failed is not None:
                 data, nrows = data[done:], nrows - rows
         if failed is not None:
@@ -519,6 +521,7 @@ class ShardWriter:
         """Atomically rewrite the sidecar; failures are reported (False), never raised."""
         if not self.sidecar_enabled:
             return True
+        self.notes_new = False
         try:
             self.store_sidecar(self.sidecar_bytes())
         except OSError as exc:
