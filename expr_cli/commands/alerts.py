@@ -1,4 +1,5 @@
-"""`expr alerts RUN`: what the rules (and `et.alert`) raised, by rank, delivered or suppressed."""
+"""`expr alerts RUN`: what the rules (and `et.alert`) raised, by rank, delivered or
+suppressed; and the health pages the watchers sent (an incident's, its recovery's)."""
 
 from __future__ import annotations
 
@@ -71,20 +72,28 @@ def group_alerts(alerts: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def alerts_command(run: str, dir: str | None, rank: int | None, as_json: bool) -> None:
     """List the alerts of RUN."""
     from expr_cli import render
+    from expr_cli.render import health as render_health
+    from expr_tracker.health.story import pages
 
     ref = resolve_run(run, root_dir(dir))
     alerts, bad = read_alerts(ref)
+    # the health watchers' pages (incidents.jsonl) beside the rules' alerts
+    health = [p for p in pages(ref.path) if rank is None or rank in p["ranks"]]
     if bad:
         render.warning(f"skipped {bad} alert line{'s' if bad != 1 else ''} that did not parse")
     if rank is not None:
         alerts = [a for a in alerts if a["rank"] == rank]
     counts = counts_by_rank(alerts)
     if as_json:
-        render.print_json({"run": ref.label, "alerts": alerts, "by_rank": counts})
-    elif not alerts:
+        render.print_json({"run": ref.label, "alerts": alerts, "by_rank": counts,
+                           "health": health})
+    elif not alerts and not health:
         render.note(f"no alerts in {ref.label}" + (f" from rank {rank}" if rank is not None else ""))
     else:
-        render.alerts(group_alerts(alerts), counts, ref.label)
+        if alerts:
+            render.alerts(group_alerts(alerts), counts, ref.label)
+        if health:
+            render_health.health_pages(health, ref.label)
 
 
 _RANK_OPT = typer.Option(None, "--rank", "-r", min=0, show_default=False, metavar="RANK",

@@ -108,6 +108,10 @@ def watch_command(run: str, dir: str | None, stream: str | None, once: bool, as_
         if once:
             if not first and not as_json:
                 render_health.no_incidents(ref.label)
+            if watcher.ended and not as_json:  # a run that is over keeps its story
+                from expr_tracker.health.story import story
+
+                render_health.story_print(story(ref.path))
             flush(disp)
             return 1 if watcher.open or watcher.write_error else 0
         said = {_said(i) for i in first}

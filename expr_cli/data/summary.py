@@ -176,9 +176,15 @@ def _ranks_block(state: RunState | None, at: int | None, world: int) -> dict[str
     # every open incident of incidents.jsonl, whoever recorded it
     incidents = [i.as_line() for i in open_incidents(state.run_dir)]
     dropped = {r: rs.dropped for r, rs in sorted(state.ranks.items()) if rs.dropped}
+    from expr_tracker.health.nonfinite import nonfinite
+
+    # where each key first went NaN or infinite (the sidecars' notes), whoever watched
+    bad = [{k: n[k] for k in ("key", "rank", "step", "value", "detail")} | {"ranks": list(n["ranks"])}
+           for n in nonfinite(state)[:16]]
     return {"shards": len(state.ranks), "live": by["running"], "finished": by["finished"],
             "crashed": crashed, "first_crash": first, "behind": behind, "no_shard": no_shard,
-            "frontier": state.frontier, "incidents": incidents, "dropped": dropped}
+            "frontier": state.frontier, "incidents": incidents, "dropped": dropped,
+            "nonfinite": bad}
 
 
 def _split_missing(missing: list[int], state: RunState | None, at: int | None) -> tuple[
@@ -275,6 +281,10 @@ def build_view(
         recent = all_steps[:bisect_right(all_steps, at)][-COVERAGE_STEPS:]
     view["ranks"] = _ranks_block(state, at if at is not None else (span[1] - 1 if span else None),
                                  world)
+    if state is not None:  # its incidents, open and past, and the pages sent
+        from expr_tracker.health.story import story
+
+        view["story"] = story(state.run_dir)
     nodes = layout.Nodes.of(state, world)
     view["world_sizes"] = layout.disagreeing_world_sizes(world_sizes or {}, world)
     sidecars = {r: rs.world_size for r, rs in state.ranks.items()} if state is not None else {}

@@ -16,12 +16,16 @@ from expr_cli.resolve import RunRef
 from . import now
 
 _SEVERITY = {"lost": 0, "crashed": 0, "stall": 1, "silent": 1, "hang": 2, "missing": 3,
-             "alert": 4, "straggler": 5, "slowdown": 6, "behind": 7}
+             "alert": 4, "nonfinite": 4, "straggler": 5, "slowdown": 6, "behind": 7}
 # rows of ranks and of nodes `--json` prints (the worst first; `counts` tells them all): a
 # screenful, never 16,384 rows (6.5 MB)
 JSON_ROWS = 100
 NO_STEP_AFTER = 5.0  # s without a new step (and 3 step periods) that the job line names
 RATE_GRACE = 2.0  # seconds of silence that are the flush lag, not a slower rank
+# ... for a rank in spool mode: its rows reach the shard when exprd applies them, on its
+# rescan (every 5 s by default: writes to a memory-mapped segment raise no inotify
+# event), so its shard is that old between two applies while the rank steps on
+SPOOL_RATE_GRACE = 12.0
 RATE_HORIZON = 2.0  # a live rank's steps/s counts the steps of the last this many seconds ...
 RATE_PERIODS = 4  # ... or of this many of its step periods, if longer
 
@@ -35,7 +39,8 @@ def steps_per_s(rs: Any, now: float) -> float | None:
     """A rank's steps/s up to now: over its recent step rows, and for a live rank over
     the last max(RATE_HORIZON, RATE_PERIODS periods) up to `now` (the reader's clock),
     so that it falls to 0 while the rank is silent (a stall) instead of showing the rate
-    of its last rows. Its rows' `_time`s are only compared with each other (its clock);
+    of its last rows; silence within the writer's lag (exprd's, for a rank in spool mode)
+    is not counted. Its rows' `_time`s are only compared with each other (its clock);
     its silence is measured on ours."""
     steps, times = rs.steps, rs.times
     if len(steps) < 2:
@@ -45,7 +50,10 @@ def steps_per_s(rs: Any, now: float) -> float | None:
         return None
     if not rs.live or rs.last_write is None:
         return (s1 - s0) / (t1 - t0)
-    end = t1 + max(0.0, now - rs.last_write - RATE_GRACE)  # `now` on the rank's clock
+    # within the writer's lag, the rate of the rows' own times up to the last one; past
+    # it, the silence beyond the lag counts (`now` on the rank's clock)
+    grace = SPOOL_RATE_GRACE if rs.spooled else RATE_GRACE
+    end = t1 + max(0.0, now - rs.last_write - grace)
     start = max(t0, end - max(RATE_HORIZON, RATE_PERIODS * (t1 - t0) / (s1 - s0)))
     if start >= t1:
         return 0.0
@@ -130,12 +138,18 @@ def _metric(state: Any, rs: Any, key: str | None) -> Any:
 class TopView:
     """Builds one frame's data: a reader and detector memory kept between frames."""
 
-    def __init__(self, ref: RunRef, stream: str | None, metric: str | None, cfg: Any) -> None:
+    def __init__(self, ref: RunRef, stream: str | None, metric: str | None, cfg: Any,
+                 record: bool = False) -> None:
+        """`record`: this view is a long-running watcher's (`expr serve`), which records
+        the stalls it finds (`_record`)."""
         from expr_tracker.health.detect import Memory
         from expr_tracker.health.watch import IncidentLog, Watcher
 
         self.ref = ref
         self.metric = metric
+        self.record = record
+        self.recorded: set[str] = set()  # ids of the open stalls this view recorded
+        self.record_errors = 0
         watcher = Watcher(ref.path, cfg, None, stream=stream, owner=False)
         self.reader = watcher.reader
         self.cfg = watcher.cfg  # (`fs_cache` resolved)
@@ -153,6 +167,7 @@ class TopView:
     def _frame(self, state: Any) -> dict[str, Any]:
         from expr_tracker.health.detect import detect, ended
         from expr_tracker.health.incidents import first_crash, plan
+        from expr_tracker.health.story import story
 
         wall = self.reader.clock()
         if state is None:
@@ -164,11 +179,13 @@ class TopView:
         # every open incident of incidents.jsonl, whoever recorded it (a watcher with other
         # thresholds, or evidence this frame lacks: its line stands until a watcher
         # resolves it), with this frame's news of it; then what only this frame finds
+        if self.record:
+            self._record(p)
         shown = dict(self.log.open)
         for inc in (*p.still_open, *p.updated):
             if inc.id in shown:
                 shown[inc.id] = inc
-        incidents = sorted([*shown.values(), *p.opened],
+        incidents = sorted([*shown.values(), *(i for i in p.opened if i.id not in shown)],
                            key=lambda i: (_SEVERITY.get(i.kind, 9), i.ranks))
         lost = {r for i in incidents if i.kind == "lost" for r in i.ranks}
         silent = {r for i in incidents if i.kind == "silent" for r in i.ranks}
@@ -201,7 +218,28 @@ class TopView:
             "ranks": rows, "nodes": _nodes(rows, state),
             "incidents": [i.as_line() for i in incidents],
             "counts": _counts(rows),
+            # a run that is over keeps its story: every incident it had, the pages sent
+            "story": story(self.ref.path) if state.ranks and not state.live else {},
         }
+
+    def _record(self, p: Any) -> None:
+        """A long-running watcher records what it finds (DESIGN 13): a stall this view
+        finds that no watcher recorded (none runs, as in direct mode without exprd, or it
+        started after the stall began) goes to incidents.jsonl once, undelivered (a
+        watcher with channels delivers it), and its resolution when the job goes on. Only
+        stalls: the other kinds are the watchers' own (their thresholds). A write that
+        fails (a read-only root) is counted, never raised."""
+        opened = [i for i in p.opened if i.kind == "stall"]
+        resolved = [i for i in p.resolved if i.kind == "stall" and i.id in self.recorded]
+        if not opened and not resolved:
+            return
+        try:  # (an opening already open, another watcher's, is not written again)
+            done = self.log.record([*resolved, *opened], None)
+        except OSError:
+            self.record_errors += 1
+            return
+        self.recorded.update(i.id for i in done if i.state == "open")
+        self.recorded.difference_update(i.id for i in done if i.state == "resolved")
 
 
 def _counts(rows: list[dict[str, Any]]) -> dict[str, dict[str, int]]:

@@ -29,7 +29,7 @@ from expr_cli.data.top import brief
 from expr_cli.errors import CLIError
 from expr_cli.resolve import RunRef, compact_ranks, list_runs, near_runs, parse_metrics
 from expr_cli.web.api import RUNS_TTL
-from expr_cli.web.live import QUICK_MIN, LiveRuns, incident_lines
+from expr_cli.web.live import LiveRuns, incident_lines
 from expr_cli.web.paths import BadRequest, NotFound, inside, no_links, run_ref
 from expr_tracker.store.layout import validate_stream
 
@@ -43,6 +43,20 @@ FRAME_TTL = 1.0
 _BAD = {"crashed": 0, "stall": 1, "hang": 1, "missing": 2, "straggler": 3, "slowdown": 3,
         "behind": 4, "alert": 4}
 _STATUS = {"crashed": 0, "stale": 1, "running": 2, "finished": 3}
+
+
+def _brief(told: dict[str, Any]) -> dict[str, Any] | None:
+    """A run's story (`health.story`) for `list_runs`: counts, and its incidents in a line
+    each (None when no watcher recorded any)."""
+    if not told:
+        return None
+    return {"incidents": told["count"], "open": told["open"], "by_kind": told["by_kind"],
+            "pages": told["pages"],
+            "told": [{"kind": e["kind"], "state": e["state"], "step": e["step"],
+                      "ranks": compact_ranks(e["ranks"]), "detail": e["detail"],
+                      "paged": e["paged"], "recovery_paged": e["recovery_paged"],
+                      **({"reason": e["reason"]} if e.get("reason") else {})}
+                     for e in told["incidents"]]}
 
 
 class BadArgument(ValueError):
@@ -173,7 +187,10 @@ class Answers:
         return live.answer(("mcp-top",), build, ttl=FRAME_TTL)[1]  # type: ignore[no-any-return]
 
     def runs(self) -> dict[str, Any]:
-        """Every run under the root, worst first: open incidents, crashed, stale, live."""
+        """Every run under the root, worst first: open incidents, crashed, stale, live; the
+        job's line, and the run's story (its incidents, open and past, and the pages sent)."""
+        from expr_tracker.health.story import story
+
         # every shard of every run inspected: kept RUNS_TTL seconds, as for a page
         if self._runs is not None and time.monotonic() - self._runs[0] < RUNS_TTL:
             rows = self._runs[1]
@@ -191,18 +208,25 @@ class Answers:
                     opened[key] = line
                 else:
                     opened.pop(key, None)
+            # the job line `expr top` shows, and the incidents its detectors find (a run
+            # no watcher follows has none recorded), at any size: the frame is kept
+            # (`FRAME_TTL`) and its pass is the one `run_incidents` makes
             job = None
-            if row["shards"] < QUICK_MIN:  # the detectors too, where a pass is cheap
-                try:
-                    job = self._frame(self.run(ref.label), None)["job"]
-                except (BadArgument, NoRun, CLIError):
-                    job = None
+            try:
+                frame = self._frame(self.run(ref.label), None)
+            except (BadArgument, NoRun, CLIError):
+                frame = None
+            if frame is not None:
+                job = frame["job"]
+                for line in frame["incidents"]:
+                    if line.get("state") == "open":
+                        opened.setdefault(str(line.get("id")), line)
             incidents = [{"kind": i.get("kind"), "ranks": compact_ranks(i.get("ranks") or []),
                           "step": i.get("step"), "detail": i.get("detail")}
                          for i in opened.values()]
             ranks = row.pop("ranks")
             row.update(n_ranks=len(ranks), ranks=compact_ranks(ranks), job=job,
-                       open_incidents=incidents)
+                       open_incidents=incidents, story=_brief(story(ref.path, limit=5)))
             out.append(row)
 
         def badness(row: dict[str, Any]) -> tuple[Any, ...]:

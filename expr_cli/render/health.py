@@ -95,6 +95,13 @@ def no_incidents(label: str) -> None:
     console(soft_wrap=True).print(Text(f"no open incidents in {label}", style="green"))
 
 
+def story_print(story: Mapping[str, Any]) -> None:
+    """`expr watch --once` on a run that is over: the incidents it had, the pages sent."""
+    out = console(soft_wrap=True)
+    for line in story_lines(story, ""):
+        out.print(line)
+
+
 def _age(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -155,7 +162,10 @@ def top_frame(view: Mapping[str, Any], height: int, agg: str = "worst",
         rest = incidents[len(shown_inc):]
         kinds = sorted({str(i.get("kind")) for i in rest})
         parts.append(_line(Text(f"... {len(rest)} more incidents ({', '.join(kinds)})", style="dim")))
-    if not incidents and not job.get("text") and left >= 6:
+    story = view.get("story") or {}
+    if story and left >= 6:  # a run that is over: the incidents it had, the pages sent
+        parts.extend(_line(x) for x in story_lines(story, "")[: max(2, cap + 1)])
+    elif not incidents and not job.get("text") and left >= 6:
         parts.append(_line(Text("no open incidents", style="green")))
     nodes: list[Mapping[str, Any]] = view["nodes"]
     left = height - len(parts)
@@ -237,3 +247,51 @@ def top_live(frames: Any, refresh: float, agg: str = "worst") -> None:
 def age_now(t: float | None) -> float | None:
     """Seconds since `t` (relative to `$EXPR_NOW` in tests)."""
     return None if t is None else max(0.0, now() - t)
+
+
+STORY_LINES = 8  # incidents a story tells in text (`--json` has `limit` of them, and counts)
+
+
+def story_lines(story: Mapping[str, Any], indent: str = "  ") -> list[Any]:
+    """A run's story (`expr_tracker.health.story`) as lines of text: a count of its
+    incidents by kind and of the pages sent, then the incidents, worst first."""
+    from rich.text import Text
+
+    from expr_tracker.health.story import told
+
+    if not story:
+        return []
+    n, pages = story["count"], story["pages"]
+    kinds = ", ".join(f"{v} {k}" for k, v in sorted(story["by_kind"].items(), key=lambda kv: -kv[1]))
+    head = (f"{indent}incidents: {n:,} ({kinds}), {story['open']:,} open; "
+            f"{pages['sent']:,} page{'s' if pages['sent'] != 1 else ''} sent, "
+            f"{pages['recoveries']:,} recover{'ies' if pages['recoveries'] != 1 else 'y'}")
+    out = [Text(head, style="bold")]
+    for e in story["incidents"][:STORY_LINES]:
+        style = "dim" if e["state"] == "resolved" else KIND_STYLE.get(e["kind"], "bold")
+        line = Text(f"{indent}  ")
+        line.append(told(e), style=style)
+        out.append(line)
+    if n > STORY_LINES:
+        out.append(Text(f"{indent}  ... and {n - STORY_LINES:,} more (--json)", style="dim"))
+    return out
+
+
+def health_pages(pages: Sequence[Mapping[str, Any]], label: str) -> None:
+    """`expr alerts`: the health pages the watchers sent (an incident's, its recovery's)."""
+    from rich.text import Text
+
+    from . import fmt_time, prose
+
+    out = console()
+    prose(out, Text(f"health pages of {label}", style="bold"))
+    for p in pages:
+        line = Text(f"{fmt_time(p.get('time'))[5:]}  ", style="dim")
+        what = "recovered" if p["state"] == "resolved" else "paged"
+        line.append(f"{p['kind']} {what}", style="green" if what == "recovered"
+                    else KIND_STYLE.get(str(p["kind"]), "bold"))
+        line.append(f" rank{'s' if p['ranks_count'] != 1 else ''} {_ranks_text(p['ranks'])}")
+        if p.get("step") is not None:
+            line.append(f" step {p['step']}", style="dim")
+        line.append(f": {p.get('detail') or ''}")
+        prose(out, line)

@@ -75,6 +75,10 @@ def summary(view: Mapping[str, Any]) -> None:
     if why and why != "as asked":
         prose(out, Text(f"  {where}: {why}", style="dim"))
     _ranks_line(out, view.get("ranks") or {})
+    from .health import story_lines
+
+    for line in story_lines(view.get("story") or {}):
+        prose(out, line)
     keys = view["keys"][:MAX_KEYS]  # a screenful: a row of 50,000 keys was 300k lines
     narrow = _narrow_width(out.width, view["world_size"], [i["stats"] for i in keys])
     for item in keys:
@@ -101,6 +105,8 @@ def _ranks_line(out: Console, ranks: Mapping[str, Any]) -> None:
 
     for rank, why in (ranks or {}).get("dropped", {}).items():
         prose(out, Text(f"  rank {rank}: {why}", style="bold yellow"))
+    for bad in (ranks or {}).get("nonfinite", [])[:4]:
+        prose(out, Text(f"  non-finite: {bad['detail']}", style="bold red"))
     if not ranks or ranks.get("shards", 0) <= 1:
         return
     text = Text(f"  {ranks['shards']:,} shards: {ranks['live']:,} live, {ranks['finished']:,} finished")

@@ -179,7 +179,8 @@ def make_app(root: Path, token: str | None = None, cfg: Any = None) -> ASGI:
     """The app over the run root `root` (a resolved path); `token` guards every request."""
     from expr_tracker.health.config import HealthConfig
 
-    api = Api(root, LiveRuns(cfg or HealthConfig()))
+    # a long-running watcher: the stalls its pages find are recorded (`TopView._record`)
+    api = Api(root, LiveRuns(cfg or HealthConfig(), record=True))
 
     def page(name: str) -> Callable[[Request], Awaitable[Response]]:
         async def serve_page(request: Request) -> Response:

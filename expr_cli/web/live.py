@@ -54,10 +54,10 @@ SCAN_PIECE = 1024  # tails the quick pass reads and scans between two counts of 
 class LiveRun:
     """One stream of one run: the reader, the version, and the answers of that version."""
 
-    def __init__(self, ref: RunRef, stream: str | None, cfg: Any) -> None:
+    def __init__(self, ref: RunRef, stream: str | None, cfg: Any, record: bool = False) -> None:
         self.ref = ref
         self.stream = stream
-        self.top = TopView(ref, stream, None, cfg)
+        self.top = TopView(ref, stream, None, cfg, record=record)
         # the kernel names what changed: a pass over an idle run stats nothing (DESIGN 18)
         self.top.reader.watch_changes()
         self.quick: Any = None  # the window-2 reader while the full state is being read
@@ -362,8 +362,11 @@ def _incidents_key(ref: RunRef) -> tuple[int, int] | None:
 class LiveRuns:
     """The live states of the runs pages look at, least recently used dropped first."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, record: bool = False) -> None:
+        """`record`: the runs' stalls are recorded (`TopView._record`: `expr serve` is a
+        watcher; MCP only reads)."""
         self.cfg = cfg
+        self.record = record
         self.lock = threading.Lock()
         self.runs: OrderedDict[tuple[str, str | None], LiveRun] = OrderedDict()
         self.ranks: dict[tuple[str, str | None], int] = {}  # shards of each kept state
@@ -386,11 +389,11 @@ class LiveRuns:
         if not ranks:
             if stream is not None:
                 raise NotFound(f"run {ref.label} has no shards of stream {stream}")
-            return LiveRun(ref, stream, self.cfg)  # a run with no shard yet: not kept
+            return LiveRun(ref, stream, self.cfg, self.record)  # a run with no shard yet: not kept
         with self.lock:
             run = self.runs.get(key)
             if run is None:
-                run = self.runs[key] = LiveRun(ref, stream, self.cfg)
+                run = self.runs[key] = LiveRun(ref, stream, self.cfg, self.record)
                 run.listing = listing  # (its first pass's: one listing of 16,384 shards)
                 self.ranks[key] = ranks
                 # bounded by memory (about its ranks' tails each), not only by count

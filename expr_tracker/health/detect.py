@@ -27,15 +27,16 @@ from typing import Any
 
 from expr_tracker.health.config import HealthConfig
 from expr_tracker.health.lost import lost_nodes
+from expr_tracker.health.nonfinite import Seen, nonfinite
 from expr_tracker.health.silence import job_silence
 from expr_tracker.health.stall import stall
 from expr_tracker.health.state import RankState, RunState
 
 KINDS = ("straggler", "slowdown", "hang", "stall", "behind", "crashed", "missing", "alert", "lost",
-         "silent")
+         "silent", "nonfinite")
 LEVELS = {"straggler": "warning", "slowdown": "warning", "hang": "error", "stall": "error",
           "behind": "warning", "crashed": "error", "missing": "error", "alert": "error",
-          "lost": "error", "silent": "error"}
+          "lost": "error", "silent": "error", "nonfinite": "error"}
 JOB = -1  # the rank key of the whole job's slowdown window in `Memory.best`
 # A slowdown must also cost at least this much per step: a best window is the minimum of
 # many noisy windows, so sub-millisecond step times (timer noise, a CPU toy job) would
@@ -81,6 +82,7 @@ class Memory:
     passes: int = 0
     behind_since: dict[int, float] = field(default_factory=dict)  # rank -> first found behind
     newest: float | None = None  # the last advance of any live rank, at the last pass
+    nonfinite: Seen = field(default_factory=Seen)  # the sidecars' non-finite notes so far
 
 
 class _Derived:
@@ -513,4 +515,7 @@ def detect(
         *_held_for(_behind(state, cfg), memory.behind_since, now, cache),
         *_missing(state, cfg, now),
         *_alerts(state, suppressed),
+        *(Finding("nonfinite", n["ranks"], n["detail"], n["step"], n["host"],
+                  LEVELS["nonfinite"], group=False, info=n)
+          for n in nonfinite(state, memory.nonfinite)),
     ]

@@ -407,9 +407,14 @@ class IncidentLog:
 
     def _fresh(self, inc: Incident) -> bool:
         """An opening nobody recorded: no open incident of its kind covers it (the same
-        ranks; for a stall any, one per run; for a crash any of its ranks)."""
+        ranks; for a stall any, one per run; for a crash any of its ranks; for a non-finite
+        value the same key)."""
         for o in self.open.values():
             if o.kind != inc.kind:
+                continue
+            if inc.kind == "nonfinite":  # one per key, whatever its ranks
+                if o.metric == inc.metric:
+                    return False
                 continue
             if o.ranks == inc.ranks or inc.kind == "stall" or (
                     inc.kind == "crashed" and set(o.ranks) & set(inc.ranks)):

@@ -65,6 +65,7 @@ class Incident:
     cause: str | None = None  # a crash that is collateral of another incident (its id)
     collateral: tuple[int, ...] = ()  # a lost node: the other ranks that crashed after it
     by: str | None = None  # the long-running watcher that opened it ("host:pid:n"), its owner
+    metric: str | None = None  # a `nonfinite` incident's key: one incident per key and run
 
     @property
     def key(self) -> tuple[str, tuple[int, ...]]:
@@ -93,6 +94,8 @@ class Incident:
             out["collateral"] = list(self.collateral)
         if self.by is not None:
             out["by"] = self.by
+        if self.metric is not None:
+            out["metric"] = self.metric
         return out
 
     @classmethod
@@ -131,6 +134,7 @@ class Incident:
             paging={"by": paging["by"], "at": _time(paging["at"])} if paging else None,
             cause=cause if isinstance(cause, str) else None, collateral=tuple(sorted(coll)),
             by=line["by"] if isinstance(line.get("by"), str) else None,
+            metric=line["metric"] if isinstance(line.get("metric"), str) else None,
         )
 
 
@@ -299,6 +303,22 @@ def _stall(open_stalls: list[Incident], found: list[Finding], now: float, out: P
         out.opened.append(_merge("stall", [f], now))
 
 
+def _nonfinite(open_nf: list[Incident], found: list[Finding], now: float, out: Plan) -> None:
+    """One `nonfinite` incident per key: it stays open (a fact, not a state) and names the
+    ranks the notes add (a line of the same id, not delivered again)."""
+    by_key = {str(f.info["key"]): f for f in found if f.info is not None}
+    for inc in open_nf:
+        f = by_key.pop(inc.metric or "", None)
+        if f is not None and f.ranks != inc.ranks:
+            out.updated.append(replace(inc, ranks=f.ranks, detail=f.detail, last_seen=now))
+        else:
+            out.still_open.append(replace(inc, last_seen=now))
+    for key, f in by_key.items():
+        inc = _merge("nonfinite", [f], now)
+        inc.metric = key
+        out.opened.append(inc)
+
+
 def _stopped(inc: Incident, state: RunState | None) -> str | None:
     """Why an incident resolves when its ranks stopped rather than recovered: a straggler
     whose rank crashed is no longer slow, but saying only "resolved" would read as if it
@@ -333,10 +353,11 @@ def plan(open_incidents: Iterable[Incident], findings: Iterable[Finding], now: f
                                     reason=ENDED) for inc in incs if inc.kind != "crashed")
         return out
     _stall([i for i in incs if i.kind == "stall"], by_kind.pop("stall", []), now, out, state)
+    _nonfinite([i for i in incs if i.kind == "nonfinite"], by_kind.pop("nonfinite", []), now, out)
     lost_found = {f.ranks: f for f in by_kind.get("lost", ())}
     taken: set[tuple[str, int]] = set()
     for inc in incs:
-        if inc.kind in ("crashed", "stall"):
+        if inc.kind in ("crashed", "stall", "nonfinite"):
             continue
         firing = {r for f in by_kind.get(inc.kind, ()) for r in f.ranks}
         if firing & set(inc.ranks):

@@ -77,6 +77,8 @@ class RankState:
     sidecar_write: float | None = None
     probe: dict[str, Any] | None = None  # where its main thread is, while silent (DESIGN 13)
     dropped: str | None = None  # rows the SDK could not spool: "311 rows dropped, spool ..."
+    # key -> where its shard first held a non-finite value of it (`store.nonfinite`)
+    nonfinite: dict[str, Any] | None = None
     size: int = 0
     steps: Sequence[int] = ()  # the recent step rows' steps, oldest first ...
     times: Sequence[float] = ()  # ... and their `_time`s
@@ -239,6 +241,8 @@ def _rank_state(tail: ShardTail) -> RankState:
     probe = meta.get("probe")
     out.probe = dict(probe) if isinstance(probe, Mapping) else None
     out.dropped = dropped_text(meta.get("dropped"))
+    notes = meta.get("nonfinite")
+    out.nonfinite = dict(notes) if isinstance(notes, Mapping) and notes else None
     status = meta.get("status")
     out.status = status if status in STATUSES else "running"
     if out.status == "crashed":

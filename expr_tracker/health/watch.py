@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from expr_tracker.alerts import Dispatcher
 
 # kinds paged as soon as they open: they never resolve on their own (a blip cannot be one)
-PAGE_AT_ONCE = ("crashed",)
+PAGE_AT_ONCE = ("crashed", "nonfinite")
 _ALERTS_RE = re.compile(r"alerts(?:\.rank(\d+))?\.jsonl\Z")
 
 
@@ -215,6 +215,8 @@ class Watcher:
         what = "resolved" if inc.state == "resolved" else inc.kind
         where = f" on {', '.join(inc.hosts)}" if inc.hosts and len(inc.hosts) <= 3 else ""
         title = f"{what}: rank{'s' if len(inc.ranks) != 1 else ''} {compact(inc.ranks)}{where}"
+        if inc.metric is not None:
+            title = f"{what}: {inc.metric} on {title.split(': ', 1)[1]}"
         try:
             alert = make_alert(
                 title=title if inc.state == "open" else f"recovered: {inc.kind} {title}",

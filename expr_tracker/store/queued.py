@@ -94,7 +94,7 @@ class QueuedWriter(ShardWriter):
                     self.on_drain()
                 while self._jobs:
                     self._jobs.popleft()()
-                if self._sidecar_due:
+                if self._sidecar_due or self.notes_new:  # (a key went non-finite: watchers learn it now)
                     self._sidecar_due = False
                     ShardWriter.write_sidecar(self)
             except BaseException as exc:  # never end the thread: every later row would wait

@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from expr_tracker.store import nonfinite
 from expr_tracker.store.cursor import (
     Cursor,
     cursor_from,
@@ -99,6 +100,9 @@ class ShardWriter:
         # rows the SDK dropped before they reached the spool (a full spool disk), per
         # (cause, session): {cause, session, rows, since, host}; exprd fills it (DESIGN 6)
         self.spool_dropped: list[dict[str, Any]] = []
+        # key -> where it was first non-finite in this shard (`store.nonfinite`)
+        self.nonfinite: dict[str, dict[str, Any]] = {}
+        self.notes_new = False  # a key or rank went non-finite since the sidecar was written
         self.start_time = time.time()
         self.end_time: float | None = None
         self.last_write: float | None = None
@@ -154,6 +158,8 @@ class ShardWriter:
     def _keep_notes(self, hint: Mapping[str, Any] | None) -> None:
         """The sidecar's notes of rows that never reached the shard (earlier sessions'
         too) stay in it: those already known here win."""
+        for key, n in nonfinite.kept((hint or {}).get("nonfinite")).items():
+            self.nonfinite.setdefault(key, n)  # the earlier session's first stays first
         old = (hint or {}).get("dropped")
         if not isinstance(old, list):
             return
@@ -177,6 +183,12 @@ class ShardWriter:
             with contextlib.suppress(OSError):
                 os.close(self._lock_fd)
             self._lock_fd = None
+
+    @property
+    def _rank(self) -> int | None:
+        """The rank of this shard's rows that carry no `_rank`."""
+        rank = self.own_rank if self.own_rank is not None else self.identity.get("rank")
+        return rank if type(rank) is int else None
 
     def _own_last_step(self) -> int | None:
         try:
@@ -389,6 +401,8 @@ class ShardWriter:
             if step is not None and (self.cursor.last_step is None or step > self.cursor.last_step):
                 self.cursor.last_step = step
             self.last_write = time.time()
+            if nonfinite.note(written, self.nonfinite, self._rank):
+                self.notes_new = True
             if failed is not None:
                 data, nrows = data[done:], nrows - rows
         if failed is not None:
@@ -499,12 +513,15 @@ class ShardWriter:
             out["probe"] = self.probe
         if self.spool_dropped:
             out["dropped"] = self.spool_dropped
+        if self.nonfinite:
+            out["nonfinite"] = self.nonfinite
         return out
 
     def write_sidecar(self) -> bool:
         """Atomically rewrite the sidecar; failures are reported (False), never raised."""
         if not self.sidecar_enabled:
             return True
+        self.notes_new = False
         try:
             self.store_sidecar(self.sidecar_bytes())
         except OSError as exc:
