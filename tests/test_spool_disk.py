@@ -40,8 +40,7 @@ import json, os, subprocess, sys, time
 base = @BASE@
 EXPRD = [sys.executable, "-m", "exprd.main", "--allow-root"]
 WRITER = '''
-import json, sys, time, warnings, expr_tracker as et
-warnings.simplefilter("ignore")  # (no exprd heartbeat, in the exprd-down case)
+import json, sys, time, expr_tracker as et
 name, root, spool, n, pause = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5])
 run = et.init("p", name, dir=root, upload_mode="spool", spool_dir=spool, system_metrics=False)
 for i in range(n):
