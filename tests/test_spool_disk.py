@@ -51,7 +51,8 @@ t = time.monotonic()
 et.finish()
 took = time.monotonic() - t
 info = run.info()  # (after finish: what it dropped at the end is counted too)
-print(json.dumps({"dropped": info["dropped"], "finish_s": took, "segments": info["segment"] + 1}))
+print(json.dumps({"dropped": info["dropped"], "finish_s": took, "segments": info["segment"] + 1,
+                  "errors": info["errors"]}))
 '''
 def case(name, size, ranks, n, pause, daemon, env=()):
     spool, root, state = (os.path.join(base, name, x) for x in ("spool", "runs", "state"))
@@ -157,11 +158,13 @@ def test_a_full_64k_spool_with_exprd_down_counts_what_fits_nowhere(disks: dict) 
 @pytest.mark.parametrize("case", ["four", "eight"])
 def test_ranks_sharing_a_small_spool_land_every_row(disks: dict, case: str) -> None:
     """4 ranks on a 3 MiB spool, 8 on 16 MiB, about 2 MB of rows in all, default
-    settings: every rank gets segments sized to the disk and every row lands."""
+    settings: every rank gets segments sized to the disk at once (no rank waits with its
+    rows in memory for another's preallocation to go) and every row lands."""
     for r, rank in enumerate(disks[case]["ranks"]):
         assert rank["code"] == 0, rank["err"]
         n = 5000 if case == "four" else 2500
         assert rank["info"]["dropped"] == {}, (r, rank["info"])
+        assert rank["info"]["errors"] == {}, (r, rank["info"])
         assert rank["rows"] == list(range(n)), r
         assert rank["status"] == "finished"
 
