@@ -28,18 +28,11 @@ from expr_tracker.context import RunContext
 from expr_tracker.errors import UsageError
 from expr_tracker.procs import proc_start
 from expr_tracker.store import records
+from expr_tracker.store.diskroom import MAX_SEGMENT, MIN_SEGMENT, SEGMENT_BYTES
 from expr_tracker.store.layout import ShardPaths, spool_path
 from expr_tracker.store.lock import ShardBusyError, lock_writer
 from expr_tracker.store.reader import ShardReader, last_values_of, select_rows
-from expr_tracker.store.segment import (
-    BUFFER_BYTES,
-    MAX_BUFFER,
-    MAX_SEGMENT,
-    MIN_SEGMENT,
-    SEGMENT_BYTES,
-    Segments,
-    Warn,
-)
+from expr_tracker.store.segment import BUFFER_BYTES, MAX_BUFFER, Segments, Warn
 from expr_tracker.store.spoolfile import (
     HEARTBEAT,
     HEARTBEAT_STALE,

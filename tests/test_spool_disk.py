@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from expr_tracker.store.segment import (
+from expr_tracker.store.diskroom import (
     FAIR,
     GROW_WITHIN,
     MIN_SEGMENT,

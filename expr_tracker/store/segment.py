@@ -30,7 +30,6 @@ import errno
 import os
 import re
 import socket
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,34 +37,22 @@ from typing import Any
 
 import orjson
 
-SEGMENT_BYTES = 4 << 20  # the bound of a segment's size (EXPR_SPOOL_SEGMENT_BYTES)
-MAX_SEGMENT = 256 << 20  # the largest bound accepted
-START_BYTES = 64 << 10  # the first segment's size (smaller if the bound is)
+from expr_tracker.store.diskroom import (
+    MAX_SEGMENT,
+    MIN_SEGMENT,
+    SEGMENT_BYTES,
+    fallocate,
+    free_bytes,
+    pages,
+    plan_size,
+    reserve_for,
+)
+
 BUFFER_BYTES = 64 << 20  # lines kept in memory while no segment can take them
 MAX_BUFFER = 1 << 30  # the largest memory bound accepted
-MIN_SEGMENT = 4096
-PAGE = 4096  # reservations are rounded to it (the allocation unit of the usual filesystems)
-FAIR = 4  # a new segment reserves at most 1/FAIR of the free space (other ranks share it)
-GROW_WITHIN = 10.0  # a segment that filled within this many seconds: the next is twice as big
 _RETRY = 0.5  # seconds between attempts to open a segment while the disk is full
 
 Warn = Callable[[str, str], None]
-
-
-def reserve_for(size: int) -> int:
-    """Bytes at the end of a segment of `size` kept for the marker, notes and finish."""
-    return max(2048, min(16 << 10, size // 4))  # a note, the marker, a finish with its exit
-
-
-def plan_size(last: int, took: float | None, free: int, bound: int) -> int:
-    """The size of a session's next segment: START_BYTES first (`took` None), then twice
-    the last one's if it filled within GROW_WITHIN seconds, else the same; at most `bound`,
-    and at most a fair share (1/FAIR) of the `free` bytes of its disk, rounded down to a
-    page; never below MIN_SEGMENT (a disk with less takes rows a page at a time)."""
-    size = min(START_BYTES, bound) if took is None else \
-        last * 2 if took < GROW_WITHIN else last
-    share = free // FAIR // PAGE * PAGE
-    return max(MIN_SEGMENT, min(size, bound, share))
 
 
 def _cause(exc: OSError) -> str:
@@ -203,8 +190,8 @@ class Segments:
         assert self.fd is not None
         if self.held is None or upto <= self.held:
             return True
-        upto = -(-upto // PAGE) * PAGE
-        got = _fallocate(self.fd, self.held, upto - self.held)
+        upto = pages(upto)
+        got = fallocate(self.fd, self.held, upto - self.held)
         if got is False:
             return False
         self.held = None if got is None else upto
@@ -235,20 +222,13 @@ class Segments:
     def open_first(self) -> bool:
         return self._open(0, 1)
 
-    def _free(self) -> int:
-        try:
-            st = os.statvfs(self.path_of(0).parent)
-        except OSError:
-            return 1 << 62  # cannot tell: the size follows the rate alone
-        return st.f_bavail * st.f_frsize
-
     def _open(self, index: int, first_seq: int, need: int = 0) -> bool:
         """Create segment `index`, reserve its blocks, write its head: True if it is open
         (the previous one, if any, is then closed with a marker)."""
         path = self.path_of(index)
         head = self.head(index, first_seq)
         took = None if self.fd is None and index == 0 else time.monotonic() - self.opened
-        cap = plan_size(self.cap, took, self._free(), self.size)
+        cap = plan_size(self.cap, took, free_bytes(path.parent), self.size)
         reserve = reserve_for(cap)
         cap = max(cap, len(head) + need + reserve)  # a line larger than a segment
         fd = -1
@@ -258,10 +238,10 @@ class Segments:
             # all of it, else what the head, the line and the reserve need: a disk with
             # less than a segment still takes rows (a page at a time, see `_fit`)
             held: int | None = cap
-            got = _fallocate(fd, 0, cap)
+            got = fallocate(fd, 0, cap)
             if got is False:
-                held = -(-(len(head) + need + reserve) // PAGE) * PAGE
-                got = _fallocate(fd, 0, held)
+                held = pages(len(head) + need + reserve)
+                got = fallocate(fd, 0, held)
                 if got is False:
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             if got is None:
@@ -293,7 +273,7 @@ class Segments:
         assert self.fd is not None
         done = self._put_reserved(last)
         if self.held is not None and self.held > self.end:
-            _fallocate(self.fd, self.end, self.held - self.end, punch=True)
+            fallocate(self.fd, self.end, self.held - self.end, punch=True)
         with contextlib.suppress(OSError):
             os.close(self.fd)
         self.fd = None
@@ -435,7 +415,7 @@ class Segments:
             data = b""
         kept = [line + b"\n" for line in data.split(b"\n")[:-1]
                 if line.startswith(b"{") and not line.startswith(b'{"_event":"init"')
-                and not is_note_line(line) and _SEQ.search(line) and _parses(line)]
+                and not line.startswith(_NOTES) and _SEQ.search(line) and _parses(line)]
         first = _seq_of(kept[0]) if kept else self.next_seq()
         cut = max(0, first - self.first_seq)
         self.errors["truncated"] = self.errors.get("truncated", 0) + 1
@@ -475,7 +455,7 @@ class Segments:
         with contextlib.suppress(OSError):
             os.ftruncate(fd, good)
         if self.held is not None and self.held > good:
-            _fallocate(fd, good, self.held - good, punch=True)
+            fallocate(fd, good, self.held - good, punch=True)
         with contextlib.suppress(OSError):
             os.close(fd)
         if since:
@@ -549,40 +529,6 @@ class Segments:
                 "segment_size": self.cap, "segments_rolled": self.rolled}
 
 
-_FALLOCATE: Any = None  # libc's fallocate(2), loaded at the first call; False: none here
-_KEEP_SIZE, _PUNCH_HOLE = 1, 2  # FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE (linux/falloc.h)
-_UNSUPPORTED = (errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL)
-
-
-def _fallocate(fd: int, offset: int, length: int, punch: bool = False) -> bool | None:
-    """Reserve (or with `punch`, give back) the blocks of [offset, offset+length) without
-    changing the file's size: True if done, False if the disk is full (or another error),
-    None where the filesystem or the platform cannot (a hint, then: writes find out)."""
-    global _FALLOCATE
-    if _FALLOCATE is None:
-        _FALLOCATE = False
-        if sys.platform.startswith("linux"):
-            import ctypes  # (only here: spool mode on Linux)
-
-            try:
-                fn = ctypes.CDLL(None, use_errno=True).fallocate
-                fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-                fn.restype = ctypes.c_int
-                _FALLOCATE = (fn, ctypes.get_errno)
-            except (OSError, AttributeError):
-                pass
-    if _FALLOCATE is False or length <= 0:
-        return None if _FALLOCATE is False else True
-    fn, get_errno = _FALLOCATE
-    if fn(fd, _KEEP_SIZE | (_PUNCH_HOLE if punch else 0), offset, length) == 0:
-        return True
-    return None if get_errno() in _UNSUPPORTED else False
-
-
-def is_note_line(line: bytes) -> bool:
-    return line.startswith((b'{"_event":"segment"', b'{"_event":"dropped"'))
-
-
 def _parses(line: bytes) -> bool:
     try:
         orjson.loads(line)
@@ -601,4 +547,6 @@ def _seq_of(data: bytes) -> int:
     return int(m.group(1)) if m else 0
 
 
+# a segment writer's own lines, not events (spoolfile.NOTES; not imported: layers)
+_NOTES = (b'{"_event":"segment"', b'{"_event":"dropped"')
 _SEQ = re.compile(rb'[{,]"_seq":(\d+)')
