@@ -12,7 +12,8 @@ import that compiles the modules measures the compiler).
 
 With `EXPR_BENCH_BEFORE=<a checkout of another tree>` each measure runs in child
 processes of both trees in turn (this tree, then the other, `PAIRS` times), and the
-table puts them side by side.
+table puts them side by side. `EXPR_BENCH_BEFORE=<a git revision>` (e.g. `HEAD~3`, a
+commit hash) measures that revision of this repository, exported to a temporary tree.
 """
 
 from __future__ import annotations
@@ -183,6 +184,14 @@ def side_by_side(before: Path, calls: int, rounds: int) -> None:
           f"{import_cell(imports['before'])} | <= 60 ms |")
 
 
+def export(rev: str, tree: Path) -> None:
+    """This repository's `rev`, written out to `tree` (`git archive`, nothing checked out)."""
+    archive = subprocess.run(["git", "-C", str(HERE), "archive", rev], capture_output=True,
+                             check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    print(f"before: {rev} ({subprocess.run(['git', '-C', str(HERE), 'rev-parse', '--short', rev], capture_output=True, text=True, check=True).stdout.strip()})")
+
+
 def main() -> None:
     args = [a for a in sys.argv[1:] if a != "--child"]
     calls = int(args[0]) if args else 20_000
@@ -192,6 +201,11 @@ def main() -> None:
             print(orjson.dumps(measure(tmp, calls, rounds)).decode())
         return
     before = os.environ.get("EXPR_BENCH_BEFORE")
+    if before and not Path(before).is_dir():
+        with tempfile.TemporaryDirectory() as tree:
+            export(before, Path(tree))
+            side_by_side(Path(tree), calls, max(rounds // PAIRS, 3))
+        return
     if before:
         side_by_side(Path(before).resolve(), calls, max(rounds // PAIRS, 3))
         return

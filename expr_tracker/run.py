@@ -220,7 +220,7 @@ class Run:
                             try:
                                 append(line)
                             except ValueError:
-                                # spool mode: the open segment is full (mmap.write)
+                                # spool mode: the open segment is full, or its write failed
                                 sink.overflow(line)
                                 return
                             mark = sink.mark  # direct mode: the step, where kill -9 keeps it

@@ -1,8 +1,8 @@
 """Spool mode (DESIGN 6): the SDK appends events to a node-local spool; exprd applies them.
 
 A session's spool is a chain of segments `{spool}/{project}/{name}/{shard-stem}.{session}.jsonl`,
-`...{session}~1.jsonl`, ... (`store.segment`: memory-mapped, rolled at a size bound, deleted
-by exprd once applied). Each segment's line 1 is an `init` event (identity, run dir,
+`...{session}~1.jsonl`, ... (`store.segment`: a row per write, sized to the disk, rolled at a
+size bound, deleted by exprd once applied). Each segment's line 1 is an `init` event (identity, run dir,
 config, rule texts, rank/backend/alert options, never a secret; past the first segment
 also `segment` and `first_seq`), then one line per record (the record plus `_seq`),
 `alert`, `rules` and `config` events, and at the end a `segment` marker (the session goes
@@ -14,6 +14,7 @@ evaluates no rules and opens no connection.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 import time
@@ -27,10 +28,11 @@ from expr_tracker.context import RunContext
 from expr_tracker.errors import UsageError
 from expr_tracker.procs import proc_start
 from expr_tracker.store import records
+from expr_tracker.store.diskroom import MAX_SEGMENT, MIN_SEGMENT, SEGMENT_BYTES
 from expr_tracker.store.layout import ShardPaths, spool_path
 from expr_tracker.store.lock import ShardBusyError, lock_writer
 from expr_tracker.store.reader import ShardReader, last_values_of, select_rows
-from expr_tracker.store.segment import BUFFER_BYTES, SEGMENT_BYTES, Segments
+from expr_tracker.store.segment import BUFFER_BYTES, MAX_BUFFER, Segments, Warn
 from expr_tracker.store.spoolfile import (
     HEARTBEAT,
     HEARTBEAT_STALE,
@@ -44,6 +46,7 @@ from expr_tracker.store.spoolfile import (
 )
 
 FINISH_WAIT = 10.0  # seconds finish() waits for a full spool to take the rows in memory
+MAX_FINISH_WAIT = 600.0  # the largest EXPR_SPOOL_FINISH_WAIT accepted
 SPANS_PER_EVENT = 4096  # spans of one `spans` event (a line stays well under exprd's cap)
 # backend spec keys that never carry a secret; everything else stays out of the spool
 _SAFE_BACKEND_KEYS = ("type", "name", "entity", "project", "mode", "token_env", "batch",
@@ -85,14 +88,27 @@ def init_event(run: RunContext, session_path: Path) -> dict[str, Any]:
     }
 
 
-def _env_bytes(name: str, default: int) -> int:
-    """A size in bytes from the environment (a bad value: the default, never an error
-    at init for a tuning knob)."""
-    try:
-        value = int(os.environ.get(name, default))
-    except ValueError:
+def env_knob(name: str, default: float, low: float, high: float, warn: Warn,
+             integer: bool = True) -> Any:
+    """A tuning knob from the environment, checked: a value that is not a number, is not
+    finite, or is below `low` is one warning and the default; one above `high` is one
+    warning and `high`. Never an exception at init."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
         return default
-    return value if value > 0 else default
+    try:
+        value = int(raw.strip()) if integer else float(raw)
+    except ValueError:
+        value = None
+    if value is None or math.isnan(value) or math.isinf(value) or value < low:
+        warn(f"env:{name}", f"expr_tracker: {name}={raw!r} is not "
+             f"{'an integer' if integer else 'a number'} from {low:g} to {high:g}; using the "
+             f"default, {default:g}")
+        return default
+    if value > high:
+        warn(f"env:{name}", f"expr_tracker: {name}={raw!r} is above its bound; using {high:g}")
+        return type(default)(high)
+    return value
 
 
 def check_consumer(run: RunContext) -> None:
@@ -135,7 +151,7 @@ class _ListReader(ShardReader):
 
 
 class SpoolSink:
-    """The spool-mode sink of a Run: a chain of memory-mapped segments (`store.segment`).
+    """The spool-mode sink of a Run: a chain of segments (`store.segment`).
 
     Every method is called with the run's lock held, except `flush` and `close`, which
     take it (or run after the hot path closed): the segments' state has one writer at a time.
@@ -171,20 +187,26 @@ class SpoolSink:
         except ShardBusyError as exc:
             raise UsageError(str(exc).replace(f"shard {self.path.parent / run.paths.stem}.jsonl",
                                               f"shard {run.paths.shard}")) from None
-        self.writer = Segments(self._segment_path, self._head, size=_env_bytes(
-            "EXPR_SPOOL_SEGMENT_BYTES", SEGMENT_BYTES), max_buffer=_env_bytes(
-            "EXPR_SPOOL_BUFFER_BYTES", BUFFER_BYTES), warn=run.warn_once, dropped=run.dropped)
-        self.finish_wait = float(os.environ.get("EXPR_SPOOL_FINISH_WAIT", FINISH_WAIT))
+        warn = run.warn_once
+        self.writer = Segments(
+            self._segment_path, self._head,
+            size=env_knob("EXPR_SPOOL_SEGMENT_BYTES", SEGMENT_BYTES, MIN_SEGMENT, MAX_SEGMENT,
+                          warn),
+            max_buffer=env_knob("EXPR_SPOOL_BUFFER_BYTES", BUFFER_BYTES, 1, MAX_BUFFER, warn),
+            warn=warn, dropped=run.dropped)
+        self.finish_wait = env_knob("EXPR_SPOOL_FINISH_WAIT", FINISH_WAIT, 0.0, MAX_FINISH_WAIT,
+                                    warn, integer=False)
         self.writer.open_first()
         self.path = self.writer.path
         check_consumer(run)
         # Run.log's hot path writes whole record lines, `_seq` included (it numbers them),
-        # with the open segment's `mmap.write`; rank_aware=False records carry `_rank`,
+        # with the open segment's `append`; rank_aware=False records carry `_rank`,
         # which the hot path does not add
         self.fast_append = self.writer.fast_append if run.rank_aware else None
         self.on_switch: Any = None  # Run: `fast_append` changed (called under the run's lock)
         self.writer.on_switch = self._switched
         self.writer.new_session = self._new_session
+        self.writer.next_seq = lambda: self.seq
         self.after_write = None  # exprd runs the rules and backends
         self.mark = None  # rows are in the kernel once written: no step mark needed
 
@@ -332,7 +354,7 @@ class SpoolSink:
             self._lock_fd = None
 
     def detach(self) -> None:
-        # a forked child shares the parent's mapping: let go of it, never write into it
+        # a forked child shares the parent's descriptor: let go of it, never write with it
         self.writer.crash_close()
         if self._lock_fd is not None:  # the parent keeps the lock (see forget_lock)
             os.close(self._lock_fd)
@@ -345,6 +367,8 @@ class SpoolSink:
             "spool_seq": self.seq,
             "session": self.run.session,
             "buffered_bytes": w.buffered(),
+            "buffer_bytes": w.max_buffer,
+            "finish_wait": self.finish_wait,
             "errors": dict(w.errors),
             "alerting": self.alerting,
             "reporting": self.reporting,

@@ -51,10 +51,19 @@ def _start(root: Path, spool: bool, current: bool) -> Run:
 
 
 def _lines(run: Run) -> list[bytes]:
-    """The record lines this run wrote (spool mode: its spool file, without the init
-    and finish events, which name the session)."""
-    path = run._sink.path if run.mode == "spool" else run.shard_path
-    lines = Path(path).read_bytes().splitlines()
+    """The record lines this run wrote (spool mode: its spool segments, in order,
+    without the init, marker and finish events, which name the session)."""
+    if run.mode == "spool":
+        from expr_tracker.store.layout import spool_segment
+
+        last = Path(run._sink.path)
+        prefix = spool_segment(last.name)[0]
+        paths = sorted((p for p in last.parent.glob("*.jsonl")
+                        if spool_segment(p.name)[0] == prefix),
+                       key=lambda p: spool_segment(p.name)[1])
+    else:
+        paths = [run.shard_path]
+    lines = [x for p in paths for x in p.read_bytes().splitlines()]
     return [x for x in lines if not x.startswith(b'{"_event"')]
 
 

@@ -1,30 +1,32 @@
-"""The spool's segment files (DESIGN 6, turn 4): memory-mapped, bounded, rolled at a size.
+"""The spool's segment files (DESIGN 6, turns 4 and 5): appended row by row, sized to
+their disk, rolled at a size.
 
 A session's spool is a chain of segments `{stem}.{session}.jsonl`, `{stem}.{session}~1.jsonl`,
-... Each is created at its full size with its blocks allocated (`posix_fallocate`: a write
-into the mapping can never meet a full disk, which would be SIGBUS), mapped, and written
-with `mmap.write`: a row is in the kernel's page cache when `log()` returns, so a
-`kill -9` (the OOM killer) loses nothing. A reader stops at the first NUL byte: a JSON
-line never holds one, and the rest of a segment is zeros until written.
+... Each row is one `os.write` to an `O_APPEND` descriptor: it is in the kernel when
+`log()` returns, so a `kill -9` (the OOM killer) loses nothing, and nothing another
+process does to the file (`: > file`, `truncate`, logrotate's copytruncate, `mv`) can
+fault the writer, as a memory mapping of a file that shrinks does (SIGBUS). A segment
+only ever holds whole lines: no zeros, no partial line left by a short write.
 
-The last `reserve` bytes of a segment are not for rows: the roll marker, a note of
-dropped rows and the finish event go there, so a full disk never keeps a finished run
-from saying so. At the size bound the writer opens the next segment (its first line the
-init event again, so it can be applied alone), writes a `segment` marker at the end of the
-full one and cuts it to its length; exprd deletes a segment once everything consumed it.
-When no segment can be opened (a full disk), lines wait in memory up to `max_buffer`
-bytes and go out as space returns; rows past that are dropped, counted, and a `dropped`
-note (cause, rows, since, host) tells exprd, which puts it in the shard's sidecar.
+Sizes follow the disk (`plan_size`): the first segment is small, the next twice the last
+while they fill fast, up to the bound, and never more than a fair share of the free space.
+Blocks are reserved ahead of the data with `fallocate(FALLOC_FL_KEEP_SIZE)` (the file's
+size is its data; readers see no zeros), and the last `reserve` bytes reserved are not for
+rows: the roll marker, a note of dropped rows and the finish event go there, so a full
+disk never keeps a finished run from saying so. Where the disk has less than a segment,
+rows still go out, a page reserved at a time; when nothing can be reserved, lines wait in
+memory up to `max_buffer` bytes and go out as space returns; rows past that are dropped,
+counted, and a `dropped` note (cause, rows, since, host) tells exprd, which puts it in the
+shard's sidecar. Unused reserved blocks go back to the disk when a segment is closed.
 
-Everything here runs under the run's lock (the hot path's `mm.write` included): the
-writer is not thread-safe on its own.
+Everything here runs under the run's lock (the hot path's `append` included): the writer
+is not thread-safe on its own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import mmap
 import os
 import re
 import socket
@@ -35,17 +37,22 @@ from typing import Any
 
 import orjson
 
-SEGMENT_BYTES = 4 << 20  # a segment's size (EXPR_SPOOL_SEGMENT_BYTES)
-BUFFER_BYTES = 64 << 20  # lines kept in memory while no segment can be opened
-MIN_SEGMENT = 4096
-_RETRY = 0.5  # seconds between attempts to open a segment while lines wait in memory
+from expr_tracker.store.diskroom import (
+    MAX_SEGMENT,
+    MIN_SEGMENT,
+    SEGMENT_BYTES,
+    fallocate,
+    free_bytes,
+    pages,
+    plan_size,
+    reserve_for,
+)
+
+BUFFER_BYTES = 64 << 20  # lines kept in memory while no segment can take them
+MAX_BUFFER = 1 << 30  # the largest memory bound accepted
+_RETRY = 0.5  # seconds between attempts to open a segment while the disk is full
 
 Warn = Callable[[str, str], None]
-
-
-def reserve_for(size: int) -> int:
-    """Bytes at the end of a segment of `size` kept for the marker, notes and finish."""
-    return max(1024, min(64 << 10, size // 4))
 
 
 def _cause(exc: OSError) -> str:
@@ -57,9 +64,9 @@ class Segments:
 
     `path_of(index)` names segment `index`; `head(index, first_seq)` is its first line (the
     init event, saying which `_seq` the segment's events start at). `fast_append` is the
-    open segment's `mmap.write` while nothing waits in memory (else None): the hot path
-    writes a row with one C call, which raises ValueError when the row does not fit, and
-    then calls `overflow`. `on_switch()` runs whenever `fast_append` changes.
+    open segment's `append` while nothing waits in memory (else None): it raises
+    ValueError when it did not write the row (the segment is full, or the write failed),
+    and the hot path then calls `overflow`. `on_switch()` runs whenever `fast_append` changes.
     """
 
     flush_bytes = 1 << 62  # Run.log's check of a buffer to flush: never (rows are in the kernel)
@@ -69,44 +76,48 @@ class Segments:
                  warn: Warn, dropped: dict[str, int]) -> None:
         self.path_of = path_of
         self.head = head
-        self.size = max(MIN_SEGMENT, size)
-        self.reserve = reserve_for(self.size)
-        self.limit = self.size - self.reserve  # rows end here (in the open segment)
-        self.seg_size = self.size  # the open segment's size (larger for a huge line)
+        self.size = min(MAX_SEGMENT, max(MIN_SEGMENT, size))  # the bound
         self.max_buffer = max_buffer
         self.warn = warn
         self.dropped = dropped
         self.index = -1  # the open (or last) segment's
         self.path: Path = path_of(0)
         self.fd: int | None = None
-        self.mm: mmap.mmap | None = None
-        self.fast_append: Callable[[bytes], int] | None = None
+        self.cap = 0  # the open segment's planned size (larger for a huge line)
+        self.sealed = False  # no more rows in the open segment (a note took its reserve)
+        self.reserve = 0  # the open segment's space kept for the marker, notes and finish
+        self.held: int | None = None  # bytes reserved on disk from its start (None: cannot)
+        self.end = 0  # bytes written into it (its size, unless another process cut it)
+        self.limit = 0  # rows end here: min(cap, held) - reserve
+        self.opened = 0.0  # when (monotonic), for the rate the next size follows
+        self.fast_append: Callable[[bytes], None] | None = None
         self.on_switch: Callable[[], None] = lambda: None
         # the segment was moved away: the sink starts a new session and numbers these lines
         # (what waits to be written) in it
         self.new_session: Callable[[list[bytes]], list[bytes]] = lambda lines: lines
-        self._tail = 0  # end of what was written into the reserve (0: nothing)
         self._good = 0  # the end of the data as of the last check that the path is ours
         self.memory: list[bytes] = []  # lines waiting for a segment, in order
         self.memory_bytes = 0
         self.drops = 0  # rows dropped because the spool was full
         self.drops_since: float | None = None
-        self._noted = 0  # drops a note in the spool already counts
+        self.notes: dict[str, tuple[int, float]] = {}  # cause: (rows so far, since)
+        self._noted: dict[str, int] = {}  # cause: rows a note in the spool already counts
+        self.first_seq = 1  # the open segment's first event
+        self.next_seq: Callable[[], int] = lambda: 0  # the sink's next event number
         self._next_try = 0.0
         self.errors: dict[str, int] = {}
         self.rolled = 0  # segments closed and handed over
         self.closed = False
 
     # -- where we are -----------------------------------------------------------------
-    def end(self) -> int:
-        """The end of the data in the open segment."""
-        if self.mm is None:
-            return 0
-        return max(self.mm.tell(), self._tail)
-
     def data(self) -> bytes:
         """The open segment's data (the summary at finish reads it)."""
-        return self.mm[: min(self.end(), self.limit)] if self.mm is not None else b""
+        if self.fd is None:
+            return b""
+        try:
+            return os.pread(self.fd, self.end, 0)
+        except OSError:
+            return b""
 
     def buffered(self) -> int:
         return self.memory_bytes
@@ -117,77 +128,168 @@ class Segments:
     def _publish(self) -> None:
         """The hot path writes into the open segment only while nothing waits in memory
         (rows keep their order)."""
-        new = self.mm.write if self.mm is not None and not self.memory else None
+        new = self.append if self.fd is not None and not self.memory else None
         if new != self.fast_append:
             self.fast_append = new
             self.on_switch()
+
+    # -- the hot path -------------------------------------------------------------------
+    def append(self, line: bytes) -> None:
+        """Write one row (Run.log's hot path, under the run's lock); ValueError if it was
+        not written: the caller hands it to `overflow`."""
+        end = self.end + len(line)
+        if end <= self.limit:
+            try:
+                n = os.write(self.fd, line)  # type: ignore[arg-type]  # (open: published)
+            except OSError as exc:
+                self._failed("write", exc, self.path)
+                raise ValueError("spool write failed") from None
+            if n == len(line):
+                self.end = end
+                return
+            self._cut(n)
+        raise ValueError("the open segment is full")
+
+    def _write(self, line: bytes) -> bool:
+        """Write `line` whole at the end of the open segment (no room check)."""
+        assert self.fd is not None
+        try:
+            n = os.write(self.fd, line)
+        except OSError as exc:
+            self._failed("write", exc, self.path)
+            return False
+        if n == len(line):
+            self.end += n
+            return True
+        self._cut(n)
+        return False
+
+    def _cut(self, n: int) -> None:
+        """A short write (the disk filled mid-line): the `n` bytes of it are taken back, so
+        the next line does not run on from half a line."""
+        assert self.fd is not None
+        self._failed("write", OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), self.path)
+        with contextlib.suppress(OSError):
+            size = os.fstat(self.fd).st_size
+            if size >= n:
+                os.ftruncate(self.fd, size - n)
+
+    # -- room on disk -------------------------------------------------------------------
+    def _relimit(self) -> None:
+        """Where rows end in the open segment: before the reserve at the end of what is held
+        (or of its size, where the filesystem cannot reserve); nowhere once it is sealed."""
+        if self.sealed:
+            self.limit = 0
+        else:
+            top = self.cap if self.held is None else min(self.cap, self.held)
+            self.limit = top - self.reserve
+
+    def _hold(self, upto: int) -> bool:
+        """Reserve the open segment's blocks up to offset `upto` (rounded up to a page);
+        True if they are held (or the filesystem cannot say: writes then find out)."""
+        assert self.fd is not None
+        if self.held is None or upto <= self.held:
+            return True
+        upto = pages(upto)
+        got = fallocate(self.fd, self.held, upto - self.held)
+        if got is False:
+            return False
+        self.held = None if got is None else upto
+        self._relimit()
+        return True
+
+    def _fit(self, n: int) -> bool:
+        """Room for `n` more bytes of rows in the open segment, within its size: a segment
+        opened on a nearly full disk holds only what it needed, and reserves more here."""
+        if self.fd is None or self.sealed:
+            return False
+        end = self.end + n
+        if end <= self.limit:
+            return True
+        if end + self.reserve > self.cap or not self._hold(end + self.reserve):
+            return False
+        return end <= self.limit
+
+    def _room_for(self, line: bytes, keep: int = 0) -> bool:
+        """Does `line` fit after the data with `keep` bytes to spare, in what the open
+        segment holds (reserving more if need be)?"""
+        end = self.end + len(line) + keep
+        if self.held is None:
+            return end <= max(self.cap, self.size)
+        return end <= self.held or self._hold(end)
 
     # -- opening and rolling ------------------------------------------------------------
     def open_first(self) -> bool:
         return self._open(0, 1)
 
     def _open(self, index: int, first_seq: int, need: int = 0) -> bool:
-        """Create segment `index` at full size (larger if a line of `need` bytes would not
-        fit), map it, write its head: True if it is open (the previous one, if any, is
-        then closed with a marker)."""
+        """Create segment `index`, reserve its blocks, write its head: True if it is open
+        (the previous one, if any, is then closed with a marker)."""
         path = self.path_of(index)
         head = self.head(index, first_seq)
-        size = self.size
-        if len(head) + need > size - self.reserve:
-            size = len(head) + need + self.reserve
+        took = None if self.fd is None and index == 0 else time.monotonic() - self.opened
+        cap = plan_size(self.cap, took, free_bytes(path.parent), self.size)
+        reserve = reserve_for(cap)
+        cap = max(cap, len(head) + need + reserve)  # a line larger than a segment
         fd = -1
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         0o600)
-            _allocate(fd, size)  # the blocks exist: no SIGBUS on a full disk
-            mm = mmap.mmap(fd, size - self.reserve, mmap.MAP_SHARED,
-                           mmap.PROT_READ | mmap.PROT_WRITE)
-            mm.write(head)
-        except (OSError, ValueError) as exc:
+            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600)
+            # all of it, else what the head, the line and the reserve need: a disk with
+            # less than a segment still takes rows (a page at a time, see `_fit`)
+            held: int | None = cap
+            got = fallocate(fd, 0, cap)
+            if got is False:
+                held = pages(len(head) + need + reserve)
+                got = fallocate(fd, 0, held)
+                if got is False:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            if got is None:
+                held = None
+            if os.write(fd, head) != len(head):
+                raise OSError(errno.ENOSPC, "short write")
+        except OSError as exc:
             if fd >= 0:
                 os.close(fd)
                 with contextlib.suppress(OSError):
                     os.unlink(path)
-            self._failed("open", exc if isinstance(exc, OSError) else OSError(str(exc)), path)
+            self._failed("open", exc, path)
             return False
-        if self.mm is not None:
+        if self.fd is not None:
             self._close_current(_note_line({"_event": "segment", "_seq": 0,
                                             "_time": time.time(), "next": path.name}))
-        self.index, self.path, self.fd, self.mm = index, path, fd, mm
-        self.limit, self.seg_size = size - self.reserve, size
-        self._tail = 0
-        self._good = mm.tell()
+        self.index, self.path, self.fd, self.first_seq = index, path, fd, first_seq
+        self.cap = cap
+        self.reserve, self.held, self.end, self.sealed = reserve, held, len(head), False
+        self._relimit()
+        self.opened = time.monotonic()
+        self._good = self.end
         self._publish()
         return True
 
-    def _close_current(self, last: bytes) -> None:
-        """Write `last` (a marker or the finish) and cut the segment to its data."""
-        assert self.mm is not None and self.fd is not None
-        end = self._put_reserved(last)
-        with contextlib.suppress(OSError, ValueError):
-            self.mm.close()
-        with contextlib.suppress(OSError):
-            os.ftruncate(self.fd, end)  # the unused blocks go back to the disk
+    def _close_current(self, last: bytes) -> bool:
+        """Write `last` (a marker or the finish), give back the blocks reserved past it;
+        False if `last` could not be written."""
+        assert self.fd is not None
+        done = self._put_reserved(last)
+        if self.held is not None and self.held > self.end:
+            fallocate(self.fd, self.end, self.held - self.end, punch=True)
         with contextlib.suppress(OSError):
             os.close(self.fd)
-        self.mm, self.fd = None, None
+        self.fd = None
         self.rolled += 1
         self._publish()
+        return done
 
-    def _put_reserved(self, line: bytes) -> int:
-        """Write `line` after the data (into the reserve if the rows reached it: no more
-        rows go into this segment then). Returns the new end of the data."""
-        assert self.mm is not None and self.fd is not None
-        start = self.end()
-        if start + len(line) <= self.limit:
-            self.mm.write(line)
-            return start + len(line)
-        if start + len(line) > self.seg_size:
-            return start  # never half a line (callers make it fit)
-        os.pwrite(self.fd, line, start)
-        self._tail = start + len(line)
-        self.mm.seek(self.limit)  # the rows' part is over: mm.write raises from now on
-        return self._tail
+    def _put_reserved(self, line: bytes) -> bool:
+        """Write `line` after the data, into the space kept for it if the rows reached it
+        (the segment then takes no more rows)."""
+        assert self.fd is not None
+        if self.end + len(line) > self.limit:
+            self.sealed = True
+            self._relimit()
+            self._room_for(line)  # more blocks if it can; else the write finds out
+        return self._write(line)
 
     def _failed(self, op: str, exc: OSError, path: Path) -> None:
         cause = _cause(exc)
@@ -198,19 +300,25 @@ class Segments:
                   "info()['dropped']['spool_full']")
 
     # -- writing ------------------------------------------------------------------------
+    def _place(self, line: bytes) -> bool:
+        """Write `line` into the open segment, else into a new one: False if it fits
+        nowhere now (a new segment is tried again after _RETRY seconds)."""
+        n = len(line)
+        if self._fit(n) and self._write(line):
+            return True
+        now = time.monotonic()
+        if now < self._next_try:
+            return False
+        if self._open(self.index + 1, _seq_of(line), n) and self._fit(n) and self._write(line):
+            return True
+        self._next_try = now + _RETRY
+        return False
+
     def overflow(self, line: bytes, record: bool = True) -> bool:
         """A line the hot path's `fast_append` could not take: into this or the next
         segment, else into memory; False if it was dropped (a record past the bound)."""
-        if not self.memory:
-            if self.mm is not None and self.end() + len(line) <= self.limit:
-                self.mm.write(line)
-                return True
-            if self._open(self.index + 1, _seq_of(line), len(line)) \
-                    and len(line) <= self.limit - self.end():
-                assert self.mm is not None
-                self.mm.write(line)
-                return True
-            self._next_try = time.monotonic() + _RETRY
+        if not self.memory and self._place(line):
+            return True
         if record and self.memory_bytes + len(line) > self.max_buffer:
             self._drop()
             return False
@@ -227,36 +335,38 @@ class Segments:
         self.warn("spool_full", f"expr_tracker: the spool is full and {self.max_buffer} bytes "
                   "of rows wait in memory: rows are dropped from now on, counted in "
                   "info()['dropped']['spool_full'] and in the shard's sidecar")
-        if self._noted == 0:
+        self.notes["spool_full"] = (self.drops, self.drops_since)
+        if not self._noted.get("spool_full"):
             self._note()  # readers learn now, from the space kept for it
 
     def _note(self) -> None:
-        """A `dropped` note (the count so far) after the data, in the reserve if need be."""
-        if self.mm is None or self.drops == self._noted:
+        """`dropped` notes (the counts so far) after the data, in the reserve if need be."""
+        if self.fd is None:
             return
-        note = _note_line({"_event": "dropped", "_seq": 0, "_time": time.time(),
-                           "cause": "spool_full", "rows": self.drops, "since": self.drops_since,
-                           "host": socket.gethostname()})
-        if self.end() + len(note) <= self.seg_size - 1024:  # the marker and the finish still fit
-            self._put_reserved(note)
-            self._noted = self.drops
+        for cause, (rows, since) in self.notes.items():
+            if rows == self._noted.get(cause, 0):
+                continue
+            note = _note_line({"_event": "dropped", "_seq": 0, "_time": time.time(),
+                               "cause": cause, "rows": rows, "since": since,
+                               "host": socket.gethostname()})
+            # only while the marker and the finish still fit after it
+            if self._room_for(note, keep=1024) and self._put_reserved(note):
+                self._noted[cause] = rows
 
-    def drain(self) -> bool:
-        """Write what waits in memory into segments as they can be opened; True if nothing
+    def drain(self, force: bool = False) -> bool:
+        """Write what waits in memory into segments as they can take it; True if nothing
         waits any more."""
         if not self.memory:
             return True
         now = time.monotonic()
-        if now < self._next_try:
+        if now < self._next_try and not force:
             return False
+        self._next_try = 0.0
         while self.memory:
             line = self.memory[0]
-            if self.mm is None or self.end() + len(line) > self.limit:
-                if not self._open(self.index + 1, _seq_of(line), len(line)):
-                    self._next_try = now + _RETRY
-                    return False
-                continue
-            self.mm.write(line)
+            if not self._place(line):
+                self._next_try = now + _RETRY
+                return False
             self.memory.pop(0)
             self.memory_bytes -= len(line)
         self._note()
@@ -264,20 +374,21 @@ class Segments:
         return True
 
     def tick(self) -> None:
-        """About once a second: lines in memory go out, a moved or deleted segment is left
-        for a new one, and exprd is woken up."""
+        """About once a second: lines in memory go out, a moved, deleted or truncated
+        segment is left for a new one."""
         self.drain()
-        if self.mm is None or self.fd is None:
+        if self.fd is None:
             return
         if not self._is_current():
             self._moved()
             return
-        end = self.end()
-        if end != self._good:
-            self._good = end
-            with contextlib.suppress(OSError):
-                # mmap writes move no mtime and wake no inotify watch: exprd is told here
-                os.utime(self.fd)
+        try:
+            size = os.fstat(self.fd).st_size
+        except OSError:
+            return
+        if size < self.end:
+            self._truncated(size)
+        self._good = self.end
 
     def _is_current(self) -> bool:
         """Is the open segment still the file at its path? (logrotate moves files away.)"""
@@ -291,22 +402,60 @@ class Segments:
         mine = os.fstat(self.fd)
         return (at.st_ino, at.st_dev) == (mine.st_ino, mine.st_dev)
 
+    def _truncated(self, size: int) -> None:
+        """Another process cut the open segment (`: > file`, copytruncate). The writer goes
+        on in a new segment: the whole lines still in the cut file go there first (the
+        cut took its init line: a replay could not apply them from it), and the events
+        cut are counted (`spool_truncated`: exprd may have applied some before the cut,
+        the shard then holds them once)."""
+        assert self.fd is not None
+        try:
+            data = os.pread(self.fd, size, 0)
+        except OSError:
+            data = b""
+        kept = [line + b"\n" for line in data.split(b"\n")[:-1]
+                if line.startswith(b"{") and not line.startswith(b'{"_event":"init"')
+                and not line.startswith(_NOTES) and _SEQ.search(line) and _parses(line)]
+        first = _seq_of(kept[0]) if kept else self.next_seq()
+        cut = max(0, first - self.first_seq)
+        self.errors["truncated"] = self.errors.get("truncated", 0) + 1
+        if cut:
+            self.dropped["spool_truncated"] = self.dropped.get("spool_truncated", 0) + cut
+            rows, since = self.notes.get("spool_truncated", (0, time.time()))
+            self.notes["spool_truncated"] = (rows + cut, since)
+        self.warn("spool_truncated", f"expr_tracker: spool file {self.path} was truncated by "
+                  f"another process (to {size} bytes); events exprd had not read from it yet "
+                  "are lost, counted in info()['dropped']['spool_truncated'] and the "
+                  "sidecar; going on in a new segment")
+        self.held = None  # the cut gave its reserved blocks back
+        self.sealed = True  # no more rows here
+        self._relimit()
+        if kept:
+            self.memory.insert(0, b"".join(kept))
+            self.memory_bytes += sum(map(len, kept))
+        self._next_try = 0.0
+        self._publish()
+        self.drain(force=True)
+        if not self.memory:
+            self._note()
+
     def _moved(self) -> None:
         """The segment was moved or deleted under us: what was written since the last check
         goes on in a new session (exprd follows names); the moved file keeps what it had."""
-        assert self.mm is not None and self.fd is not None
-        good, end = self._good, self.end()
-        since = self.mm[good:min(end, self.limit)] if end > good else b""
+        assert self.fd is not None
+        good, end = self._good, self.end
+        since = b""
+        if end > good:
+            with contextlib.suppress(OSError):
+                since = os.pread(self.fd, end - good, good)
         self.warn("spool_deleted", f"expr_tracker: spool file {self.path} was deleted or moved "
                   "while in use; going on in a new segment (if it was deleted, rows exprd had "
                   "not read from it yet are lost)")
-        mm, fd = self.mm, self.fd
-        self.mm = self.fd = None
-        self._tail = 0
-        with contextlib.suppress(OSError, ValueError):
-            mm.close()
+        fd, self.fd = self.fd, None
         with contextlib.suppress(OSError):
             os.ftruncate(fd, good)
+        if self.held is not None and self.held > good:
+            fallocate(fd, good, self.held - good, punch=True)
         with contextlib.suppress(OSError):
             os.close(fd)
         if since:
@@ -316,6 +465,7 @@ class Segments:
         self.memory = self.new_session(self.memory)
         self.memory_bytes = sum(map(len, self.memory))
         self.index = -1
+        self.cap = 0
         self._next_try = 0.0
         self._publish()
         self.drain()
@@ -330,33 +480,35 @@ class Segments:
         """Write the finish event `line`: what waits in memory first (for up to `wait` s
         while exprd frees space; what still waits then is dropped and counted), then
         the finish, into the space kept for it."""
-        if self.mm is not None and self.fd is not None and not self._is_current():
+        if self.fd is not None and not self._is_current():
             self._moved()
         deadline = time.monotonic() + wait
-        while not self.drain() and time.monotonic() < deadline:
-            time.sleep(0.05)
-            self._next_try = 0.0
+        while not self.drain(force=True) and time.monotonic() < deadline:
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
         if self.memory:
             lost = sum(m.count(b"\n") for m in self.memory if not m.startswith(b'{"_event"'))
             self.memory.clear()
             self.memory_bytes = 0
             for _ in range(lost):
                 self._drop()
-        if self.mm is None and not self._open(self.index + 1, _seq_of(line)):
+        if self.fd is None and not self._open(self.index + 1, _seq_of(line)):
             self.warn("spool_finish", "expr_tracker: no spool segment could be opened for the "
                       "finish event: exprd will read this run as crashed")
             self.closed = True
             return
         self._note()
-        if self.end() + len(line) > self.seg_size:
+        if not self._room_for(line):
             # a summary too large for what is left: the finish goes without it, in a segment
             # of its own if it still does not fit
             ev = orjson.loads(line)
             ev.pop("summary", None)
             line = orjson.dumps(ev, option=orjson.OPT_APPEND_NEWLINE)
-            if self.end() + len(line) > self.seg_size:
+            if not self._room_for(line):
                 self._open(self.index + 1, _seq_of(line), len(line))
-        self._close_current(line)
+        if not self._close_current(line):
+            self.warn("spool_finish", "expr_tracker: the finish event could not be written "
+                      f"to {self.path} (the spool disk is full): exprd will read this run as "
+                      "crashed")
         self.closed = True
 
     def close(self, status: str = "crashed", flush_timeout: float | None = None) -> None:
@@ -364,38 +516,25 @@ class Segments:
         process is about to die and exprd reads the segment as its writer left it."""
 
     def crash_close(self) -> None:
-        """A forked child: unmap without writing anything."""
-        if self.mm is not None:
-            with contextlib.suppress(OSError, ValueError):
-                self.mm.close()
+        """A forked child: let go of the parent's segment without writing anything."""
         if self.fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self.fd)
-        self.mm = self.fd = None
+        self.fd = None
         self.fast_append = None
         self.memory.clear()
 
     def info(self) -> dict[str, Any]:
         return {"segment": self.index, "segment_bytes": self.size,
-                "segments_rolled": self.rolled}
+                "segment_size": self.cap, "segments_rolled": self.rolled}
 
 
-def _allocate(fd: int, size: int) -> None:
-    """Give the file `size` bytes of real blocks (ENOSPC now, not SIGBUS later). Where the
-    filesystem has no fallocate, zeros are written (the blocks are then allocated too)."""
-    fallocate = getattr(os, "posix_fallocate", None)  # (not on macOS)
-    if fallocate is not None:
-        try:
-            fallocate(fd, 0, size)
-            return
-        except OSError as exc:
-            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS):
-                raise
-    zeros = bytes(min(size, 1 << 20))
-    for pos in range(0, size, len(zeros)):
-        n = min(len(zeros), size - pos)
-        if os.pwrite(fd, zeros[:n], pos) != n:
-            raise OSError(errno.ENOSPC, "short write")
+def _parses(line: bytes) -> bool:
+    try:
+        orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return False
+    return True
 
 
 def _note_line(ev: dict[str, Any]) -> bytes:
@@ -408,4 +547,6 @@ def _seq_of(data: bytes) -> int:
     return int(m.group(1)) if m else 0
 
 
+# a segment writer's own lines, not events (spoolfile.NOTES; not imported: layers)
+_NOTES = (b'{"_event":"segment"', b'{"_event":"dropped"')
 _SEQ = re.compile(rb'[{,]"_seq":(\d+)')
