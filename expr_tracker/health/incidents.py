@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from expr_tracker.health.detect import Finding, crashes
+from expr_tracker.health.stall import EVIDENCE_RULES
 from expr_tracker.health.state import RunState
 from expr_tracker.health.why import explain
 from expr_tracker.ranks import compact
@@ -65,6 +66,9 @@ class Incident:
     cause: str | None = None  # a crash that is collateral of another incident (its id)
     collateral: tuple[int, ...] = ()  # a lost node: the other ranks that crashed after it
     by: str | None = None  # the long-running watcher that opened it ("host:pid:n"), its owner
+    # raised on evidence (a stall whose probes name a culprit, or every rank waiting): paged
+    # at once, as a crash or a lost node is; `page_after` holds for the rest (DESIGN 13)
+    evidence: bool = False
 
     @property
     def key(self) -> tuple[str, tuple[int, ...]]:
@@ -93,6 +97,8 @@ class Incident:
             out["collateral"] = list(self.collateral)
         if self.by is not None:
             out["by"] = self.by
+        if self.evidence:
+            out["evidence"] = True
         return out
 
     @classmethod
@@ -131,6 +137,7 @@ class Incident:
             paging={"by": paging["by"], "at": _time(paging["at"])} if paging else None,
             cause=cause if isinstance(cause, str) else None, collateral=tuple(sorted(coll)),
             by=line["by"] if isinstance(line.get("by"), str) else None,
+            evidence=line.get("evidence") is True,
         )
 
 
@@ -296,7 +303,9 @@ def _stall(open_stalls: list[Incident], found: list[Finding], now: float, out: P
         else:
             out.still_open.append(replace(inc, detail=f.detail, step=f.step, last_seen=now))
     if f is not None and not open_stalls:
-        out.opened.append(_merge("stall", [f], now))
+        inc = _merge("stall", [f], now)
+        inc.evidence = (f.info or {}).get("rule") in EVIDENCE_RULES
+        out.opened.append(inc)
 
 
 def _stopped(inc: Incident, state: RunState | None) -> str | None:

@@ -29,8 +29,9 @@ from expr_tracker.ranks import compact
 if TYPE_CHECKING:
     from expr_tracker.alerts import Dispatcher
 
-# kinds paged as soon as they open: they never resolve on their own (a blip cannot be one)
-PAGE_AT_ONCE = ("crashed",)
+# kinds paged as soon as they open: raised on evidence, not on a threshold a blip can
+# cross (a crash, a lost node; a stall too when its probes are evidence, `Incident.evidence`)
+PAGE_AT_ONCE = ("crashed", "lost")
 _ALERTS_RE = re.compile(r"alerts(?:\.rank(\d+))?\.jsonl\Z")
 
 
@@ -182,8 +183,9 @@ class Watcher:
 
     def _due(self, inc: Incident) -> bool:
         """`inc` may be paged now: it has held `page_after` on this watcher's clock (from
-        when it first saw it, or the line's `first_seen` if earlier), or it is a crash."""
-        if inc.kind in PAGE_AT_ONCE or self.cfg.page_after <= 0:
+        when it first saw it, or the line's `first_seen` if earlier), or it was raised on
+        evidence (a crash, a lost node, a stall whose probes name a culprit)."""
+        if inc.kind in PAGE_AT_ONCE or inc.evidence or self.cfg.page_after <= 0:
             return True
         since = self._seen_at.get(inc.id, inc.first_seen or self._now)
         return self._now - min(since, inc.first_seen or since) >= self.cfg.page_after
