@@ -147,7 +147,7 @@ class TopView:
         self.log.sync()
         findings = detect(state, [], self.cfg, self.memory, wall)
         p = plan(self.log.open.values(), findings, wall, state, crash_window=self.cfg.crash_window,
-                 ended=ended(state))
+                 ended=ended(state), cache=self.cfg.fs_cache or 0.0)
         # every open incident of incidents.jsonl, whoever recorded it (a watcher with other
         # thresholds, or evidence this frame lacks: its line stands until a watcher
         # resolves it), with this frame's news of it; then what only this frame finds

@@ -131,7 +131,8 @@ class Watcher:
         self.log.sync()
         findings = detect(self.state, list(self._suppressed.values()), self.cfg, self.memory, now)
         p = plan(self.log.open.values(), findings, now, self.state,
-                 crash_window=self.cfg.crash_window, ended=ended(self.state))
+                 crash_window=self.cfg.crash_window, ended=ended(self.state),
+                 cache=self.cfg.fs_cache or 0.0)
         self._keep_others(p)
         for inc in p.still_open:  # last_seen and step in memory; the file keeps the first line
             self.log.open[inc.id] = inc

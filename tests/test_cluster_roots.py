@@ -1,0 +1,100 @@
+"""Which rank a crash across nodes started with, and what a silent exprd is not (issue 53
+rows a-c; DESIGN 13 turn 5, 21).
+
+Each case runs a real `torchrun --nnodes 2 --nproc_per_node 2` job over gloo on the
+simulated cluster, with an exprd per node and an `expr watch` on the login node:
+
+- rank 2 on node1 is killed -9 (as the OOM killer does): gloo takes ranks 0-1 and 3
+  down with "Connection reset by peer". The root is rank 2, the one that died without an
+  exception, in the incident, its page and every reader;
+- node1's exprd is killed -9 for a while and its ranks train on: no `lost`, no `behind`
+  paged; a warning that the daemon is silent; its rows applied once it is back.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.cluster import Cluster, require_cluster, wait_for
+from tests.cluster_job import (
+    Job,
+    Watcher,
+    brief,
+    health_toml,
+    incidents,
+    login,
+    serious,
+    sidecar,
+)
+from tests.extras import need
+
+HEALTH = health_toml(page_after="2s")
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    require_cluster()
+    need("torch", "torch")
+    with Cluster(tmp_path / "c") as c:
+        yield c
+
+
+def _crash(run_dir: Path) -> list[dict[str, Any]] | None:
+    return next((x for x in incidents(run_dir).values() if x[0]["kind"] == "crashed"), None)
+
+
+def test_a_rank_killed_by_the_oom_killer_is_the_root_in_every_reader(cluster: Cluster) -> None:
+    for node in cluster.nodes:
+        node.start_exprd(HEALTH)
+    job = Job(cluster, "oom", mode="spool", steps=100_000).start()
+    watcher = Watcher(cluster, job, HEALTH)
+    try:
+        job.wait_steps(30, timeout=90)
+        # node1's exprd is busy for 5 s (stopped): it tells rank 2's death after node0's
+        # exprd tells ranks 0-1's "Connection reset by peer", as a loaded node's would
+        exprd = cluster.nodes[1].exprd
+        assert exprd is not None
+        exprd.send_signal(signal.SIGSTOP)
+        try:
+            os.kill(cluster.nodes[1].rank_pid(2), signal.SIGKILL)
+            assert job.procs[0].wait(60) != 0  # node0's ranks went down with it
+            time.sleep(5)
+        finally:
+            exprd.send_signal(signal.SIGCONT)
+
+        def every_rank_crashed() -> bool:
+            return all(sidecar(job.run_dir, r).get("status") == "crashed" for r in range(4))
+
+        wait_for(every_rank_crashed, 30, lambda: f"every rank crashed; "
+                 f"{[sidecar(job.run_dir, r).get('status') for r in range(4)]}")
+
+        def settled() -> list[dict[str, Any]] | None:
+            lines = _crash(job.run_dir)
+            return lines if lines and set(lines[-1]["ranks"]) == {0, 1, 2, 3} else None
+
+        lines = wait_for(settled, 20, lambda: f"one crash of ranks 0-3; {brief(job.run_dir)}")
+        time.sleep(2)  # what the watchers would still write about it
+    finally:
+        watcher.stop()
+    assert len(serious(job.run_dir)) == 1, brief(job.run_dir)
+    lines = _crash(job.run_dir) or []
+    roots = {(x.get("root") or {}).get("rank") for x in lines[-1:]}
+    assert roots == {2}, [(x["ranks"], x.get("root")) for x in lines]
+    # every reader names the same root
+    top = login(cluster, "top", str(job.run_dir), "--once", ok=(0, 1))
+    assert (top["job"].get("first_crash") or {}).get("rank") == 2, top["job"]
+    summary = login(cluster, "summary", str(job.run_dir))
+    assert summary["ranks"]["first_crash"]["rank"] == 2, summary["ranks"]
+    said = login(cluster, "watch", str(job.run_dir), "--once", ok=(1,))
+    crashes = [x for x in (said if isinstance(said, list) else [said]) if x["kind"] == "crashed"]
+    assert crashes and crashes[-1]["root"]["rank"] == 2, crashes
+    # the pages of the crash name rank 2 first, or a later one corrects the first
+    pages = [p for p in cluster.read_pages() if p["rule"].startswith("health:crashed")]
+    assert pages and "rank 2" in pages[-1]["text"].split(";")[0], pages
