@@ -26,6 +26,7 @@ from tests.cluster import Cluster, require_cluster, wait_for
 from tests.cluster_job import (
     Job,
     Watcher,
+    assert_exactly_once,
     brief,
     health_toml,
     incidents,
@@ -98,3 +99,42 @@ def test_a_rank_killed_by_the_oom_killer_is_the_root_in_every_reader(cluster: Cl
     # the pages of the crash name rank 2 first, or a later one corrects the first
     pages = [p for p in cluster.read_pages() if p["rule"].startswith("health:crashed")]
     assert pages and "rank 2" in pages[-1]["text"].split(";")[0], pages
+
+
+def test_an_exprd_killed_while_its_ranks_train_on_is_a_warning_about_the_daemon(
+        cluster: Cluster) -> None:
+    """Issue 53 row c: node1's exprd is killed -9 for 30 s while ranks 2-3 train on (node0's
+    step on with them: lock-step DDP does not run on without a peer). At 5 s thresholds
+    (hang, evidence) nothing of the ranks opens: no `lost`, `behind` or `hang`; one
+    warning says node1's exprd is silent, and resolves once an exprd runs there again and
+    applies what waited in the spool: every row once."""
+    health = health_toml(hang_after="5s", page_after="2s")
+    for node in cluster.nodes:
+        node.start_exprd(health)
+    job = Job(cluster, "daemon", mode="spool", steps=1_500, env={"EXPR_PROBE_AFTER": "2"}).start()
+    watcher = Watcher(cluster, job, health)
+    node1 = cluster.nodes[1]
+    try:
+        job.wait_steps(30, timeout=90)
+        time.sleep(6)  # node1's exprd has touched its heartbeat in the run directory
+        assert node1.exprd is not None
+        node1.exprd.kill()
+        node1.exprd.wait(10)
+        wait_for(lambda: [x for x in incidents(job.run_dir).values() if x[0]["kind"] == "exprd"],
+                 15 + 15, lambda: f"a warning about node1's exprd; {brief(job.run_dir)}")
+        time.sleep(30 - 15)
+        assert not serious(job.run_dir), brief(job.run_dir)
+        node1.start_exprd(health)
+        job.check_ok(120)
+        job.wait_finished([0, 1, 2, 3])
+        time.sleep(3)  # the watchers' passes over the rows that landed
+    finally:
+        watcher.stop()
+    assert not serious(job.run_dir), brief(job.run_dir)
+    (lines,) = [x for x in incidents(job.run_dir).values() if x[0]["kind"] == "exprd"]
+    assert lines[0]["hosts"] == ["node1"] and lines[0]["ranks"] == [2, 3], lines[0]
+    assert lines[0]["detail"].startswith("exprd on node1 silent"), lines[0]["detail"]
+    assert lines[-1]["state"] == "resolved", lines
+    assert_exactly_once(job)
+    paged = [p["rule"] for p in cluster.read_pages() if p["kind"] == "fire"]
+    assert all(r.startswith("health:exprd") for r in paged), paged

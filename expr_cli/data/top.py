@@ -16,7 +16,7 @@ from expr_cli.resolve import RunRef
 from . import now
 
 _SEVERITY = {"lost": 0, "crashed": 0, "stall": 1, "hang": 2, "missing": 3, "alert": 4,
-             "straggler": 5, "slowdown": 6, "behind": 7}
+             "straggler": 5, "slowdown": 6, "behind": 7, "exprd": 8}
 NO_STEP_AFTER = 5.0  # s without a new step (and 3 step periods) that the job line names
 RATE_GRACE = 2.0  # seconds of silence that are the flush lag, not a slower rank
 RATE_HORIZON = 2.0  # a live rank's steps/s counts the steps of the last this many seconds ...

@@ -19,21 +19,23 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import accumulate
 from operator import sub
 from statistics import median
 from typing import Any
 
 from expr_tracker.health.config import HealthConfig
+from expr_tracker.health.daemons import silent_exprds, unfed_ranks
 from expr_tracker.health.lost import lost_nodes
 from expr_tracker.health.stall import stall
 from expr_tracker.health.state import RankState, RunState
 
-KINDS = ("straggler", "slowdown", "hang", "stall", "behind", "crashed", "missing", "alert", "lost")
+KINDS = ("straggler", "slowdown", "hang", "stall", "behind", "crashed", "missing", "alert", "lost",
+         "exprd")
 LEVELS = {"straggler": "warning", "slowdown": "warning", "hang": "error", "stall": "error",
           "behind": "warning", "crashed": "error", "missing": "error", "alert": "error",
-          "lost": "error"}
+          "lost": "error", "exprd": "warning"}
 JOB = -1  # the rank key of the whole job's slowdown window in `Memory.best`
 # A slowdown must also cost at least this much per step: a best window is the minimum of
 # many noisy windows, so sub-millisecond step times (timer noise, a CPU toy job) would
@@ -79,6 +81,9 @@ class Memory:
     passes: int = 0
     behind_since: dict[int, float] = field(default_factory=dict)  # rank -> first found behind
     newest: float | None = None  # the last advance of any live rank, at the last pass
+    # ranks behind since their exprd went silent: the rows that waited in its spool land
+    # at once when it is back, and they are not behind while those catch up
+    catching_up: set[int] = field(default_factory=set)
 
 
 class _Derived:
@@ -437,6 +442,23 @@ def _held(state: RunState, memory: Memory) -> list[Finding]:
             if r == JOB or r in live]  # (a rank that ended meanwhile is no straggler)
 
 
+def _behind_fed(state: RunState, cfg: HealthConfig, memory: Memory, now: float,
+                unfed: set[int]) -> list[Finding]:
+    """`behind` (held `fs_cache`), but held, not opened, for a rank whose rows wait on a
+    silent exprd, and after it until they caught up (`Memory.catching_up`)."""
+    found = _behind(state, cfg)
+    short = {f.ranks[0] for f in found}
+    late = memory.catching_up = (memory.catching_up | unfed) & short
+    return [_unfed(f, late) for f in _held_for(found, memory.behind_since, now,
+                                                cfg.fs_cache or 0.0)]
+
+
+def _unfed(f: Finding, unfed: set[int]) -> Finding:
+    """A `behind` or `hang` of a rank whose rows wait on a silent exprd: held, not opened
+    (`daemons.unfed_ranks`)."""
+    return replace(f, hold=True) if f.ranks[0] in unfed else f
+
+
 def ended(state: RunState) -> bool:
     """The run is over: it has ranks and every one finished or crashed."""
     return bool(state.ranks) and not state.live
@@ -472,7 +494,11 @@ def detect(
         # silence before now is not a hang (another host's ranks are seen going on up to
         # `fs_cache` after this host's), and the step that waited is not a slowdown
         memory.stall_end, memory.stall_step = now, state.lead
-    lost = lost_nodes(state, evidence, now)
+    lost = lost_nodes(state, evidence, now, cache)
+    # a node's exprd silent while its ranks train on: a warning about the daemon, and its
+    # ranks' shards, short of the others', are neither behind nor hung
+    daemons = [] if lost else silent_exprds(state, now, cache)
+    unfed = {r for d in daemons for r in d["ranks"]} | unfed_ranks(state, now)
     # a lost node explains the others' wait: no stall names its ranks as suspects
     stalled = None if lost else stall(state, threshold, now, period, seen, left_over, evidence,
                                       cache)
@@ -485,11 +511,13 @@ def detect(
                            stalled["host"], LEVELS["stall"], group=False, info=stalled))
     job.extend(Finding("lost", node["ranks"], node["detail"], node["step"], node["host"],
                        LEVELS["lost"], group=False, info=node) for node in lost)
+    job.extend(Finding("exprd", d["ranks"], d["detail"], d["step"], d["host"],
+                       LEVELS["exprd"], group=False, info=d) for d in daemons)
     gone = {r for node in lost for r in node["ranks"]}
     if stalled is None and newest is not None and now - newest < threshold / 2:
         # a silent rank is a hang while the others still advance; once they stopped too
         # (a synchronous job waits for it at its next collective) it is a stall coming
-        job.extend(f for f in _hangs(state, threshold, now, memory.stall_end)
+        job.extend(_unfed(f, unfed) for f in _hangs(state, threshold, now, memory.stall_end)
                    if f.ranks[0] not in gone)
     # the step that waited out a stall is one huge step time: not a straggler or slowdown
     # until every rank's windows have moved past it
@@ -502,7 +530,7 @@ def detect(
         *crashes(state),
         *job,
         *timing,
-        *_held_for(_behind(state, cfg), memory.behind_since, now, cache),
+        *_behind_fed(state, cfg, memory, now, unfed),
         *_missing(state, cfg, now),
         *_alerts(state, suppressed),
     ]

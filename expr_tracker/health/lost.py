@@ -12,7 +12,9 @@ their transport notices. A host is **lost** when
   the ranks' own silence: a stall names them); in direct mode the ranks' own sidecars,
   which a live tracker thread rewrites with a probe every few seconds, serve;
 - and the job shows life elsewhere: another node's rank wrote within `threshold` (a
-  probe while it waits) or crashed. With every node silent nothing tells a dead node from
+  probe while it waits) or crashed, but none stepped on long after this node went quiet
+  (a synchronous job does not run on without a dead peer: its exprd is what is silent,
+  `daemons.silent_exprds`). With every node silent nothing tells a dead node from
   a frozen filesystem, and nothing is named.
 """
 
@@ -23,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from expr_tracker.health.clock import safe_host
+from expr_tracker.health.daemons import STEPPED_ON, peers_step_on
 from expr_tracker.health.stall import PEER_ERRORS, _frame, _frames, fmt_quiet, in_collective
 from expr_tracker.health.state import RankState, RunState
 from expr_tracker.ranks import compact
@@ -39,10 +42,12 @@ def peer_blamed(rs: RankState) -> bool:
     return any(p in text for p in PEER_ERRORS)
 
 
-def lost_nodes(state: RunState, threshold: float, now: float) -> list[dict[str, Any]]:
+def lost_nodes(state: RunState, threshold: float, now: float,
+               cache: float = 0.0) -> list[dict[str, Any]]:
     """The lost nodes of this pass: {"host", "ranks", "quiet", "exprd" (its silence, None
     in direct mode or unknown), "collateral" (other nodes' crashed ranks that blame a
-    peer), "detail", "step"} each (see the module docstring)."""
+    peer), "detail", "step"} each (see the module docstring). `cache`: the filesystem's
+    attribute cache (`daemons.peers_step_on`)."""
     # most passes no live rank is that silent: one comprehension, no grouping
     oldest = min([w for rs in state.live if (w := rs.wrote_at) is not None], default=None)
     if oldest is None or now - oldest < threshold:
@@ -78,6 +83,10 @@ def lost_nodes(state: RunState, threshold: float, now: float) -> list[dict[str, 
         crashed = [rs for rs in others if rs.status == "crashed"]
         if not alive and not crashed:
             continue
+        # (by half the threshold at most: a silence of `threshold` with peers stepping
+        # all along is not one they waited out)
+        if peers_step_on(mine, alive, cache, min(STEPPED_ON, threshold / 2)):
+            continue  # its peers step on without it: its ranks live (`daemons`)
         out.append(_verdict(host, mine, quiet, exprd, alive, crashed))
     return out
 
