@@ -138,3 +138,36 @@ def test_an_exprd_killed_while_its_ranks_train_on_is_a_warning_about_the_daemon(
     assert_exactly_once(job)
     paged = [p["rule"] for p in cluster.read_pages() if p["kind"] == "fire"]
     assert all(r.startswith("health:exprd") for r in paged), paged
+
+
+def test_a_node_killed_whole_is_the_root_and_pages_once_at_the_defaults(
+        cluster: Cluster) -> None:
+    """Issue 53 row b, at the default thresholds: node1 dies whole; gloo takes ranks 0-1
+    down ("Connection reset by peer"). Before, their crash paged at once and `lost: node1`
+    a minute later. Now node1 is named lost within about three of its exprd's heartbeats,
+    their crash joins it as collateral, and one page goes out: node1's."""
+    health = health_toml()
+    for node in cluster.nodes:
+        node.start_exprd(health)
+    job = Job(cluster, "dies", mode="spool", steps=100_000).start()
+    watcher = Watcher(cluster, job, health)
+    try:
+        job.wait_steps(30, timeout=90)
+        time.sleep(6)  # every exprd has left its heartbeat where the others look
+        cluster.nodes[1].kill()
+
+        def lost() -> list[dict[str, Any]] | None:
+            return next((x for x in serious(job.run_dir).values() if x[0]["kind"] == "lost"),
+                        None)
+
+        node = wait_for(lost, 40, lambda: f"node1 named lost; {brief(job.run_dir)}")
+        assert node[-1]["hosts"] == ["node1"] and node[-1]["ranks"] == [2, 3], node[-1]
+        wait_for(lambda: set((lost() or [{}])[-1].get("collateral", ())) >= {0, 1}, 15,
+                 lambda: f"ranks 0-1 collateral of node1's loss; {brief(job.run_dir)}")
+        time.sleep(5)  # what a watcher would page late
+    finally:
+        watcher.stop()
+    others = [x for i, x in serious(job.run_dir).items() if i != node[0]["id"]]
+    assert all(x[-1].get("cause") == node[0]["id"] for x in others), brief(job.run_dir)
+    pages = [p["rule"] for p in cluster.read_pages() if p["kind"] == "fire"]
+    assert pages == ["health:lost:2-3"], pages

@@ -35,8 +35,9 @@ LINE_KEYS = ("id", "kind", "state", "delivered", "ranks", "level", "hosts", "ste
              "first_seen", "last_seen", "detail")
 ENDED = "run ended"
 # s that crashes which only blame a peer wait for the peer's own crash before they open an
-# incident: its node's exprd marks a process killed -9 crashed a pass or two later
-CRASH_GRACE = 10.0
+# incident: its node's exprd marks a process killed -9 crashed a pass or two later, and a
+# node that died whole is named lost after 15 s (`lost.lost_nodes`, `daemons.EXPRD_SILENT`)
+CRASH_GRACE = 20.0
 
 
 def new_id() -> str:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from expr_tracker.health.clock import safe_host
-from expr_tracker.health.daemons import STEPPED_ON, peers_step_on
+from expr_tracker.health.daemons import EXPRD_SILENT, STEPPED_ON, peers_step_on
 from expr_tracker.health.stall import PEER_ERRORS, _frame, _frames, fmt_quiet, in_collective
 from expr_tracker.health.state import RankState, RunState
 from expr_tracker.ranks import compact
@@ -48,6 +48,12 @@ def lost_nodes(state: RunState, threshold: float, now: float,
     in direct mode or unknown), "collateral" (other nodes' crashed ranks that blame a
     peer), "detail", "step"} each (see the module docstring). `cache`: the filesystem's
     attribute cache (`daemons.peers_step_on`)."""
+    if len(state.live) < len(state.ranks) and any(
+            peer_blamed(rs) for rs in state.ranks.values() if rs.status == "crashed"):
+        # ranks crashed saying a peer went away: a node silent as long as three of its
+        # exprd's heartbeats (its ranks' probes in direct mode) is the peer, and naming it
+        # now makes it the root their crash joins, paged once (DESIGN 13, turn 5)
+        threshold = min(threshold, EXPRD_SILENT + cache)
     # most passes no live rank is that silent: one comprehension, no grouping
     oldest = min([w for rs in state.live if (w := rs.wrote_at) is not None], default=None)
     if oldest is None or now - oldest < threshold:

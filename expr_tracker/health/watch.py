@@ -186,6 +186,8 @@ class Watcher:
         """`inc` may be paged now: it has held `page_after` on this watcher's clock (from
         when it first saw it, or the line's `first_seen` if earlier), or it was raised on
         evidence (a crash, a lost node, a stall whose probes name a culprit)."""
+        if inc.cause is not None:  # collateral of another incident (a lost node): it pages
+            return False
         if inc.kind in PAGE_AT_ONCE or inc.evidence or self.cfg.page_after <= 0:
             return True
         since = self._seen_at.get(inc.id, inc.first_seen or self._now)
