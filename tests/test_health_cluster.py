@@ -309,6 +309,41 @@ def test_a_stall_raised_on_evidence_pages_at_once_and_one_on_a_threshold_after_p
         disp.close(2.0)
 
 
+def test_the_attribute_cache_is_learned_from_the_gaps_between_heartbeats(
+        tmp_path: Path) -> None:
+    """Issue 53 row d, its mechanism: node1's exprd touches its heartbeat every 5 s; a
+    watcher that sees a new mtime only every 30 s (a FUSE attribute cache) learns 30 s and
+    says so; one that sees them every 5 s learns nothing, nor does one exprd stopped for a
+    minute once."""
+    now = time.time()
+    for name, gaps in (("cached", [30, 30, 30]), ("fresh", [5, 5, 5]),
+                       ("stopped", [5, 60, 5, 5])):
+        run = tmp_path / "p" / name
+        for r in range(WORLD):
+            write_rank(run, r, 40, now - 1, host=f"node{r // 2}")
+        beat = run / ".exprd.node1.json"
+        beat.write_text("{}")
+        t = now - 1000.0
+        os.utime(beat, (t, t))
+        w = Watcher(run, HealthConfig(hang_after=3600.0))
+        assert w.cfg.fs_cache == 0 and w.cache_note is None
+        learned = []
+        for i, gap in enumerate(gaps):
+            w.check(now + i)
+            t += gap
+            os.utime(beat, (t, t))
+            w.check(now + i + 0.5)
+            learned.append(w.cfg.fs_cache)
+        if name == "cached":
+            assert learned == [0, 30, 30], learned
+            assert "show up about 30s late" in (w.cache_note or ""), w.cache_note
+        else:
+            assert set(learned) == {0}, (name, learned)
+    # a configured cache is not learned over
+    w = Watcher(tmp_path / "p" / "cached", HealthConfig(fs_cache=2.0))
+    assert w.learner is None and w.cfg.fs_cache == 2.0
+
+
 def _rank_1_crashed(tmp_path: Path) -> Path:
     """A run of WORLD ranks at step 120, rank 1 crashed 5 s ago ("RuntimeError: boom")."""
     run = tmp_path / "p" / "r"
