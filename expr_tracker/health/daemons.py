@@ -65,15 +65,16 @@ def silent_exprds(state: RunState, now: float, cache: float = 0.0) -> list[dict[
     """The hosts whose exprd's heartbeat is older than `EXPRD_SILENT` (+ `cache`) while
     their spooled ranks run and the other hosts' ranks step on: {"host", "ranks", "quiet"
     (the heartbeat's age), "step", "detail"} each."""
-    beats = state.heartbeats
-    if not beats:
+    # most passes every heartbeat is fresh: a look at a handful of them, not at the ranks
+    stale_beats = {h: now - beat for h, beat in state.heartbeats.items()
+                   if now - beat >= EXPRD_SILENT + cache}
+    if not stale_beats:
         return []
     by_host: dict[str, list[RankState]] = {}
     for rs in state.live:
-        if rs.spooled and rs.host:
+        if rs.spooled and rs.host and safe_host(rs.host) in stale_beats:
             by_host.setdefault(rs.host, []).append(rs)
-    stale = {h: now - beat for h in by_host
-             if (beat := beats.get(safe_host(h))) is not None and now - beat >= EXPRD_SILENT + cache}
+    stale = {h: stale_beats[safe_host(h)] for h in by_host}
     out = []
     for host, quiet in stale.items():
         mine = by_host[host]
