@@ -136,7 +136,9 @@ def test_an_exprd_killed_while_its_ranks_train_on_is_a_warning_about_the_daemon(
     assert lines[0]["detail"].startswith("exprd on node1 silent"), lines[0]["detail"]
     assert lines[-1]["state"] == "resolved", lines
     assert_exactly_once(job)
-    paged = [p["rule"] for p in cluster.read_pages() if p["kind"] == "fire"]
+    # (the ratio detectors can fire on a busy 2-core machine: issue 48 item 3)
+    paged = [p["rule"] for p in cluster.read_pages() if p["kind"] == "fire"
+             and not p["rule"].startswith(("health:straggler", "health:slowdown"))]
     assert all(r.startswith("health:exprd") for r in paged), paged
 
 
