@@ -190,6 +190,7 @@ class DaemonHealth:
                 continue
             start = time.monotonic()
             found = 0
+            note = watcher.cache_note
             try:
                 for inc in watcher.check():  # on the watcher's own clock (DESIGN 13)
                     found += 1
@@ -198,6 +199,8 @@ class DaemonHealth:
                     log.log(logging.WARNING if inc.state == "open" else logging.INFO,
                             "health %s: %s %s ranks %s: %s", key[0], inc.state, inc.kind,
                             ",".join(map(str, inc.ranks)), inc.detail)
+                if watcher.cache_note != note and watcher.cache_note:  # learned (`CacheLearner`)
+                    log.info("health of %s: %s", key[0], watcher.cache_note)
                 if watcher.write_error is not None and watcher.write_error not in self._warned:
                     self._warned.add(watcher.write_error)  # once per cause, the rest goes on
                     log.warning("health of %s: %s", key[0], watcher.write_error)

@@ -253,19 +253,16 @@ def test_two_runs_stalling_on_rank_3_both_page_and_a_blip_pages_nothing(
                 write_rank(run, r, 40, now - 70, probe=SLEEP if r == 3 else COLLECTIVE,
                            side=now - 1)
             watchers.append(Watcher(run, cfg, disp))
-        for w in watchers:  # opened, recorded, not paged: it has not held page_after yet
-            assert [i.kind for i in w.check(now)] == ["stall"]
-        assert disp.flush(5) and httpserver.log == []
-        for w in watchers:
-            assert [(i.kind, i.ranks) for i in w.check(now + 11)] == [("stall", (3,))]
+        for w in watchers:  # a culprit named by probes: paged as it opens (row e)
+            assert [(i.kind, i.ranks) for i in w.check(now)] == [("stall", (3,))]
         assert disp.flush(10)
         pages = [json.loads(req.get_data()) for req, _ in httpserver.log]
         assert sorted(p["run"] for p in pages) == ["a", "b"], pages
         assert all(p["rule"] == "health:stall:3" for p in pages)
         for w in watchers:
-            w.check(now + 12)  # writes what the channel said
+            w.check(now + 1)  # writes what the channel said
             assert [(i["delivered"], "paging" in i) for i in _lines(w.run_dir)] == [
-                (False, False), (False, True), (True, False)]
+                (False, True), (True, False)]
         # a blip: a rank falls 170 steps behind and catches up within page_after
         blip = tmp_path / "p" / "blip"
         for r in range(WORLD):
@@ -277,6 +274,74 @@ def test_two_runs_stalling_on_rank_3_both_page_and_a_blip_pages_nothing(
         assert disp.flush(5) and len(httpserver.log) == 2  # nothing more paged
     finally:
         disp.close(2.0)
+
+
+def test_a_stall_raised_on_evidence_pages_at_once_and_one_on_a_threshold_after_page_after(
+        tmp_path: Path, httpserver: Any) -> None:
+    """Issue 53 row e: `page_after` (here 5 minutes) holds for what a threshold raised, not
+    for what evidence did. Before, the stall whose probes name rank 3 waited it out too (at
+    the defaults 60 s + 10 s)."""
+    from expr_tracker.alerts import Dispatcher, load_config
+
+    httpserver.expect_request("/hook", method="POST").respond_with_data("ok")
+    cfg_path = _hook_config(tmp_path / "a.toml", httpserver.url_for("/hook"))
+    disp = Dispatcher.from_config(load_config(None, path=str(cfg_path)))
+    cfg = HealthConfig(hang_after=60.0, page_after=300.0)
+    now = time.time()
+    try:
+        culprit, low = tmp_path / "p" / "culprit", tmp_path / "p" / "low"
+        for r in range(WORLD):  # rank 3 in its data loader, the others in the all-reduce
+            write_rank(culprit, r, 40, now - 70, probe=SLEEP if r == 3 else COLLECTIVE,
+                       side=now - 1)
+            write_rank(low, r, 40 if r != 2 else 39, now - 70)  # no probes: no evidence
+        seen, silent = Watcher(culprit, cfg, disp), Watcher(low, cfg, disp)
+        assert [(i.kind, i.ranks) for i in seen.check(now)] == [("stall", (3,))]
+        assert [(i.kind, i.ranks) for i in silent.check(now)] == [("stall", (2,))]
+        assert disp.flush(10)
+        assert [json.loads(q.get_data())["run"] for q, _ in httpserver.log] == ["culprit"]
+        assert _lines(culprit)[0]["evidence"] is True and "evidence" not in _lines(low)[0]
+        silent.check(now + 200)
+        assert disp.flush(10) and len(httpserver.log) == 1  # not held 5 minutes yet
+        silent.check(now + 301)
+        assert disp.flush(10)
+        assert [json.loads(q.get_data())["run"] for q, _ in httpserver.log] == ["culprit", "low"]
+    finally:
+        disp.close(2.0)
+
+
+def test_the_attribute_cache_is_learned_from_the_gaps_between_heartbeats(
+        tmp_path: Path) -> None:
+    """Issue 53 row d, its mechanism: node1's exprd touches its heartbeat every 5 s; a
+    watcher that sees a new mtime only every 30 s (a FUSE attribute cache) learns 30 s and
+    says so; one that sees them every 5 s learns nothing, nor does one exprd stopped for a
+    minute once."""
+    now = time.time()
+    for name, gaps in (("cached", [30, 30, 30]), ("fresh", [5, 5, 5]),
+                       ("stopped", [5, 60, 5, 5])):
+        run = tmp_path / "p" / name
+        for r in range(WORLD):
+            write_rank(run, r, 40, now - 1, host=f"node{r // 2}")
+        beat = run / ".exprd.node1.json"
+        beat.write_text("{}")
+        t = now - 1000.0
+        os.utime(beat, (t, t))
+        w = Watcher(run, HealthConfig(hang_after=3600.0))
+        assert w.cfg.fs_cache == 0 and w.cache_note is None
+        learned = []
+        for i, gap in enumerate(gaps):
+            w.check(now + i)
+            t += gap
+            os.utime(beat, (t, t))
+            w.check(now + i + 0.5)
+            learned.append(w.cfg.fs_cache)
+        if name == "cached":
+            assert learned == [0, 30, 30], learned
+            assert "show up about 30s late" in (w.cache_note or ""), w.cache_note
+        else:
+            assert set(learned) == {0}, (name, learned)
+    # a configured cache is not learned over
+    w = Watcher(tmp_path / "p" / "cached", HealthConfig(fs_cache=2.0))
+    assert w.learner is None and w.cfg.fs_cache == 2.0
 
 
 def _rank_1_crashed(tmp_path: Path) -> Path:

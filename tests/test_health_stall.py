@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from expr_tracker.health.config import HealthConfig
+from expr_tracker.health.incidents import CRASH_GRACE
 from expr_tracker.health.watch import INCIDENTS, Watcher
 from tests.procs import env_for
 
@@ -223,6 +224,45 @@ def test_a_cascade_seen_in_one_pass_has_the_root_that_is_not_collateral(tmp_path
         write_rank(run2, r, 7, now - 1)
     opened = Watcher(run2, CFG).check(now)
     assert sorted(i.ranks for i in opened if i.kind == "crashed") == [(0,), (1,)]
+
+
+def test_a_rank_killed_by_a_signal_is_the_root_even_when_seen_after_its_peers(
+        tmp_path: Path) -> None:
+    """Issue 53 row a: rank 2 is killed -9 (no exception); ranks 0-1 on another node fail
+    with "Connection reset by peer" and are seen first. They wait for the peer's crash
+    (`CRASH_GRACE`); seen later than that, the rank killed still becomes the root, by a
+    line of the same id, and `expr summary` names the same rank."""
+    peer = {"type": "RuntimeError", "message": "Read error [10.0.0.11]:52114: Connection "
+            "reset by peer", "time": 0.0}
+    now = time.time()
+    for name, ago in (("soon", 3.0), ("late", CRASH_GRACE + 5)):
+        run = tmp_path / "p" / name
+        for r in range(WORLD):
+            write_rank(run, r, 50, now - 5, host=f"node{r // 2}")
+        for r in (0, 1):
+            write_rank(run, r, 50, now - ago, status="crashed", exit={**peer, "time": t0(r)},
+                       host="node0")
+        w = Watcher(run, CFG)
+        first = [(i.kind, i.ranks, (i.root or {}).get("rank")) for i in w.check(now)]
+        for r in (2, 3):  # node1's exprd marks them crashed a pass later: rank 2 said nothing
+            write_rank(run, r, 50, now - 4, status="crashed", host="node1",
+                       exit=None if r == 2 else {**peer, "time": t0(r)})
+        w.check(now + 1)
+        lines = _lines(run)
+        assert len({x["id"] for x in lines}) == 1, lines
+        assert lines[-1]["ranks"] == [0, 1, 2, 3] and lines[-1]["root"]["rank"] == 2, lines[-1]
+        assert lines[-1]["detail"].startswith("rank 2 crashed at step 50"), lines[-1]["detail"]
+        if name == "soon":  # held for rank 2's crash: the first line (and page) is right
+            assert first == [] and lines[0]["root"]["rank"] == 2, (first, lines[0])
+        else:
+            assert first == [("crashed", (0, 1), 0)], first
+        summary = expr("summary", str(run), "--json")
+        assert json.loads(summary.stdout)["ranks"]["first_crash"]["rank"] == 2, summary.stdout
+
+
+def t0(rank: int) -> float:
+    """A crashed rank's exit time on its own host's clock (node1's is 100 s ahead)."""
+    return 1060.0 + (100.0 if rank >= 2 else 0.0)
 
 
 def _rank_2_behind(run: Path, now: float) -> Watcher:

@@ -115,10 +115,15 @@ def watch_command(run: str, dir: str | None, stream: str | None, once: bool, as_
             flush(disp)
             return 1 if watcher.open or watcher.write_error else 0
         said = {_said(i) for i in first}
+        note = watcher.cache_note
         while not (exit_on_finish and watcher.ended):
             time.sleep(interval)
             mine = watcher.check()
             name_write_error()
+            if watcher.cache_note != note:  # the filesystem's cache, learned (on stderr)
+                note = watcher.cache_note
+                render.status(note or "the run directory's filesystem shows other hosts' "
+                              "writes at once again")
             # every line of incidents.jsonl, whoever recorded it (exprd beside us); as text,
             # not a line again that only says it was delivered
             lines = [i for i in sorted([*mine, *watcher.others()], key=lambda i: i.last_seen)

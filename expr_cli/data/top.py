@@ -16,7 +16,8 @@ from expr_cli.resolve import RunRef
 from . import now
 
 _SEVERITY = {"lost": 0, "crashed": 0, "stall": 1, "silent": 1, "hang": 2, "missing": 3,
-             "alert": 4, "nonfinite": 4, "straggler": 5, "slowdown": 6, "behind": 7}
+             "alert": 4, "nonfinite": 4, "straggler": 5, "slowdown": 6, "behind": 7,
+             "exprd": 8}
 # rows of ranks and of nodes `--json` prints (the worst first; `counts` tells them all): a
 # screenful, never 16,384 rows (6.5 MB)
 JSON_ROWS = 100
@@ -175,7 +176,7 @@ class TopView:
         self.log.sync()
         findings = detect(state, [], self.cfg, self.memory, wall)
         p = plan(self.log.open.values(), findings, wall, state, crash_window=self.cfg.crash_window,
-                 ended=ended(state))
+                 ended=ended(state), cache=self.cfg.fs_cache or 0.0)
         # every open incident of incidents.jsonl, whoever recorded it (a watcher with other
         # thresholds, or evidence this frame lacks: its line stands until a watcher
         # resolves it), with this frame's news of it; then what only this frame finds

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
+from collections.abc import Mapping
 
 from expr_tracker.health.mounts import mount_of
 
@@ -122,3 +124,42 @@ def attr_cache(path: str | os.PathLike[str]) -> tuple[float, str] | None:
         if opts.get(key, "").isdigit():
             return float(opts[key]), f"{kind} {key}={opts[key]}"
     return _NFS_DEFAULT, f"{kind} (acregmax default)"
+
+
+# exprd touches its heartbeat in each run directory it writes this often (daemon/health
+# `BEAT_EVERY`; health sits below the daemon)
+HEARTBEAT_EVERY = 5.0
+LEARN_GAPS = 2  # the last gaps between heartbeat mtimes a learned cache time is the least of
+
+
+class CacheLearner:
+    """The filesystem's attribute cache, learned from what a watcher sees when none is
+    configured or told by the mount (a FUSE mount's `attr_timeout` is not shown in its
+    options): another host's exprd touches its heartbeat every `HEARTBEAT_EVERY` seconds,
+    so through no cache the mtimes a watcher sees follow each other by that much; through
+    a cache of C seconds it sees one of them every C seconds or so. The least of the last
+    `LEARN_GAPS` gaps, on the filesystem's own clock (no host's clock is compared), is the
+    cache time, when it is well above the touch period: one exprd stopped a while (a gap
+    of a minute once) does not teach it; a cache, which makes every gap long, does."""
+
+    def __init__(self, here: str) -> None:
+        self._own = heartbeat_name(here)  # this host's: its own writes are seen at once
+        self._last: dict[str, int] = {}
+        self._gaps: deque[float] = deque(maxlen=LEARN_GAPS)
+        self.value = 0.0
+
+    def see(self, mtimes: Mapping[str, int]) -> bool:
+        """Take a pass's heartbeat mtimes (ns, by file name); True when `value` changed."""
+        for name, mtime in mtimes.items():
+            old = self._last.get(name)
+            self._last[name] = mtime
+            if name != self._own and old is not None and mtime > old:
+                self._gaps.append((mtime - old) / 1e9)
+        if len(self._gaps) < LEARN_GAPS:
+            return False
+        gap = min(self._gaps)
+        # a gap of the touch period, and a pass or two of jitter, is no cache; past it, the
+        # gap itself (a little more than the cache: silence is then believed a bit later)
+        value = float(round(gap)) if gap > 2 * HEARTBEAT_EVERY else 0.0
+        changed, self.value = value != self.value, value
+        return changed

@@ -13,7 +13,9 @@ or `$EXPR_ALERT_CONFIG` (whose `channels` and `policy` tables `expr_tracker.aler
                               # waiting); default max(60 s, 10 x the median step period)
     straggler_clear_ratio = 1.15  # resolves under this (default halfway from 1 to the ratio)
     slowdown_clear_ratio = 1.15
-    page_after = "10s"        # an incident is paged once it has held this long (not a crash)
+    page_after = "10s"        # a ratio detector's incident is paged once it has held this
+                              # long (raised on evidence: a crash, a lost node, a stall
+                              # whose probes name a culprit, it pages at once)
     fs_cache = "30s"          # the run root's attribute cache (bindfs attr_timeout, NFS
                               # actimeo): silence and `behind` are believed only beyond
                               # it; default: what the mount's options say (NFS), else 0

@@ -19,13 +19,14 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import accumulate
 from operator import sub
 from statistics import median
 from typing import Any
 
 from expr_tracker.health.config import HealthConfig
+from expr_tracker.health.daemons import silent_exprds, unfed_ranks
 from expr_tracker.health.lost import lost_nodes
 from expr_tracker.health.nonfinite import Seen, nonfinite
 from expr_tracker.health.silence import job_silence
@@ -33,10 +34,10 @@ from expr_tracker.health.stall import stall
 from expr_tracker.health.state import RankState, RunState
 
 KINDS = ("straggler", "slowdown", "hang", "stall", "behind", "crashed", "missing", "alert", "lost",
-         "silent", "nonfinite")
+         "silent", "nonfinite", "exprd")
 LEVELS = {"straggler": "warning", "slowdown": "warning", "hang": "error", "stall": "error",
           "behind": "warning", "crashed": "error", "missing": "error", "alert": "error",
-          "lost": "error", "silent": "error", "nonfinite": "error"}
+          "lost": "error", "silent": "error", "nonfinite": "error", "exprd": "warning"}
 JOB = -1  # the rank key of the whole job's slowdown window in `Memory.best`
 # A slowdown must also cost at least this much per step: a best window is the minimum of
 # many noisy windows, so sub-millisecond step times (timer noise, a CPU toy job) would
@@ -83,6 +84,9 @@ class Memory:
     behind_since: dict[int, float] = field(default_factory=dict)  # rank -> first found behind
     newest: float | None = None  # the last advance of any live rank, at the last pass
     nonfinite: Seen = field(default_factory=Seen)  # the sidecars' non-finite notes so far
+    # ranks behind since their exprd went silent: the rows that waited in its spool land
+    # at once when it is back, and they are not behind while those catch up
+    catching_up: set[int] = field(default_factory=set)
 
 
 class _Derived:
@@ -441,6 +445,23 @@ def _held(state: RunState, memory: Memory) -> list[Finding]:
             if r == JOB or r in live]  # (a rank that ended meanwhile is no straggler)
 
 
+def _behind_fed(state: RunState, cfg: HealthConfig, memory: Memory, now: float,
+                unfed: set[int]) -> list[Finding]:
+    """`behind` (held `fs_cache`), but held, not opened, for a rank whose rows wait on a
+    silent exprd, and after it until they caught up (`Memory.catching_up`)."""
+    found = _behind(state, cfg)
+    short = {f.ranks[0] for f in found}
+    late = memory.catching_up = (memory.catching_up | unfed) & short
+    return [_unfed(f, late) for f in _held_for(found, memory.behind_since, now,
+                                                cfg.fs_cache or 0.0)]
+
+
+def _unfed(f: Finding, unfed: set[int]) -> Finding:
+    """A `behind` or `hang` of a rank whose rows wait on a silent exprd: held, not opened
+    (`daemons.unfed_ranks`)."""
+    return replace(f, hold=True) if f.ranks[0] in unfed else f
+
+
 def ended(state: RunState) -> bool:
     """The run is over: it has ranks and every one finished or crashed."""
     return bool(state.ranks) and not state.live
@@ -479,7 +500,11 @@ def detect(
     # every rank of every node silent, as after the scheduler killed the job: one incident,
     # no node lost (no peer waits for it), no stall naming suspects, no hang per rank
     silent = job_silence(state, evidence, now)
-    lost = [] if silent is not None else lost_nodes(state, evidence, now)
+    lost = [] if silent is not None else lost_nodes(state, evidence, now, cache)
+    # a node's exprd silent while its ranks train on: a warning about the daemon, and its
+    # ranks' shards, short of the others', are neither behind nor hung
+    daemons = [] if lost or silent is not None else silent_exprds(state, now, cache)
+    unfed = {r for d in daemons for r in d["ranks"]} | unfed_ranks(state, now)
     # a lost node explains the others' wait: no stall names its ranks as suspects
     stalled = None if lost or silent is not None else stall(
         state, threshold, now, period, seen, left_over, evidence, cache)
@@ -495,11 +520,13 @@ def detect(
     if silent is not None:
         job.append(Finding("silent", silent["ranks"], silent["detail"], silent["step"], None,
                            LEVELS["silent"], group=False, info=silent))
+    job.extend(Finding("exprd", d["ranks"], d["detail"], d["step"], d["host"],
+                       LEVELS["exprd"], group=False, info=d) for d in daemons)
     gone = {r for node in lost for r in node["ranks"]}
     if stalled is None and silent is None and newest is not None and now - newest < threshold / 2:
         # a silent rank is a hang while the others still advance; once they stopped too
         # (a synchronous job waits for it at its next collective) it is a stall coming
-        job.extend(f for f in _hangs(state, threshold, now, memory.stall_end)
+        job.extend(_unfed(f, unfed) for f in _hangs(state, threshold, now, memory.stall_end)
                    if f.ranks[0] not in gone)
     # the step that waited out a stall is one huge step time: not a straggler or slowdown
     # until every rank's windows have moved past it
@@ -512,7 +539,7 @@ def detect(
         *crashes(state),
         *job,
         *timing,
-        *_held_for(_behind(state, cfg), memory.behind_since, now, cache),
+        *_behind_fed(state, cfg, memory, now, unfed),
         *_missing(state, cfg, now),
         *_alerts(state, suppressed),
         *(Finding("nonfinite", n["ranks"], n["detail"], n["step"], n["host"],

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from expr_tracker.health.detect import Finding, crashes
+from expr_tracker.health.stall import EVIDENCE_RULES
 from expr_tracker.health.state import RunState
 from expr_tracker.health.why import explain
 from expr_tracker.ranks import compact
@@ -33,6 +34,10 @@ WHY_KINDS = ("straggler", "slowdown")
 LINE_KEYS = ("id", "kind", "state", "delivered", "ranks", "level", "hosts", "step",
              "first_seen", "last_seen", "detail")
 ENDED = "run ended"
+# s that crashes which only blame a peer wait for the peer's own crash before they open an
+# incident: its node's exprd marks a process killed -9 crashed a pass or two later, and a
+# node that died whole is named lost after 15 s (`lost.lost_nodes`, `daemons.EXPRD_SILENT`)
+CRASH_GRACE = 20.0
 
 
 def new_id() -> str:
@@ -66,6 +71,9 @@ class Incident:
     collateral: tuple[int, ...] = ()  # a lost node: the other ranks that crashed after it
     by: str | None = None  # the long-running watcher that opened it ("host:pid:n"), its owner
     metric: str | None = None  # a `nonfinite` incident's key: one incident per key and run
+    # raised on evidence (a stall whose probes name a culprit, or every rank waiting): paged
+    # at once, as a crash or a lost node is; `page_after` holds for the rest (DESIGN 13)
+    evidence: bool = False
 
     @property
     def key(self) -> tuple[str, tuple[int, ...]]:
@@ -96,6 +104,8 @@ class Incident:
             out["by"] = self.by
         if self.metric is not None:
             out["metric"] = self.metric
+        if self.evidence:
+            out["evidence"] = True
         return out
 
     @classmethod
@@ -135,6 +145,7 @@ class Incident:
             cause=cause if isinstance(cause, str) else None, collateral=tuple(sorted(coll)),
             by=line["by"] if isinstance(line.get("by"), str) else None,
             metric=line["metric"] if isinstance(line.get("metric"), str) else None,
+            evidence=line.get("evidence") is True,
         )
 
 
@@ -232,10 +243,38 @@ def first_crash(state: RunState) -> dict[str, Any] | None:
     return _root(_crash_order(infos)[0]) if infos else None
 
 
+def _waits_for_root(new: list[Finding], grown: Mapping[str, Incident], now: float,
+                    grace: float) -> bool:
+    """Every new crash blames a peer (its transport failed) and none is older than `grace`,
+    with no open crash to join: the peer's own crash is likely on its way (through its
+    node's exprd, which sees its process gone a pass later; through a cache later still),
+    and an incident opened now would name a collateral rank its root, and page it."""
+    if grown or not new:
+        return False
+    infos = [f.info or {} for f in new]
+    seen = [float(at) for i in infos if isinstance(at := i.get("at"), (int, float))]
+    return all(_collateral(i) for i in infos) and all(now - at < grace for at in seen)
+
+
+def _rooted(inc: Incident, info: Mapping[str, Any]) -> Incident:
+    """`inc` with `info` its root when `info` comes first by the crash order (a rank killed
+    by a signal seen after the peers whose transport it broke): a line of the same id
+    corrects the root, so every reader names the same one."""
+    old = {**(inc.root or {}), "at": inc.extra.get("at", inc.first_seen)}
+    if inc.root is None or _crash_order([old, info])[0] is old:
+        return inc
+    at = info.get("at")
+    upd = replace(inc, root=_root(info))
+    upd.extra = {**inc.extra, "at": float(at) if at is not None else inc.first_seen,
+                 "first": info.get("detail") or inc.extra.get("first")}
+    return upd
+
+
 def _crashes(open_crashes: list[Incident], found: list[Finding], now: float, window: float,
-             out: Plan) -> None:
+             out: Plan, grace: float = 0.0) -> None:
     """One `crashed` incident per fault: crashes within `window` seconds of the first join
-    its incident (a line of the same id, not delivered again)."""
+    its incident (a line of the same id, not delivered again). Crashes that only blame a
+    peer wait up to `grace` seconds for the peer's (`_waits_for_root`)."""
     mine = {r for inc in open_crashes for r in inc.ranks}
     still = {r for f in found for r in f.ranks}
     grown: dict[str, Incident] = {}
@@ -245,8 +284,11 @@ def _crashes(open_crashes: list[Incident], found: list[Finding], now: float, win
         else:
             grown[inc.id] = replace(inc, last_seen=now)
     new = [f for f in found if f.ranks[0] not in mine]
+    if _waits_for_root(new, grown, now, grace):
+        new = []
     infos = {f.ranks[0]: f for f in new}
-    for info in _crash_order([f.info or {"rank": f.ranks[0]} for f in new]):
+    for info in _crash_order([{**(f.info or {"rank": f.ranks[0]}), "detail": f.detail}
+                              for f in new]):
         f = infos[int(info["rank"])]
         seen = info.get("at")
         at = float(seen) if seen is not None else now
@@ -264,9 +306,12 @@ def _crashes(open_crashes: list[Incident], found: list[Finding], now: float, win
             continue
         ranks = tuple(sorted({*home.ranks, *f.ranks}))
         first = home.extra.get("first") or home.detail.split("; then ")[0]
+        home.extra = {**home.extra, "first": first}
+        home = _rooted(home, info)
+        first = home.extra["first"]
         upd = replace(home, ranks=ranks, hosts=tuple(sorted({*home.hosts, *host})),
                       detail=_crash_detail(home.root or {}, ranks, first), last_seen=now)
-        upd.extra = {**home.extra, "first": first}
+        upd.extra = dict(home.extra)
         grown[home.id] = upd
         if any(o.id == home.id for o in out.opened):
             out.opened = [upd if o.id == home.id else o for o in out.opened]
@@ -300,7 +345,9 @@ def _stall(open_stalls: list[Incident], found: list[Finding], now: float, out: P
         else:
             out.still_open.append(replace(inc, detail=f.detail, step=f.step, last_seen=now))
     if f is not None and not open_stalls:
-        out.opened.append(_merge("stall", [f], now))
+        inc = _merge("stall", [f], now)
+        inc.evidence = (f.info or {}).get("rule") in EVIDENCE_RULES
+        out.opened.append(inc)
 
 
 def _nonfinite(open_nf: list[Incident], found: list[Finding], now: float, out: Plan) -> None:
@@ -337,17 +384,19 @@ def _stopped(inc: Incident, state: RunState | None) -> str | None:
 
 def plan(open_incidents: Iterable[Incident], findings: Iterable[Finding], now: float,
          state: RunState | None = None, *, crash_window: float = 60.0,
-         ended: bool = False) -> Plan:
+         ended: bool = False, cache: float = 0.0) -> Plan:
     """Match this pass's findings to the open incidents (see the module docstring).
     `state`, the pass's reading of the run, lets a hang resolve only on a new write.
-    `ended`: the run is over, every open incident but a crash resolves ("run ended")."""
+    `ended`: the run is over, every open incident but a crash resolves ("run ended").
+    `cache`: the filesystem's attribute cache (`HealthConfig.fs_cache`): a peer's crash
+    may show that much later, and collateral crashes wait for it that much longer."""
     by_kind: dict[str, list[Finding]] = {}
     for f in findings:
         by_kind.setdefault(f.kind, []).append(f)
     out = Plan([], [], [])
     incs = list(open_incidents)
     _crashes([i for i in incs if i.kind == "crashed"], by_kind.pop("crashed", []), now,
-             crash_window, out)
+             crash_window, out, CRASH_GRACE + cache)
     if ended:
         out.resolved.extend(replace(inc, state="resolved", last_seen=now, delivered=False,
                                     reason=ENDED) for inc in incs if inc.kind != "crashed")

@@ -12,8 +12,10 @@ their transport notices. A host is **lost** when
   the ranks' own silence: a stall names them); in direct mode the ranks' own sidecars,
   which a live tracker thread rewrites with a probe every few seconds, serve;
 - and the job shows life elsewhere: another node's rank wrote within `threshold` (a
-  probe while it waits) or crashed. With every node silent nothing tells a dead node from
-  a frozen filesystem, and no node is named (two nodes or more: one job-wide silence,
+  probe while it waits) or crashed, but none stepped on long after this node went quiet
+  (a synchronous job does not run on without a dead peer: its exprd is what is silent,
+  `daemons.silent_exprds`). With every node silent nothing tells a dead node from a
+  frozen filesystem, and no node is named (two nodes or more: one job-wide silence,
   `silence.job_silence`).
 """
 
@@ -24,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from expr_tracker.health.clock import safe_host
+from expr_tracker.health.daemons import EXPRD_SILENT, STEPPED_ON, peers_step_on
 from expr_tracker.health.stall import PEER_ERRORS, _frame, _frames, fmt_quiet, in_collective
 from expr_tracker.health.state import RankState, RunState
 from expr_tracker.ranks import compact
@@ -40,10 +43,18 @@ def peer_blamed(rs: RankState) -> bool:
     return any(p in text for p in PEER_ERRORS)
 
 
-def lost_nodes(state: RunState, threshold: float, now: float) -> list[dict[str, Any]]:
+def lost_nodes(state: RunState, threshold: float, now: float,
+               cache: float = 0.0) -> list[dict[str, Any]]:
     """The lost nodes of this pass: {"host", "ranks", "quiet", "exprd" (its silence, None
     in direct mode or unknown), "collateral" (other nodes' crashed ranks that blame a
-    peer), "detail", "step"} each (see the module docstring)."""
+    peer), "detail", "step"} each (see the module docstring). `cache`: the filesystem's
+    attribute cache (`daemons.peers_step_on`)."""
+    if len(state.live) < len(state.ranks) and any(
+            peer_blamed(rs) for rs in state.ranks.values() if rs.status == "crashed"):
+        # ranks crashed saying a peer went away: a node silent as long as three of its
+        # exprd's heartbeats (its ranks' probes in direct mode) is the peer, and naming it
+        # now makes it the root their crash joins, paged once (DESIGN 13, turn 5)
+        threshold = min(threshold, EXPRD_SILENT + cache)
     # most passes no live rank is that silent: one comprehension, no grouping
     oldest = min([w for rs in state.live if (w := rs.wrote_at) is not None], default=None)
     if oldest is None or now - oldest < threshold:
@@ -81,6 +92,10 @@ def lost_nodes(state: RunState, threshold: float, now: float) -> list[dict[str, 
             exprd = now - beat if beat is not None else None
             if exprd is not None and exprd < threshold:
                 continue  # its exprd lives: the ranks' own silence (a stall names them)
+        # (by half the threshold at most: a silence of `threshold` with peers stepping
+        # all along is not one they waited out)
+        if peers_step_on(mine, alive, cache, min(STEPPED_ON, threshold / 2)):
+            continue  # its peers step on without it: its ranks live (`daemons`)
         out.append(_verdict(host, mine, quiet, exprd, others))
     return out
 

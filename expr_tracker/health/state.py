@@ -600,6 +600,12 @@ class RunReader:
         self._last = state
         return state
 
+    @property
+    def heartbeat_mtimes(self) -> dict[str, int]:
+        """The exprd heartbeats' mtimes (ns, the filesystem's clock) as the last pass saw
+        them, by file name (`clock.CacheLearner` reads their gaps)."""
+        return {name: v[0] for name, v in self._hb.items()}
+
     def _heartbeats(self) -> dict[str, float]:
         """The exprd heartbeats of the listing, dated like a sidecar (`health.clock`): a
         `stat` each (a handful per run, one per node)."""

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from expr_tracker.gcpause import paused_gc
-from expr_tracker.health.clock import attr_cache
+from expr_tracker.health.clock import CacheLearner, attr_cache
 from expr_tracker.health.config import HealthConfig
 from expr_tracker.health.detect import Memory, detect, ended
 from expr_tracker.health.incidentlog import INCIDENTS as INCIDENTS  # (re-exported)
@@ -29,9 +30,18 @@ from expr_tracker.ranks import compact
 if TYPE_CHECKING:
     from expr_tracker.alerts import Dispatcher
 
-# kinds paged as soon as they open: they never resolve on their own (a blip cannot be one)
-PAGE_AT_ONCE = ("crashed", "nonfinite")
+# kinds paged as soon as they open: raised on evidence, not on a threshold a blip can
+# cross (a crash, a lost node, a non-finite value; a stall too when its probes are
+# evidence, `Incident.evidence`)
+PAGE_AT_ONCE = ("crashed", "lost", "nonfinite")
 _ALERTS_RE = re.compile(r"alerts(?:\.rank(\d+))?\.jsonl\Z")
+
+
+def learned_note(cache: float) -> str:
+    """What a watcher says when it learned the filesystem's attribute cache."""
+    return (f"other hosts' heartbeats in the run directory show up about {cache:g}s late "
+            "(the filesystem's attribute cache, learned: set fs_cache to say it): silence "
+            "and 'behind' are believed only beyond it")
 
 
 def with_cache(cfg: HealthConfig, run_dir: Path) -> tuple[HealthConfig, str | None]:
@@ -67,6 +77,10 @@ class Watcher:
         what it opens to it (`_keep_others`)."""
         self.run_dir = Path(run_dir)
         self.cfg, self.cache_note = with_cache(cfg or HealthConfig(), self.run_dir)
+        # neither configured nor told by the mount: learned from what this watcher sees
+        self.learner = (CacheLearner(socket.gethostname())
+                        if (cfg or HealthConfig()).fs_cache is None and not self.cfg.fs_cache
+                        else None)
         self.dispatcher = dispatcher
         need = 2 * max(self.cfg.straggler_steps, self.cfg.slowdown_steps) + 1
         self.reader = RunReader(self.run_dir, stream, window=window or max(DEFAULT_WINDOW, need),
@@ -126,11 +140,13 @@ class Watcher:
             self.reader.fs_offset = self.log.fs_offset() or 0.0
         now = self.reader.clock() if now is None else now
         self.state = self.reader.read(now)
+        self._learn()
         self._read_alerts()
         self.log.sync()
         findings = detect(self.state, list(self._suppressed.values()), self.cfg, self.memory, now)
         p = plan(self.log.open.values(), findings, now, self.state,
-                 crash_window=self.cfg.crash_window, ended=ended(self.state))
+                 crash_window=self.cfg.crash_window, ended=ended(self.state),
+                 cache=self.cfg.fs_cache or 0.0)
         self._keep_others(p)
         for inc in p.still_open:  # last_seen and step in memory; the file keeps the first line
             self.log.open[inc.id] = inc
@@ -157,6 +173,16 @@ class Watcher:
             self.write_error = f"cannot record incidents: {refusal(self.log.path, exc)}"
             return self.log.unrecorded(p.resolved + p.opened, deliver, p.updated, self._due)
 
+    def _learn(self) -> None:
+        """The learned attribute cache (`clock.CacheLearner`) holds from this pass's
+        detectors on, and is said (`cache_note`, which `expr watch` and exprd print)."""
+        if self.learner is None or not self.learner.see(self.reader.heartbeat_mtimes):
+            return
+        cache = self.learner.value
+        self.cfg = replace(self.cfg, fs_cache=cache)
+        self.reader.cache = cache
+        self.cache_note = learned_note(cache) if cache else None
+
     def _keep_others(self, p: Any) -> None:
         """What another live watcher opened, it resolves (its thresholds, its evidence: a
         watcher with a higher `behind_steps` must not resolve what exprd still sees);
@@ -182,8 +208,11 @@ class Watcher:
 
     def _due(self, inc: Incident) -> bool:
         """`inc` may be paged now: it has held `page_after` on this watcher's clock (from
-        when it first saw it, or the line's `first_seen` if earlier), or it is a crash."""
-        if inc.kind in PAGE_AT_ONCE or self.cfg.page_after <= 0:
+        when it first saw it, or the line's `first_seen` if earlier), or it was raised on
+        evidence (a crash, a lost node, a stall whose probes name a culprit)."""
+        if inc.cause is not None:  # collateral of another incident (a lost node): it pages
+            return False
+        if inc.kind in PAGE_AT_ONCE or inc.evidence or self.cfg.page_after <= 0:
             return True
         since = self._seen_at.get(inc.id, inc.first_seen or self._now)
         return self._now - min(since, inc.first_seen or since) >= self.cfg.page_after
