@@ -120,6 +120,9 @@ class Tailer:
         self.rolled_seen = False  # a segment was rolled: the loop deletes it once applied
         # the rule state a rolled segment leaves to its session's next one
         self.handover: dict[tuple[str, str], Any] = {}
+        # what the files deleted once applied (`retire.expire`) did: status totals and a
+        # replay's summary go on counting them
+        self.deleted = {"files": 0, "applied": 0, "skipped": 0, "quarantined": 0}
 
     def warn(self, cause: str, message: str) -> None:
         """Count every failure; log a cause once (and again, with its count, hourly)."""
@@ -223,6 +226,17 @@ class Tailer:
         self.quarantine.put(tail.path, tail.offset, tail.offset, f"{kind}: {reason}", copy=False)
         self.warn(f"{kind}:{tail.path}", f"{tail.path}: {reason}")
 
+    def applied_total(self) -> int:
+        """Record events applied by this process, deleted files' included."""
+        return self.deleted["applied"] + sum(t.applied for t in self.tails.values())
+
+    def deleted_file(self, tail: FileTail) -> None:
+        """`tail`'s file was deleted once applied: its counts stay in the totals."""
+        for key, n in (("files", 1), ("applied", tail.applied), ("skipped", tail.skipped),
+                       ("quarantined", tail.quarantined)):
+            self.deleted[key] += n
+        self.forget(tail)
+
     def forget(self, tail: FileTail) -> None:
         if tail.run is not None:
             tail.run.close()
@@ -316,8 +330,9 @@ class Tailer:
         return False
 
     # -- reading -------------------------------------------------------------------------
-    def pump(self, tail: FileTail, budget: int = 4 << 20) -> bool:
-        """Apply up to `budget` bytes of new complete lines; True if more are waiting."""
+    def pump(self, tail: FileTail, budget: int = 4 << 20, *, ordered: bool = False) -> bool:
+        """Apply up to `budget` bytes of new complete lines; True if more are waiting.
+        `ordered`: the segments before this one are read already (`_previous_read`)."""
         tail.drained = False
         if tail.state == "refused":
             return False
@@ -330,7 +345,7 @@ class Tailer:
             if tail.run is None and tail.state in ("finished", "crashed", "rolled") \
                     and tail.size <= tail.offset:
                 return False
-            if not self._previous_read(tail):
+            if not ordered and not self._previous_read(tail):
                 return True  # the segment before it first (come back)
             if not self._ensure_run(tail) or (tail.run is not None and tail.run.blocked):
                 return False
@@ -363,19 +378,34 @@ class Tailer:
     def _previous_read(self, tail: FileTail) -> bool:
         """A session's segments are applied in their order: the events of segment N are
         applied only once segment N-1 (if it is still there) is read to its end, as far
-        as it is written (a record applied from N would make the shard skip N-1's rest)."""
+        as it is written (a record applied from N would make the shard skip N-1's rest).
+
+        Iterative, whatever the backlog: the segments before N not read yet are found
+        walking back to the first one done (or gone), then pumped oldest first, each
+        without looking back again (its predecessor was just read)."""
+        behind: list[FileTail] = []
+        here = tail
+        while (prev := self._before(here)) is not None:
+            before = self.tails.get(str(prev)) or self.track(prev)
+            if before.state in ("rolled", "finished", "crashed", "refused"):
+                break  # read to its marker (or its end)
+            behind.append(before)
+            here = before
+        for before in reversed(behind):
+            self.pump(before, 64 << 20, ordered=True)
+            if not before.drained:
+                return False
+        return True
+
+    @staticmethod
+    def _before(tail: FileTail) -> Path | None:
+        """The segment before `tail`'s in its session, if it is still there."""
         prefix, index = spool_segment(tail.path.name)
         if index == 0:
-            return True
+            return None
         prev = tail.path.with_name(f"{prefix}~{index - 1}.jsonl" if index > 1 else
                                    f"{prefix}.jsonl")
-        if not prev.exists():
-            return True
-        before = self.tails.get(str(prev)) or self.track(prev)
-        if before.state in ("rolled", "finished", "crashed", "refused"):
-            return True  # read to its marker (or its end)
-        self.pump(before, 64 << 20)
-        return before.drained
+        return prev if prev.exists() else None
 
     @staticmethod
     def _tell_repeat(tail: FileTail, run: RunPipeline) -> None:
@@ -652,12 +682,14 @@ class Tailer:
 
     # -- committing ----------------------------------------------------------------------
     def commit(self, *, force: bool = False, sidecar_interval: float = 2.0,
-               wait: bool | None = None) -> None:
+               wait: bool | None = None, only: list[FileTail] | None = None) -> None:
         """Flush shards, then record the offsets they cover; retire finished files.
 
         With a writer thread, sidecars and the checkpoint are stored there (what the last
         ones did is collected first); `force` writes them all now and waits until they
-        are on disk (unless `wait` is False)."""
+        are on disk (unless `wait` is False). `only`: the files read since the last
+        commit, in the middle of a long round (the others' offsets did not move; the
+        round's own commit covers every file)."""
         if self.durable is not None:
             self.durable.collect()
         slots_ok = self.pool.flush()
@@ -665,7 +697,7 @@ class Tailer:
         # the runs whose checkpoint is put now: only their journals may forget batches
         # once it is on disk (a file not put keeps the older checkpoint)
         put: list[RunPipeline] = []
-        for tail in list(self.tails.values()):
+        for tail in list(self.tails.values()) if only is None else only:
             run = tail.run
             if run is not None and run.unsafe:
                 self._refuse_unsafe(run)
@@ -701,6 +733,10 @@ class Tailer:
                         run.checkpointed(marks)
 
             self._save(on_disk, wait=force if wait is None else wait)
+
+    def save_checkpoints(self) -> None:
+        """Store the checkpoints now and wait until they are on disk."""
+        self._save(wait=True)
 
     def _save(self, on_disk: Any = None, *, wait: bool = False) -> None:
         """Save the checkpoints; `wait`: until they are on disk (a snapshot still on its
