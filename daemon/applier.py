@@ -452,6 +452,10 @@ class RunPipeline:
         """True while a backend is still finishing (the run stays open until it is done)."""
         return self.forwarder.closing()
 
+    def rows_written(self) -> bool:
+        """The shard's rows are on disk (flushed)."""
+        return self.slot.flush()
+
     def status_written(self) -> bool:
         """The shard's rows and status are on disk (flushed, sidecar written): a finished
         file may be checkpointed as finished and its run closed."""

@@ -192,6 +192,7 @@ class Daemon:
         return True
 
     _spool_uid = -1  # the spool root's owner, read at each scan
+    _held: list[FileTail] = []  # read in a long round, not closed yet (see `_settle`)
     _other_owner: set[str]
 
     def scan(self) -> list[FileTail]:
@@ -233,10 +234,14 @@ class Daemon:
 
     def _settle(self, batch: list[FileTail]) -> None:
         """Commit `batch` in the middle of a long round: the pipelines of the segments
-        read are closed, the rolled ones deleted once applied."""
+        read are closed, the rolled ones deleted once applied (those a backend still
+        reads are looked at again with the next batch)."""
+        batch = self._held + batch
         self.tailer.commit(only=batch)
         if self.tailer.rolled_seen and not self.dry_run:
             retire.expire_rolled(self.tailer, batch)
+        self._held = [t for t in batch if t.run is not None and t.state != "live"
+                      and self.tailer.tails.get(t.key) is t][-BATCH:]
 
     def check_crashes(self) -> None:
         now = time.time()

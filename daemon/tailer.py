@@ -711,8 +711,12 @@ class Tailer:
                 self._settle(tail, run)
                 if tail.state in ("finished", "crashed", "refused", "rolled"):
                     # the status first, whatever the backends: a sidecar left "running"
-                    # by a process that is gone reads as a crash (health pages it)
-                    if not ok or not run.status_written() or run.closing():
+                    # by a process that is gone reads as a crash (health pages it); a
+                    # rolled segment changes no status (its session goes on): its rows
+                    # on disk are enough, and a backlog's segments close as they are read
+                    written = run.rows_written() if tail.state == "rolled" \
+                        else run.status_written()
+                    if not ok or not written or run.closing():
                         # a finished file is checkpointed as such only once the shard's
                         # status is on disk and its backends are done: until then a
                         # restart reads its end again
