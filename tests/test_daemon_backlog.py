@@ -1,0 +1,89 @@
+"""A spool backlog of thousands of segments, and what other processes do to spool files
+(issue 52 items 3-4, DESIGN 6 and 8): segments written in the SDK's format
+(`tests.segfiles`), real exprd processes, real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from expr_cli.main import build_app
+from tests.segfiles import segment_path, write_segments
+from tests.test_daemon import (
+    lines_of,
+    sidecar,
+    start_exprd,
+    stop,
+    wait_for,
+    wait_ready,
+    write_config,
+)
+
+
+def _shard(root: Path, name: str) -> Path:
+    return root / "p" / name / "metrics.jsonl"
+
+
+def _check_once_in_order(shard: Path, n: int) -> None:
+    rows = lines_of(shard)
+    assert [r["_seq"] for r in rows] == list(range(1, n + 1))
+    assert [r["i"] for r in rows] == list(range(n))
+
+
+def test_a_backlog_of_2000_segments_is_applied_once_in_order_after_a_restart(
+        tmp_path: Path) -> None:
+    """2,000 segments of one session (exprd was down a while): a daemon killed -9 while
+    it applies them, then one with a fresh state directory, apply every row once, in
+    `_seq` order, and leave only the last segment (RecursionError before, at every start)."""
+    spool, root = tmp_path / "spool", tmp_path / "runs"
+    write_segments(spool, root, "back", 2000)
+    shard = _shard(root, "back")
+    first = write_config(tmp_path / "a.toml", spool, tmp_path / "state-a", [root])
+    d = start_exprd(first)
+    try:
+        wait_for(lambda: shard.exists(), 30, "the first rows")
+    finally:
+        os.kill(d.pid, signal.SIGKILL)
+        d.wait()
+    fresh = write_config(tmp_path / "b.toml", spool, tmp_path / "state-b", [root])
+    d = start_exprd(fresh)
+    try:
+        wait_ready(tmp_path / "state-b", d, timeout=120)
+        wait_for(lambda: sidecar(shard.with_name("metrics.meta.json")).get("status")
+                 == "finished", 60, "the run to read finished")
+        wait_for(lambda: len(list((spool / "p" / "back").glob("*.jsonl"))) == 1, 30,
+                 "the applied segments to be deleted")
+    finally:
+        assert stop(d) == 0
+    _check_once_in_order(shard, 2000)
+    assert [p.name for p in (spool / "p" / "back").glob("*.jsonl")] == \
+        [segment_path(spool, "back", "s0000000001", 1999).name]
+
+
+def test_replay_of_a_backlog_applies_once_deletes_what_it_applied_and_says_so(
+        tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`expr replay` walks 2,000 segments (it died of RecursionError), applies each row
+    once, deletes the rolled segments it applied (they stayed behind silently) and says
+    how many; a second replay changes nothing."""
+    monkeypatch.setenv("COLUMNS", "200")
+    spool, root = tmp_path / "spool", tmp_path / "runs"
+    write_segments(spool, root, "back", 2000)
+    app, runner = build_app(), CliRunner()
+    args = ["replay", str(spool), "--state", str(tmp_path / "state")]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "applied 2000 events" in result.output, result.output
+    assert "deleted 1999 applied segments" in result.output, result.output
+    shard = _shard(root, "back")
+    _check_once_in_order(shard, 2000)
+    assert sidecar(shard.with_name("metrics.meta.json"))["status"] == "finished"
+    assert len(list((spool / "p" / "back").glob("*.jsonl"))) == 1
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["applied"] == 0 and summary["deleted"] == 0, summary
+    _check_once_in_order(shard, 2000)
