@@ -352,6 +352,11 @@ class Tailer:
             reader = tail.reader or SpoolReader(tail.path, block=READ_BLOCK)
             tail.reader = reader
             paused = self._read(tail, reader, budget)
+            for at, n in reader.nul_runs:
+                self.warn(f"nul:{tail.path}", f"{tail.path}: skipped {n} NUL bytes at offset "
+                          f"{at} (a page of zeros, as a node crash before writeback leaves "
+                          "them); the lines after them are applied, a line they cut is "
+                          "quarantined")
             # each backend reads the same file on its own, behind the shard, never holding it
             run = tail.run
             forwarding = run is not None and run.feeds_backends and \

@@ -12,7 +12,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from expr_cli.main import build_app
-from tests.segfiles import segment_path, write_segments
+from tests.segfiles import row_line, segment_path, write_segments
 from tests.test_daemon import (
     lines_of,
     sidecar,
@@ -87,3 +87,65 @@ def test_replay_of_a_backlog_applies_once_deletes_what_it_applied_and_says_so(
     summary = json.loads(result.stdout)
     assert summary["applied"] == 0 and summary["deleted"] == 0, summary
     _check_once_in_order(shard, 2000)
+
+
+def _status(state: Path) -> dict:  # type: ignore[type-arg]
+    return json.loads((state / "status.json").read_text())
+
+
+def test_a_page_of_zeros_inside_a_finished_segment_is_skipped(tmp_path: Path) -> None:
+    """A 4 KiB page of a finished segment reads as zeros (writeback order before a power
+    loss): the rows after it and the finish are applied (the reader stopped at the first
+    NUL: rows lost, the run read crashed); the lines it cut are quarantined and the rows
+    it held are said missing."""
+    spool, root, state = tmp_path / "spool", tmp_path / "runs", tmp_path / "state"
+    [seg] = write_segments(spool, root, "zero", 1, rows=300)
+    data = bytearray(seg.read_bytes())
+    lines, at = [], 0
+    for line in bytes(data).split(b"\n")[:-1]:
+        lines.append((at, at + len(line) + 1))
+        at += len(line) + 1
+    # rows (line 1 on: line 0 is the init) wholly outside the page
+    kept = [i - 1 for i, (a, b) in enumerate(lines[:-1]) if i and (b <= 4096 or a >= 8192)]
+    cut = sum(1 for a, b in lines if a < 4096 < b or a < 8192 < b)
+    assert cut == 2 and len(kept) < 290
+    data[4096:8192] = bytes(4096)
+    seg.write_bytes(bytes(data))
+    cfg = write_config(tmp_path / "exprd.toml", spool, state, [root])
+    from tests.test_daemon import exprd_once
+    proc = exprd_once(cfg)
+    shard = _shard(root, "zero")
+    assert [r["i"] for r in lines_of(shard)] == kept
+    assert sidecar(shard.with_name("metrics.meta.json"))["status"] == "finished"
+    assert "skipped 4096 NUL bytes at offset" in proc.stderr, proc.stderr
+    st = _status(state)
+    assert st["totals"]["quarantined"] + st["deleted"]["quarantined"] >= cut + 1, st
+
+
+def test_zeros_at_the_live_end_of_a_segment_are_not_yet_written_rows(tmp_path: Path) -> None:
+    """A live segment preallocated with zeros after its data: the zeros are where the
+    writer goes on, not a gap; rows written into them later are applied, in order, with
+    nothing skipped or quarantined."""
+    spool, root, state = tmp_path / "spool", tmp_path / "runs", tmp_path / "state"
+    [seg] = write_segments(spool, root, "live", 1, rows=10, finish=False)
+    end = seg.stat().st_size
+    with open(seg, "r+b") as f:
+        f.truncate(1 << 16)  # zeros up to 64 KiB, as a preallocated segment has
+    cfg = write_config(tmp_path / "exprd.toml", spool, state, [root],
+                       extra='crash_silence = "1h"\n')
+    d = start_exprd(cfg)
+    try:
+        wait_ready(state, d)
+        shard = _shard(root, "live")
+        wait_for(lambda: len(lines_of(shard)) == 10, 20, "the first 10 rows")
+        more = b"".join(row_line(seq) for seq in range(11, 31))
+        with open(seg, "r+b") as f:
+            f.seek(end)
+            f.write(more)
+        wait_for(lambda: len(lines_of(shard)) == 30, 20, "the 20 rows written later")
+        st = _status(state)
+        assert st["totals"]["quarantined"] == 0, st
+        assert not [k for k in st["errors"] if k.startswith("nul:")], st["errors"]
+    finally:
+        assert stop(d) == 0
+    _check_once_in_order(shard, 30)
