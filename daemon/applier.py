@@ -617,6 +617,14 @@ class RunPipeline:
         once it has read it (the run stays "running")."""
         self.forwarder.finish("running")
 
+    def add_dropped(self, cause: str, rows: int) -> None:
+        """`rows` more lost to `cause` in this session (exprd's own count: a spool file
+        moved away), into the sidecar as the SDK's notes are."""
+        old = next((d for d in self.slot.writer.spool_dropped
+                    if (d.get("cause"), d.get("session")) == (cause, self.spec.session)), {})
+        self.set_dropped({"cause": cause, "rows": int(old.get("rows", 0)) + rows,
+                          "since": old.get("since", time.time()), "host": self.spec.host})
+
     def set_dropped(self, ev: Mapping[str, Any]) -> bool:
         """A `dropped` note of the SDK (rows it could not put in a full spool): the count
         so far of this session, into the sidecar. False if the note is malformed."""

@@ -341,7 +341,7 @@ class Daemon:
                 st = tail.path.stat()
             except FileNotFoundError:
                 if tail.state in ("finished", "refused") or tail.committed >= tail.size:
-                    self.tailer.forget(tail)
+                    self.tailer.vanished(tail)  # (a moved segment is counted, see there)
                 continue
             except OSError:
                 continue

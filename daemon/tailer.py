@@ -123,6 +123,13 @@ class Tailer:
         # what the files deleted once applied (`retire.expire`) did: status totals and a
         # replay's summary go on counting them
         self.deleted = {"files": 0, "applied": 0, "skipped": 0, "quarantined": 0}
+        # events lost to what was done to spool files, by cause (`spool_moved`)
+        self.dropped: dict[str, int] = {}
+        # (shard, session) -> events of a moved segment, for the next segment's sidecar
+        self._moved: dict[tuple[str, str], int] = {}
+        # live files found gone (path -> last seq read, shard, session): a moved segment
+        # is told from one deleted once read when its session's next segment is read
+        self._gone: dict[str, tuple[int, str, str]] = {}
 
     def warn(self, cause: str, message: str) -> None:
         """Count every failure; log a cause once (and again, with its count, hourly)."""
@@ -300,6 +307,9 @@ class Tailer:
             rules = self.handover.pop((str(spec.paths.shard), spec.session), None)
             if rules is not None:
                 tail.run.adopt_rules(rules)
+            moved = self._moved.pop((str(spec.paths.shard), spec.session), 0)
+            if moved:
+                tail.run.add_dropped("spool_moved", moved)
         if tail.run.unsafe:
             self._refuse_unsafe(tail.run)
             return False
@@ -402,15 +412,59 @@ class Tailer:
                 return False
         return True
 
-    @staticmethod
-    def _before(tail: FileTail) -> Path | None:
+    def _before(self, tail: FileTail) -> Path | None:
         """The segment before `tail`'s in its session, if it is still there."""
         prefix, index = spool_segment(tail.path.name)
         if index == 0:
             return None
         prev = tail.path.with_name(f"{prefix}~{index - 1}.jsonl" if index > 1 else
                                    f"{prefix}.jsonl")
-        return prev if prev.exists() else None
+        if prev.exists():
+            return prev
+        gone = self.tails.get(str(prev))
+        if gone is not None and gone.state in ("new", "live"):
+            self.vanished(gone)
+        if str(prev) in self._gone:
+            self._moved_away(prev, tail)
+        return None
+
+    def vanished(self, tail: FileTail) -> None:
+        """`tail`'s file is gone (found by a stat): forgotten, and if it was live, what was
+        read of it is kept a while (see `_moved_away`)."""
+        if tail.state in ("new", "live") and tail.seq >= 0 and tail.run is not None:
+            if len(self._gone) >= 4096:  # sessions that never went on: the oldest go
+                self._gone.pop(next(iter(self._gone)))
+            self._gone[tail.key] = (tail.seq, str(tail.run.spec.paths.shard),
+                                    tail.run.spec.session)
+        self.forget(tail)
+
+    def _moved_away(self, prev: Path, tail: FileTail) -> None:
+        """A segment exprd was reading is gone before its marker (`mv`, no copy back) and
+        its session went on in `tail`: the events between the last one read from it and
+        the first of `tail` are counted (`spool_moved`: events by `_seq`, rows or others;
+        a segment deleted once read and applied counts none)."""
+        first = None
+        for _start, _end, line in SpoolReader(tail.path).lines(0, 1):
+            try:
+                ev = orjson.loads(line) if line is not None else None
+            except orjson.JSONDecodeError:
+                ev = None
+            if isinstance(ev, dict) and type(ev.get("first_seq")) is int:
+                first = ev["first_seq"]
+            break
+        if first is None:
+            return  # the next segment's init is not there yet: asked again at its next read
+        seq, shard, session = self._gone.pop(str(prev))
+        lost = max(first - 1 - seq, 0)
+        if not lost:
+            return
+        self.dropped["spool_moved"] = self.dropped.get("spool_moved", 0) + lost
+        key = (shard, session)
+        self._moved[key] = self._moved.get(key, 0) + lost
+        self.warn(f"spool_moved:{prev}", f"{prev} was moved away while in use: "
+                  f"{lost} events after _seq {seq} in it were not read (counted as "
+                  f"spool_moved, in status.json and the shard's sidecar); going on with "
+                  f"{tail.path.name}")
 
     @staticmethod
     def _tell_repeat(tail: FileTail, run: RunPipeline) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from expr_cli.main import build_app
-from tests.segfiles import row_line, segment_path, write_segments
+from tests.segfiles import init_line, row_line, segment_path, write_segments
 from tests.test_daemon import (
     lines_of,
     sidecar,
@@ -149,3 +149,39 @@ def test_zeros_at_the_live_end_of_a_segment_are_not_yet_written_rows(tmp_path: P
     finally:
         assert stop(d) == 0
     _check_once_in_order(shard, 30)
+
+
+def test_a_live_segment_moved_away_is_counted_and_its_session_goes_on(tmp_path: Path) -> None:
+    """`mv` of the segment being written (no copy back): the writer's last rows went into
+    the moved file. exprd counts them (`spool_moved`, 5 events) in status.json and the
+    shard's sidecar, warns, and applies the session's next segment (before: counted
+    nowhere)."""
+    spool, root, state = tmp_path / "spool", tmp_path / "runs", tmp_path / "state"
+    [seg] = write_segments(spool, root, "mv", 1, rows=10, finish=False)
+    cfg = write_config(tmp_path / "exprd.toml", spool, state, [root],
+                       extra='crash_silence = "1h"\n')
+    log = tmp_path / "exprd.log"
+    d = start_exprd(cfg, log=log)
+    try:
+        wait_ready(state, d)
+        shard = _shard(root, "mv")
+        wait_for(lambda: len(lines_of(shard)) == 10, 20, "the first 10 rows")
+        away = tmp_path / "moved.jsonl"
+        seg.rename(away)
+        with open(away, "ab") as f:  # the writer goes on in its file until it notices
+            f.write(b"".join(row_line(seq) for seq in range(11, 16)))
+        nxt = segment_path(spool, "mv", "s0000000001", 1)
+        body = [init_line(root, "mv", "s0000000001", 1, 16)]
+        body += [row_line(seq) for seq in range(16, 21)]
+        body.append(b'{"_event":"finish","_time":1.0e9,"status":"finished","_seq":21}\n')
+        nxt.write_bytes(b"".join(body))
+        side = shard.with_name("metrics.meta.json")
+        wait_for(lambda: sidecar(side).get("status") == "finished", 20, "the finish")
+        wait_for(lambda: _status(state).get("dropped") == {"spool_moved": 5}, 20,
+                 "spool_moved in status.json")
+    finally:
+        assert stop(d) == 0
+    assert [r["_seq"] for r in lines_of(shard)] == [*range(1, 11), *range(16, 21)]
+    notes = sidecar(side).get("dropped")
+    assert [(n["cause"], n["rows"]) for n in notes] == [("spool_moved", 5)], notes
+    assert "was moved away while in use: 5 events after _seq 10" in log.read_text()
