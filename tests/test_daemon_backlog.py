@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -185,3 +186,61 @@ def test_a_live_segment_moved_away_is_counted_and_its_session_goes_on(tmp_path: 
     notes = sidecar(side).get("dropped")
     assert [(n["cause"], n["rows"]) for n in notes] == [("spool_moved", 5)], notes
     assert "was moved away while in use: 5 events after _seq 10" in log.read_text()
+
+
+def test_segments_truncated_under_exprd_lose_only_what_was_cut_and_nothing_twice(
+        tmp_path: Path) -> None:
+    """Live segments shrunk under a running exprd (`: > f`, `truncate -s 100`, and a
+    copytruncate whose writer goes on at its offset, leaving zeros before its new rows),
+    then grown again: exprd keeps running, says what it lost, applies the new rows and
+    never one row twice."""
+    spool, root, state = tmp_path / "spool", tmp_path / "runs", tmp_path / "state"
+    names = ("empty", "cut", "hole", "again")
+    segs = {name: write_segments(spool, root, name, 1, rows=10, finish=False,
+                                 session=f"s{name}")[0] for name in names}
+    before = segs["again"].read_bytes()
+    cfg = write_config(tmp_path / "exprd.toml", spool, state, [root],
+                       extra='crash_silence = "1h"\n')
+    log = tmp_path / "exprd.log"
+    d = start_exprd(cfg, log=log)
+    more = b"".join(row_line(seq) for seq in range(11, 16)) + \
+        b'{"_event":"finish","_time":1.0e9,"status":"finished","_seq":16}\n'
+    try:
+        wait_ready(state, d)
+        for name in segs:
+            wait_for(lambda n=name: len(lines_of(_shard(root, n))) == 10, 20, f"{name}: 10 rows")
+        end = segs["hole"].stat().st_size
+        with open(segs["empty"], "r+b") as f:
+            f.truncate(0)
+        with open(segs["cut"], "r+b") as f:
+            f.truncate(100)
+        for name in ("hole", "again"):
+            with open(segs[name], "r+b") as f:
+                f.truncate(0)
+        time.sleep(1.0)  # exprd sees them shrunk (a rescan is 0.2 s)
+        for name, seg in segs.items():
+            with open(seg, "r+b") as f:
+                if name == "hole":  # the writer goes on at its offset: zeros before
+                    f.seek(end)
+                elif name == "again":  # what was there comes back (a copy), and more
+                    f.write(before)
+                else:  # the writer appends (O_APPEND)
+                    f.seek(0, os.SEEK_END)
+                f.write(more)
+        for name in segs:
+            side = _shard(root, name).with_name("metrics.meta.json")
+            wait_for(lambda s=side: sidecar(s).get("status") == "finished", 20, f"{name}: finish")
+        assert d.poll() is None
+    finally:
+        assert stop(d) == 0
+    for name in ("empty", "hole", "again"):
+        _check_once_in_order(_shard(root, name), 15)
+    # `truncate -s 100` left part of the init line, and row 11 was appended to it: that
+    # line is quarantined and the _seq gap said; the rest is applied once
+    assert [r["_seq"] for r in lines_of(_shard(root, "cut"))] == [*range(1, 11), *range(12, 16)]
+    text = log.read_text()
+    assert text.count("truncated to") == 4, text
+    assert f"skipped {end} NUL bytes at offset 0" in text, text
+    assert "_seq gap: 11..11 missing" in text, text
+    st = _status(state)
+    assert st["errors"][f"truncated:{segs['cut']}"] == 1, st["errors"]
