@@ -413,7 +413,8 @@ class Tailer:
         return True
 
     def _before(self, tail: FileTail) -> Path | None:
-        """The segment before `tail`'s in its session, if it is still there."""
+        """The segment before `tail`'s in its session, if it is still there (if it was
+        being read and is gone, it was moved away: counted, see `_moved_away`)."""
         prefix, index = spool_segment(tail.path.name)
         if index == 0:
             return None
