@@ -452,6 +452,10 @@ class RunPipeline:
         """True while a backend is still finishing (the run stays open until it is done)."""
         return self.forwarder.closing()
 
+    def rows_written(self) -> bool:
+        """The shard's rows are on disk (flushed)."""
+        return self.slot.flush()
+
     def status_written(self) -> bool:
         """The shard's rows and status are on disk (flushed, sidecar written): a finished
         file may be checkpointed as finished and its run closed."""
@@ -612,6 +616,14 @@ class RunPipeline:
         """The segment is over, its session goes on in the next one: each backend closes
         once it has read it (the run stays "running")."""
         self.forwarder.finish("running")
+
+    def add_dropped(self, cause: str, rows: int) -> None:
+        """`rows` more lost to `cause` in this session (exprd's own count: a spool file
+        moved away), into the sidecar as the SDK's notes are."""
+        old = next((d for d in self.slot.writer.spool_dropped
+                    if (d.get("cause"), d.get("session")) == (cause, self.spec.session)), {})
+        self.set_dropped({"cause": cause, "rows": int(old.get("rows", 0)) + rows,
+                          "since": old.get("since", time.time()), "host": self.spec.host})
 
     def set_dropped(self, ev: Mapping[str, Any]) -> bool:
         """A `dropped` note of the SDK (rows it could not put in a full spool): the count

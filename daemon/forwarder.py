@@ -19,9 +19,9 @@ once that is on disk, and is deleted with its spool file.
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import logging
+import os
 import re
 import threading
 from bisect import bisect_right
@@ -77,7 +77,15 @@ def journal_path(state: Path, rel: str, backend: str) -> Path:
 
 def drop_journals(state: Path, rel: str) -> None:
     """Delete the batch journals of spool file `rel` (its file is gone)."""
-    for path in (state / "batches").glob(glob.escape(journal_stem(rel)) + ".*"):
+    # the directory listed, not globbed: a glob compiles a pattern per file (thousands of
+    # segments are deleted in a row)
+    prefix = journal_stem(rel) + "."
+    try:
+        names = [n for n in os.listdir(state / "batches") if n.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        path = state / "batches" / name
         try:
             path.unlink()
         except FileNotFoundError:

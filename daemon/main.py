@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from expr_tracker.errors import TrackerError
+from expr_tracker.store.layout import spool_segment
 from expr_tracker.store.spoolfile import make_private_dirs
 
 from . import config as config_mod
@@ -51,6 +52,10 @@ STATUS_HEARTBEAT = 30.0  # seconds between status.json rewrites when nothing cha
 ONCE_BACKEND_WAIT = 60.0  # --once: seconds a backend may go without progress before exit
 LAGGING_POLL = 0.05  # seconds between reads for a backend behind its shard
 DRAIN_SECONDS = 6.0  # of the 10 s systemd (and the tests) allow after SIGTERM
+# files pumped between two commits in a long round: the pipelines of the segments read
+# meanwhile are closed (and applied rolled ones deleted), so a backlog of 100,000
+# segments holds a few hundred open, not all of them
+BATCH = 512
 Progress = Callable[[int, int, int], None]
 
 
@@ -65,6 +70,12 @@ def build_dispatcher(cfg: Config) -> Any:
         if isinstance(ch, LogChannel):
             ch.echo = False
     return dispatcher
+
+
+def _order(tail: FileTail) -> tuple[str, str, int]:
+    """Files by directory, then session, then segment index (not by name: ~10 < ~9)."""
+    path = tail.path
+    return (str(path.parent), *spool_segment(path.name))
 
 
 def _unsafe(mode: int) -> bool:
@@ -181,6 +192,7 @@ class Daemon:
         return True
 
     _spool_uid = -1  # the spool root's owner, read at each scan
+    _held: list[FileTail] = []  # read in a long round, not closed yet (see `_settle`)
     _other_owner: set[str]
 
     def scan(self) -> list[FileTail]:
@@ -204,16 +216,32 @@ class Daemon:
 
     # -- one pass ------------------------------------------------------------------------
     def pump(self, tails: list[FileTail], progress: Progress | None = None) -> list[FileTail]:
-        """One round over `tails`; returns those with more complete lines waiting."""
+        """One round over `tails`, each session's segments in their order; returns those
+        with more complete lines waiting."""
         more = []
+        tails = sorted(tails, key=_order)
+        last = len(tails) - 1
         for i, tail in enumerate(tails):
             if self.stopping:
                 break
             if self.tailer.pump(tail):
                 more.append(tail)
-            if progress is not None:
-                progress(i + 1, len(tails), sum(t.applied for t in self.tailer.tails.values()))
+            if i % BATCH == BATCH - 1 and i < last:
+                self._settle(tails[i + 1 - BATCH : i + 1])
+            if progress is not None and (i % BATCH == BATCH - 1 or i == last):
+                progress(i + 1, len(tails), self.tailer.applied_total())
         return more
+
+    def _settle(self, batch: list[FileTail]) -> None:
+        """Commit `batch` in the middle of a long round: the pipelines of the segments
+        read are closed, the rolled ones deleted once applied (those a backend still
+        reads are looked at again with the next batch)."""
+        batch = self._held + batch
+        self.tailer.commit(only=batch)
+        if self.tailer.rolled_seen and not self.dry_run:
+            retire.expire_rolled(self.tailer, batch)
+        self._held = [t for t in batch if t.run is not None and t.state != "live"
+                      and self.tailer.tails.get(t.key) is t][-BATCH:]
 
     def check_crashes(self) -> None:
         now = time.time()
@@ -250,6 +278,10 @@ class Daemon:
             todo = lagging
         self.check_crashes()
         self.tailer.close()
+        # as the daemon does: a rolled segment applied everywhere is deleted at once, a
+        # finished file after `retention` (a replay leaves only what is still needed)
+        if not self.dry_run and retire.expire(self.tailer, time.time()):
+            self.tailer.save_checkpoints()
         doc = self.status(wait=True)
         self.durable.close()
         if self.dispatcher is not None:
@@ -309,7 +341,7 @@ class Daemon:
                 st = tail.path.stat()
             except FileNotFoundError:
                 if tail.state in ("finished", "refused") or tail.committed >= tail.size:
-                    self.tailer.forget(tail)
+                    self.tailer.vanished(tail)  # (a moved segment is counted, see there)
                 continue
             except OSError:
                 continue

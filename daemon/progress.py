@@ -13,9 +13,11 @@ SUMMARY_KEYS = ("files", "applied", "skipped", "quarantined", "finished", "crash
 
 
 def replay_summary(doc: dict[str, Any], dry_run: bool) -> dict[str, Any]:
-    """What one pass did, from its status document (the object `expr replay --json` prints)."""
-    totals = doc.get("totals", {})
-    return {"dry_run": dry_run, **{k: int(totals.get(k, 0)) for k in SUMMARY_KEYS}}
+    """What one pass did, from its status document (the object `expr replay --json` prints):
+    the files it deleted once applied (`deleted`) are in the counts too."""
+    totals, gone = doc.get("totals", {}), doc.get("deleted") or {}
+    out = {k: int(totals.get(k, 0)) + int(gone.get(k, 0)) for k in SUMMARY_KEYS}
+    return {"dry_run": dry_run, **out, "deleted": int(gone.get("files", 0))}
 
 
 class JsonProgress:

@@ -104,19 +104,23 @@ def _cut_zeros(tailer: Tailer, tail: FileTail) -> None:
         os.close(fd)
 
 
-def expire_rolled(tailer: Tailer) -> bool:
+def expire_rolled(tailer: Tailer, only: list[FileTail] | None = None) -> bool:
     """Delete the rolled segments every consumer is done with, at once (the daemon loop,
-    after a commit); True while some rolled segment is still waiting for a consumer."""
-    expire(tailer, time.time(), only_rolled=True)
-    return any(t.state == "rolled" for t in tailer.tails.values())
+    after a commit); True while some rolled segment is still waiting for a consumer.
+    `only`: look at these files alone (a batch of a long round; True then)."""
+    expire(tailer, time.time(), only_rolled=True, only=only)
+    return only is not None or any(t.state == "rolled" for t in tailer.tails.values())
 
 
-def expire(tailer: Tailer, now: float, *, only_rolled: bool = False) -> int:
+def expire(tailer: Tailer, now: float, *, only_rolled: bool = False,
+           only: list[FileTail] | None = None) -> int:
     """Delete spool files every consumer is done with: a segment its session went on
     from at once (the spool holds only segments in flight), a finished file after the
     retention."""
     removed = 0
-    for tail in list(tailer.tails.values()):
+    for tail in list(tailer.tails.values()) if only is None else only:
+        if tailer.tails.get(tail.key) is not tail:
+            continue  # forgotten meanwhile
         if tail.state not in (("rolled",) if only_rolled else ("finished", "rolled")) \
                 or tail.run is not None \
                 or tail.committed < tail.size:
@@ -135,6 +139,6 @@ def expire(tailer: Tailer, now: float, *, only_rolled: bool = False) -> int:
             tailer.warn(f"unlink:{tail.path}", f"cannot delete {tail.path}: {exc.strerror}")
             continue
         log.info("deleted %s (%s and applied)", tail.path, tail.state)
-        tailer.forget(tail)
+        tailer.deleted_file(tail)
         removed += 1
     return removed

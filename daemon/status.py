@@ -85,6 +85,10 @@ def build(tailer: Tailer, *, started: float, mode: str, dispatcher: Any = None,
         "backends": backends,
         "alerts": dispatcher.stats() if dispatcher is not None else {},
         "errors": dict(tailer.errors),
+        # files deleted once applied (no longer in `files`) and what they brought
+        "deleted": dict(tailer.deleted),
+        # events lost to what another process did to spool files, by cause
+        "dropped": dict(tailer.dropped),
         "open_files": tailer.pool.open_files(),
     }
     if extra:

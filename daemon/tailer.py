@@ -120,6 +120,16 @@ class Tailer:
         self.rolled_seen = False  # a segment was rolled: the loop deletes it once applied
         # the rule state a rolled segment leaves to its session's next one
         self.handover: dict[tuple[str, str], Any] = {}
+        # what the files deleted once applied (`retire.expire`) did: status totals and a
+        # replay's summary go on counting them
+        self.deleted = {"files": 0, "applied": 0, "skipped": 0, "quarantined": 0}
+        # events lost to what was done to spool files, by cause (`spool_moved`)
+        self.dropped: dict[str, int] = {}
+        # (shard, session) -> events of a moved segment, for the next segment's sidecar
+        self._moved: dict[tuple[str, str], int] = {}
+        # live files found gone (path -> last seq read, shard, session): a moved segment
+        # is told from one deleted once read when its session's next segment is read
+        self._gone: dict[str, tuple[int, str, str]] = {}
 
     def warn(self, cause: str, message: str) -> None:
         """Count every failure; log a cause once (and again, with its count, hourly)."""
@@ -223,6 +233,17 @@ class Tailer:
         self.quarantine.put(tail.path, tail.offset, tail.offset, f"{kind}: {reason}", copy=False)
         self.warn(f"{kind}:{tail.path}", f"{tail.path}: {reason}")
 
+    def applied_total(self) -> int:
+        """Record events applied by this process, deleted files' included."""
+        return self.deleted["applied"] + sum(t.applied for t in self.tails.values())
+
+    def deleted_file(self, tail: FileTail) -> None:
+        """`tail`'s file was deleted once applied: its counts stay in the totals."""
+        for key, n in (("files", 1), ("applied", tail.applied), ("skipped", tail.skipped),
+                       ("quarantined", tail.quarantined)):
+            self.deleted[key] += n
+        self.forget(tail)
+
     def forget(self, tail: FileTail) -> None:
         if tail.run is not None:
             tail.run.close()
@@ -286,6 +307,9 @@ class Tailer:
             rules = self.handover.pop((str(spec.paths.shard), spec.session), None)
             if rules is not None:
                 tail.run.adopt_rules(rules)
+            moved = self._moved.pop((str(spec.paths.shard), spec.session), 0)
+            if moved:
+                tail.run.add_dropped("spool_moved", moved)
         if tail.run.unsafe:
             self._refuse_unsafe(tail.run)
             return False
@@ -316,8 +340,9 @@ class Tailer:
         return False
 
     # -- reading -------------------------------------------------------------------------
-    def pump(self, tail: FileTail, budget: int = 4 << 20) -> bool:
-        """Apply up to `budget` bytes of new complete lines; True if more are waiting."""
+    def pump(self, tail: FileTail, budget: int = 4 << 20, *, ordered: bool = False) -> bool:
+        """Apply up to `budget` bytes of new complete lines; True if more are waiting.
+        `ordered`: the segments before this one are read already (`_previous_read`)."""
         tail.drained = False
         if tail.state == "refused":
             return False
@@ -330,13 +355,18 @@ class Tailer:
             if tail.run is None and tail.state in ("finished", "crashed", "rolled") \
                     and tail.size <= tail.offset:
                 return False
-            if not self._previous_read(tail):
+            if not ordered and not self._previous_read(tail):
                 return True  # the segment before it first (come back)
             if not self._ensure_run(tail) or (tail.run is not None and tail.run.blocked):
                 return False
             reader = tail.reader or SpoolReader(tail.path, block=READ_BLOCK)
             tail.reader = reader
             paused = self._read(tail, reader, budget)
+            for at, n in reader.nul_runs:
+                self.warn(f"nul:{tail.path}", f"{tail.path}: skipped {n} NUL bytes at offset "
+                          f"{at} (a page of zeros, as a node crash before writeback leaves "
+                          "them); the lines after them are applied, a line they cut is "
+                          "quarantined")
             # each backend reads the same file on its own, behind the shard, never holding it
             run = tail.run
             forwarding = run is not None and run.feeds_backends and \
@@ -363,19 +393,79 @@ class Tailer:
     def _previous_read(self, tail: FileTail) -> bool:
         """A session's segments are applied in their order: the events of segment N are
         applied only once segment N-1 (if it is still there) is read to its end, as far
-        as it is written (a record applied from N would make the shard skip N-1's rest)."""
+        as it is written (a record applied from N would make the shard skip N-1's rest).
+
+        Iterative, whatever the backlog: the segments before N not read yet are found
+        walking back to the first one done (or gone), then pumped oldest first, each
+        without looking back again (its predecessor was just read)."""
+        behind: list[FileTail] = []
+        here = tail
+        while (prev := self._before(here)) is not None:
+            before = self.tails.get(str(prev)) or self.track(prev)
+            if before.state in ("rolled", "finished", "crashed", "refused"):
+                break  # read to its marker (or its end)
+            behind.append(before)
+            here = before
+        for before in reversed(behind):
+            self.pump(before, 64 << 20, ordered=True)
+            if not before.drained:
+                return False
+        return True
+
+    def _before(self, tail: FileTail) -> Path | None:
+        """The segment before `tail`'s in its session, if it is still there (if it was
+        being read and is gone, it was moved away: counted, see `_moved_away`)."""
         prefix, index = spool_segment(tail.path.name)
         if index == 0:
-            return True
+            return None
         prev = tail.path.with_name(f"{prefix}~{index - 1}.jsonl" if index > 1 else
                                    f"{prefix}.jsonl")
-        if not prev.exists():
-            return True
-        before = self.tails.get(str(prev)) or self.track(prev)
-        if before.state in ("rolled", "finished", "crashed", "refused"):
-            return True  # read to its marker (or its end)
-        self.pump(before, 64 << 20)
-        return before.drained
+        if prev.exists():
+            return prev
+        gone = self.tails.get(str(prev))
+        if gone is not None and gone.state in ("new", "live"):
+            self.vanished(gone)
+        if str(prev) in self._gone:
+            self._moved_away(prev, tail)
+        return None
+
+    def vanished(self, tail: FileTail) -> None:
+        """`tail`'s file is gone (found by a stat): forgotten, and if it was live, what was
+        read of it is kept a while (see `_moved_away`)."""
+        if tail.state in ("new", "live") and tail.seq >= 0 and tail.run is not None:
+            if len(self._gone) >= 4096:  # sessions that never went on: the oldest go
+                self._gone.pop(next(iter(self._gone)))
+            self._gone[tail.key] = (tail.seq, str(tail.run.spec.paths.shard),
+                                    tail.run.spec.session)
+        self.forget(tail)
+
+    def _moved_away(self, prev: Path, tail: FileTail) -> None:
+        """A segment exprd was reading is gone before its marker (`mv`, no copy back) and
+        its session went on in `tail`: the events between the last one read from it and
+        the first of `tail` are counted (`spool_moved`: events by `_seq`, rows or others;
+        a segment deleted once read and applied counts none)."""
+        first = None
+        for _start, _end, line in SpoolReader(tail.path).lines(0, 1):
+            try:
+                ev = orjson.loads(line) if line is not None else None
+            except orjson.JSONDecodeError:
+                ev = None
+            if isinstance(ev, dict) and type(ev.get("first_seq")) is int:
+                first = ev["first_seq"]
+            break
+        if first is None:
+            return  # the next segment's init is not there yet: asked again at its next read
+        seq, shard, session = self._gone.pop(str(prev))
+        lost = max(first - 1 - seq, 0)
+        if not lost:
+            return
+        self.dropped["spool_moved"] = self.dropped.get("spool_moved", 0) + lost
+        key = (shard, session)
+        self._moved[key] = self._moved.get(key, 0) + lost
+        self.warn(f"spool_moved:{prev}", f"{prev} was moved away while in use: "
+                  f"{lost} events after _seq {seq} in it were not read (counted as "
+                  f"spool_moved, in status.json and the shard's sidecar); going on with "
+                  f"{tail.path.name}")
 
     @staticmethod
     def _tell_repeat(tail: FileTail, run: RunPipeline) -> None:
@@ -652,12 +742,14 @@ class Tailer:
 
     # -- committing ----------------------------------------------------------------------
     def commit(self, *, force: bool = False, sidecar_interval: float = 2.0,
-               wait: bool | None = None) -> None:
+               wait: bool | None = None, only: list[FileTail] | None = None) -> None:
         """Flush shards, then record the offsets they cover; retire finished files.
 
         With a writer thread, sidecars and the checkpoint are stored there (what the last
         ones did is collected first); `force` writes them all now and waits until they
-        are on disk (unless `wait` is False)."""
+        are on disk (unless `wait` is False). `only`: the files read since the last
+        commit, in the middle of a long round (the others' offsets did not move; the
+        round's own commit covers every file)."""
         if self.durable is not None:
             self.durable.collect()
         slots_ok = self.pool.flush()
@@ -665,7 +757,7 @@ class Tailer:
         # the runs whose checkpoint is put now: only their journals may forget batches
         # once it is on disk (a file not put keeps the older checkpoint)
         put: list[RunPipeline] = []
-        for tail in list(self.tails.values()):
+        for tail in list(self.tails.values()) if only is None else only:
             run = tail.run
             if run is not None and run.unsafe:
                 self._refuse_unsafe(run)
@@ -679,8 +771,12 @@ class Tailer:
                 self._settle(tail, run)
                 if tail.state in ("finished", "crashed", "refused", "rolled"):
                     # the status first, whatever the backends: a sidecar left "running"
-                    # by a process that is gone reads as a crash (health pages it)
-                    if not ok or not run.status_written() or run.closing():
+                    # by a process that is gone reads as a crash (health pages it); a
+                    # rolled segment changes no status (its session goes on): its rows
+                    # on disk are enough, and a backlog's segments close as they are read
+                    written = run.rows_written() if tail.state == "rolled" \
+                        else run.status_written()
+                    if not ok or not written or run.closing():
                         # a finished file is checkpointed as such only once the shard's
                         # status is on disk and its backends are done: until then a
                         # restart reads its end again
@@ -701,6 +797,10 @@ class Tailer:
                         run.checkpointed(marks)
 
             self._save(on_disk, wait=force if wait is None else wait)
+
+    def save_checkpoints(self) -> None:
+        """Store the checkpoints now and wait until they are on disk."""
+        self._save(wait=True)
 
     def _save(self, on_disk: Any = None, *, wait: bool = False) -> None:
         """Save the checkpoints; `wait`: until they are on disk (a snapshot still on its

@@ -208,7 +208,7 @@ def test_exprd_replay_progress_json_is_json_lines_on_stdout(tmp_path: Path) -> N
     assert objs[-2]["files_done"] == objs[-2]["files_total"] == 2 and objs[-2]["events"] == 80
     assert objs[-1] == {"type": "summary", "dry_run": False, "files": 2, "applied": 80,
                         "skipped": 0, "quarantined": 0, "finished": 2, "crashed": 0,
-                        "refused": 0, "live": 0}
+                        "refused": 0, "live": 0, "deleted": 0}
     assert json.loads((state / "status.json").read_text())["mode"] == "replay"
     # misuse is an error object and a non-zero exit, still nothing but JSON on stdout
     proc = subprocess.run(

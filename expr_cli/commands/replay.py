@@ -1,8 +1,10 @@
 """`expr replay SPOOL_DIR`: apply a spool directory once, without a daemon.
 
 The work is exprd's own (`exprd --replay`, the same engine as the daemon): shards,
-rules, alerts and backends, exactly once into shards. It runs as a child process, so
-`expr` never imports exprd (DESIGN 2); this module renders its `--progress json` lines.
+rules, alerts and backends, exactly once into shards; a rolled segment it applied is
+deleted, as the daemon deletes it (`--dry-run` deletes nothing). It runs as a child
+process, so `expr` never imports exprd (DESIGN 2); this module renders its `--progress
+json` lines.
 A second replay of the same spool changes nothing.
 """
 
@@ -150,7 +152,9 @@ def replay_command(spool_dir: str | None, dry_run: bool, state: str | None, conf
         f"{summary['files']} spool file{'s' if summary['files'] != 1 else ''}: {verb} "
         f"{summary['applied']} event{'s' if summary['applied'] != 1 else ''}, "
         f"{summary['skipped']} already in shards, {summary['quarantined']} quarantined, "
-        f"{summary['crashed']} crashed, {summary['refused']} refused",
+        f"{summary['crashed']} crashed, {summary['refused']} refused"
+        + (f"; deleted {summary['deleted']} applied segment"
+           f"{'s' if summary['deleted'] != 1 else ''}" if summary.get("deleted") else ""),
         soft_wrap=True, highlight=False,
     )
 

@@ -140,5 +140,7 @@ def services(doc: Mapping[str, Any]) -> None:
     for name, a in (doc.get("alerts") or {}).items():
         out.print(f"alert channel {name}: {a.get('sent', 0)} sent, {a.get('failed', 0)} failed, "
                   f"{a.get('pending', 0)} pending", soft_wrap=True, highlight=False)
+    for cause, n in (doc.get("dropped") or {}).items():
+        out.print(Text(f"dropped {cause}: {n} events", style="red"), soft_wrap=True)
     for cause, n in (doc.get("errors") or {}).items():
         out.print(Text(f"error {cause}: {n}", style="red"), soft_wrap=True)

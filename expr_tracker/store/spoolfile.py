@@ -7,6 +7,7 @@ The SDK's spool sink (`expr_tracker.spool`) writes them; exprd's tailer, `expr r
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -259,6 +260,9 @@ class SpoolReader:
         self.more = False  # `lines()` stopped at its limit with more data after it
         self.span = 0  # bytes of the lines `chunks()` yielded last, with their newlines
         self.zeros = False  # the last read ended at a NUL byte (a segment's unwritten part)
+        # (offset, length) of the NUL runs with data after them the last read skipped
+        self.nul_runs: list[tuple[int, int]] = []
+        self._zeros: tuple[int, int] = (-1, -1)  # [start, size): zeros to the end, seen last
 
     def lines(self, offset: int, limit: int | None = None) -> Iterator[tuple[int, int, bytes | None]]:
         """Complete lines from `offset`; stops after about `limit` bytes at a line end."""
@@ -281,6 +285,7 @@ class SpoolReader:
             size = self.size = os.fstat(fd).st_size
             self.more = False
             self.zeros = False
+            self.nul_runs = []
             stop = size if limit is None else min(size, offset + limit)
             pos = rd = offset  # pos: start of the line being assembled; rd: next read
             carry = b""
@@ -291,16 +296,28 @@ class SpoolReader:
                 block = os.pread(fd, min(max(self.block, len(carry)), size - rd), rd)
                 if not block:
                     break
+                cut, after = -1, 0  # a NUL run with data after it: [cut, after)
                 nul = block.find(0)
                 if nul >= 0:
-                    # a memory-mapped segment's zeros: its data ends here, for now
+                    found = self._data_after(fd, rd + nul, size)
+                    if found is None:
+                        # a memory-mapped segment's zeros: its data ends here, for now
+                        size = self.size = rd + nul
+                        self.zeros = True
+                    else:
+                        # a page of zeros inside the data (a node crash before writeback):
+                        # skipped, as in shards; a line it cut is yielded as it is (bad)
+                        cut, after = rd + nul, found
+                        self.nul_runs.append((cut, after - cut))
                     block = block[:nul]
-                    size = self.size = rd + nul
-                    self.zeros = True
                 rd += len(block)
                 if oversize:
                     nl = block.find(b"\n")
                     if nl < 0:
+                        if cut >= 0:
+                            yield pos, [], cut
+                            pos = rd = after
+                            oversize = False
                         continue
                     end = rd - len(block) + nl + 1
                     yield pos, [], end
@@ -313,6 +330,16 @@ class SpoolReader:
                     self.span = len(data) - len(carry)
                     yield pos, parts, None
                     pos += len(data) - len(carry)
+                if cut >= 0:
+                    if carry:
+                        self.span = len(carry) + 1
+                        yield pos, [carry], None
+                    pos = rd = after
+                    carry = b""
+                    if rd >= stop and pos > offset:
+                        self.more = rd < size
+                        break
+                    continue
                 if len(carry) > self.max_line:
                     oversize, carry = True, b""
                 elif rd >= stop and pos > offset:
@@ -321,3 +348,30 @@ class SpoolReader:
                     break
         finally:
             os.close(fd)
+
+    def _data_after(self, fd: int, at: int, size: int) -> int | None:
+        """The first byte after `at` that is not NUL, None if zeros run to `size`. A
+        segment's zeros seen to its end last time are not read again: its writer fills
+        them in order, so they still end it."""
+        start, seen = self._zeros
+        if seen == size and 0 <= start <= at:
+            return None
+        pos = at
+        while pos < size:
+            try:
+                pos = os.lseek(fd, pos, os.SEEK_DATA)  # a hole is zeros: jumped over
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:
+                    break  # only a hole is left
+                # (no SEEK_DATA on this filesystem: read on)
+            if pos >= size:
+                break
+            block = os.pread(fd, min(_BLOCK, size - pos), pos)
+            if not block:
+                break
+            kept = block.lstrip(b"\0")
+            if kept:
+                return pos + len(block) - len(kept)
+            pos += len(block)
+        self._zeros = (at, size)
+        return None
