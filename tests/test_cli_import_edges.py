@@ -197,3 +197,16 @@ def test_an_mlruns_store_without_its_trash_folder_is_read_and_left_without_one(t
     assert done.returncode == 0, done.stdout + done.stderr
     assert (tmp_path / "root" / "p" / "m-alpha").is_dir()
     assert sorted(str(p) for p in (tmp_path / "mlruns").rglob("*")) == before
+
+
+def test_the_sidecar_summary_holds_each_keys_last_value_as_a_finished_run_does(run, tmp_path):
+    """A finished SDK run's sidecar summary has each key's last value, NaN as "NaN" (JSON
+    has no NaN: written as a float it would read back null)."""
+    import json
+
+    write_events(tmp_path / "tb", [("loss", 0, 1.0), ("eval/acc", 0, 0.5), ("loss", 1, math.nan),
+                                   ("loss", 2, -math.inf)])
+    assert run("import", "tensorboard", str(tmp_path / "tb"), "--project", "p",
+               "--name", "r").exit_code == 0
+    side = json.loads((tmp_path / "root" / "p" / "r" / "metrics.meta.json").read_text())
+    assert side["summary"] == {"loss": "-Infinity", "eval/acc": 0.5}
