@@ -210,3 +210,14 @@ def test_the_sidecar_summary_holds_each_keys_last_value_as_a_finished_run_does(r
                "--name", "r").exit_code == 0
     side = json.loads((tmp_path / "root" / "p" / "r" / "metrics.meta.json").read_text())
     assert side["summary"] == {"loss": "-Infinity", "eval/acc": 0.5}
+
+
+def test_a_file_that_is_not_an_event_file_is_named_as_such(run, tmp_path):
+    """Not "truncated, still being written": a text file or random bytes given as SOURCE."""
+    (tmp_path / "notes.txt").write_text("hello\n")
+    (tmp_path / "rand.bin").write_bytes(bytes(range(256)) * 40)
+    for name in ("notes.txt", "rand.bin"):
+        result = run("import", "tensorboard", str(tmp_path / name), "--project", "p", "--name", "r")
+        assert result.exit_code == 1, result.output
+        assert f"{tmp_path / name}: not a TensorBoard event file" in result.output, result.output
+    assert nothing_written(tmp_path)

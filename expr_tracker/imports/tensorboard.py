@@ -104,6 +104,7 @@ def records(path: Path) -> Any:
         reader = PyRecordReader_New(str(path))
     except errors.NotFoundError:
         raise ImportFailed(f"{path}: no such file") from None
+    first = True
     while True:
         try:
             reader.GetNext()
@@ -111,11 +112,14 @@ def records(path: Path) -> Any:
             return
         except errors.DataLossError as exc:
             why = str(exc.message).replace(str(path), "").strip()
+            if first:  # TensorBoard's writer writes a whole record as it opens a file
+                raise ImportFailed(f"{path}: not a TensorBoard event file ({why})") from None
             if "truncated" in why:
                 raise ImportFailed(f"{path}: truncated TensorBoard event file ({why}): cut "
                                    "short, or still being written (import it once its job "
                                    "has finished)") from None
             raise ImportFailed(f"{path}: damaged TensorBoard event file ({why})") from None
+        first = False
         yield reader.record()
 
 
