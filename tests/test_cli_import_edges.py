@@ -221,3 +221,14 @@ def test_a_file_that_is_not_an_event_file_is_named_as_such(run, tmp_path):
         assert result.exit_code == 1, result.output
         assert f"{tmp_path / name}: not a TensorBoard event file" in result.output, result.output
     assert nothing_written(tmp_path)
+
+
+def test_one_log_dir_named_through_a_symlink_is_still_one_source(run, tmp_path):
+    """`~/logs -> /data/logs`: importing it by either name under another run name would
+    double its rows; it is refused as the same source."""
+    write_events(tmp_path / "data" / "a", [("loss", 0, 1.0)])
+    (tmp_path / "logs").symlink_to(tmp_path / "data")
+    assert run("import", "tensorboard", str(tmp_path / "logs"), "--project", "p",
+               "--name", "r").exit_code == 0
+    again = run("import", "tensorboard", str(tmp_path / "data"), "--project", "p", "--name", "s")
+    assert again.exit_code == 1 and "imported already, as run p/r-a" in again.output, again.output

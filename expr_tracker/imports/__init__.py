@@ -49,5 +49,6 @@ def import_runs(
 
 
 def source_label(source: str) -> str:
-    """What the sidecar records as the source: a URI as given, a path made absolute."""
-    return source if "://" in source else os.path.abspath(source)
+    """What the sidecar records as the source: a URI as given, a path made absolute and
+    its links resolved (one source, one label, whatever link names it)."""
+    return source if "://" in source else os.path.realpath(source)

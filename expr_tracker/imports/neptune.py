@@ -34,7 +34,7 @@ _NEEDED = ("run_id", "attribute_path", "attribute_type", "step", "timestamp")
 
 
 def _files(source: str) -> list[Path]:
-    path = Path(source).absolute()
+    path = Path(source).resolve()  # one source, one origin, whatever link it is named by
     if path.is_file():
         return [path]
     if not path.is_dir():
@@ -73,7 +73,7 @@ def find(source: str) -> list[Found]:
     if not where:
         raise ImportFailed(f"{source}: no Neptune runs in its Parquet files")
     several = len(where) > 1
-    label = Path(source).absolute()
+    label = Path(source).resolve()
     return [Found(safe_part(rid) if several else None, f"{label} run {rid}",
                   partial(load, rid, files))
             for rid, files in sorted(where.items())]

@@ -42,12 +42,12 @@ def find(source: str, follow_symlinks: bool = False) -> list[Found]:
     A symlink leading out of `source` is read only with `follow_symlinks` (reading another
     place than the one named is the user's choice, not a walk's); a directory symlink
     leading back into `source` is not walked (its run would come over twice)."""
-    path = Path(source).absolute()
+    path = Path(source).resolve()  # one source, one origin, whatever link it is named by
     if path.is_file():
         return [Found(None, str(path), lambda: load([path], str(path)))]
     if not path.is_dir():
         raise ImportFailed(f"{source}: no such directory")
-    top = path.resolve()
+    top = path
     found: list[Found] = []
     seen: set[Path] = set()
     for here, dirs, files in os.walk(path, onerror=_unreadable, followlinks=follow_symlinks):

@@ -41,7 +41,7 @@ _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
 def find(source: str) -> list[Found]:
     """The run of `source` (a run directory or its `.wandb` file), or each run directory
     below it (a `wandb/` directory of runs: each is `{name}-{run directory}`)."""
-    path = Path(source).absolute()
+    path = Path(source).resolve()  # one source, one origin, whatever link it is named by
     if path.is_file():
         return [Found(None, str(path), lambda: load(path))]
     if not path.is_dir():
