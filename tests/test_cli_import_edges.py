@@ -232,3 +232,42 @@ def test_one_log_dir_named_through_a_symlink_is_still_one_source(run, tmp_path):
                "--name", "r").exit_code == 0
     again = run("import", "tensorboard", str(tmp_path / "data"), "--project", "p", "--name", "s")
     assert again.exit_code == 1 and "imported already, as run p/r-a" in again.output, again.output
+
+
+def test_neptune_non_finite_params_and_odd_series_are_kept_or_counted(run, tmp_path):
+    """A float param of inf stays "Infinity" in the config (not null); string and bool
+    series are counted as not imported; a NaN point is a NaN value."""
+    import json
+    from datetime import datetime, timezone
+    from decimal import Decimal
+
+    pa = need("pyarrow", "export")
+    import pyarrow.parquet as pq
+
+    ts = datetime(2025, 1, 1, tzinfo=timezone.utc)
+    rows = [
+        {"attribute_path": "params/clip", "attribute_type": "float", "float_value": math.inf},
+        {"attribute_path": "logs/s", "attribute_type": "string_series", "step": Decimal(1),
+         "timestamp": ts, "string_value": "hi"},
+        {"attribute_path": "logs/b", "attribute_type": "bool_series", "step": Decimal(1),
+         "timestamp": ts, "bool_value": True},
+        {"attribute_path": "train/loss", "attribute_type": "float_series", "step": Decimal(1),
+         "timestamp": ts, "float_value": math.nan},
+    ]
+    for row in rows:
+        row.update(project_id="ws/proj", run_id="RUN-1")
+    schema = pa.schema([
+        ("project_id", pa.string()), ("run_id", pa.string()), ("attribute_path", pa.string()),
+        ("attribute_type", pa.string()), ("step", pa.decimal128(18, 6)),
+        ("timestamp", pa.timestamp("ms", tz="UTC")), ("float_value", pa.float64()),
+        ("string_value", pa.string()), ("bool_value", pa.bool_())])
+    (tmp_path / "nep").mkdir()
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp_path / "nep" / "RUN-1_part_0.parquet")
+    result = run("import", "neptune", str(tmp_path / "nep"), "--project", "p", "--name", "r", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["runs"][0]["skipped"] == {
+        "string_series attributes": 1, "bool_series attributes": 1}
+    side = json.loads((tmp_path / "root" / "p" / "r" / "metrics.meta.json").read_text())
+    assert side["config"] == {"params/clip": "Infinity"}
+    [row] = history(run, "p/r")
+    assert row["_step"] == 1 and row["train/loss"] == "NaN"  # as `history --json` spells NaN

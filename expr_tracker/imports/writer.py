@@ -148,7 +148,8 @@ def _write(stage: Path, project: str, name: str, run: Imported, note: dict[str, 
     """The run's shard and sidecar in `stage`, written and fsynced; ImportFailed if not."""
     errors: list[str] = []
     # as a finished SDK run's: each key's last value as its rows hold it, the source's
-    # own summary over them; non-finite floats as text there too (JSON would make them null)
+    # own summary over them; non-finite floats as text there and in the config (JSON has no
+    # NaN: written as floats they would read back null)
     latest: dict[str, Any] = {}
     for row in run.rows:
         latest.update(row)  # whole rows, then `_` keys dropped: 0.2 s per million rows
@@ -156,7 +157,8 @@ def _write(stage: Path, project: str, name: str, run: Imported, note: dict[str, 
     summary.update(_nonfinite_as_text(run.summary))
     identity = {"project": project, "name": name, "stream": None, "rank": 0, "world_size": 1,
                 "local_rank": 0, "session": "import", "rank_aware": True,
-                "config": run.config, **run.meta(), "summary": summary, "import": note}
+                "config": _nonfinite_as_text(run.config), **run.meta(), "summary": summary,
+                "import": note}
     writer = ShardWriter(ShardPaths(stage, "metrics"), identity,
                          warn=lambda cause, msg: errors.append(msg))
     writer.open()
