@@ -271,3 +271,25 @@ def test_neptune_non_finite_params_and_odd_series_are_kept_or_counted(run, tmp_p
     assert side["config"] == {"params/clip": "Infinity"}
     [row] = history(run, "p/r")
     assert row["_step"] == 1 and row["train/loss"] == "NaN"  # as `history --json` spells NaN
+
+
+@pytest.mark.parametrize("kind", ["wandb", "neptune"])
+def test_a_run_directory_it_may_not_read_fails_a_wandb_or_neptune_import(tmp_path, kind):
+    """A `wandb/` directory (or a Parquet export) with a run directory it may not list:
+    the import fails naming it, rather than importing the other runs (or saying there are
+    none) quietly."""
+    source = tmp_path / "src"
+    for sub in ("run-a", "run-b"):
+        (source / sub).mkdir(parents=True)
+        (source / sub / ("run.wandb" if kind == "wandb" else "part_0.parquet")).write_bytes(b"x")
+    (source / "run-b").chmod(0)
+    try:
+        done = subprocess.run(
+            [*_without_root_powers(), sys.executable, "-m", "expr_cli.main", "import", kind,
+             str(source), "--project", "p", "--name", "r", "--dir", str(tmp_path / "root")],
+            capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    finally:
+        (source / "run-b").chmod(0o755)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"{source / 'run-b'}: Permission denied" in done.stderr, done.stderr
+    assert nothing_written(tmp_path)
