@@ -54,10 +54,11 @@ def tracking_uri(source: str) -> str:
 
 
 def _check_store(path: Path, source: str) -> None:
-    """An mlruns file store: experiment directories, each with its `meta.yaml`."""
+    """An mlruns file store: experiment directories, each with its `meta.yaml` (deleted
+    experiments' in `.trash`, which come over too)."""
     if not path.is_dir():
         raise ImportFailed(f"{source}: no such directory")
-    if not any(path.glob("*/meta.yaml")):
+    if not any(path.glob("*/meta.yaml")) and not any(path.glob(".trash/*/meta.yaml")):
         raise ImportFailed(f"{source}: not an MLflow file store (no experiment directory "
                            "with a meta.yaml in it)")
 
