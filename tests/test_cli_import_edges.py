@@ -293,3 +293,34 @@ def test_a_run_directory_it_may_not_read_fails_a_wandb_or_neptune_import(tmp_pat
     assert done.returncode == 1, done.stdout + done.stderr
     assert f"{source / 'run-b'}: Permission denied" in done.stderr, done.stderr
     assert nothing_written(tmp_path)
+
+
+def test_ctrl_c_mid_import_exits_130_and_leaves_nothing(tmp_path):
+    """SIGINT while runs are being staged: exit 130, no run, no staging directory, no
+    empty project directory (the import made it)."""
+    import signal
+    import time
+
+    events = write_events(tmp_path / "one", [("loss", i, float(i)) for i in range(2000)])
+    for i in range(300):
+        (tmp_path / "logs" / f"r{i:03}").mkdir(parents=True)
+        shutil.copy(events, tmp_path / "logs" / f"r{i:03}")
+    root = tmp_path / "root"
+    child = subprocess.Popen(
+        [sys.executable, "-m", "expr_cli.main", "import", "tensorboard", str(tmp_path / "logs"),
+         "--project", "p", "--name", "r", "--dir", str(root)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list((root / "p").glob(".import-*-r-r001")) and child.poll() is None:
+            assert time.monotonic() < deadline, "the import never staged a run"
+            time.sleep(0.01)
+        assert child.poll() is None, "the import finished before it could be interrupted"
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == 130, err
+    assert "Traceback" not in err and not root.joinpath("p").exists(), err
