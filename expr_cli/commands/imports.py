@@ -24,7 +24,7 @@ class Kind(str, Enum):
 
 
 def import_command(kind: Kind, source: str, project: str, name: str, dir: str | None,
-                   force: bool, as_json: bool) -> None:
+                   force: bool, as_json: bool, follow_symlinks: bool = False) -> None:
     """Import every run of SOURCE, with a progress bar when there are several."""
     from expr_cli import render
     from expr_cli.render import imports as render_imports
@@ -34,8 +34,10 @@ def import_command(kind: Kind, source: str, project: str, name: str, dir: str | 
     root = root_dir(dir)
     where = source_label(source)
     run_dir(root, project, name)  # a bad name fails before the source is read
+    if follow_symlinks and kind is not Kind.tensorboard:
+        raise CLIError("--follow-symlinks applies to a TensorBoard log dir only")
     try:
-        found = find(kind.value, source)
+        found = find(kind.value, source, follow_symlinks)
         with render_imports.progress(f"importing {kind.value}",
                                      disable=as_json or len(found) < 2) as bar:
             placed = write_runs(root, project, name, kind.value, where, found, force=force,
@@ -67,6 +69,9 @@ def register(app: typer.Typer) -> None:
                             help="The run's name; each sub-run of SOURCE is NAME-SUB.")
     force_opt = typer.Option(False, "--force",
                              help="Replace runs an earlier import wrote (never other runs).")
+    follow_opt = typer.Option(False, "--follow-symlinks",
+                              help="Read through symlinks that lead out of a TensorBoard log "
+                                   "dir (refused without it).")
 
     @app.command(
         "import",
@@ -80,6 +85,7 @@ def register(app: typer.Typer) -> None:
         dir: str | None = DIR_OPT,
         force: bool = force_opt,
         as_json: bool = JSON_OPT,
+        follow_symlinks: bool = follow_opt,
     ) -> None:
         """Import runs from TensorBoard, wandb, MLflow or Neptune: rows keep their steps and
         times, params and config go to the run's config.
@@ -89,4 +95,4 @@ def register(app: typer.Typer) -> None:
         written aside and renamed into place: a damaged source leaves nothing behind. A run
         that exists is refused; --force replaces one an import wrote.
         """
-        import_command(kind, source, project, name, dir, force, as_json)
+        import_command(kind, source, project, name, dir, force, as_json, follow_symlinks)

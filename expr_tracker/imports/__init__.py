@@ -21,29 +21,34 @@ __all__ = ["KINDS", "Found", "ImportFailed", "MissingExtra", "Placed", "find", "
            "write_runs"]
 
 
-def find(kind: str, source: str) -> list[Found]:
-    """The runs a source holds, not read yet; ImportFailed if there are none."""
+def find(kind: str, source: str, follow_symlinks: bool = False) -> list[Found]:
+    """The runs a source holds, not read yet; ImportFailed if there are none.
+    `follow_symlinks`: a TensorBoard log dir's symlinks out of it are read (else refused)."""
     if kind not in KINDS:
         raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
+    if follow_symlinks and kind != "tensorboard":
+        raise ValueError("follow_symlinks applies to a TensorBoard log dir only")
     module = importlib.import_module(f"expr_tracker.imports.{kind}")
     need(module.LIBRARY, module.EXTRA, module.WHAT)  # before anything is looked at
-    found: list[Found] = module.find(source)
+    opts = {"follow_symlinks": follow_symlinks} if kind == "tensorboard" else {}
+    found: list[Found] = module.find(source, **opts)
     return found
 
 
 def import_runs(
     kind: str, source: str, root: str | os.PathLike[str], project: str, name: str, *,
-    force: bool = False, progress: Progress | None = None,
+    force: bool = False, progress: Progress | None = None, follow_symlinks: bool = False,
 ) -> Sequence[Placed]:
     """Import every run of `source` into `{root}/{project}/`: the source's own run as
     `name`, each sub-run as `{name}-{sub}`. All or nothing: ImportFailed names the file
     and why, and leaves no run half-written."""
     run_dir(root, project, name)  # a bad name fails before the source is read
-    found = find(kind, source)
+    found = find(kind, source, follow_symlinks)
     return write_runs(root, project, name, kind, source_label(source), found, force=force,
                       progress=progress)
 
 
 def source_label(source: str) -> str:
-    """What the sidecar records as the source: a URI as given, a path made absolute."""
-    return source if "://" in source else os.path.abspath(source)
+    """What the sidecar records as the source: a URI as given, a path made absolute and
+    its links resolved (one source, one label, whatever link names it)."""
+    return source if "://" in source else os.path.realpath(source)

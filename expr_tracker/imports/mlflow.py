@@ -10,6 +10,8 @@ to its summary. Artifacts, models and traces do not come over.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 from functools import partial
 from pathlib import Path
@@ -32,14 +34,46 @@ _URI_PREFIXES = ("http://", "https://", "file:", "sqlite:", "postgresql", "mysql
 
 
 def tracking_uri(source: str) -> str:
-    """`source` as a tracking URI: a directory becomes `file://` + its absolute path."""
+    """`source` as a tracking URI: a directory becomes `file://` + its absolute path. A
+    store MLflow would create or change by opening it (a directory that is not an mlruns
+    store, a sqlite file that is not there) is refused: an import leaves its source as is."""
+    if source.startswith("file:"):
+        _check_store(Path(source.removeprefix("file://").removeprefix("file:")), source)
+        return source
+    if source.startswith("sqlite:"):
+        _check_sqlite(source)
+        return source
     if source.startswith(_URI_PREFIXES):
         return source
     path = Path(source)
     if not path.is_dir():
         raise ImportFailed(f"{source}: no such directory (give an mlruns directory or a "
                            "tracking URI)")
+    _check_store(path, source)
     return path.resolve().as_uri()
+
+
+def _check_store(path: Path, source: str) -> None:
+    """An mlruns file store: experiment directories, each with its `meta.yaml` (deleted
+    experiments' in `.trash`, which come over too)."""
+    if not path.is_dir():
+        raise ImportFailed(f"{source}: no such directory")
+    if not any(path.glob("*/meta.yaml")) and not any(path.glob(".trash/*/meta.yaml")):
+        raise ImportFailed(f"{source}: not an MLflow file store (no experiment directory "
+                           "with a meta.yaml in it)")
+
+
+def _check_sqlite(source: str) -> None:
+    """A sqlite URI's file exists: MLflow would make an empty database of a typo."""
+    from sqlalchemy.engine.url import make_url
+
+    try:
+        db = make_url(source).database
+    except ValueError as exc:
+        raise ImportFailed(f"{source}: not a database URI ({exc})") from None
+    if not db or db == ":memory:" or not Path(db).is_file():
+        raise ImportFailed(f"{source}: no database file {db or '(none named)'} (MLflow would "
+                           "create an empty one)")
 
 
 def _client(uri: str, source: str) -> Any:
@@ -52,6 +86,11 @@ def _client(uri: str, source: str) -> Any:
     allow = uri.startswith("file:") and "MLFLOW_ALLOW_FILE_STORE" not in os.environ
     if allow:
         os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    trash = Path(uri.removeprefix("file://").removeprefix("file:")) / ".trash"
+    if uri.startswith("file:") and not trash.exists():
+        # the file store makes its `.trash` when opened and reads it to list runs: it
+        # stays while this process imports, and goes when it ends, however it ends
+        atexit.register(_remove_if_empty, trash)
     try:
         return MlflowClient(tracking_uri=uri)
     except MlflowException as exc:
@@ -59,6 +98,11 @@ def _client(uri: str, source: str) -> Any:
     finally:
         if allow:
             os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)
+
+
+def _remove_if_empty(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.rmdir()
 
 
 def find(source: str) -> list[Found]:

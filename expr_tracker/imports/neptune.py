@@ -12,6 +12,8 @@ files do not come over. One run is the run `--name`, several are `{name}-{run_id
 
 from __future__ import annotations
 
+import errno
+import os
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -34,15 +36,23 @@ _NEEDED = ("run_id", "attribute_path", "attribute_type", "step", "timestamp")
 
 
 def _files(source: str) -> list[Path]:
-    path = Path(source).absolute()
+    path = Path(source).resolve()  # one source, one origin, whatever link it is named by
     if path.is_file():
         return [path]
     if not path.is_dir():
         raise ImportFailed(f"{source}: no such directory")
-    files = sorted(path.rglob("*.parquet"))
+    files: list[Path] = []
+    for here, _, names in os.walk(path, onerror=_unreadable):  # rglob skips one quietly
+        files.extend(Path(here) / n for n in names if n.endswith(".parquet"))
+    files.sort()
     if not files:
         raise ImportFailed(f"{source}: no .parquet files in it or below")
     return files
+
+
+def _unreadable(exc: OSError) -> None:
+    raise ImportFailed(f"{exc.filename}: {exc.strerror} (an import reads all of SOURCE or "
+                       "nothing)")
 
 
 def _read(path: Path, run_id: str | None = None) -> Any:
@@ -60,6 +70,8 @@ def _read(path: Path, run_id: str | None = None) -> Any:
             return pq.read_table(path, columns=["run_id"])
         return pq.read_table(path, filters=[("run_id", "=", run_id)])
     except (pa.ArrowException, OSError) as exc:
+        if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM):
+            raise ImportFailed(f"{path}: {os.strerror(exc.errno)}") from None
         raise ImportFailed(f"{path}: damaged Parquet file ({exc})") from None
 
 
@@ -73,7 +85,7 @@ def find(source: str) -> list[Found]:
     if not where:
         raise ImportFailed(f"{source}: no Neptune runs in its Parquet files")
     several = len(where) > 1
-    label = Path(source).absolute()
+    label = Path(source).resolve()
     return [Found(safe_part(rid) if several else None, f"{label} run {rid}",
                   partial(load, rid, files))
             for rid, files in sorted(where.items())]

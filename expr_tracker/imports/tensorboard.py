@@ -35,17 +35,31 @@ def is_event_file(name: str) -> bool:
     return "tfevents" in name and not name.endswith((".tmp", ".part"))
 
 
-def find(source: str) -> list[Found]:
-    """Each directory under `source` that holds event files (or `source`, an event file)."""
-    path = Path(source).absolute()
+def find(source: str, follow_symlinks: bool = False) -> list[Found]:
+    """Each directory under `source` that holds event files (or `source`, an event file).
+
+    All of `source` or nothing: a directory it may not read fails the import, naming it.
+    A symlink leading out of `source` is read only with `follow_symlinks` (reading another
+    place than the one named is the user's choice, not a walk's); a directory symlink
+    leading back into `source` is not walked (its run would come over twice)."""
+    path = Path(source).resolve()  # one source, one origin, whatever link it is named by
     if path.is_file():
         return [Found(None, str(path), lambda: load([path], str(path)))]
     if not path.is_dir():
         raise ImportFailed(f"{source}: no such directory")
+    top = path
     found: list[Found] = []
-    for here, dirs, files in os.walk(path):
-        dirs.sort()
+    seen: set[Path] = set()
+    for here, dirs, files in os.walk(path, onerror=_unreadable, followlinks=follow_symlinks):
+        real = Path(here).resolve()
+        if real in seen:  # a loop of links, or two links to one directory
+            dirs.clear()
+            continue
+        seen.add(real)
+        dirs[:] = sorted(d for d in dirs if _walked(Path(here) / d, top, follow_symlinks))
         events = sorted(Path(here) / f for f in files if is_event_file(f))
+        for event in events:
+            _walked(event, top, follow_symlinks)
         if not events:
             continue
         rel = os.path.relpath(here, path)
@@ -56,6 +70,25 @@ def find(source: str) -> list[Found]:
     return found
 
 
+def _unreadable(exc: OSError) -> None:
+    raise ImportFailed(f"{exc.filename}: {exc.strerror} (an import reads all of SOURCE or "
+                       "nothing)")
+
+
+def _walked(entry: Path, top: Path, follow_symlinks: bool) -> bool:
+    """Whether the walk goes into `entry`: False for a directory symlink into `top`;
+    ImportFailed for a symlink out of `top` unless `follow_symlinks`."""
+    if not entry.is_symlink():
+        return True
+    target = entry.resolve()
+    if target == top or target.is_relative_to(top):
+        return not target.is_dir()
+    if not follow_symlinks:
+        raise ImportFailed(f"{entry} is a symlink out of SOURCE (to {target}): pass "
+                           "--follow-symlinks to read it, or import its target on its own")
+    return True
+
+
 def records(path: Path) -> Any:
     """The serialized events of one event file, each record's length and checksums checked;
     ImportFailed naming the file at the first damaged or truncated record."""
@@ -64,9 +97,14 @@ def records(path: Path) -> Any:
     from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import PyRecordReader_New
 
     try:
+        open(path, "rb").close()  # an unreadable file named plainly, before TensorBoard's stub
+    except OSError as exc:
+        raise ImportFailed(f"{path}: {exc.strerror}") from None
+    try:
         reader = PyRecordReader_New(str(path))
     except errors.NotFoundError:
         raise ImportFailed(f"{path}: no such file") from None
+    first = True
     while True:
         try:
             reader.GetNext()
@@ -74,7 +112,14 @@ def records(path: Path) -> Any:
             return
         except errors.DataLossError as exc:
             why = str(exc.message).replace(str(path), "").strip()
+            if first:  # TensorBoard's writer writes a whole record as it opens a file
+                raise ImportFailed(f"{path}: not a TensorBoard event file ({why})") from None
+            if "truncated" in why:
+                raise ImportFailed(f"{path}: truncated TensorBoard event file ({why}): cut "
+                                   "short, or still being written (import it once its job "
+                                   "has finished)") from None
             raise ImportFailed(f"{path}: damaged TensorBoard event file ({why})") from None
+        first = False
         yield reader.record()
 
 

@@ -41,20 +41,31 @@ _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
 def find(source: str) -> list[Found]:
     """The run of `source` (a run directory or its `.wandb` file), or each run directory
     below it (a `wandb/` directory of runs: each is `{name}-{run directory}`)."""
-    path = Path(source).absolute()
+    path = Path(source).resolve()  # one source, one origin, whatever link it is named by
     if path.is_file():
         return [Found(None, str(path), lambda: load(path))]
     if not path.is_dir():
         raise ImportFailed(f"{source}: no such directory")
-    own = sorted(path.glob("*.wandb"))
+    own = [f for f in _listed(path) if f.suffix == ".wandb"]
     if own:
         return [Found(None, str(own[0]), lambda: load(own[0]))]
-    # `latest-run` is a symlink to one of the run directories: that run once, not twice
+    # `latest-run` is a symlink to one of the run directories: that run once, not twice;
+    # a directory it may not list fails the import (a glob would skip its run quietly)
     found = [Found(safe_part(f.parent.name), str(f), partial(load, f))
-             for f in sorted(path.glob("*/*.wandb")) if not f.parent.is_symlink()]
+             for sub in _listed(path) if sub.is_dir() and not sub.is_symlink()
+             for f in _listed(sub) if f.suffix == ".wandb"]
     if not found:
         raise ImportFailed(f"{source}: no .wandb file in it or in its run directories")
     return found
+
+
+def _listed(path: Path) -> list[Path]:
+    """The entries of directory `path`, sorted; ImportFailed naming it if it cannot be read."""
+    try:
+        return sorted(path.iterdir())
+    except OSError as exc:
+        raise ImportFailed(f"{path}: {exc.strerror} (an import reads all of SOURCE or "
+                           "nothing)") from None
 
 
 def frames(path: Path) -> Iterator[bytes]:

@@ -12,6 +12,7 @@ an earlier import wrote, never one a training job did.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import time
@@ -146,9 +147,18 @@ def write_runs(
 def _write(stage: Path, project: str, name: str, run: Imported, note: dict[str, Any]) -> None:
     """The run's shard and sidecar in `stage`, written and fsynced; ImportFailed if not."""
     errors: list[str] = []
+    # as a finished SDK run's: each key's last value as its rows hold it, the source's
+    # own summary over them; non-finite floats as text there and in the config (JSON has no
+    # NaN: written as floats they would read back null)
+    latest: dict[str, Any] = {}
+    for row in run.rows:
+        latest.update(row)  # whole rows, then `_` keys dropped: 0.2 s per million rows
+    summary = {k: v for k, v in latest.items() if k[0] != "_"}
+    summary.update(_nonfinite_as_text(run.summary))
     identity = {"project": project, "name": name, "stream": None, "rank": 0, "world_size": 1,
                 "local_rank": 0, "session": "import", "rank_aware": True,
-                "config": run.config, **run.meta(), "summary": run.summary, "import": note}
+                "config": _nonfinite_as_text(run.config), **run.meta(), "summary": summary,
+                "import": note}
     writer = ShardWriter(ShardPaths(stage, "metrics"), identity,
                          warn=lambda cause, msg: errors.append(msg))
     writer.open()
@@ -181,6 +191,17 @@ def _write(stage: Path, project: str, name: str, run: Imported, note: dict[str, 
         if run.rows:
             raise
         writer.paths.shard.touch()  # a run without rows is still a run readers list
+
+
+def _nonfinite_as_text(value: Any) -> Any:
+    """`value` with every NaN or infinite float in it spelled as the rows spell it."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return records.encode_value("summary", value)
+    if isinstance(value, dict):
+        return {k: _nonfinite_as_text(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_nonfinite_as_text(v) for v in value]
+    return value
 
 
 def _place(stage: Path, final: Path) -> None:
