@@ -1,0 +1,118 @@
+"""Readers under odd files (issue 54): a NUL hole followed by lines, as a rank that resumed
+after its node crashed leaves it. Real sparse files (truncate), real processes; the
+memory a reader holds is measured (tracemalloc in process, the child's peak RSS from
+`wait4`), and the bytes it reads (`/proc/self/io`), never its time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tracemalloc
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from tests.procs import env_for
+from tests.synthetic import write_run
+
+HOLE = 1 << 30  # a GiB of sparse hole: free on disk, 4 GB of RSS to a reader that holds it
+STEPS = 200
+
+
+def _holed(root: Path, how: str) -> Path:
+    """A 4-rank finished run whose rank 1 has its first 100 steps, a 1 GiB hole, then its
+    last steps: "many" (steps 100-199), "one" (only the rank record of step 100), or "torn"
+    (a line cut by the crash before the hole, then steps 100-199)."""
+    run = write_run(root / "p" / "r", 4, STEPS, status="finished")
+    shard = run / "metrics.rank1.jsonl"
+    lines = shard.read_bytes().splitlines(keepends=True)
+    head = b"".join(lines[:STEPS])
+    if how == "torn":
+        head += lines[STEPS][:30]
+    shard.write_bytes(head)
+    os.truncate(shard, len(head) + HOLE)
+    with open(shard, "ab") as fh:
+        fh.write(lines[STEPS + 1] if how == "one" else b"".join(lines[STEPS:]))
+    return shard
+
+
+def _read_bytes() -> int:
+    with open("/proc/self/io") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("rchar:"))
+
+
+@contextmanager
+def _bounded(limit: int = 48 << 20) -> Iterator[None]:
+    """The block holds at most `limit` bytes of Python memory and reads at most `limit`
+    bytes through system calls (a hole read through is a GiB of zeros)."""
+    tracemalloc.start()
+    before = _read_bytes()
+    try:
+        yield
+        read = _read_bytes() - before
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < limit, f"held {peak:,} bytes"
+    assert read < limit, f"read {read:,} bytes"
+
+
+@pytest.mark.parametrize("how", ["many", "one", "torn"])
+def test_the_shard_readers_step_over_a_hole_in_bounded_memory_and_reads(
+        tmp_path: Path, how: str) -> None:
+    from expr_tracker.store import records, window
+    from expr_tracker.store.reader import ShardReader, select_rows
+
+    shard = _holed(tmp_path, how)
+    after = [STEPS // 2] if how == "one" else list(range(STEPS // 2, STEPS))
+    rank_steps = list(range(STEPS // 2)) + after
+    with _bounded():
+        recs = ShardReader(shard).records()
+    assert [r["_step"] for r in recs if r.get("_kind") == "rank"] == rank_steps
+    with _bounded():
+        back = list(ShardReader(shard).iter_reverse())
+    assert back == recs[::-1]
+    with _bounded():
+        rows = select_rows(ShardReader(shard), 5, kind="rank")
+    assert [r["_step"] for r in rows] == rank_steps[-5:]
+    with _bounded(), open(shard, "rb") as fh:
+        assert window.last_step(fh) == rank_steps[-1]
+        assert records.complete_end(fh) == fh.seek(0, 2)
+        start = window.window_start(fh, STEPS // 2)
+        fh.seek(start)
+        assert fh.read(1) == b"{"  # a line's start, after the hole
+        fh.seek(0)
+        assert window.window_start(fh, 10) < 4096
+
+
+def _expr(*args: str) -> tuple[subprocess.CompletedProcess[str], int]:
+    """Run `expr ARGS` as a child reaped here with `wait4`: its result and its peak
+    resident memory in bytes."""
+    proc = subprocess.Popen([sys.executable, "-m", "expr_cli.main", *args], env=env_for(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    out, err = proc.stdout.read(), proc.stderr.read()  # (the child exits once both are read)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return (subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(), err.decode()),
+            usage.ru_maxrss * 1024)
+
+
+@pytest.mark.parametrize("how", ["one", "torn"])
+def test_every_command_reads_a_holed_run_in_tens_of_megabytes(tmp_path: Path, how: str) -> None:
+    """Before: 4.4 GB of RSS and 15-100 s each (the reverse reads doubled their block over
+    the hole, the forward read carried the torn line and the hole after it)."""
+    _holed(tmp_path, how)
+    run = str(tmp_path / "p" / "r")
+    for args in (["summary", run, "--json"], ["top", run, "--once", "--json"],
+                 ["shards", run, "--json"], ["watch", run, "--once", "--json"]):
+        out, rss = _expr(*args)
+        assert out.returncode == 0, (args, out.stderr)
+        assert rss < 200 << 20, (args, f"{rss:,} bytes resident")
+        if args[0] == "summary":
+            assert json.loads(out.stdout)["ranks"]["frontier"] == STEPS - 1
