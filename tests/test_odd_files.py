@@ -116,3 +116,13 @@ def test_every_command_reads_a_holed_run_in_tens_of_megabytes(tmp_path: Path, ho
         assert rss < 200 << 20, (args, f"{rss:,} bytes resident")
         if args[0] == "summary":
             assert json.loads(out.stdout)["ranks"]["frontier"] == STEPS - 1
+
+
+def test_expr_shards_counts_the_rows_around_a_hole_without_reading_it(tmp_path: Path) -> None:
+    from expr_cli.data.runs import _count_lines
+
+    shard = _holed(tmp_path, "many")
+    before = _read_bytes()
+    with open(shard, "rb") as fh:
+        assert _count_lines(fh.fileno(), 0, fh.seek(0, 2)) == 2 * STEPS
+    assert _read_bytes() - before < 16 << 20
