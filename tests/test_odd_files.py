@@ -126,3 +126,40 @@ def test_expr_shards_counts_the_rows_around_a_hole_without_reading_it(tmp_path: 
     with open(shard, "rb") as fh:
         assert _count_lines(fh.fileno(), 0, fh.seek(0, 2)) == 2 * STEPS
     assert _read_bytes() - before < 16 << 20
+
+
+# row 2: an incidents file over the 4 MiB read per pass
+
+
+def test_a_one_pass_reader_sees_the_whole_incidents_file_in_bounded_memory(tmp_path: Path) -> None:
+    """64 MiB of incidents opened and resolved, between an incident opened first and
+    resolved last and a crash opened last: before, a reader of one pass (`watch --once`,
+    `top --once`, `summary`, MCP) read the first 4 MiB: the first open, the crash missed."""
+    from expr_tracker.health.incidentlog import open_incidents
+    from expr_tracker.health.incidents import Incident
+
+    run = write_run(tmp_path / "p" / "r", 4, 20, status="running")
+
+    def line(inc: Incident, **kw: object) -> bytes:
+        return json.dumps({**inc.as_line(), **kw}).encode() + b"\n"
+
+    first = Incident("stall", (), (), 3, 1.0, 2.0, "stalled", id="first")
+    crash = Incident("crashed", (2,), ("gpu-0000",), 10, 9.0, 9.0, "crashed", id="crash")
+    filler = [Incident("straggler", (1,), ("gpu-0000",), s, 3.0, 4.0, "x" * 300, id=f"f{s}")
+              for s in range(1000)]
+    body = b"".join(line(f) + line(f, state="resolved") for f in filler)
+    with open(run / "incidents.jsonl", "wb") as fh:
+        fh.write(line(first))
+        while fh.tell() < 64 << 20:
+            fh.write(body)
+        fh.write(line(first, state="resolved") + line(crash))
+    tracemalloc.start()
+    try:
+        opened = open_incidents(run)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [i.id for i in opened] == ["crash"]
+    assert peak < 32 << 20, f"held {peak:,} bytes"  # (10,000 lines kept as `others`)
+    out, _ = _expr("watch", str(run), "--once", "--json")
+    assert "crash" in out.stdout and '"first"' not in out.stdout, out.stdout[-2000:]
