@@ -163,3 +163,24 @@ def test_a_one_pass_reader_sees_the_whole_incidents_file_in_bounded_memory(tmp_p
     assert peak < 32 << 20, f"held {peak:,} bytes"  # (10,000 lines kept as `others`)
     out, _ = _expr("watch", str(run), "--once", "--json")
     assert "crash" in out.stdout and '"first"' not in out.stdout, out.stdout[-2000:]
+
+
+# row 4: MCP arguments
+
+
+def test_mcp_arguments_are_checked_strictly_and_errors_capped(tmp_path: Path) -> None:
+    pytest.importorskip("mcp")
+    from tests.mcpclient import McpClient
+
+    root = tmp_path / "runs"
+    write_run(root / "proj" / "big", 4, 40)
+    with McpClient(["--dir", str(root)], env_for()) as c:
+        huge = c.call("run_summary", run="big", steps="0:99999999999999999999")
+        assert huge.error and "run_summary: steps: " in huge.text, huge.text[:500]
+        long = c.call("run_summary", run="r" * 3_000_000)
+        assert long.error and len(long.text.encode()) <= 48_000, len(long.text)
+        assert "run_summary: run: " in long.text, long.text[:200]
+        for bad in ("0", True, 1.0):
+            a = c.call("rank_vs_median", run="big", rank=bad)
+            assert a.error and "rank" in a.text, (bad, a.text[:300])
+        assert not c.call("rank_vs_median", run="big", rank=1).error
