@@ -1077,8 +1077,9 @@ TABLE: dict[str, dict[str, Any]] = {'': {'commands': {'runs': 'Projects and runs
                         'choices': None,
                         'complete': None},
                        {'opts': ['--notify-recovery'],
-                        'secondary': ['--no-notify-recovery'],
-                        'help': 'Deliver resolved incidents too.',
+                        'secondary': [],
+                        'help': "Deliver resolved incidents too (default: the config's "
+                                'notify_recovery).',
                         'multiple': False,
                         'takes_value': False,
                         'choices': None,
