@@ -184,3 +184,32 @@ def test_mcp_arguments_are_checked_strictly_and_errors_capped(tmp_path: Path) ->
             a = c.call("rank_vs_median", run="big", rank=bad)
             assert a.error and "rank" in a.text, (bad, a.text[:300])
         assert not c.call("rank_vs_median", run="big", rank=1).error
+
+
+# row 5: host names
+
+
+EVIL = "../../evil\nx\u202e"
+
+
+def test_control_and_bidi_characters_in_a_host_name_print_as_escapes(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "p" / "r", 4, 30, crashed=2, status="running")
+    side = run / "metrics.rank2.meta.json"
+    meta = json.loads(side.read_text())
+    side.write_text(json.dumps({**meta, "host": EVIL}))
+    for args in (["watch", str(run), "--once"], ["top", str(run), "--once"], ["summary", str(run)]):
+        out, _ = _expr(*args)
+        assert "evil" in out.stdout, (args, out.stdout, out.stderr)
+        assert "\u202e" not in out.stdout and "\nx" not in out.stdout, (args, out.stdout)
+        assert "evil\\nx\\u202e" in out.stdout.replace("\n", "").replace("│", ""), out.stdout
+
+
+def test_host_names_that_differ_have_heartbeats_of_their_own() -> None:
+    from expr_tracker.health.clock import heartbeat_host, heartbeat_name, safe_host
+
+    hosts = ["gpu 1", "gpu_1", "gpu-1", "gpu.1", EVIL, "x" * 300, "x" * 299 + "y"]
+    names = [heartbeat_name(h) for h in hosts]
+    assert len(set(names)) == len(hosts), names
+    for host, name in zip(hosts, names, strict=True):
+        assert "/" not in name and "\n" not in name and len(name) < 255, name
+        assert heartbeat_host(name) == safe_host(host)
