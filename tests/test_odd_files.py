@@ -213,3 +213,29 @@ def test_host_names_that_differ_have_heartbeats_of_their_own() -> None:
     for host, name in zip(hosts, names, strict=True):
         assert "/" not in name and "\n" not in name and len(name) < 255, name
         assert heartbeat_host(name) == safe_host(host)
+
+
+# row 9: alert texts
+
+
+def test_a_reserved_field_in_an_alert_message_is_an_error_naming_it() -> None:
+    from expr_tracker.alerts.rules.rule import parse_rule
+    from expr_tracker.errors import RuleError
+
+    with pytest.raises(RuleError, match=r"\{_rank\}"):
+        parse_rule("isnan(loss) => critical: rank {_rank} at step {step}")
+    with pytest.raises(RuleError, match=r"\{_step:d\}"):
+        parse_rule({"condition": "loss > 1", "message": "loss at {_step:d}"})
+    ok = parse_rule("isnan(loss) => critical: rank {rank} at step {step}: {loss:.3f} {value}")
+    assert ok.message == "rank {rank} at step {step}: {loss:.3f} {value}"
+
+
+def test_an_alert_that_says_its_step_is_not_told_it_again(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "p" / "r", 2, 30, status="running")
+    line = {"kind": "fire", "rank": 1, "step": 20, "rule": "isnan(loss)", "level": "critical",
+            "title": "rank 1 at step 20", "suppressed": "rank", "delivered": False,
+            "time": 1.0, "project": "p", "run": "r"}
+    (run / "alerts.rank1.jsonl").write_text(json.dumps(line) + "\n")
+    out, _ = _expr("watch", str(run), "--once")
+    assert "rank 1 at step 20" in out.stdout, out.stdout
+    assert out.stdout.count("at step 20") == 1, out.stdout
