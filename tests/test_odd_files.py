@@ -239,3 +239,29 @@ def test_an_alert_that_says_its_step_is_not_told_it_again(tmp_path: Path) -> Non
     out, _ = _expr("watch", str(run), "--once")
     assert "rank 1 at step 20" in out.stdout, out.stdout
     assert out.stdout.count("at step 20") == 1, out.stdout
+
+
+# row 6: durations
+
+
+def test_one_duration_parser_zero_as_text_and_a_warning_past_an_hour(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from daemon.config import ConfigError
+    from daemon.config import duration as exprd_duration
+    from expr_tracker.health.config import parse_health
+
+    assert parse_health({"page_after": "0", "fs_cache": "0s"}).page_after == 0.0
+    for text, secs in (("500ms", 0.5), ("1.5h", 5400.0), (" 2m ", 120.0), ("0", 0.0)):
+        assert exprd_duration(text, "retention") == secs
+    for bad in ("1w", "-1s", True, "nan"):
+        with pytest.raises(ConfigError, match="retention"):
+            exprd_duration(bad, "retention")
+        with pytest.raises(ValueError, match="hang_after"):
+            parse_health({"hang_after": bad})
+    with caplog.at_level("WARNING", logger="expr_tracker"):
+        assert parse_health({"fs_cache": "1d"}).fs_cache == 86400.0
+    assert "'fs_cache' is 1d, over an hour" in caplog.text, caplog.text
+    run = write_run(tmp_path / "p" / "r", 2, 10, status="finished")
+    out, _ = _expr("watch", str(run), "--once", "--fs-cache", "1d", "--page-after", "0")
+    assert out.returncode == 0, out.stderr
+    assert "'fs_cache' is 1d, over an hour" in out.stderr, out.stderr

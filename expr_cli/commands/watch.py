@@ -207,8 +207,7 @@ def register(app: typer.Typer) -> None:
             "behind_steps": behind_steps,
             "notify_recovery": False if no_notify_recovery else notify_recovery,
             "evidence_after": evidence_after,
-            "fs_cache": 0 if fs_cache is not None and fs_cache.strip() in ("0", "0s") else fs_cache,
-            "page_after": 0 if page_after is not None and page_after.strip() in ("0", "0s") else page_after,
+            "fs_cache": fs_cache, "page_after": page_after,  # ("0": no cache, at once)
         }
         code = watch_command(run, dir, stream, once, json, config, interval, overrides, exit_on_finish)
         if code:
