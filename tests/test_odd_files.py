@@ -265,3 +265,28 @@ def test_one_duration_parser_zero_as_text_and_a_warning_past_an_hour(
     out, _ = _expr("watch", str(run), "--once", "--fs-cache", "1d", "--page-after", "0")
     assert out.returncode == 0, out.stderr
     assert "'fs_cache' is 1d, over an hour" in out.stderr, out.stderr
+
+
+# MCP metric_series: thinning
+
+
+def test_a_thinned_series_keeps_its_non_finite_points_and_extremes(tmp_path: Path) -> None:
+    pytest.importorskip("mcp")
+    from tests.mcpclient import McpClient
+
+    root = tmp_path / "runs"
+    run = write_run(root / "proj" / "nan", 2, 400)
+    shard = run / "metrics.rank1.jsonl"
+    import re
+
+    text = re.sub(r'(\{"_step":100,"_time":[\d.]+,"loss":)', r'\1"NaN","x":', shard.read_text())
+    text = re.sub(r'(\{"_step":201,"_time":[\d.]+,"loss":)', r'\1-5.0,"x":', text)
+    assert text.count('"x":') == 2
+    shard.write_text(text)
+    with McpClient(["--dir", str(root)], env_for()) as c:
+        a = c.call("metric_series", run="nan", metric="loss", ranks="1", points=20)
+    assert not a.error, a.text
+    line = a.json["series"]["panels"][0]["lines"][0]
+    got = dict(zip(line["steps"], line["values"], strict=True))
+    assert got.get(100) == "NaN" and got.get(201) == -5.0, got
+    assert len(line["steps"]) <= 20 and line["steps"][0] == 0 and line["steps"][-1] == 399
