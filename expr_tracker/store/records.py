@@ -335,7 +335,7 @@ def complete_end(fh: BinaryIO, size: int = 256 * 1024) -> int:
     written NUL blocks skipped as they are read (a warning names the file); a line that
     NULs cut off (a crash mid-append, then lines after) has no end and is passed over."""
     size_all = fh.seek(0, 2)
-    end = before_nuls(fh, end_of_data(fh, size_all))
+    end = end_of_data(fh, size_all)
     if end < size_all:
         nul_skipped(fh, end, size_all - end)
     grow = max(size, MAX_BACK_BLOCK)

@@ -179,19 +179,19 @@ def before_nuls(fh: BinaryIO, pos: int) -> int:
     the data's, whatever the hole (issue 54)."""
     block = 4096
     while pos > 0:
-        try:
-            fd = fh.fileno()
-            if os.lseek(fd, pos - 1, os.SEEK_HOLE) == pos - 1:
-                pos = _hole_start(fd, pos)
-                continue
-        except (OSError, AttributeError, ValueError, io.UnsupportedOperation):
-            pass  # no holes known here (a pipe, bytes in memory): read them
         start = max(0, pos - block)
         fh.seek(start)
-        kept = fh.read(pos - start).rstrip(b"\0")
+        data = fh.read(pos - start)
+        kept = data.rstrip(b"\0")
         if kept:
-            return start + len(kept)
+            return start + len(kept)  # (the usual case: one read, its last byte no NUL)
         pos = start
+        try:  # a hole: jumped whole
+            fd = fh.fileno()
+            if pos > 0 and os.lseek(fd, pos - 1, os.SEEK_HOLE) == pos - 1:
+                pos = _hole_start(fd, pos)
+        except (OSError, AttributeError, ValueError, io.UnsupportedOperation):
+            pass  # no holes known here (bytes in memory): read on
         block = min(2 * block, MAX_BLOCK)
     return 0
 
