@@ -290,3 +290,26 @@ def test_a_thinned_series_keeps_its_non_finite_points_and_extremes(tmp_path: Pat
     got = dict(zip(line["steps"], line["values"], strict=True))
     assert got.get(100) == "NaN" and got.get(201) == -5.0, got
     assert len(line["steps"]) <= 20 and line["steps"][0] == 0 and line["steps"][-1] == 399
+
+
+def test_what_mcp_writes_under_out_is_capped_in_all(tmp_path: Path) -> None:
+    """An SQL result of 200 MB was written from one call; the directory had no total cap."""
+    pytest.importorskip("mcp")
+    pytest.importorskip("duckdb")
+    from tests.mcpclient import McpClient
+
+    root, out = tmp_path / "runs", tmp_path / "out"
+    write_run(root / "proj" / "big", 8, 500)
+    out.mkdir()
+    (out / "earlier.json").write_bytes(b"x" * 50_000)  # what it holds counts
+    sql = "SELECT _rank, _step, loss, tokens FROM metrics ORDER BY _rank, _step"
+    with McpClient(["--dir", str(root), "--out", str(out), "--out-max", "200000",
+                    "--max-rows", "10"], env_for()) as c:
+        first = c.call("query", run="proj/big", sql=sql)
+        assert not first.error, first.text
+        second = c.call("query", run="proj/big", sql=sql)
+        assert not second.error, second.text
+    held = sum(f.stat().st_size for f in out.iterdir())
+    assert held <= 200_000, held
+    assert first.json["file"] is not None and first.json["file_rows"] < 4000
+    assert second.json["file"] is None and "--out-max" in second.json["note"], second.json
