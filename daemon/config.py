@@ -37,18 +37,15 @@
 
 from __future__ import annotations
 
-import math
-import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from expr_tracker.durations import parse_duration
 from expr_tracker.errors import unknown_key
 
-_DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*\Z")
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 KEYS = ("spool", "state", "allowed_roots", "rescan_interval", "retention", "crash_silence",
         "alert", "backends", "trust_run_backends", "checkpoint_interval", "status_interval",
         "health", "watch_roots", "max_open_files", "allowed_uids")
@@ -116,18 +113,12 @@ def _under(path: Path, root: Path) -> bool:
 
 
 def duration(value: Any, key: str) -> float:
-    """Seconds from a number or a text like '500ms', '5s', '10m', '1h', '3d'."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{key} must be a duration, got {value!r}")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    elif isinstance(value, str) and (m := _DURATION.match(value)):
-        seconds = float(m.group(1)) * _UNITS[m.group(2)]
-    else:
-        raise ConfigError(f"{key} must be a number of seconds or a duration like '5m', got {value!r}")
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ConfigError(f"{key} must be a finite duration >= 0, got {value!r}")
-    return seconds
+    """Seconds from a number or a text like '500ms', '5s', '10m', '1h', '3d' (the one
+    parser, `expr_tracker.durations`); 0 allowed."""
+    try:
+        return parse_duration(value, key, zero=True)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _path(value: Any, key: str) -> Path:

@@ -171,13 +171,15 @@ def _run_fast(module: ModuleType, args: list[str]) -> None:
         sys.exit(run_guarded(lambda: module.fast_run(values)))
 
 
+INTERRUPTED = 130  # Ctrl-C: every command exits quietly with 128 + SIGINT, as coreutils do
+
+
 def run_guarded(call: Callable[[], object]) -> int:
     """Call a command outside typer: a failure is one line on stderr; the exit code."""
     try:
         call()
     except KeyboardInterrupt:
-        sys.stderr.write("\n")
-        return _report("aborted", 1)
+        return INTERRUPTED
     except BrokenPipeError:
         # the reader went away (`expr history RUN | head`); exit quietly, as click does
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -271,8 +273,8 @@ def _group_class() -> type[Any]:
                 code = _report(_usage_line(exc), 2)
             except ClickException as exc:
                 code = _report(exc.format_message(), exc.exit_code)
-            except Abort:
-                code = _report("aborted", 1)
+            except Abort:  # (click's word for Ctrl-C)
+                code = INTERRUPTED
             except Exception as exc:
                 code = failure_code(exc)
             if standalone_mode:

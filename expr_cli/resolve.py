@@ -263,6 +263,11 @@ def parse_step_range(text: str | None) -> tuple[int | None, int | None] | None:
         hi = int(hi_s) if hi_s.strip() else None
     except ValueError:
         raise CLIError(f"step range {text!r} must look like START:STOP, e.g. 100:200", 2) from None
+    from expr_tracker.store.records import MAX_STEP
+
+    if any(s is not None and abs(s) > MAX_STEP for s in (lo, hi)):
+        # (past it, the readers' int64 arrays overflow: a TypeError deep in a reducer)
+        raise CLIError(f"step range {text[:64]!r}: steps are at most 2**53 ({MAX_STEP})", 2)
     if lo is not None and hi is not None and hi <= lo:
         raise CLIError(f"step range {text!r} is empty: STOP must be greater than START", 2)
     return lo, hi

@@ -145,3 +145,18 @@ def test_top_cuts_a_long_run_name_not_the_numbers_after_it(tmp_path: Path,
     head = result.output.splitlines()[0]
     assert len(head) <= 80 and head.endswith("frontier 19  lead 19"), head
     assert head.startswith("al/rules-run-with") and "…" in head
+
+
+@pytest.mark.parametrize("command", ["watch", "top"])
+def test_help_at_80_columns_leaves_the_descriptions_room(command: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The options' descriptions had about 17 columns of watch's 80 (an option's negative
+    form and a range's type took the rest), and were cut (issue 54)."""
+    monkeypatch.setenv("COLUMNS", "80")
+    result = CliRunner().invoke(build_app(), [command, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "…" not in result.output, result.output
+    helps = [line for line in result.output.splitlines() if line.startswith("│ --help")]
+    assert len(helps) == 1, result.output
+    # 30 and more columns of description (watch had 17: they began at column 61)
+    assert helps[0].index("Show this") <= 80 - 2 - 30, result.output

@@ -119,6 +119,12 @@ def test_site_builds_strictly_with_the_generated_cli_reference(tmp_path: Path) -
         assert first in reference, f"{label}: its help ({first!r}...) is not in the reference"
     for page in ("getting-started", "distributed", "live-health", "browser", "formats", "troubleshooting"):
         assert (site / page / "index.html").is_file(), page
+    # an air-gapped cluster's docs: no page loads anything from outside the site (each
+    # loaded Google's fonts: issue 54)
+    loads = re.compile(r"""<(?:link|script|img)\b[^>]*\b(?:href|src)=["']?(?:https?:)?//""", re.I)
+    for page in site.rglob("*.html"):
+        outside = loads.findall(page.read_text())
+        assert not outside, (page, outside)
 
 
 # Every heading of the README before it became the site (issue 46): each is a heading of a

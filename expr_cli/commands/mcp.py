@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 def mcp_command(dir: str | None, store: str | None, out: str | None, config: str | None,
                 max_bytes: int, max_rows: int, points: int, sql_timeout: float,
                 sql_memory: str, user_env: str | None = None,
-                password_env: str | None = None) -> None:
+                password_env: str | None = None, out_max: int | None = None) -> None:
     """Serve the tools over stdin/stdout until the client closes stdin."""
     from expr_cli.extras import require
 
@@ -64,13 +64,16 @@ def mcp_command(dir: str | None, store: str | None, out: str | None, config: str
     from expr_cli.mcp.server import build_server
     from expr_tracker.stats import parallel
 
+    if out_max is not None and out_max < 0:
+        raise CLIError(f"--out-max must be a number of bytes >= 0, got {out_max}", 2)
     caps = Caps(answer_bytes=max_bytes, rows=max_rows, points=points, sql_seconds=sql_timeout,
-                sql_memory=sql_memory)
+                sql_memory=sql_memory, out_bytes=Caps.out_bytes if out_max is None else out_max)
     cfg = health_config(config, {})
     # while this process has one thread: the tools run on the SDK's worker threads, which
     # may not fork; a fork server's workers read the shards of a big run (as expr serve)
     parallel.use_fork_server()
-    server = build_server(root, caps, OutDir(out_dir), cfg, store, user_env, password_env)
+    server = build_server(root, caps, OutDir(out_dir, caps.out_bytes), cfg, store, user_env,
+                          password_env)
     try:
         server.run("stdio")
     except KeyboardInterrupt:
@@ -97,6 +100,8 @@ def register(app: typer.Typer) -> None:
         out: str | None = typer.Option(None, "--out", metavar="DIR", show_default=False,
                                        help="Write answers over the size cap, whole, as files "
                                             "here (default: none, answers are cut)."),
+        out_max: int = typer.Option(defaults.out_bytes, "--out-max", metavar="N",
+                                    help="Bytes --out may hold in all, its earlier files too."),
         config: str | None = typer.Option(None, "--config", "-c", metavar="FILE",
                                           show_default=False,
                                           help="Alert config whose \\[health] table sets the "
@@ -129,4 +134,4 @@ def register(app: typer.Typer) -> None:
         it was cut to the size cap. Needs the mcp extra: pip install 'expr-tracker[mcp]'.
         """
         mcp_command(dir, store, out, config, max_bytes, max_rows, points, sql_timeout,
-                    sql_memory, user_env, password_env)
+                    sql_memory, user_env, password_env, out_max)

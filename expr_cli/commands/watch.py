@@ -155,7 +155,8 @@ def flush(disp: Any) -> None:
 _ONCE = typer.Option(False, "--once", help="One pass, then exit: 1 if an incident is open, else 0.")
 _CONFIG = typer.Option(None, "--config", "-c", metavar="FILE", show_default=False,
                        help="Alert config (channels, policy, \\[health]); default $EXPR_ALERT_CONFIG.")
-_INTERVAL = typer.Option(1.0, "--interval", min=0.1, help="Seconds between passes.")
+_INTERVAL = typer.Option(1.0, "--interval", min=0.1, metavar="SECONDS",
+                         help="Seconds between passes.")
 _EXIT_ON_FINISH = typer.Option(False, "--exit-on-finish",
                                help="Exit once every rank finished or crashed: 1 if an incident is open.")
 
@@ -195,8 +196,11 @@ def register(app: typer.Typer) -> None:
         slowdown_steps: int | None = _opt("--slowdown-steps", "The window (20).", "N"),
         behind_steps: int | None = _opt("--behind-steps", "Steps short of the lead (100).", "N"),
         notify_recovery: bool | None = typer.Option(
-            None, "--notify-recovery/--no-notify-recovery", show_default=False,
-            help="Deliver resolved incidents too."),
+            None, "--notify-recovery", show_default=False,
+            help="Deliver resolved incidents too (default: the config's notify_recovery)."),
+        # (its own hidden option, not `--notify-recovery/--no-notify-recovery`: the negative
+        # form took a column of every option's help at 80 columns)
+        no_notify_recovery: bool = typer.Option(False, "--no-notify-recovery", hidden=True),
     ) -> None:
         """Watch RUN's ranks live: straggler, slowdown, hang, stall, behind, crashed, missing, alert.
 
@@ -209,10 +213,10 @@ def register(app: typer.Typer) -> None:
             "hang_after": hang_after, "missing_after": missing_after, "crash_window": crash_window,
             "straggler_ratio": straggler_ratio, "straggler_steps": straggler_steps,
             "slowdown_ratio": slowdown_ratio, "slowdown_steps": slowdown_steps,
-            "behind_steps": behind_steps, "notify_recovery": notify_recovery,
+            "behind_steps": behind_steps,
+            "notify_recovery": False if no_notify_recovery else notify_recovery,
             "evidence_after": evidence_after,
-            "fs_cache": 0 if fs_cache is not None and fs_cache.strip() in ("0", "0s") else fs_cache,
-            "page_after": 0 if page_after is not None and page_after.strip() in ("0", "0s") else page_after,
+            "fs_cache": fs_cache, "page_after": page_after,  # ("0": no cache, at once)
         }
         code = watch_command(run, dir, stream, once, json, config, interval, overrides, exit_on_finish)
         if code:

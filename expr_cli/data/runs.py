@@ -25,6 +25,10 @@ def _count_lines(fd: int, start: int, end: int) -> int:
     n = 0
     pos = start
     while pos < end:
+        try:  # a crash's hole (maybe a GiB) holds no line: jumped, not read
+            pos = min(end, os.lseek(fd, pos, os.SEEK_DATA))
+        except OSError:
+            pass  # no data after pos (ENXIO: the loop reads nothing), or no SEEK_DATA here
         block = os.pread(fd, min(_BLOCK * 4, end - pos), pos)
         if not block:
             break

@@ -105,14 +105,16 @@ Series = dict[str, dict[int, tuple[list[int], list[float]]]]
 
 
 def load_series(run_dir: Path, stream: str | None, metrics: list[str], ranks: list[int] | None,
-                steps: tuple[int | None, int | None] | None) -> Series:
+                steps: tuple[int | None, int | None] | None, nonfinite: bool = False) -> Series:
     """metric -> rank -> (steps, values): the finite numbers of each rank's step rows (`log`)
     or, for a metric no step row holds, of its rank records (`log_rank_metrics`, system
-    metrics), by their own `_rank` (DESIGN 4), the latest record of a step winning."""
+    metrics), by their own `_rank` (DESIGN 4), the latest record of a step winning.
+    `nonfinite`: NaN and infinities too (an answer that must show them; a chart cannot)."""
     from expr_tracker.store.runread import RunReader
 
+    keep = _last_of_each_step if nonfinite else (lambda xs, ys: _finite(*_last_of_each_step(xs, ys)))
     out = _series(RunReader(run_dir, stream=stream, metrics=metrics, ranks=ranks,
-                            step_range=steps), metrics)
+                            step_range=steps), metrics, finite=not nonfinite)
     rest = [m for m in metrics if not out[m]]
     if rest:
         # the latest record of a step wins before non-finite values go: a NaN logged again
@@ -120,7 +122,7 @@ def load_series(run_dir: Path, stream: str | None, metrics: list[str], ranks: li
         more = _series(RunReader(run_dir, stream=stream, rank_records=True, metrics=rest,
                                  ranks=ranks, step_range=steps), rest, finite=False)
         out.update({m: {r: pts for r, (xs, ys) in by_rank.items()
-                        if (pts := _finite(*_last_of_each_step(xs, ys)))[0]}
+                        if (pts := keep(xs, ys))[0]}
                     for m, by_rank in more.items()})
     return out
 

@@ -36,6 +36,7 @@ class Caps:
     rows: int = 100  # SQL rows in an answer
     file_rows: int = 1_000_000  # SQL rows written to a file (with an output directory)
     file_bytes: int = 256 << 20  # bytes of one file
+    out_bytes: int = 1 << 30  # bytes the output directory may hold in all (earlier files too)
     sql_seconds: float = 20.0  # a query's time (DuckDB's interrupt, ClickHouse's max_execution_time)
     sql_memory: str = "1GB"  # DuckDB's memory_limit (ClickHouse: max_memory_usage, the same)
 
@@ -48,13 +49,22 @@ def encode(obj: Any) -> bytes:
 class OutDir:
     """The directory larger pulls are written under (None: the server writes nothing)."""
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, limit: int = Caps.out_bytes) -> None:
         self.path = path
         self.fd: int | None = None
+        self.limit = limit
+        self.held = 0  # bytes of the files in it (at start, and written since)
         if path is not None:
             path.mkdir(parents=True, exist_ok=True)
             # held open for the server's life: what the name points at later does not matter
             self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            with os.scandir(self.fd) as it:
+                self.held = sum(e.stat(follow_symlinks=False).st_size for e in it
+                                if e.is_file(follow_symlinks=False))
+
+    def room(self) -> int:
+        """Bytes a new file may still take (the directory's total cap, `Caps.out_bytes`)."""
+        return max(0, self.limit - self.held)
 
     def create(self, tool: str, suffix: str) -> tuple[Path, Any]:
         """A new file `{tool}-{time}-{random}{suffix}` and its binary writer."""
@@ -64,11 +74,14 @@ class OutDir:
                      0o600, dir_fd=self.fd)
         return self.path / name, os.fdopen(fd, "wb")
 
-    def write(self, tool: str, data: bytes) -> Path:
-        """`data` as a new JSON file; its path."""
+    def write(self, tool: str, data: bytes) -> Path | None:
+        """`data` as a new JSON file; its path (None: over what the directory may hold)."""
+        if len(data) > self.room():
+            return None
         path, fh = self.create(tool, ".json")
         with fh:
             fh.write(data)
+        self.held += len(data)
         return path
 
 
@@ -114,8 +127,8 @@ def fit(tool: str, answer: dict[str, Any], cap: int, out: OutDir) -> dict[str, A
         return answer
     answer["cut"] = True
     file = None
-    if out.fd is not None:
-        file = str(out.write(tool, whole))
+    if out.fd is not None and (written := out.write(tool, whole)) is not None:
+        file = str(written)
     room = cap - 1024  # (the notes below)
     small, cuts = shrink(answer, room)
     small["cut"] = True
@@ -123,7 +136,8 @@ def fit(tool: str, answer: dict[str, Any], cap: int, out: OutDir) -> dict[str, A
     small["file"] = file
     small["note"] = (f"the whole answer ({len(whole):,} bytes) is in {file}" if file else
                      f"the whole answer is {len(whole):,} bytes, over the cap of {cap:,}; "
-                     "start expr mcp with --out DIR to get it as a file")
+                     + ("the output directory holds what it may (--out-max)" if out.fd is not None
+                        else "start expr mcp with --out DIR to get it as a file"))
     if len(encode(small)) > cap:  # lists alone could not make it fit: the coverage only
         small = {k: small[k] for k in ("tool", "covers", "cut", "cuts", "file", "note")
                  if k in small}

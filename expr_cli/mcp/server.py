@@ -57,18 +57,28 @@ def build_server(root: Path, caps: Caps, out: OutDir, cfg: Any, store: str | Non
                        log_level="WARNING")
     store_url = store
 
+    def failed(text: str) -> ToolError:
+        """A tool error whose text is capped like an answer (it may quote an argument of
+        megabytes)."""
+        data = text.encode()
+        room = caps.answer_bytes - 256  # (the SDK puts "Error executing tool NAME: " first)
+        if len(data) > room:
+            more = f"... ({len(data):,} bytes, cut to the answer cap)"
+            text = data[:room - len(more)].decode(errors="ignore") + more
+        return ToolError(text)
+
     def answer(tool: str, call: Callable[[], dict[str, Any]]) -> str:
         try:
             result = call()
         except (BadArgument, NoRun) as exc:
-            raise ToolError(str(exc)) from None
+            raise failed(str(exc)) from None
         except SQLRefused as exc:
-            raise ToolError(f"sql: {exc}") from None
+            raise failed(f"sql: {exc}") from None
         except CLIError as exc:
-            raise ToolError(exc.message.replace(str(root), "the run root")) from None
+            raise failed(exc.message.replace(str(root), "the run root")) from None
         except (OSError, ValueError) as exc:
-            raise ToolError(f"{type(exc).__name__}: {exc}".replace(str(root), "the run root")
-                            ) from None
+            raise failed(f"{type(exc).__name__}: {exc}".replace(str(root), "the run root")
+                         ) from None
         result = fit(tool, jsonable(result), caps.answer_bytes, out)
         return orjson.dumps(result, option=orjson.OPT_NON_STR_KEYS).decode()
 
@@ -89,7 +99,7 @@ def build_server(root: Path, caps: Caps, out: OutDir, cfg: Any, store: str | Non
         run: Run,
         metrics: Annotated[list[str] | None, Field(description="Keys to reduce (default: "
                                                                "every rank-record key).")] = None,
-        step: Annotated[int | None, Field(description="One step (default: the frontier, the "
+        step: Annotated[int | None, Field(strict=True, description="One step (default: the frontier, the "
                                                       "latest step every live rank reported)."
                                           )] = None,
         steps: Annotated[str | None, Field(description="A half-open window START:STOP: "
@@ -112,7 +122,7 @@ def build_server(root: Path, caps: Caps, out: OutDir, cfg: Any, store: str | Non
     @tool
     def rank_vs_median(
         run: Run,
-        rank: Annotated[int, Field(description="The rank to look at.")],
+        rank: Annotated[int, Field(description="The rank to look at.", strict=True)],
         stream: Stream = None,
     ) -> str:
         """One rank against the ranks' median: its step time (the step_time rank metric,
@@ -156,7 +166,7 @@ def build_server(root: Path, caps: Caps, out: OutDir, cfg: Any, store: str | Non
         ranks: Annotated[str | None, Field(description="'all' (default), a rank or a list "
                                                        "like 0,3,5-7.")] = None,
         steps: Annotated[str | None, Field(description="A half-open step range A:B.")] = None,
-        points: Annotated[int | None, Field(description="Points per line (default and most "
+        points: Annotated[int | None, Field(strict=True, description="Points per line (default and most "
                                                         f"{caps.points}).")] = None,
         stream: Stream = None,
     ) -> str:

@@ -47,7 +47,7 @@ def _take(columns: list[str], chunks: Iterator[Sequence[Sequence[Any]]], caps: C
     total = 0
     cut = False
     file = fh = None
-    file_bytes = 0
+    file_bytes = file_cap = 0
     room = caps.answer_bytes // 2  # (the rest of the answer: columns, covers, notes)
     try:
         for chunk in chunks:
@@ -63,30 +63,39 @@ def _take(columns: list[str], chunks: Iterator[Sequence[Sequence[Any]]], caps: C
                     cut = True
                     if out.fd is None:
                         return _result(columns, rows, cut, None, None)
+                    head = [encode(r) + b"\n" for r in rows]
+                    if sum(map(len, head)) >= out.room():
+                        return _result(columns, rows, cut, None, None, full=True)
                     path, fh = out.create(tool, ".jsonl")
                     file = str(path)
-                    for r in rows:
-                        fh.write(encode(r) + b"\n")
-                        file_bytes += len(encode(r)) + 1
+                    # this file's cap, and what the directory may still hold (--out-max)
+                    file_cap = min(caps.file_bytes, out.room())
+                    for h in head:
+                        fh.write(h)
+                        file_bytes += len(h)
                 assert fh is not None
                 line = encode(obj) + b"\n"
-                if total > caps.file_rows or file_bytes + len(line) > caps.file_bytes:
+                if total > caps.file_rows or file_bytes + len(line) > file_cap:
                     return _result(columns, rows, True, file, total - 1, file_cut=True)
                 fh.write(line)
                 file_bytes += len(line)
     finally:
         if fh is not None:
             fh.close()
+            out.held += file_bytes
     return _result(columns, rows, cut, file, total if file else None)
 
 
 def _result(columns: list[str], rows: list[dict[str, Any]], cut: bool, file: str | None,
-            file_rows: int | None, file_cut: bool = False) -> dict[str, Any]:
+            file_rows: int | None, file_cut: bool = False, full: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {"columns": columns, "rows": rows, "n_rows": len(rows), "cut": cut}
     if cut:
         out["file"] = file
         out["file_rows"] = file_rows
-        if file is None:
+        if full:
+            out["note"] = ("more rows than the answer holds, and the output directory holds "
+                           "what it may (--out-max); aggregate in SQL")
+        elif file is None:
             out["note"] = ("more rows than the answer holds; aggregate in SQL, or start expr mcp "
                            "with --out DIR to get them as a file")
         elif file_cut:

@@ -41,6 +41,27 @@ def thin(n: int, points: int) -> list[int]:
     return sorted({round(i * (n - 1) / (points - 1)) for i in range(points)})
 
 
+def thin_values(values: list[Any], points: int) -> list[int]:
+    """`thin` of a line, keeping what thinning must not hide: its non-finite points (a
+    rank's NaN at one step) and its lowest and highest values, the evenly spread points
+    making up the rest of `points` (the first and the last always kept)."""
+    n = len(values)
+    if n <= points:
+        return list(range(n))
+    finite = [(v, i) for i, v in enumerate(values)
+              if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+    special = [i for i, v in enumerate(values)
+               if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))]
+    if finite:
+        special += [min(finite)[1], max(finite)[1]]
+    keep = {0, n - 1, *special[:max(0, points - 2)]}
+    for i in thin(n, points):
+        if len(keep) >= points:
+            break
+        keep.add(i)
+    return sorted(keep)
+
+
 class StepAnswers:
     """The over-steps tools' answers, over the runs `base` resolves and keeps."""
 
@@ -49,7 +70,7 @@ class StepAnswers:
 
     def _series(self, ref: RunRef, stream: str | None, metric: str,
                 steps: tuple[int | None, int | None] | None = None,
-                ranks: list[int] | None = None) -> dict[int, Any]:
+                ranks: list[int] | None = None, nonfinite: bool = False) -> dict[int, Any]:
         """`data.series.load_series` of one metric (rank -> steps, values), kept for the
         run's version; BadArgument naming the metric when it has no finite values."""
         from expr_cli.resolve import shards_of
@@ -58,9 +79,9 @@ class StepAnswers:
         live = self.base.lives.get(ref, stream)
 
         def build(state: Any) -> Any:
-            return load_series(ref.path, stream, [metric], ranks, steps)[metric]
+            return load_series(ref.path, stream, [metric], ranks, steps, nonfinite)[metric]
 
-        per = live.answer(("mcp-series", metric, steps, tuple(ranks or ())), build)
+        per = live.answer(("mcp-series", metric, steps, tuple(ranks or ()), nonfinite), build)
         if not per:
             from expr_cli.data.series import _available_metrics
 
@@ -251,14 +272,20 @@ class StepAnswers:
             return live.answer(  # type: ignore[no-any-return]
                 ("mcp-big-series", metric, window, points),
                 lambda state: self._big_series(ref, stream, metric, window, points, table))
-        per = self._series(ref, stream, metric, window, wanted)
+        # a rank's own line keeps its NaN (thinning keeps it too: `thin_values`); the
+        # median and band of many ranks take finite values
+        per = self._series(ref, stream, metric, window, wanted, nonfinite=True)
+        if len(per) > MAX_LINES:
+            per = {r: pts for r, (xs, ys) in per.items()
+                   if (pts := ([x for x, y in zip(xs, ys, strict=True) if math.isfinite(y)],
+                               [y for y in ys if math.isfinite(y)]))[0]}
         # `series_data`'s answer (`expr plot --json`) from the read kept for the run
         data = {"run": ref.label, "stream": stream,
                 "panels": panels_json([build_panel(metric, per, 1)])}
         panel = data["panels"][0]
         kept = of = 0
         for line in panel["lines"]:
-            idx = thin(len(line["steps"]), points)
+            idx = thin_values(line["values"], points)
             of = max(of, len(line["steps"]))
             kept = max(kept, len(idx))
             line["steps"] = [line["steps"][i] for i in idx]

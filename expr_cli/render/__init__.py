@@ -42,9 +42,10 @@ def console(stderr: bool = False, soft_wrap: bool = False) -> Console:
     them must print as written. `soft_wrap` (a long line stays one line, for grep) holds
     for a pipe or a file; a terminal wraps a long line at its words instead.
     """
-    from rich.console import Console
+    from .safe import safe_console_class
 
-    out = Console(stderr=stderr, highlight=False, emoji=False, markup=False)
+    # (control and bidi characters in the data print as escapes: `safe`)
+    out = safe_console_class()(stderr=stderr, highlight=False, emoji=False, markup=False)
     out.soft_wrap = soft_wrap and not out.is_terminal
     return out
 

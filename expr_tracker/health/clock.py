@@ -82,12 +82,22 @@ def mtime_on_our_clock(mtime_ns: int | None, offset: float) -> float | None:
 # does not change the directory, so readers' listings stay trusted). Its mtime is what a
 # reader on another node dates, like a sidecar's.
 HEARTBEAT_PREFIX, HEARTBEAT_SUFFIX = ".exprd.", ".json"
-_SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+_PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-.")
 
 
 def safe_host(host: str) -> str:
-    """A host name as it can stand in a file name (other characters become '_')."""
-    return "".join(c if c in _SAFE else "_" for c in host)[:200] or "_"
+    """A host name as it can stand in a file name: escaped, not collapsed (issue 54: "gpu 1"
+    and "gpu_1" shared one heartbeat, so a dead node hid behind a live one). Letters,
+    digits, '-' and '.' stay; any other character is `_` and its UTF-8 bytes in hex (`_`
+    itself `_5f`); a name longer than 160 characters so escaped keeps its start and a
+    digest of the whole."""
+    out = "".join(c if c in _PLAIN else "_" + c.encode("utf-8", "surrogatepass").hex()
+                  for c in host) or "_"
+    if len(out) > 160:
+        import hashlib
+
+        out = out[:128] + "_" + hashlib.sha256(host.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+    return out
 
 
 def heartbeat_name(host: str) -> str:

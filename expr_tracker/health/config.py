@@ -31,15 +31,13 @@ Durations are seconds or text like "500ms", "90s", "5m", "1h".
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from expr_tracker.durations import LONG, parse_duration
 from expr_tracker.errors import unknown_key
 
-_DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*\Z")
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 HANG_FLOOR = 300.0  # the default hang_after is at least 5 minutes ...
 HANG_PERIODS = 20  # ... and at least 20 median step periods
 EVIDENCE_FLOOR = 60.0  # with probe evidence, a stall is raised after at least a minute ...
@@ -97,19 +95,17 @@ _DURATIONS = ("hang_after", "missing_after", "crash_window", "evidence_after")
 KEYS = tuple(f.name for f in fields(HealthConfig))
 
 
-def duration(value: Any, key: str) -> float:
-    """Seconds from a number or a text like '500ms', '90s', '5m', '1h'; ValueError naming `key`."""
-    seconds: float | None = None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    elif isinstance(value, str) and (m := _DURATION.match(value)):
-        seconds = float(m.group(1)) * _UNITS[m.group(2)]
-    if seconds is None or not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(
-            f"health: key {key!r} must be a duration > 0 (seconds, or text like '90s', '5m'), "
-            f"got {value!r}"
-        )
-    return seconds
+def duration(value: Any, key: str, zero: bool = False) -> float:
+    """Seconds from a number or a text like '500ms', '90s', '5m', '1h' (`durations`, the one
+    parser); ValueError naming `key`."""
+    try:
+        return parse_duration(value, key, zero=zero)
+    except ValueError as exc:
+        raise ValueError(f"health: key {exc}") from None
+
+
+# keys whose value hides a lost node or an incident for as long as it says
+_WARN_LONG = ("page_after", "fs_cache")
 
 
 def parse_health(raw: Mapping[str, Any] | None, base: HealthConfig | None = None) -> HealthConfig:
@@ -135,8 +131,13 @@ def parse_health(raw: Mapping[str, Any] | None, base: HealthConfig | None = None
         elif key in _DURATIONS:
             values[key] = duration(value, key)
         elif key in ("page_after", "fs_cache"):  # 0: at once / no cache
-            zero = isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
-            values[key] = 0.0 if zero else duration(value, key)
+            values[key] = duration(value, key, zero=True)
+            if values[key] > LONG:
+                import logging
+
+                logging.getLogger("expr_tracker").warning(
+                    "expr_tracker: health key %r is %s, over an hour: a lost node or an open "
+                    "incident stays unseen that long (was it meant?)", key, value)
         elif key == "step_time_key":
             if not isinstance(value, str) or not value or value.startswith("_"):
                 raise ValueError(f"health: key {key!r} must be a metric name, got {value!r}")

@@ -17,6 +17,7 @@ from those, with list comprehensions and one sort at most.
 from __future__ import annotations
 
 import math
+import re
 from bisect import bisect_right
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -396,9 +397,12 @@ def _alerts(state: RunState, suppressed: Iterable[Mapping[str, Any]]) -> list[Fi
         rs = state.ranks.get(rank)
         step = a.get("step") if type(a.get("step")) is int else None
         title = str(a.get("title") or a.get("rule") or "alert")
+        # the rank and the step, unless the rule's message says them already
+        who = "" if re.search(rf"\brank {rank}\b", title) else f"rank {rank}: "
+        at = "" if step is None or re.search(rf"\bstep {step}\b", title) else f" at step {step}"
         out.append(Finding(
             "alert", (rank,),
-            f"rank {rank}: {title}" + (f" at step {step}" if step is not None else "")
+            f"{who}{title}{at}"
             + f" (rule {a.get('rule')}; not delivered: rank {rank} is not the alerting rank)",
             step, rs.host if rs else None, str(a.get("level") or "error")))
     return out

@@ -37,7 +37,7 @@ INCIDENTS = "incidents.jsonl"
 # is then taken over)
 CLAIM_TTL = 120.0
 _OTHERS_KEPT = 10_000  # others' lines kept between two `take_others`
-_MAX_READ = 4 << 20  # bytes of an alerts or incidents file read per pass (the rest next pass)
+_MAX_READ = 4 << 20  # bytes of an alerts or incidents file read at once (a pass reads them all)
 
 
 class _LineTail:
@@ -85,18 +85,21 @@ class _LineTail:
             st = os.fstat(fh.fileno())
             if st.st_ino != self.ino or st.st_size < self.offset:
                 self.ino, self.offset = st.st_ino, 0  # new or truncated: from the start
-            if st.st_size == self.offset:
-                return
-            fh.seek(self.offset)
-            data = fh.read(min(st.st_size - self.offset, _MAX_READ))
-        end = data.rfind(b"\n") + 1
-        self.offset += end
-        for _, line in records.iter_lines(data[:end]):
-            try:
-                rec = records.loads(line)
-            except ValueError:
-                continue
-            yield bytes(line), rec
+            # to the size seen now, _MAX_READ at a time: a reader of one pass (`watch
+            # --once`, `summary`, MCP) sees the whole file, in bounded memory
+            while self.offset < st.st_size:
+                fh.seek(self.offset)
+                data = fh.read(min(st.st_size - self.offset, _MAX_READ))
+                end = data.rfind(b"\n") + 1
+                if not end:
+                    return  # a line mid-append (or longer than _MAX_READ: not ours)
+                self.offset += end
+                for _, line in records.iter_lines(data[:end]):
+                    try:
+                        rec = records.loads(line)
+                    except ValueError:
+                        continue
+                    yield bytes(line), rec
 
 
 def refusal(path: Path, exc: OSError) -> str:

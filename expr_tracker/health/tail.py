@@ -29,7 +29,7 @@ from expr_tracker.store import records
 from expr_tracker.store.cursor import read_sidecar
 from expr_tracker.store.records import is_sample
 from expr_tracker.store.safedir import open_read, open_regular_stat, read_all
-from expr_tracker.store.window import WINDOW_BLOCK, Short, TailBytes
+from expr_tracker.store.window import WINDOW_BLOCK, Short, TailBytes, before_nuls
 
 if TYPE_CHECKING:
     from expr_tracker.stats.scan import ShardScan
@@ -316,7 +316,13 @@ class ShardTail:
             start = max(0, pos - block)
             fh.seek(start)
             data = fh.read(pos - start)
-            if start > 0:
+            nul = data.rfind(b"\0")
+            if nul == len(data) - 1:  # a crash's NUL run ends the line before: jump it
+                pos = before_nuls(fh, pos)
+                continue
+            if nul >= 0:  # the lines after the NULs are whole (those before: next block)
+                data, start = data[nul + 1:], start + nul + 1
+            elif start > 0:
                 cut = data.find(b"\n") + 1  # the block's first line may be cut
                 if cut == 0 or cut >= len(data):
                     block *= 2  # not one whole line in the block: a longer block

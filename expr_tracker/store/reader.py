@@ -10,6 +10,7 @@ from typing import Any
 
 from expr_tracker.store import records
 from expr_tracker.store.safedir import open_read
+from expr_tracker.store.window import before_nuls
 
 _READ_BLOCK = 256 * 1024
 
@@ -79,10 +80,17 @@ class ShardReader:
                 start = max(0, end - block)
                 fh.seek(start)
                 data = fh.read(end - start) + carry
-                lines = data.split(b"\n")
-                # lines[0] may be the end of a line that started in an earlier block
-                carry = lines[0] if start > 0 else b""
-                body = lines[1:] if start > 0 else lines
+                nul = data.rfind(b"\0")
+                if nul >= 0:
+                    # a crash's NUL run ends the line before it, as a newline does: the
+                    # lines after it are whole, and the run is jumped, holes and all
+                    body, carry = data[nul + 1:].split(b"\n"), b""
+                    start = before_nuls(fh, start + nul + 1)
+                else:
+                    lines = data.split(b"\n")
+                    # lines[0] may be the end of a line that started in an earlier block
+                    carry = lines[0] if start > 0 else b""
+                    body = lines[1:] if start > 0 else lines
                 for line in reversed(body):
                     if line.strip():
                         rec = self._parse(line)

@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
-from expr_tracker.store.window import end_of_data
+from expr_tracker.store.window import before_nuls, end_of_data
 
 # a sanity bound on world sizes (DESIGN 14): far above any job (16,384 ranks and more are
 # supported), low enough that a corrupt value cannot make a reader list a billion ranks
@@ -260,9 +260,10 @@ def complete_blocks(fh: BinaryIO, size: int, start: int = 0) -> Iterator[tuple[i
     """(offset, data) chunks of an open file from `start`, each ending at a newline.
 
     About `size` bytes at a time; an unterminated last line (a writer mid-append, or a
-    torn tail) is never yielded. A run of NUL bytes where a line should start (what a
-    node crash leaves at a shard's end, often gigabytes of a sparse hole) is skipped
-    without holding it (holes jumped over with SEEK_DATA), with a warning (`nul_skipped`).
+    torn tail) is never yielded. A run of NUL bytes (what a node crash leaves in a
+    shard, often gigabytes of a sparse hole) ends a line as a newline does: it is skipped
+    without holding it (holes jumped over with SEEK_DATA), with a warning (`nul_skipped`),
+    and so is the line it cut, if any (a crash mid-append: no newline will end it).
     """
     fh.seek(start)
     pos, carry = start, b""
@@ -271,19 +272,24 @@ def complete_blocks(fh: BinaryIO, size: int, start: int = 0) -> Iterator[tuple[i
         if not block:
             return
         data = carry + block if carry else block
-        if data[:1] == b"\0":
-            kept = data.lstrip(b"\0")
-            skipped = len(data) - len(kept)
-            nul_start, pos, data = pos, pos + skipped, kept
-            if not data:
+        carry = b""
+        nul = data.find(b"\0")
+        while nul >= 0:
+            end = data.rfind(b"\n", 0, nul) + 1
+            if end:
+                yield pos, data[:end]
+            # data[end:nul] is a line the NULs cut: never ended, dropped
+            kept = data[nul:].lstrip(b"\0")
+            nul_start, pos, data = pos + nul, pos + len(data) - len(kept), kept
+            if not data:  # the run goes on past this block: jump to the next data
                 nxt = _next_data(fh, pos)
                 nul_skipped(fh, nul_start, (fh.seek(0, 2) if nxt is None else nxt) - nul_start)
                 if nxt is None:
                     return
                 fh.seek(pos := nxt)
-                carry = b""
-                continue
-            nul_skipped(fh, nul_start, skipped)
+                break
+            nul_skipped(fh, nul_start, pos - nul_start)
+            nul = data.find(b"\0")
         end = data.rfind(b"\n") + 1
         if end:
             yield pos, data[:end]
@@ -326,27 +332,27 @@ def complete_end(fh: BinaryIO, size: int = 256 * 1024) -> int:
     """The offset just past the last newline of an open file (0 if it has none).
 
     A NUL tail is not searched byte by byte: holes are stepped over with SEEK_HOLE and
-    written NUL blocks skipped as they are read (a warning names the file)."""
-    end = fh.seek(0, 2)
-    last_data = end_of_data(fh, end)
-    if last_data < end:
-        nul_skipped(fh, last_data, end - last_data)
-        end = last_data
-    nul_end = end
+    written NUL blocks skipped as they are read (a warning names the file); a line that
+    NULs cut off (a crash mid-append, then lines after) has no end and is passed over."""
+    size_all = fh.seek(0, 2)
+    end = end_of_data(fh, size_all)
+    if end < size_all:
+        nul_skipped(fh, end, size_all - end)
     grow = max(size, MAX_BACK_BLOCK)
     while end > 0:
         start = max(0, end - size)
         fh.seek(start)
         block = fh.read(end - start)
         nl = block.rfind(b"\n")
-        if nl >= 0:
-            if nul_end > start + nl + 1 and not block[nl + 1:].strip(b"\0"):
-                nul_skipped(fh, start + nl + 1, nul_end - start - nl - 1)
+        nul = block.rfind(b"\0")
+        if nl > nul:
             return start + nl + 1
-        if block.strip(b"\0"):
-            nul_end = -1  # a line, not NULs: the bytes after it are no NUL run
+        if nul >= 0:  # the bytes after the NULs never ended: what precedes the NULs may
+            end = before_nuls(fh, start + nul + 1)
+            nul_skipped(fh, end, start + nul + 1 - end)
+            continue
         end = start
-        size = min(2 * size, grow)  # a long line or NUL run: larger reads, bounded
+        size = min(2 * size, grow)  # a long line: larger reads, bounded
     return 0
 
 

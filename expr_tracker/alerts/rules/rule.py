@@ -29,6 +29,24 @@ DEFAULT_COOLDOWN = 60.0
 _KEYS = ("name", "condition", "level", "message", "mode", "for_steps", "cooldown", "max_fires",
          "notify_recovery", "channels")
 _MAX_NAME = 120
+# a message's fields: `{name}` or `{name:spec}` (filled by `state.RuleSet` when it fires)
+PLACEHOLDER = re.compile(r"\{([A-Za-z_@][\w.@/\-]*)(?::([^{}]*))?\}")
+# The format mini-language without nested fields: fill/align, sign, width, grouping,
+# precision, type. Widths and precisions are capped so a message cannot be made huge.
+SAFE_SPEC = re.compile(r"(?:[^{}]?[<>=^])?[+\- ]?z?#?0?\d{0,3}[,_]?(?:\.\d{1,3})?[bcdeEfFgGnosxX%]?")
+CONTEXT_KEYS = frozenset(("run", "project", "rank", "stream"))
+_FIELDS = ("step", "value", "expr", *sorted(CONTEXT_KEYS))
+
+
+def _check_message(message: str, label: str) -> None:
+    """RuleError naming a field of `message` that can never be filled: a reserved name
+    (`{_rank}` was printed as written). (A metric key may be any other name, and a spec
+    outside the safe subset prints the value plainly.)"""
+    for m in PLACEHOLDER.finditer(message):
+        key = m.group(1)
+        if key.startswith("_"):
+            raise RuleError(f"rule {label!r}: unknown field {m.group(0)} in the message; fields "
+                            f"are {', '.join(_FIELDS)} and metric keys{_suggest(key[1:], _FIELDS)}")
 _DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhd]?)\s*")
 
 
@@ -196,6 +214,8 @@ def parse_rule(spec: str | Mapping[str, Any], *, index: int = 0) -> Rule:
         raise RuleError(f"a rule must be text or a dict, got {type(spec).__name__}")
     normal = " ".join(condition.split())
     name = opts.pop("name", None) or (normal if len(normal) <= _MAX_NAME else f"rule{index}")
+    if message:
+        _check_message(message, name)
     nodes = walk(tree)
     functions = tuple(sorted({n.name for n in nodes if isinstance(n, Call)}))
     return Rule(

@@ -17,7 +17,7 @@ from typing import Any
 
 from expr_tracker.alerts.rules.compile import Compiled, Env, Fn
 from expr_tracker.alerts.rules.metric import MetricState, Update
-from expr_tracker.alerts.rules.rule import Rule, parse_rule
+from expr_tracker.alerts.rules.rule import CONTEXT_KEYS, PLACEHOLDER, SAFE_SPEC, Rule, parse_rule
 from expr_tracker.errors import RuleError
 
 
@@ -35,11 +35,6 @@ class Firing:
     condition: str
 
 
-_PLACEHOLDER = re.compile(r"\{([A-Za-z_@][\w.@/\-]*)(?::([^{}]*))?\}")
-# The format mini-language without nested fields: fill/align, sign, width, grouping,
-# precision, type. Widths and precisions are capped so a message cannot be made huge.
-_SAFE_SPEC = re.compile(r"(?:[^{}]?[<>=^])?[+\- ]?z?#?0?\d{0,3}[,_]?(?:\.\d{1,3})?[bcdeEfFgGnosxX%]?")
-_CONTEXT_KEYS = frozenset(("run", "project", "rank", "stream"))
 
 
 class _Live:
@@ -261,7 +256,7 @@ class RuleSet:
                 value: Any = self._ctx.step
             elif key == "value":
                 value = live.compiled.primary_value()
-            elif key in _CONTEXT_KEYS:
+            elif key in CONTEXT_KEYS:
                 if key not in self._context:
                     return m.group(0)
                 value = self._context[key]
@@ -273,14 +268,14 @@ class RuleSet:
                 return "?"
             if not spec:
                 return str(value)
-            if _SAFE_SPEC.fullmatch(spec):
+            if SAFE_SPEC.fullmatch(spec):
                 try:
                     return format(value, spec)
                 except (ValueError, TypeError, OverflowError):
                     pass
             return str(value)
 
-        return _PLACEHOLDER.sub(sub, template)
+        return PLACEHOLDER.sub(sub, template)
 
     def info(self) -> list[dict[str, Any]]:
         """Per rule: name, level, fires, firing, enabled and metrics never seen in a row."""
