@@ -40,9 +40,9 @@ PAST = 20  # resolved incidents listed
 # seconds a run's top frame is kept while its files do not change: the time-based detectors
 # (hang, stall) see the silence grow between calls (a page's TOP_TTL is 10 s)
 FRAME_TTL = 1.0
-_BAD = {"crashed": 0, "stall": 1, "hang": 1, "missing": 2, "straggler": 3, "slowdown": 3,
+_BAD = {"crashed": 0, "lost": 0, "stall": 1, "silent": 1, "hang": 1, "missing": 2, "straggler": 3, "slowdown": 3,
         "behind": 4, "alert": 4}
-_STATUS = {"crashed": 0, "stale": 1, "running": 2, "finished": 3}
+_STATUS = {"crashed": 0, "lost": 0, "stale": 1, "silent": 1, "running": 2, "finished": 3}
 
 
 class BadArgument(ValueError):
