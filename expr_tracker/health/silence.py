@@ -61,7 +61,7 @@ def job_silence(state: RunState, threshold: float, now: float) -> dict[str, Any]
     text = compact(ranks)
     if len(text) > RANKS_TEXT:
         text = text[:RANKS_TEXT].rpartition(",")[0] + ",..."
-    stamp = time.strftime("%H:%M:%S UTC", time.gmtime(newest))
+    stamp = time.strftime("%H:%M:%S UTC", time.gmtime(newest + state.fs_offset))
     detail = (f"every rank silent since {stamp} ({fmt_quiet(quiet)}): the job ended without "
               f"finishing; {len(ranks):,} ranks ({text}) on {nodes}: no rows, no probes"
               + (", no exprd" if spooled else ""))
