@@ -173,3 +173,49 @@ def test_the_silence_is_dated_by_the_filesystems_clock(tmp_path: Path, ahead: in
     line = json.loads(out.splitlines()[0])
     stamp = time.strftime("%H:%M:%S UTC", time.gmtime(newest))
     assert line["detail"].startswith(f"every rank silent since {stamp} (20m)"), line["detail"]
+
+
+def _probing(run: Path, world: int, waits: dict[int, tuple[str, str]]) -> None:
+    """Every rank's sidecar rewritten just now with a probe: rank -> (waiting, frame);
+    its rows as old as they were (a checkpoint save or an eval that logs no rows)."""
+    for r in range(world):
+        meta = run / f"{_stem(r)}.meta.json"
+        side = json.loads(meta.read_text())
+        waiting, frame = waits.get(r, waits.get(-1, ("io", "")))
+        side["probe"] = {"since": time.time() - 590, "time": time.time() - 1,
+                         "where": [frame], "spans": [], "waiting": waiting}
+        meta.write_text(json.dumps(side))
+
+
+SAVE = "torch/serialization.py:652 save"
+ALL_REDUCE = "torch/distributed/distributed_c10d.py:2050 all_reduce"
+
+
+def test_every_rank_alive_in_io_for_10_minutes_is_no_silence_and_blames_no_rank(
+        tmp_path: Path) -> None:
+    """A checkpoint save: every rank's probe fresh, in I/O, no rows for 10 minutes. Not a
+    job-wide silence (they show life), and not a stall naming rank 0 for writing last
+    longest ago (an innocent): a warning that every rank waits in I/O, naming none."""
+    from expr_tracker.health.watch import Watcher
+
+    run = write_run(tmp_path / "proj" / "ckpt", 16, 30)
+    _age(run, 600.0)
+    _probing(run, 16, {-1: ("io", SAVE)})
+    got = Watcher(run, owner=False).check()
+    assert [i.kind for i in got] == ["stall"], [i.detail for i in got]
+    assert got[0].level == "warning" and got[0].ranks == tuple(range(16)), got[0]
+    assert "every rank in I/O (save), alive" in got[0].detail, got[0].detail
+    assert "longest ago" not in got[0].detail
+
+
+def test_one_rank_evaluating_while_the_others_wait_is_named_not_silent(tmp_path: Path) -> None:
+    """An eval on rank 0 with no rows while the others wait in a collective: rank 0 is
+    the stall's suspect (not in a collective), at error level; no job-wide silence."""
+    from expr_tracker.health.watch import Watcher
+
+    run = write_run(tmp_path / "proj" / "eval", 16, 30)
+    _age(run, 600.0)
+    _probing(run, 16, {0: (None, "train.py:88 evaluate"), -1: ("collective", ALL_REDUCE)})
+    got = Watcher(run, owner=False).check()
+    assert [i.kind for i in got] == ["stall"], [i.detail for i in got]
+    assert got[0].ranks == (0,) and got[0].level == "error", got[0]
