@@ -68,7 +68,8 @@ def _mcp(root: Path, tool: str, **args: Any) -> Any:
     from tests.mcpclient import McpClient
     from tests.procs import env_for
 
-    c = McpClient(["--dir", str(root)], env_for())
+    # the server imports this tree, as `expr` above does
+    c = McpClient(["--dir", str(root)], env_for({"PYTHONPATH": os.pathsep.join(sys.path)}))
     try:
         got = c.call(tool, timeout=120, **args)
     finally:
@@ -219,3 +220,35 @@ def test_one_rank_evaluating_while_the_others_wait_is_named_not_silent(tmp_path:
     got = Watcher(run, owner=False).check()
     assert [i.kind for i in got] == ["stall"], [i.detail for i in got]
     assert got[0].ranks == (0,) and got[0].level == "error", got[0]
+
+
+def _finish(run: Path, ranks: range) -> None:
+    """`ranks` finished AGE seconds ago (their sidecars say so)."""
+    old = time.time() - AGE
+    for r in ranks:
+        meta = run / f"{_stem(r)}.meta.json"
+        side = json.loads(meta.read_text())
+        side.update(status="finished", end_time=old)
+        meta.write_text(json.dumps(side))
+        os.utime(meta, (old, old))
+
+
+@pytest.mark.parametrize(("world", "done"), [(32, range(16)), (16, range(8))])
+def test_half_the_nodes_finished_and_the_others_were_killed(tmp_path: Path, world: int,
+                                                            done: range) -> None:
+    """The killed half is one silence that says the other half finished, not "every rank
+    silent"; and when the killed half is one node, still said (nothing was, before: no
+    peer waits for it, so no lost node, and a stall needs every rank running)."""
+    from expr_tracker.health.watch import Watcher
+
+    run = _killed(tmp_path, world)
+    _finish(run, done)
+    got = Watcher(run, owner=False).check()
+    assert [i.kind for i in got] == ["silent"], [i.detail for i in got]
+    killed = tuple(r for r in range(world) if r not in done)
+    assert got[0].ranks == killed
+    detail = got[0].detail
+    assert detail.startswith("every unfinished rank silent since "), detail
+    assert f"{len(done)} ranks ({done[0]}-{done[-1]}) finished" in detail, detail
+    nodes = (world - len(done)) // 8
+    assert f"{len(killed)} ranks ({killed[0]}-{killed[-1]}) on {nodes} node" in detail, detail

@@ -2,7 +2,9 @@
 
 The scheduler killed the job, a preemption, the end of a time limit: every rank stops at
 once, without a finish. No rank wrote (rows, sidecar, probe) for `threshold` seconds, on
-two nodes or more, and in spool mode no node's exprd lives either (a live exprd with
+two nodes or more (counting the nodes of ranks that finished: the half of a job killed
+after the other half finished is said too, though no peer waits for it and a stall needs
+every rank running), and in spool mode no node's exprd lives either (a live exprd with
 silent ranks is the ranks' own silence: a stall names them). That is one incident,
 "every rank silent since T: the job ended without finishing", naming its nodes by count
 and range; not a lost node per node (no peer waits for them: a node is lost only while
@@ -19,10 +21,15 @@ from typing import Any
 
 from expr_tracker.health.clock import safe_host
 from expr_tracker.health.stall import fmt_quiet
-from expr_tracker.health.state import RunState
+from expr_tracker.health.state import RankState, RunState
 from expr_tracker.ranks import compact
 
 RANKS_TEXT = 60  # characters of the silent ranks' ranges in the detail before they are cut
+
+
+def _host(rs: RankState) -> str | None:
+    """A rank's node: its sidecar's host, else rank // local_world_size."""
+    return rs.host or (f"node{rs.rank // rs.local_world_size}" if rs.local_world_size else None)
 
 
 def job_silence(state: RunState, threshold: float, now: float) -> dict[str, Any] | None:
@@ -40,14 +47,15 @@ def job_silence(state: RunState, threshold: float, now: float) -> dict[str, Any]
         if w is None or now - w < threshold:
             return None  # a rank never seen written, or one that still writes
         newest = max(newest, w)
-        host = rs.host or (f"node{rs.rank // rs.local_world_size}" if rs.local_world_size
-                           else None)
+        host = _host(rs)
         if host is None:
             return None  # its node is not known: no count of nodes to give
         hosts.add(host)
         if rs.spooled:
             spooled.add(host)
-    if len(hosts) < 2:
+    finished = [r for r, rs in state.ranks.items() if rs.status == "finished"]
+    done_on = {h for r in finished if (h := _host(state.ranks[r])) is not None}
+    if len(hosts | done_on) < 2:
         return None  # one node: a stall or a hang says it, as before
     beats = state.heartbeats
     if any((b := beats.get(safe_host(h))) is not None and now - b < threshold for h in spooled):
@@ -57,14 +65,20 @@ def job_silence(state: RunState, threshold: float, now: float) -> dict[str, Any]
     quiet = now - newest
     order = sorted(hosts)
     nodes = (f"{len(order):,} nodes ({order[0]} ... {order[-1]})" if len(order) > 2
-             else f"2 nodes ({order[0]}, {order[1]})")
+             else f"{len(order)} node{'s' if len(order) > 1 else ''} ({', '.join(order)})")
     text = compact(ranks)
     if len(text) > RANKS_TEXT:
         text = text[:RANKS_TEXT].rpartition(",")[0] + ",..."
     stamp = time.strftime("%H:%M:%S UTC", time.gmtime(newest + state.fs_offset))
-    detail = (f"every rank silent since {stamp} ({fmt_quiet(quiet)}): the job ended without "
+    every = "every unfinished rank" if finished else "every rank"
+    detail = (f"{every} silent since {stamp} ({fmt_quiet(quiet)}): the job ended without "
               f"finishing; {len(ranks):,} ranks ({text}) on {nodes}: no rows, no probes"
               + (", no exprd" if spooled else ""))
+    if finished:
+        done = compact(finished)
+        if len(done) > RANKS_TEXT:
+            done = done[:RANKS_TEXT].rpartition(",")[0] + ",..."
+        detail += f"; {len(finished):,} ranks ({done}) finished"
     if crashed:  # told, not blamed: the crash is its own incident (the root)
         detail += f"; rank{'s' if len(crashed) != 1 else ''} {compact(crashed)} crashed"
     return {"ranks": tuple(ranks), "hosts": tuple(order), "since": newest, "quiet": quiet,
