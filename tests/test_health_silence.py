@@ -252,3 +252,21 @@ def test_half_the_nodes_finished_and_the_others_were_killed(tmp_path: Path, worl
     assert f"{len(done)} ranks ({done[0]}-{done[-1]}) finished" in detail, detail
     nodes = (world - len(done)) // 8
     assert f"{len(killed)} ranks ({killed[0]}-{killed[-1]}) on {nodes} node" in detail, detail
+
+
+def test_ranks_with_no_host_are_placed_by_their_local_rank(tmp_path: Path) -> None:
+    """Sidecars without a host (nor local_world_size): torchrun places ranks on nodes in
+    order, so a local rank 0 starts a node; a killed job of 2 nodes is still one silence
+    (it was a stall blaming rank 0 for writing last longest ago)."""
+    from expr_tracker.health.watch import Watcher
+
+    run = _killed(tmp_path)
+    for r in range(16):
+        meta = run / f"{_stem(r)}.meta.json"
+        side = json.loads(meta.read_text())
+        del side["host"]
+        meta.write_text(json.dumps(side))
+    _age(run, AGE)
+    got = Watcher(run, owner=False).check()
+    assert [i.kind for i in got] == ["silent"], [i.detail for i in got]
+    assert "16 ranks (0-15) on 2 nodes (node0, node1)" in got[0].detail, got[0].detail

@@ -28,8 +28,24 @@ RANKS_TEXT = 60  # characters of the silent ranks' ranges in the detail before t
 
 
 def _host(rs: RankState) -> str | None:
-    """A rank's node: its sidecar's host, else rank // local_world_size."""
-    return rs.host or (f"node{rs.rank // rs.local_world_size}" if rs.local_world_size else None)
+    """A rank's node: its sidecar's host, else rank // local_world_size, else (a sidecar
+    naming only its local rank) the first rank of its node, as `_START` + that rank:
+    torchrun places a node's ranks in order, so a local rank 0 starts a node."""
+    if rs.host:
+        return rs.host
+    if rs.local_world_size:
+        return f"node{rs.rank // rs.local_world_size}"
+    return f"{_START}{rs.rank - rs.local_rank:012d}" if rs.local_rank is not None else None
+
+
+_START = "\0start:"  # (no host name starts so: it cannot be in a file name)
+
+
+def _named(hosts: set[str]) -> list[str]:
+    """The nodes sorted, those known by their first rank named node0, node1, ... in order."""
+    starts = sorted(h for h in hosts if h.startswith(_START))
+    return sorted([*(h for h in hosts if not h.startswith(_START)),
+                   *(f"node{i}" for i in range(len(starts)))])
 
 
 def job_silence(state: RunState, threshold: float, now: float) -> dict[str, Any] | None:
@@ -63,7 +79,7 @@ def job_silence(state: RunState, threshold: float, now: float) -> dict[str, Any]
     ranks = [rs.rank for rs in live]
     crashed = [r for r, rs in state.ranks.items() if rs.status == "crashed"]
     quiet = now - newest
-    order = sorted(hosts)
+    order = _named(hosts)
     nodes = (f"{len(order):,} nodes ({order[0]} ... {order[-1]})" if len(order) > 2
              else f"{len(order)} node{'s' if len(order) > 1 else ''} ({', '.join(order)})")
     text = compact(ranks)
