@@ -270,3 +270,20 @@ def test_ranks_with_no_host_are_placed_by_their_local_rank(tmp_path: Path) -> No
     got = Watcher(run, owner=False).check()
     assert [i.kind for i in got] == ["silent"], [i.detail for i in got]
     assert "16 ranks (0-15) on 2 nodes (node0, node1)" in got[0].detail, got[0].detail
+
+
+def test_a_killed_job_at_80_columns_in_top_and_watch(tmp_path: Path) -> None:
+    """`expr top` at 80 columns keeps the crash root on the job's line (it was cut after
+    "the job ended without finishing; ra…") and counts the silent ranks as not live
+    ("64 ranks, 63 live" said the header); `expr watch` prints the whole incident."""
+    run = write_run(tmp_path / "proj" / "killed", 64, 30, crashed=17)
+    _age(run, AGE)
+    watch = expr(tmp_path, "watch", "--once", "proj/killed", code=1)
+    assert "63 ranks (0-16,18-63) on 8 nodes (gpu-0000 ... gpu-0007): no rows, no probes; " \
+           "rank 17 crashed" in watch.replace("\n", " "), watch
+    frame = expr(tmp_path, "top", "--once", "proj/killed").splitlines()
+    assert all(len(line) <= 80 for line in frame), "\n".join(frame)
+    assert "64 ranks, 0 live" in frame[0], frame[0]
+    assert frame[1].startswith("every rank silent since "), frame[1]
+    assert frame[1].endswith("the job ended without finishing"), frame[1]
+    assert frame[2] == "rank 17 crashed first (RuntimeError: NCCL timeout)", frame[2]
