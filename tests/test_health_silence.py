@@ -157,7 +157,11 @@ def test_a_silence_of_16384_ranks_is_read_back_in_bounded_size(tmp_path: Path) -
     assert got[0]["rank_count"] == len(line["ranks"]) and got[0]["ranks_cut"] is True
     assert len(expr(root, "runs", "--json")) < 30_000
     assert len(expr(root, "top", "--once", "--json", "proj/killed")) < 30_000
-    assert _mcp(root, "list_runs").bytes < 30_000
+    listed = _mcp(root, "list_runs")  # (one run: not over the answer's cap, so not cut)
+    assert listed.bytes < 30_000 and not listed.json["cut"], listed.json
+    opened = listed.json["runs"][0]["open_incidents"]
+    assert opened[0]["rank_count"] == len(line["ranks"]), opened
+    assert len(opened[0]["ranks"]) <= 130 and opened[0]["ranks"].endswith(",..."), opened
 
 
 @pytest.mark.parametrize("ahead", [3600, -3600])
