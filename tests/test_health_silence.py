@@ -291,3 +291,24 @@ def test_a_killed_job_at_80_columns_in_top_and_watch(tmp_path: Path) -> None:
     assert frame[1].startswith("every rank silent since "), frame[1]
     assert frame[1].endswith("the job ended without finishing"), frame[1]
     assert frame[2] == "rank 17 crashed first (RuntimeError: NCCL timeout)", frame[2]
+
+
+@pytest.mark.parametrize(("hosts", "kind"), [(("n0", "n0", "n1", "n1"), "silent"),
+                                             (("n0", "n0", "n0", "n0"), "stall")])
+def test_two_nodes_of_two_ranks_is_the_smallest_silence(tmp_path: Path, hosts: tuple[str, ...],
+                                                        kind: str) -> None:
+    """2 nodes of 2 ranks killed: one silence; the same 4 ranks on 1 node: a stall (one
+    node cannot tell a killed job from a stuck one), never `silent`."""
+    from expr_tracker.health.watch import Watcher
+
+    run = write_run(tmp_path / "proj" / "small", 4, 30)
+    for r, host in enumerate(hosts):
+        meta = run / f"{_stem(r)}.meta.json"
+        side = json.loads(meta.read_text())
+        side.update(host=host, local_rank=r % 2, local_world_size=hosts.count(host))
+        meta.write_text(json.dumps(side))
+    _age(run, AGE)
+    got = Watcher(run, owner=False).check()
+    assert [i.kind for i in got] == [kind], [i.detail for i in got]
+    if kind == "silent":
+        assert "4 ranks (0-3) on 2 nodes (n0, n1)" in got[0].detail, got[0].detail
