@@ -63,7 +63,9 @@ def _inspect_run(found: list[ShardRef], run_path: Any) -> list[dict[str, Any]]:
     rows = [row(s) for s in found]  # (threads cost more than the few reads left)
     from expr_tracker.health.watch import open_incidents
 
-    lost = {r for i in open_incidents(run_path) if i.kind == "lost" for r in i.ranks}
+    incs = open_incidents(run_path)
+    lost = {r for i in incs if i.kind == "lost" for r in i.ranks}
+    silent = {r for i in incs if i.kind == "silent" for r in i.ranks}  # the job was killed
     for stream, state in states.items():
         mine = [r for r in rows if r["stream"] == stream]
         world = max([state.world_size or 0, *(r["rank"] + 1 for r in mine)])
@@ -77,6 +79,8 @@ def _inspect_run(found: list[ShardRef], run_path: Any) -> list[dict[str, Any]]:
                 row["status"] = "stale"  # the writer is gone without a finish
             if row["status"] == "running" and stream is None and row["rank"] in lost:
                 row["status"] = "lost"  # its node is (incidents.jsonl)
+            elif row["status"] == "running" and stream is None and row["rank"] in silent:
+                row["status"] = "silent"  # as `expr top` says
 
             row["exit"] = rs.exit if rs is not None else None
             recs = state.rank_records.get(row["rank"])

@@ -253,7 +253,9 @@ def runs_data(root: Path) -> list[dict[str, Any]]:
 
 def _with_incidents(row: dict[str, Any], run_dir: Path) -> None:
     """The run's open incidents (incidents.jsonl, whoever recorded them): their count and
-    kinds, and a lost node's ranks read `lost` (its status too, unless a rank crashed)."""
+    kinds, and a lost node's ranks read `lost` (its status too, unless a rank crashed); a
+    job-wide silence makes a running run `silent` (as `expr top` says: the scheduler killed
+    it), its ranks counted, not listed (16,383 of them)."""
     from expr_tracker.health.watch import open_incidents
 
     incs = open_incidents(run_dir)
@@ -264,6 +266,9 @@ def _with_incidents(row: dict[str, Any], run_dir: Path) -> None:
     row["lost"] = lost
     if lost and row["status"] == "running":
         row["status"] = "lost"
+    row["silent"] = sum(len(i.ranks) for i in incs if i.kind == "silent")
+    if row["silent"] and row["status"] == "running":
+        row["status"] = "silent"
 
 
 def runs_json(rows: list[dict[str, Any]], waiting: list[dict[str, Any]]) -> list[dict[str, Any]]:

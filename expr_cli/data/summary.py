@@ -171,17 +171,24 @@ def _ranks_block(state: RunState | None, at: int | None, world: int) -> dict[str
         from expr_tracker.health.incidents import first_crash
 
         first = first_crash(state)
+    from expr_cli.data.top import brief
     from expr_tracker.health.watch import open_incidents
 
-    # every open incident of incidents.jsonl, whoever recorded it
-    incidents = [i.as_line() for i in open_incidents(state.run_dir)]
+    # every open incident of incidents.jsonl, whoever recorded it; a job-wide silence of
+    # 16,383 ranks as its count and ranges, not 16,383 numbers
+    opened = open_incidents(state.run_dir)
+    incidents = [brief(i.as_line()) for i in opened]
+    # the ranks of a job-wide silence are not live (the job was killed), as `expr top` says
+    silent = {r for i in opened if i.kind == "silent" for r in i.ranks
+              if (rs := state.ranks.get(r)) is not None and rs.live}
     dropped = {r: rs.dropped for r, rs in sorted(state.ranks.items()) if rs.dropped}
     from expr_tracker.health.nonfinite import nonfinite
 
     # where each key first went NaN or infinite (the sidecars' notes), whoever watched
     bad = [{k: n[k] for k in ("key", "rank", "step", "value", "detail")} | {"ranks": list(n["ranks"])}
            for n in nonfinite(state)[:16]]
-    return {"shards": len(state.ranks), "live": by["running"], "finished": by["finished"],
+    return {"shards": len(state.ranks), "live": by["running"] - len(silent),
+            "silent": len(silent), "finished": by["finished"],
             "crashed": crashed, "first_crash": first, "behind": behind, "no_shard": no_shard,
             "frontier": state.frontier, "incidents": incidents, "dropped": dropped,
             "nonfinite": bad}

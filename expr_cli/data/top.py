@@ -214,7 +214,9 @@ class TopView:
                                  -(r["behind"] or 0), r["steps_per_s"] or 0.0, r["rank"]))
         return {
             "run": self.ref.label, "frontier": state.frontier, "lead": state.lead,
-            "live": len(state.live), "world_size": state.world_size, "metric": self.metric,
+            # a lost node's or a job-wide silence's ranks are not live (as in their rows)
+            "live": sum(r["status"] == "running" for r in rows), "world_size": state.world_size,
+            "metric": self.metric,
             "job": job_line(state, findings, incidents, rows, wall),
             "ranks": rows, "nodes": _nodes(rows, state),
             "incidents": [i.as_line() for i in incidents],

@@ -25,7 +25,7 @@ from typing import Any
 from expr_cli.data import jsonable, now
 from expr_cli.data.runs import runs_data, runs_json
 from expr_cli.data.summary import summary_data
-from expr_cli.data.top import brief
+from expr_cli.data.top import RANKS_TEXT, brief
 from expr_cli.errors import CLIError
 from expr_cli.resolve import RunRef, compact_ranks, list_runs, near_runs, parse_metrics
 from expr_cli.web.api import RUNS_TTL
@@ -40,9 +40,9 @@ PAST = 20  # resolved incidents listed
 # seconds a run's top frame is kept while its files do not change: the time-based detectors
 # (hang, stall) see the silence grow between calls (a page's TOP_TTL is 10 s)
 FRAME_TTL = 1.0
-_BAD = {"crashed": 0, "stall": 1, "hang": 1, "missing": 2, "straggler": 3, "slowdown": 3,
+_BAD = {"crashed": 0, "lost": 0, "stall": 1, "silent": 1, "hang": 1, "missing": 2, "straggler": 3, "slowdown": 3,
         "behind": 4, "alert": 4}
-_STATUS = {"crashed": 0, "stale": 1, "running": 2, "finished": 3}
+_STATUS = {"crashed": 0, "lost": 0, "stale": 1, "silent": 1, "running": 2, "finished": 3}
 
 
 def _brief(told: dict[str, Any]) -> dict[str, Any] | None:
@@ -53,7 +53,7 @@ def _brief(told: dict[str, Any]) -> dict[str, Any] | None:
     return {"incidents": told["count"], "open": told["open"], "by_kind": told["by_kind"],
             "pages": told["pages"],
             "told": [{"kind": e["kind"], "state": e["state"], "step": e["step"],
-                      "ranks": compact_ranks(e["ranks"]), "detail": e["detail"],
+                      "ranks": _listed(e)["ranks"], "detail": e["detail"],
                       "paged": e["paged"], "recovery_paged": e["recovery_paged"],
                       **({"reason": e["reason"]} if e.get("reason") else {})}
                      for e in told["incidents"]]}
@@ -90,6 +90,18 @@ def steps_arg(text: str | None) -> tuple[int | None, int | None] | None:
         return parse_step_range(text)
     except CLIError as exc:
         raise BadArgument("steps", exc.message) from None
+
+
+def _listed(line: dict[str, Any]) -> dict[str, Any]:
+    """An open incident in `list_runs`: its ranks as ranges, cut as `brief` cuts them (a
+    silence of 10,923 ranks with gaps was 58 KB: the whole answer cut, no run listed)."""
+    ranks = line.get("ranks") or []
+    text = compact_ranks(ranks)
+    out = {"kind": line.get("kind"), "ranks": text, "step": line.get("step"),
+           "detail": line.get("detail")}
+    if len(text) > RANKS_TEXT:
+        out.update(ranks=text[:RANKS_TEXT].rpartition(",")[0] + ",...", rank_count=len(ranks))
+    return out
 
 
 class Answers:
@@ -221,9 +233,7 @@ class Answers:
                 for line in frame["incidents"]:
                     if line.get("state") == "open":
                         opened.setdefault(str(line.get("id")), line)
-            incidents = [{"kind": i.get("kind"), "ranks": compact_ranks(i.get("ranks") or []),
-                          "step": i.get("step"), "detail": i.get("detail")}
-                         for i in opened.values()]
+            incidents = [_listed(i) for i in opened.values()]
             ranks = row.pop("ranks")
             row.update(n_ranks=len(ranks), ranks=compact_ranks(ranks), job=job,
                        open_incidents=incidents, story=_brief(story(ref.path, limit=5)))

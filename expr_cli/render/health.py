@@ -147,7 +147,14 @@ def top_frame(view: Mapping[str, Any], height: int, agg: str = "worst",
     if job.get("text"):
         style = {"stalled": "bold red", "crashed": "bold red", "lost": "bold red", "silent": "bold red",
                  "finished": "green"}.get(job.get("state"), "")
-        parts.append(_line(Text(str(job["text"]), style=style)))
+        text = str(job["text"])
+        # too wide (80 columns): its clauses on two lines, so the second (a silence's crash
+        # root: "rank 17 crashed first (...)") is not the part cut
+        head_, sep, tail = text.partition("; ")
+        if sep and len(text) > (width or console().width) and height >= 12:
+            parts.extend(_line(Text(t, style=style)) for t in (head_, tail))
+        else:
+            parts.append(_line(Text(text, style=style)))
     # rows that never reached a shard (a full spool disk): a line per rank, a few at most
     lost = [r for r in view.get("ranks") or () if r.get("dropped")]
     for r in sorted(lost, key=lambda r: r["rank"])[:3]:

@@ -109,7 +109,11 @@ def _ranks_line(out: Console, ranks: Mapping[str, Any]) -> None:
         prose(out, Text(f"  non-finite: {bad['detail']}", style="bold red"))
     if not ranks or ranks.get("shards", 0) <= 1:
         return
-    text = Text(f"  {ranks['shards']:,} shards: {ranks['live']:,} live, {ranks['finished']:,} finished")
+    text = Text(f"  {ranks['shards']:,} shards: {ranks['live']:,} live, ")
+    if ranks.get("silent"):
+        text.append(f"{ranks['silent']:,} silent", style="red")
+        text.append(", ")
+    text.append(f"{ranks['finished']:,} finished")
     crashed = ranks.get("crashed") or []
     if crashed:
         text.append(f", {len(crashed):,} crashed (rank{'s' if len(crashed) != 1 else ''} "

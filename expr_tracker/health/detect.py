@@ -518,7 +518,8 @@ def detect(
     job: list[Finding] = []
     if stalled is not None:  # the suspects are named: no rank is a hang on its own
         job.append(Finding("stall", stalled["ranks"], stalled["detail"], stalled["step"],
-                           stalled["host"], LEVELS["stall"], group=False, info=stalled))
+                           stalled["host"], stalled.get("level", LEVELS["stall"]), group=False,
+                           info=stalled))
     job.extend(Finding("lost", node["ranks"], node["detail"], node["step"], node["host"],
                        LEVELS["lost"], group=False, info=node) for node in lost)
     if silent is not None:

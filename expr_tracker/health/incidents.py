@@ -329,13 +329,23 @@ def _still_stalled(inc: Incident, state: RunState | None) -> bool:
     return all((rs.advanced or 0.0) <= inc.first_seen for rs in state.live)
 
 
+def _still_quiet(inc: Incident, state: RunState | None) -> bool:
+    """No live rank wrote since the job-wide silence opened (a reader with other
+    thresholds keeps another's silence open until the job writes again)."""
+    if state is None or not state.live:
+        return False
+    return all((rs.wrote_at or 0.0) <= inc.first_seen for rs in state.live)
+
+
 def _stall(open_stalls: list[Incident], found: list[Finding], now: float, out: Plan,
-           state: RunState | None) -> None:
-    """One `stall` incident per stall: while the job stays stalled the same incident names
-    the suspects of each pass (a line of the same id when they change)."""
+           state: RunState | None, kind: str = "stall") -> None:
+    """One `stall` (or job-wide `silent`) incident per job: while it lasts the same
+    incident names the ranks of each pass (a line of the same id when they change: a rank
+    that crashed meanwhile leaves a silence, which says so, and is paged once)."""
     f = found[0] if found else None
+    still = _still_stalled if kind == "stall" else _still_quiet
     for i, inc in enumerate(open_stalls):
-        if f is None and i == 0 and _still_stalled(inc, state):
+        if f is None and i == 0 and still(inc, state):
             out.still_open.append(replace(inc, last_seen=now))
         elif f is None or i > 0:
             out.resolved.append(replace(inc, state="resolved", last_seen=now, delivered=False))
@@ -345,7 +355,7 @@ def _stall(open_stalls: list[Incident], found: list[Finding], now: float, out: P
         else:
             out.still_open.append(replace(inc, detail=f.detail, step=f.step, last_seen=now))
     if f is not None and not open_stalls:
-        inc = _merge("stall", [f], now)
+        inc = _merge(kind, [f], now)
         inc.evidence = (f.info or {}).get("rule") in EVIDENCE_RULES
         out.opened.append(inc)
 
@@ -402,11 +412,13 @@ def plan(open_incidents: Iterable[Incident], findings: Iterable[Finding], now: f
                                     reason=ENDED) for inc in incs if inc.kind != "crashed")
         return out
     _stall([i for i in incs if i.kind == "stall"], by_kind.pop("stall", []), now, out, state)
+    _stall([i for i in incs if i.kind == "silent"], by_kind.pop("silent", []), now, out, state,
+           "silent")
     _nonfinite([i for i in incs if i.kind == "nonfinite"], by_kind.pop("nonfinite", []), now, out)
     lost_found = {f.ranks: f for f in by_kind.get("lost", ())}
     taken: set[tuple[str, int]] = set()
     for inc in incs:
-        if inc.kind in ("crashed", "stall", "nonfinite"):
+        if inc.kind in ("crashed", "stall", "silent", "nonfinite"):
             continue
         firing = {r for f in by_kind.get(inc.kind, ()) for r in f.ranks}
         if firing & set(inc.ranks):

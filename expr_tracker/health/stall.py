@@ -144,6 +144,10 @@ def suspects(live: Sequence[RankState], left_over: Set[int] = frozenset(),
     if steps and min(steps) < max(steps):
         low = min(steps)
         return [rs for rs in live if rs.last_step == low], "lowest step"
+    if probed and len(probed) == len(live):
+        # every rank alive (its probe fresh) and busy outside a collective, at one step: a
+        # checkpoint save or an eval that logs no rows; the oldest write is no evidence
+        return [], "all busy"
     writes = [rs for rs in live if rs.last_write is not None]
     if not writes:
         return [], "unknown"
@@ -218,6 +222,8 @@ def stall(state: RunState, threshold: float, now: float, period: float | None = 
         return None
     if rule == "all wait":
         return _all_wait(state, live, quiet)
+    if rule == "all busy":
+        return _all_busy(state, live, quiet)
     if not named or (rule == "oldest write" and quiet < probe_horizon(period)):
         return None
     if rule == "no probe" and probes_seen is not None:
@@ -269,3 +275,28 @@ def _all_wait(state: RunState, live: Sequence[RankState], quiet: float) -> dict[
     return {"ranks": tuple(rs.rank for rs in live), "step": state.lead, "quiet": quiet,
             "detail": detail, "where": f"every rank waits in {fn}", "rule": "all wait",
             "host": next(iter(hosts)) if len(hosts) == 1 else None, "error": err}
+
+
+def _place(probe: dict[str, Any] | None) -> str:
+    """Where a probe says a rank is, briefly: "in I/O (save)", else as `where` says."""
+    waiting = (probe or {}).get("waiting")
+    frames = _frames(probe)
+    fn = _frame(frames[0])[1] if frames else None
+    if isinstance(waiting, str) and waiting in _WAITS:
+        return f"in {_WAITS[waiting]}" + (f" ({fn})" if fn else "")
+    return where(probe)
+
+
+def _all_busy(state: RunState, live: Sequence[RankState], quiet: float) -> dict[str, Any]:
+    """The pause when every rank is alive and busy outside a collective (a checkpoint save,
+    an eval with no rows): no rank named, and a warning, not an error (the ranks show life;
+    a save that takes `hang_after` is worth a look, not a page that a rank is stuck)."""
+    places = Counter(_place(rs.probe) for rs in live[:256])  # (a sample, as `_all_wait`)
+    place = places.most_common(1)[0][0] if places else "busy"
+    detail = (f"job paused at step {state.lead} for {fmt_quiet(quiet)}: every rank {place}, "
+              "alive (its probe fresh), none in a collective; none stands out (a checkpoint "
+              "save, or an eval that logs no rows?)")
+    hosts = {rs.host for rs in live}
+    return {"ranks": tuple(rs.rank for rs in live), "step": state.lead, "quiet": quiet,
+            "detail": detail, "where": f"every rank {place}", "rule": "all busy",
+            "host": next(iter(hosts)) if len(hosts) == 1 else None, "level": "warning"}

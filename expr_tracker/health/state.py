@@ -135,6 +135,9 @@ class RunState:
     # exprd heartbeats in the run directory: safe host name (`clock.safe_host`) -> when the
     # reader saw it touched last (the reader's clock)
     heartbeats: dict[str, float] = field(default_factory=dict)
+    # the filesystem's clock minus the reader's: a time printed for a person is the files'
+    # (what `ls -l` shows), not that of a login node whose clock is off
+    fs_offset: float = 0.0
 
     # computed once per pass: the detectors ask for them per rank
     @cached_property
@@ -586,6 +589,7 @@ class RunReader:
             changed=frozenset(changed),
             system=self._system.copy(),
             heartbeats=self._heartbeats(),
+            fs_offset=self.fs_offset,
         )
         sizes = [ws for ws, n in self._sizes.items() if n > 0]
         state.__dict__["world_size"] = max(sizes) if sizes else None  # (the cached property)

@@ -11,7 +11,8 @@ export function drawHeader(label, summary, top) {
   const frontier = ranks.frontier ?? (top && top.frontier) ?? (summary && summary.step);
   document.getElementById("frontier").textContent = frontier === null || frontier === undefined ? "" : `step ${frontier}`;
   const crashed = (ranks.crashed || []).length;
-  let status = crashed ? "crashed" : ranks.live ? "running" : (ranks.shards ? "finished" : "");
+  // a job-wide silence's ranks are not live (the summary counts them apart), nor finished
+  let status = crashed ? "crashed" : ranks.live ? "running" : ranks.silent ? "silent" : (ranks.shards ? "finished" : "");
   let text = "";
   const job = top && !top.reading ? top.job : null;
   if (job && job.state && job.state !== "reading") { status = job.state; text = job.text || ""; }
