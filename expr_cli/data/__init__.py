@@ -63,3 +63,27 @@ def jsonable_float(x: float) -> Any:
     if math.isfinite(x):
         return x
     return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
+
+
+RANKS_TEXT = 120  # characters of `ranks_text` before its ranges are cut
+
+
+def brief(line: dict[str, Any], limit: int = 100) -> dict[str, Any]:
+    """An incident line for a reader: past `limit` ranks (or hosts), the first `limit` of
+    them, their count (`rank_count`, `host_count`), `ranks_cut: true` and the ranges as
+    text (`ranks_text`); incidents.jsonl keeps them all. A job-wide silence names 16,383
+    ranks: a reader gets a line, not 16,383 numbers."""
+    from expr_cli.resolve import compact_ranks
+
+    ranks, hosts = line.get("ranks") or [], line.get("hosts") or []
+    if len(ranks) <= limit and len(hosts) <= limit:
+        return line
+    out = {**line, "rank_count": len(ranks), "host_count": len(hosts)}
+    if len(ranks) > limit:
+        text = compact_ranks(list(ranks))
+        if len(text) > RANKS_TEXT:
+            text = text[:RANKS_TEXT].rpartition(",")[0] + ",..."
+        out.update(ranks=list(ranks[:limit]), ranks_cut=True, ranks_text=text)
+    if len(hosts) > limit:
+        out.update(hosts=list(hosts[:limit]), hosts_cut=True)
+    return out

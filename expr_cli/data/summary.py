@@ -171,7 +171,7 @@ def _ranks_block(state: RunState | None, at: int | None, world: int) -> dict[str
         from expr_tracker.health.incidents import first_crash
 
         first = first_crash(state)
-    from expr_cli.data.top import brief
+    from expr_cli.data import brief
     from expr_tracker.health.watch import open_incidents
 
     # every open incident of incidents.jsonl, whoever recorded it; a job-wide silence of
