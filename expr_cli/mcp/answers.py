@@ -22,10 +22,9 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from expr_cli.data import jsonable, now
+from expr_cli.data import RANKS_TEXT, brief, jsonable, now
 from expr_cli.data.runs import runs_data, runs_json
 from expr_cli.data.summary import summary_data
-from expr_cli.data import RANKS_TEXT, brief
 from expr_cli.errors import CLIError
 from expr_cli.resolve import RunRef, compact_ranks, list_runs, near_runs, parse_metrics
 from expr_cli.web.api import RUNS_TTL
