@@ -191,9 +191,10 @@ class Run:
                 elif type(value) is not int:
                     break
             else:
-                lock = run._lock
-                lock.acquire()  # not `with`: its __exit__ call costs more than the rest here
-                try:
+                # `with`, not acquire() and try: a KeyboardInterrupt raised between those two
+                # (a signal is handled at the end of a call) would keep the lock taken, and
+                # every later log(), finish() and the exit path would wait on it for good
+                with run._lock:
                     append = run._append  # None while the hot path is closed (see `_reopen`)
                     if append is not None and data:
                         at = run._step
@@ -237,8 +238,6 @@ class Run:
                                 return
                     else:
                         append = None
-                finally:
-                    lock.release()
                 if append is not None:
                     # a flush's worth is buffered: write now unless a flush is running
                     writer.flush_nowait()

@@ -141,33 +141,29 @@ class QueuedWriter(ShardWriter):
                 return
             self._warn_now(cause, message)
 
-    def _ask(self, timeout: float = -1) -> int:
-        """Wake the writer; returns the ticket `_wait` waits for (0: the lock was not had
-        within `timeout`, as in a signal handler that interrupted its holder)."""
-        if not self._cond.acquire(timeout=timeout):
-            return 0
-        try:
+    # `_cond` is taken by `with` only: acquire() then try would leave it taken when a
+    # KeyboardInterrupt lands between the two (a signal is handled at the end of a call),
+    # and the writer would never take the queue again. Its holders never wait in it (the
+    # writer's file operations run outside it), and a signal handler on the thread that
+    # holds it takes it again (a Condition's RLock): so no timeout is needed to take it.
+    def _ask(self) -> int:
+        """Wake the writer; returns the ticket `_wait` waits for."""
+        with self._cond:
             self._asked += 1
             self._cond.notify()
             return self._asked
-        finally:
-            self._cond.release()
 
     def _wait(self, ticket: int, timeout: float, *, until_hung: bool = False) -> bool:
         """Wait until the writer answered `ticket`: False after `timeout` s, or (`until_hung`)
         as soon as a file operation has not returned for HUNG_AFTER s."""
         deadline = time.monotonic() + timeout
-        if not ticket or not self._cond.acquire(timeout=timeout):
-            return False
-        try:
+        with self._cond:
             while self._served < ticket:
                 now = time.monotonic()
                 if now >= deadline or not self.alive or (until_hung and self.hung(now)):
                     return False
                 self._cond.wait(min(deadline - now, 0.1))
             return True
-        finally:
-            self._cond.release()
 
     def hung(self, now: float | None = None) -> bool:
         """True while a file operation has not returned for HUNG_AFTER s."""
@@ -239,7 +235,7 @@ class QueuedWriter(ShardWriter):
     def flush_within(self, timeout: float) -> bool:
         if self._here():
             return super().flush_within(timeout)
-        return self._wait(self._ask(timeout), timeout) and not self._pending
+        return self._wait(self._ask(), timeout) and not self._pending
 
     def call(self, fn: Callable[[], Any], default: Any, *, wait: bool = True) -> Any:
         """`fn()` on the writer thread after what is queued now (a read of the run's own
@@ -294,17 +290,14 @@ class QueuedWriter(ShardWriter):
         timeout = CLOSE_WAIT if flush_timeout is None else flush_timeout
         self._jobs.append(lambda: self._close_now(status))
         self._stopping = True
-        done = self._wait(self._ask(timeout), timeout)
-        if done or not self._cond.acquire(timeout=1.0):
+        if self._wait(self._ask(), timeout):
             return
-        try:
+        with self._cond:
             if self._closed:
                 return
             self._left = self.unwritten()
             if self._left:
                 self.dropped["finish_timeout"] = self.dropped.get("finish_timeout", 0) + self._left
-        finally:
-            self._cond.release()
         if self._left:
             self._warn("finish_timeout", f"expr_tracker: finish() waited {timeout:g}s for the run "
                        f"root: {self._left} rows of {self.paths.shard} are not written (counted "
