@@ -6,7 +6,7 @@ blocks until the server answers. In direct mode that must never be the training 
 takes the queue about every second (`TICK`, as the background flush did), or as soon as
 a flush's worth is queued, and does every shard write, sidecar rewrite and append to the
 run's other files (alerts, spans). A full queue drops its oldest rows and counts them
-(`root_hung` while a file operation has not returned, else `buffer_full`): in
+(`root_hung` while a file operation has not returned for HUNG_AFTER s, else `buffer_full`): in
 `info()["dropped"]` at once, in the sidecar's `dropped` when the root answers again. Callers that need the rows on disk wait a
 bounded time: `flush` until they are written or the root is seen hung, `close` at most
 its timeout, after which the rows still in memory are counted (`finish_timeout`) and
@@ -204,9 +204,9 @@ class QueuedWriter(ShardWriter):
             cut = q.find(b"\n", over - 1) + 1 or len(q)
             rows = q.count(b"\n", 0, cut)
             del q[:cut]  # (from the front of a bytearray: no copy of the rest)
-        # a file operation that has not returned while a whole queue came in: the root
-        # hangs (a healthy one writes a flush's worth in milliseconds)
-        cause = "root_hung" if self.busy_since is not None else "buffer_full"
+        # the root hangs when a file operation has not returned for HUNG_AFTER s; one that
+        # is merely running (a healthy disk writing megabytes) means rows come too fast
+        cause = "root_hung" if self.hung() else "buffer_full"
         self.dropped[cause] = self.dropped.get(cause, 0) + rows
         was = self.queue_dropped.get(cause, (0, time.time()))
         self.queue_dropped[cause] = (was[0] + rows, was[1])
