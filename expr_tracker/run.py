@@ -548,8 +548,9 @@ class Run:
 
         _state.forget(self)
 
-    def _terminate(self) -> None:
-        """SIGTERM: save what can be saved, then let the process die.
+    def _terminate(self, status: str = "crashed") -> None:
+        """SIGTERM, or a KeyboardInterrupt that cut the exit path's finish() short: save
+        what can be saved (the shard closed with `status`), then let the process die.
 
         The handler runs on the main thread between two bytecodes, possibly inside
         log() or flush() with their locks held: so every lock is taken with a timeout,
@@ -564,7 +565,7 @@ class Run:
             finally:
                 self._lock.release()
         self._stop.set()
-        self._sink.writer.close("crashed", flush_timeout=1.0)
+        self._sink.writer.close(status, flush_timeout=1.0)
 
     def __enter__(self) -> Run:
         return self

@@ -78,3 +78,37 @@ def test_keyboard_interrupts_anywhere_in_log_never_hold_finish(tmp_path):
     assert steps == sorted(set(steps))
     side = json.loads((root / "p" / "r" / "metrics.meta.json").read_bytes())
     assert side["status"] == "finished"
+
+
+EXIT_CHILD = """
+import signal, sys
+import expr_tracker as et
+
+run = et.init("p", "r", dir={root!r})
+for i in range(20000):
+    et.log({{"x": float(i)}})
+
+def interrupt(signum, frame):
+    # the second Ctrl-C, once, inside the exit path's finish()
+    if frame is not None and "expr_tracker" in frame.f_code.co_filename:
+        signal.setitimer(signal.ITIMER_REAL, 0, 0)
+        raise KeyboardInterrupt
+
+signal.signal(signal.SIGALRM, interrupt)
+signal.setitimer(signal.ITIMER_REAL, 0.0005, 0.0005)
+# no finish(): the interpreter's exit finishes the run
+"""
+
+
+def test_an_interrupt_during_the_exit_finish_still_closes_the_shard(tmp_path):
+    """Ctrl-C pressed again while the exit path finishes the run (it may wait on the
+    root or a backend): the shard still ends with every row and a final status, within
+    about a second, not `running` with the queued rows lost."""
+    root = tmp_path / "runs"
+    proc = spawn(EXIT_CHILD.format(root=str(root)))
+    _, err = proc.communicate(timeout=40)
+    rows = _rows(root / "p" / "r" / "metrics.jsonl")
+    steps = [r["_step"] for r in rows if "_kind" not in r]
+    side = json.loads((root / "p" / "r" / "metrics.meta.json").read_bytes())
+    assert side["status"] == "finished", (side["status"], err[-2000:])
+    assert steps == list(range(20000)), len(steps)

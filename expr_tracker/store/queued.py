@@ -287,6 +287,8 @@ class QueuedWriter(ShardWriter):
         if self._here():
             super().close(status, flush_timeout)
             return
+        if self._closed:  # (a finish cut short by an interrupt after the writer closed it)
+            return
         timeout = CLOSE_WAIT if flush_timeout is None else flush_timeout
         self._jobs.append(lambda: self._close_now(status))
         self._stopping = True
