@@ -135,27 +135,10 @@ def _at_exit() -> None:
         status = "crashed" if run._exit is not None else "finished"
         try:
             run.finish(status)
-        except KeyboardInterrupt:
-            # Ctrl-C again while finish() waits (on the root, a backend): the shard is still
-            # closed with its status, waiting at most a second more, as at SIGTERM; not left
-            # `running` with the queued rows lost
-            _close_after_interrupt(run, status)
+        except KeyboardInterrupt:  # Ctrl-C again: finish closed the shard all the same
+            run._interrupted(status)  # (unless it landed before finish's own guard)
         except Exception:  # exit must never fail because of tracking
             pass
-
-
-def _close_after_interrupt(run: Any, status: str) -> None:
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGINT) if main else None
-    try:
-        if main:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # (for that second, not a third time)
-        run._terminate(status)
-    except Exception:
-        pass
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
 
 
 def _after_fork_in_child() -> None:

@@ -11,6 +11,7 @@ reported once per cause, counted, and never raised into the training loop.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -514,6 +515,16 @@ class Run:
                 if self._exit is None:
                     self._exit = {"type": "exit_code", "message": f"exit code {exit_code}",
                                   "code": exit_code, "time": time.time()}
+        try:
+            self._finish(status)
+        except KeyboardInterrupt:
+            # Ctrl-C while finish() waits (on the root, a backend): the shard is still
+            # closed with its status, within about a second more, as at SIGTERM (not left
+            # `running`, its queued rows lost); then the interrupt goes on to the caller
+            self._interrupted(status)
+            raise
+
+    def _finish(self, status: str) -> None:
         with self._lock:
             if self._finished:
                 return
@@ -547,6 +558,25 @@ class Run:
         from expr_tracker import _state
 
         _state.forget(self)
+
+    def _interrupted(self, status: str) -> None:
+        """A KeyboardInterrupt cut finish() short: close the shard as `_terminate` does,
+        with Ctrl-C ignored for that second (the main thread's handler, put back after)."""
+        if self._detached:
+            return
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.getsignal(signal.SIGINT) if main else None
+        try:
+            if main:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+            if self.mode == "direct":
+                self._sink.writer.exit = self._exit if status == "crashed" else None
+            self._terminate(status)
+        except Exception:  # (as at exit: tracking never raises over the interrupt)
+            pass
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
 
     def _terminate(self, status: str = "crashed") -> None:
         """SIGTERM, or a KeyboardInterrupt that cut the exit path's finish() short: save

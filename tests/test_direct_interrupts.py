@@ -89,8 +89,10 @@ for i in range(20000):
     et.log({{"x": float(i)}})
 
 def interrupt(signum, frame):
-    # the second Ctrl-C, once, inside the exit path's finish()
-    if frame is not None and "expr_tracker" in frame.f_code.co_filename:
+    # the second Ctrl-C, once, inside finish() (in the tracker, or what it calls)
+    while frame is not None and "expr_tracker" not in frame.f_code.co_filename:
+        frame = frame.f_back
+    if frame is not None:
         signal.setitimer(signal.ITIMER_REAL, 0, 0)
         raise KeyboardInterrupt
 
@@ -107,6 +109,23 @@ def test_an_interrupt_during_the_exit_finish_still_closes_the_shard(tmp_path):
     root = tmp_path / "runs"
     proc = spawn(EXIT_CHILD.format(root=str(root)))
     _, err = proc.communicate(timeout=40)
+    rows = _rows(root / "p" / "r" / "metrics.jsonl")
+    steps = [r["_step"] for r in rows if "_kind" not in r]
+    side = json.loads((root / "p" / "r" / "metrics.meta.json").read_bytes())
+    assert side["status"] == "finished", (side["status"], err[-2000:])
+    assert steps == list(range(20000)), len(steps)
+
+
+def test_an_interrupt_during_an_explicit_finish_still_closes_the_shard(tmp_path):
+    """The same Ctrl-C during the script's own `et.finish()`: it reaches the script, and
+    the shard is closed all the same (the exit path has nothing left to finish)."""
+    root = tmp_path / "runs"
+    code = EXIT_CHILD.format(root=str(root)).replace(
+        "# no finish(): the interpreter's exit finishes the run",
+        "try:\n    et.finish()\nexcept KeyboardInterrupt:\n    print('interrupted', flush=True)")
+    proc = spawn(code)
+    out, err = proc.communicate(timeout=40)
+    assert "interrupted" in out, err[-2000:]
     rows = _rows(root / "p" / "r" / "metrics.jsonl")
     steps = [r["_step"] for r in rows if "_kind" not in r]
     side = json.loads((root / "p" / "r" / "metrics.meta.json").read_bytes())

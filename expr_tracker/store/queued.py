@@ -290,8 +290,9 @@ class QueuedWriter(ShardWriter):
         if self._closed:  # (a finish cut short by an interrupt after the writer closed it)
             return
         timeout = CLOSE_WAIT if flush_timeout is None else flush_timeout
-        self._jobs.append(lambda: self._close_now(status))
-        self._stopping = True
+        if not self._stopping:  # (else a close is queued already, cut short by an interrupt:
+            self._jobs.append(lambda: self._close_now(status))  # this one waits for it)
+            self._stopping = True
         if self._wait(self._ask(), timeout):
             return
         with self._cond:
