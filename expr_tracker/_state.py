@@ -132,8 +132,11 @@ def get() -> Any:
 def _at_exit() -> None:
     run = current
     if run is not None and run._pid == os.getpid():
+        status = "crashed" if run._exit is not None else "finished"
         try:
-            run.finish("crashed" if run._exit is not None else "finished")
+            run.finish(status)
+        except KeyboardInterrupt:  # Ctrl-C again: finish closed the shard all the same
+            run._interrupted(status)  # (unless it landed before finish's own guard)
         except Exception:  # exit must never fail because of tracking
             pass
 

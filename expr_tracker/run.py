@@ -11,6 +11,7 @@ reported once per cause, counted, and never raised into the training loop.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -191,9 +192,10 @@ class Run:
                 elif type(value) is not int:
                     break
             else:
-                lock = run._lock
-                lock.acquire()  # not `with`: its __exit__ call costs more than the rest here
-                try:
+                # `with`, not acquire() and try: a KeyboardInterrupt raised between those two
+                # (a signal is handled at the end of a call) would keep the lock taken, and
+                # every later log(), finish() and the exit path would wait on it for good
+                with run._lock:
                     append = run._append  # None while the hot path is closed (see `_reopen`)
                     if append is not None and data:
                         at = run._step
@@ -237,8 +239,6 @@ class Run:
                                 return
                     else:
                         append = None
-                finally:
-                    lock.release()
                 if append is not None:
                     # a flush's worth is buffered: write now unless a flush is running
                     writer.flush_nowait()
@@ -515,6 +515,16 @@ class Run:
                 if self._exit is None:
                     self._exit = {"type": "exit_code", "message": f"exit code {exit_code}",
                                   "code": exit_code, "time": time.time()}
+        try:
+            self._finish(status)
+        except KeyboardInterrupt:
+            # Ctrl-C while finish() waits (on the root, a backend): the shard is still
+            # closed with its status, within about a second more, as at SIGTERM (not left
+            # `running`, its queued rows lost); then the interrupt goes on to the caller
+            self._interrupted(status)
+            raise
+
+    def _finish(self, status: str) -> None:
         with self._lock:
             if self._finished:
                 return
@@ -549,8 +559,28 @@ class Run:
 
         _state.forget(self)
 
-    def _terminate(self) -> None:
-        """SIGTERM: save what can be saved, then let the process die.
+    def _interrupted(self, status: str) -> None:
+        """A KeyboardInterrupt cut finish() short: close the shard as `_terminate` does,
+        with Ctrl-C ignored for that second (the main thread's handler, put back after)."""
+        if self._detached:
+            return
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.getsignal(signal.SIGINT) if main else None
+        try:
+            if main:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+            if self.mode == "direct":
+                self._sink.writer.exit = self._exit if status == "crashed" else None
+            self._terminate(status)
+        except Exception:  # (as at exit: tracking never raises over the interrupt)
+            pass
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+
+    def _terminate(self, status: str = "crashed") -> None:
+        """SIGTERM, or a KeyboardInterrupt that cut the exit path's finish() short: save
+        what can be saved (the shard closed with `status`), then let the process die.
 
         The handler runs on the main thread between two bytecodes, possibly inside
         log() or flush() with their locks held: so every lock is taken with a timeout,
@@ -565,7 +595,7 @@ class Run:
             finally:
                 self._lock.release()
         self._stop.set()
-        self._sink.writer.close("crashed", flush_timeout=1.0)
+        self._sink.writer.close(status, flush_timeout=1.0)
 
     def __enter__(self) -> Run:
         return self

@@ -6,7 +6,7 @@ blocks until the server answers. In direct mode that must never be the training 
 takes the queue about every second (`TICK`, as the background flush did), or as soon as
 a flush's worth is queued, and does every shard write, sidecar rewrite and append to the
 run's other files (alerts, spans). A full queue drops its oldest rows and counts them
-(`root_hung` while a file operation has not returned, else `buffer_full`): in
+(`root_hung` while a file operation has not returned for HUNG_AFTER s, else `buffer_full`): in
 `info()["dropped"]` at once, in the sidecar's `dropped` when the root answers again. Callers that need the rows on disk wait a
 bounded time: `flush` until they are written or the root is seen hung, `close` at most
 its timeout, after which the rows still in memory are counted (`finish_timeout`) and
@@ -141,33 +141,29 @@ class QueuedWriter(ShardWriter):
                 return
             self._warn_now(cause, message)
 
-    def _ask(self, timeout: float = -1) -> int:
-        """Wake the writer; returns the ticket `_wait` waits for (0: the lock was not had
-        within `timeout`, as in a signal handler that interrupted its holder)."""
-        if not self._cond.acquire(timeout=timeout):
-            return 0
-        try:
+    # `_cond` is taken by `with` only: acquire() then try would leave it taken when a
+    # KeyboardInterrupt lands between the two (a signal is handled at the end of a call),
+    # and the writer would never take the queue again. Its holders never wait in it (the
+    # writer's file operations run outside it), and a signal handler on the thread that
+    # holds it takes it again (a Condition's RLock): so no timeout is needed to take it.
+    def _ask(self) -> int:
+        """Wake the writer; returns the ticket `_wait` waits for."""
+        with self._cond:
             self._asked += 1
             self._cond.notify()
             return self._asked
-        finally:
-            self._cond.release()
 
     def _wait(self, ticket: int, timeout: float, *, until_hung: bool = False) -> bool:
         """Wait until the writer answered `ticket`: False after `timeout` s, or (`until_hung`)
         as soon as a file operation has not returned for HUNG_AFTER s."""
         deadline = time.monotonic() + timeout
-        if not ticket or not self._cond.acquire(timeout=timeout):
-            return False
-        try:
+        with self._cond:
             while self._served < ticket:
                 now = time.monotonic()
                 if now >= deadline or not self.alive or (until_hung and self.hung(now)):
                     return False
                 self._cond.wait(min(deadline - now, 0.1))
             return True
-        finally:
-            self._cond.release()
 
     def hung(self, now: float | None = None) -> bool:
         """True while a file operation has not returned for HUNG_AFTER s."""
@@ -208,9 +204,9 @@ class QueuedWriter(ShardWriter):
             cut = q.find(b"\n", over - 1) + 1 or len(q)
             rows = q.count(b"\n", 0, cut)
             del q[:cut]  # (from the front of a bytearray: no copy of the rest)
-        # a file operation that has not returned while a whole queue came in: the root
-        # hangs (a healthy one writes a flush's worth in milliseconds)
-        cause = "root_hung" if self.busy_since is not None else "buffer_full"
+        # the root hangs when a file operation has not returned for HUNG_AFTER s; one that
+        # is merely running (a healthy disk writing megabytes) means rows come too fast
+        cause = "root_hung" if self.hung() else "buffer_full"
         self.dropped[cause] = self.dropped.get(cause, 0) + rows
         was = self.queue_dropped.get(cause, (0, time.time()))
         self.queue_dropped[cause] = (was[0] + rows, was[1])
@@ -239,7 +235,7 @@ class QueuedWriter(ShardWriter):
     def flush_within(self, timeout: float) -> bool:
         if self._here():
             return super().flush_within(timeout)
-        return self._wait(self._ask(timeout), timeout) and not self._pending
+        return self._wait(self._ask(), timeout) and not self._pending
 
     def call(self, fn: Callable[[], Any], default: Any, *, wait: bool = True) -> Any:
         """`fn()` on the writer thread after what is queued now (a read of the run's own
@@ -291,20 +287,20 @@ class QueuedWriter(ShardWriter):
         if self._here():
             super().close(status, flush_timeout)
             return
-        timeout = CLOSE_WAIT if flush_timeout is None else flush_timeout
-        self._jobs.append(lambda: self._close_now(status))
-        self._stopping = True
-        done = self._wait(self._ask(timeout), timeout)
-        if done or not self._cond.acquire(timeout=1.0):
+        if self._closed:  # (a finish cut short by an interrupt after the writer closed it)
             return
-        try:
+        timeout = CLOSE_WAIT if flush_timeout is None else flush_timeout
+        if not self._stopping:  # (else a close is queued already, cut short by an interrupt:
+            self._jobs.append(lambda: self._close_now(status))  # this one waits for it)
+            self._stopping = True
+        if self._wait(self._ask(), timeout):
+            return
+        with self._cond:
             if self._closed:
                 return
             self._left = self.unwritten()
             if self._left:
                 self.dropped["finish_timeout"] = self.dropped.get("finish_timeout", 0) + self._left
-        finally:
-            self._cond.release()
         if self._left:
             self._warn("finish_timeout", f"expr_tracker: finish() waited {timeout:g}s for the run "
                        f"root: {self._left} rows of {self.paths.shard} are not written (counted "
