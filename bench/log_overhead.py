@@ -1,7 +1,8 @@
 """Per-call cost of `et.log` against its floor, measured side by side in one process.
 
 Floor: `orjson.dumps` of the same row with `_step` and `_time`, appended to a buffered
-file. Measured in interleaved rounds against it: `et.log({"loss", "lr"})` in direct
+file; the write floor, the same with one `os.write` per row to an `O_APPEND` file (what
+spool mode must do for `kill -9` to lose no row, docs/spool.md). Measured in interleaved rounds against it: `et.log({"loss", "lr"})` in direct
 mode, the same in spool mode, and with five alert rules; each round measures all of them
 one after the other, so a busy machine slows them alike, and the medians over rounds are
 reported as ratios. Also the import time of `expr_tracker` (`python -X importtime`, with
@@ -63,21 +64,27 @@ def measure(tmp: str, calls: int, rounds: int) -> dict[str, float]:
     import expr_tracker as et
 
     fh = open(os.path.join(tmp, "floor.jsonl"), "ab")  # noqa: SIM115
-    dumps, opt, now = orjson.dumps, orjson.OPT_APPEND_NEWLINE, time.time
+    fd = os.open(os.path.join(tmp, "write_floor.jsonl"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    dumps, opt, now, write = orjson.dumps, orjson.OPT_APPEND_NEWLINE, time.time, os.write
 
     def floor_one(i: int) -> None:
         fh.write(dumps({"_step": i, "_time": now(), "loss": 1.0 / (i + 1), "lr": 3e-4}, option=opt))
+
+    def write_floor_one(i: int) -> None:
+        write(fd, dumps({"_step": i, "_time": now(), "loss": 1.0 / (i + 1), "lr": 3e-4}, option=opt))
 
     log = et.log  # held before init, as `from expr_tracker import log` would be
 
     def log_one(i: int) -> None:
         log({"loss": 1.0 / (i + 1), "lr": 3e-4})
 
-    out: dict[str, list[float]] = {"floor": [], "direct": [], "spool": [], "rules": []}
+    out: dict[str, list[float]] = {"floor": [], "write_floor": [], "direct": [], "spool": [],
+                                   "rules": []}
     spool = os.path.join(tmp, "spool")
     try:
         for _ in range(rounds):
             out["floor"].append(per_call(floor_one, calls))
+            out["write_floor"].append(per_call(write_floor_one, calls))
             et.init("bench", "direct", dir=tmp)
             out["direct"].append(per_call(log_one, calls))
             names = [et.add_alert_rule(rule) for rule in RULES]
@@ -93,6 +100,7 @@ def measure(tmp: str, calls: int, rounds: int) -> dict[str, float]:
     finally:
         et.finish()
         fh.close()
+        os.close(fd)
     return {k: statistics.median(v) for k, v in out.items()}
 
 
@@ -133,6 +141,7 @@ def child(root: Path, calls: int, rounds: int) -> dict[str, float]:
 
 def ratios(m: dict[str, float]) -> dict[str, float]:
     return {"direct": m["direct"] / m["floor"], "spool": m["spool"] / m["floor"],
+            "spool_write": m["spool"] / m["write_floor"],
             "rules": m["rules"] / m["direct"], "rules_floor": m["rules"] / m["floor"]}
 
 
@@ -146,6 +155,8 @@ def table_one(m: dict[str, float], imp: list[float]) -> None:
     print(f"| floor: orjson.dumps + buffered append | {m['floor']:.0f} ns/call | |")
     print(f"| et.log, direct, no rules | {m['direct']:.0f} ns/call ({r['direct']:.2f}x floor) | <= 2x |")
     print(f"| et.log, spool mode | {m['spool']:.0f} ns/call ({r['spool']:.2f}x floor) | <= 2.5x |")
+    print(f"| et.log, spool mode / write floor ({m['write_floor']:.0f} ns) | "
+          f"{r['spool_write']:.2f}x | |")
     print(f"| et.log, direct, 5 rules | {m['rules']:.0f} ns/call ({r['rules']:.2f}x no rules, "
           f"{r['rules_floor']:.2f}x floor) | <= 3x no rules |")
     print(f"| import expr_tracker, with bytecode | {import_cell(imp)} | <= 60 ms |")
@@ -173,11 +184,14 @@ def side_by_side(before: Path, calls: int, rounds: int) -> None:
 
     print(f"| floor: orjson.dumps + buffered append | {med('after', 'floor'):.0f} ns | "
           f"{med('before', 'floor'):.0f} ns | |")
+    print(f"| write floor: the same + os.write per row | {med('after', 'write_floor'):.0f} ns | "
+          f"{med('before', 'write_floor'):.0f} ns | |")
     for key, label, target in (("direct", "et.log, direct, no rules / floor", "<= 2x"),
                                ("spool", "et.log, spool mode / floor", "<= 2.5x"),
+                               ("spool_write", "et.log, spool mode / write floor", ""),
                                ("rules", "et.log, 5 rules / no rules", "<= 3x"),
                                ("rules_floor", "et.log, 5 rules / floor", "")):
-        ns = "rules" if key == "rules_floor" else key
+        ns = {"rules_floor": "rules", "spool_write": "spool"}.get(key, key)
         print(f"| {label} | {rat('after', key):.2f}x ({med('after', ns):.0f} ns) | "
               f"{rat('before', key):.2f}x ({med('before', ns):.0f} ns) | {target} |")
     print(f"| import expr_tracker, with bytecode | {import_cell(imports['after'])} | "

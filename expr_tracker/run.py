@@ -218,13 +218,26 @@ class Run:
                             # derived from `_step` and `_mark` (see `_settle`)
                             run._step = at + 1
                             if seq is not None:
+                                # spool mode: `append` is os.write to the open segment,
+                                # within its room (store.segment); inline, because a call
+                                # of a Python function would cost more than these checks
                                 sink.seq = seq + 1
-                            try:
-                                append(line)
-                            except ValueError:
-                                # spool mode: the open segment is full, or its write failed
-                                sink.overflow(line)
-                                return
+                                seg = sink.writer
+                                end = seg.end + len(line)
+                                if end > seg.limit:
+                                    sink.overflow(line)  # the segment is full
+                                    return
+                                try:
+                                    got = append(line)
+                                except OSError as exc:
+                                    sink.overflow(line, exc)
+                                    return
+                                if got == len(line):
+                                    seg.end = end
+                                else:
+                                    sink.overflow(line, got)
+                                return  # (no mark, no after_write, nothing to flush)
+                            append(line)
                             mark = sink.mark  # direct mode: the step, where kill -9 keeps it
                             if mark is not None:
                                 mark[0] = at

@@ -200,8 +200,8 @@ class SpoolSink:
         self.path = self.writer.path
         check_consumer(run)
         # Run.log's hot path writes whole record lines, `_seq` included (it numbers them),
-        # with the open segment's `append`; rank_aware=False records carry `_rank`,
-        # which the hot path does not add
+        # with the open segment's `fast_append` (os.write), checking `writer.end` and
+        # `writer.limit`; rank_aware=False records carry `_rank`, which it does not add
         self.fast_append = self.writer.fast_append if run.rank_aware else None
         self.on_switch: Any = None  # Run: `fast_append` changed (called under the run's lock)
         self.writer.on_switch = self._switched
@@ -250,21 +250,23 @@ class SpoolSink:
         self.seq = seq
         return out
 
-    def overflow(self, line: bytes) -> None:
-        """A record the hot path could not write into the open segment (it is full)."""
+    def overflow(self, line: bytes, got: int | OSError | None = None) -> None:
+        """A record the hot path did not write into the open segment: it is full, or its
+        write failed (`got`: the error, or how many bytes of it were written)."""
+        if got is not None:
+            self.writer.unwritten(got)
         if not self.writer.overflow(line):
             self.seq -= 1  # dropped: its number goes to the next event (no gap for exprd)
 
     # -- writing --------------------------------------------------------------------
 
     def _put(self, line: bytes, record: bool) -> None:
-        append = self.writer.fast_append
-        if append is not None:
+        if self.writer.fast_append is not None:  # a segment is open, nothing waits
             try:
-                append(line)
+                self.writer.append(line)
                 return
             except ValueError:
-                pass  # the segment is full
+                pass  # the segment is full, or the write failed
         if not self.writer.overflow(line, record):
             self.seq -= 1
 

@@ -374,3 +374,47 @@ et.finish()
                                 env={"COLUMNS": "200", "NO_COLOR": "1"})
     assert result.exit_code == 0, result.output
     assert f"rank 0: steps {kept}-2099 not written: the process was killed" in result.output
+
+
+# a writer whose files may not grow past 20,000 bytes (RLIMIT_FSIZE, SIGXFSZ ignored: the
+# kernel cuts the write that crosses it short), then not past the open one's size (EFBIG)
+FSIZE = """
+import json, os, resource, signal, expr_tracker as et
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+et.init("p", "capped", dir={root!r}, upload_mode="spool", spool_dir={spool!r},
+        system_metrics=False)
+resource.setrlimit(resource.RLIMIT_FSIZE, (20000, hard))
+for i in range(1000):
+    et.log({{"loss": 1.0 / (i + 1), "i": i}})
+size = os.path.getsize(et.info()["spool_file"])
+resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
+for i in range(1000, 1100):
+    et.log({{"loss": 1.0 / (i + 1), "i": i}})
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+print(json.dumps(et.info()["errors"]))
+et.finish()
+"""
+
+
+def test_log_hot_path_takes_back_a_short_write_and_goes_on_after_a_failed_one(
+        tmp_path: Path) -> None:
+    """log()'s hot path writes with os.write inline (store.segment): a write the kernel cut
+    short leaves no half line, a failed one (EFBIG) is counted, and every row lands once,
+    in order (in the segments that follow, or from memory once the files may grow)."""
+    spool, state, root = tmp_path / "spool", tmp_path / "state", tmp_path / "runs"
+    w = spawn(FSIZE.format(root=str(root), spool=str(spool)))
+    out, err = w.communicate(timeout=60)
+    assert w.returncode == 0, err
+    errors = json.loads(out.splitlines()[-1])
+    assert errors.get("write:ENOSPC", 0) >= 1 and errors.get("write:EFBIG", 0) >= 1, errors
+    segments = sorted((spool / "p" / "capped").glob("*.jsonl"))
+    assert len(segments) >= 4  # 1,000 rows of ~70 bytes in files of 20,000 at most
+    for seg in segments:
+        data = seg.read_bytes()
+        assert data.endswith(b"\n") and all(json.loads(x) for x in data.splitlines())
+    cfg = write_config(tmp_path / "exprd.toml", spool, state, [root])
+    exprd_once(cfg)
+    shard = root / "p" / "capped" / "metrics.jsonl"
+    assert [r["i"] for r in lines_of(shard)] == list(range(1100))
+    assert sidecar(shard.with_name("metrics.meta.json"))["status"] == "finished"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import re
 import socket
@@ -63,10 +64,13 @@ class Segments:
     """The segment chain of one spool session.
 
     `path_of(index)` names segment `index`; `head(index, first_seq)` is its first line (the
-    init event, saying which `_seq` the segment's events start at). `fast_append` is the
-    open segment's `append` while nothing waits in memory (else None): it raises
-    ValueError when it did not write the row (the segment is full, or the write failed),
-    and the hot path then calls `overflow`. `on_switch()` runs whenever `fast_append` changes.
+    init event, saying which `_seq` the segment's events start at). `fast_append` is
+    `os.write` bound to the open segment's descriptor while nothing waits in memory (else
+    None): Run.log's hot path checks the room (`end`, `limit`) and the count written
+    itself, because a Python function call between it and the write costs more than
+    everything it would do (docs/spool.md), and hands a row that was not written whole to
+    `unwritten`, then to `overflow`. `append` is the same with its checks, for the other
+    events. `on_switch()` runs whenever `fast_append` changes.
     """
 
     flush_bytes = 1 << 62  # Run.log's check of a buffer to flush: never (rows are in the kernel)
@@ -90,7 +94,8 @@ class Segments:
         self.end = 0  # bytes written into it (its size, unless another process cut it)
         self.limit = 0  # rows end here: min(cap, held) - reserve
         self.opened = 0.0  # when (monotonic), for the rate the next size follows
-        self.fast_append: Callable[[bytes], None] | None = None
+        self.fast_append: Callable[[bytes], int] | None = None
+        self._fast_fd: int | None = None  # the descriptor `fast_append` writes to
         self.on_switch: Callable[[], None] = lambda: None
         # the segment was moved away: the sink starts a new session and numbers these lines
         # (what waits to be written) in it
@@ -128,27 +133,37 @@ class Segments:
     def _publish(self) -> None:
         """The hot path writes into the open segment only while nothing waits in memory
         (rows keep their order)."""
-        new = self.append if self.fd is not None and not self.memory else None
-        if new != self.fast_append:
-            self.fast_append = new
+        fd = self.fd if not self.memory else None
+        if fd != self._fast_fd:
+            self._fast_fd = fd
+            self.fast_append = None if fd is None else functools.partial(os.write, fd)
             self.on_switch()
 
     # -- the hot path -------------------------------------------------------------------
     def append(self, line: bytes) -> None:
-        """Write one row (Run.log's hot path, under the run's lock); ValueError if it was
-        not written: the caller hands it to `overflow`."""
+        """Write one event into the open segment (under the run's lock; Run.log's hot path
+        does the same inline); ValueError if it was not written: the caller hands it to
+        `overflow`."""
         end = self.end + len(line)
         if end <= self.limit:
             try:
                 n = os.write(self.fd, line)  # type: ignore[arg-type]  # (open: published)
             except OSError as exc:
-                self._failed("write", exc, self.path)
+                self.unwritten(exc)
                 raise ValueError("spool write failed") from None
             if n == len(line):
                 self.end = end
                 return
-            self._cut(n)
+            self.unwritten(n)
         raise ValueError("the open segment is full")
+
+    def unwritten(self, got: int | OSError) -> None:
+        """A row's write into the open segment failed (`got` its error) or was cut short
+        (`got` bytes of it written: they are taken back)."""
+        if isinstance(got, OSError):
+            self._failed("write", got, self.path)
+        else:
+            self._cut(got)
 
     def _write(self, line: bytes) -> bool:
         """Write `line` whole at the end of the open segment (no room check)."""
@@ -520,7 +535,7 @@ class Segments:
         if self.fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self.fd)
-        self.fd = None
+        self.fd = self._fast_fd = None
         self.fast_append = None
         self.memory.clear()
 
