@@ -309,3 +309,45 @@ def test_segment_sizes_follow_the_rate_within_the_bound_and_the_disk(
             and bound >= 2 * last:
         assert size == 2 * last  # room and rate: it grows
     assert not math.isnan(size)
+
+
+CUT_AT_FINISH = """
+import json, os, sys, time, warnings, expr_tracker as et
+warnings.simplefilter("ignore")
+run = et.init("p", "cutend", dir={root!r}, upload_mode="spool", spool_dir={spool!r},
+              system_metrics=False)
+for i in range({n}):
+    et.log({{"i": i}})
+open({done!r}, "w").close()
+while not os.path.exists({go!r}):
+    time.sleep(0.01)
+et.finish()
+print(json.dumps({{"dropped": run.info()["dropped"]}}))
+"""
+
+
+def test_a_cut_just_before_finish_is_counted(tmp_path: Path) -> None:
+    """The live segment cut to nothing a moment before `finish()` (the writer looks at
+    it once a second): the finish looks first, so the rows the cut took are counted in
+    info() and the sidecar (they were lost and counted nowhere; found by
+    test_spool_property)."""
+    spool, state, root = tmp_path / "spool", tmp_path / "state", tmp_path / "runs"
+    done, go, n = tmp_path / "done", tmp_path / "go", 300
+    w = spawn(CUT_AT_FINISH.format(root=str(root), spool=str(spool), n=n, done=str(done),
+                                   go=str(go)))
+    deadline = time.monotonic() + 60
+    while not done.exists() and w.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    seg = _live_segment(spool / "p" / "cutend")
+    assert seg is not None
+    os.truncate(seg, 0)
+    go.touch()
+    out, err = w.communicate(timeout=60)
+    assert w.returncode == 0, err
+    counted = json.loads(out.splitlines()[-1])["dropped"].get("spool_truncated", 0)
+    exprd_once(write_config(tmp_path / "exprd.toml", spool, state, [root]))
+    rows = lines_of(root / "p" / "cutend" / "metrics.jsonl") \
+        if (root / "p" / "cutend" / "metrics.jsonl").exists() else []
+    assert n - len(rows) == counted > 0
+    notes = sidecar(root / "p" / "cutend" / "metrics.meta.json").get("dropped", [])
+    assert [x["rows"] for x in notes if x["cause"] == "spool_truncated"] == [counted]

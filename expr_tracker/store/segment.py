@@ -85,6 +85,7 @@ class Segments:
         self.fd: int | None = None
         self.cap = 0  # the open segment's planned size (larger for a huge line)
         self.sealed = False  # no more rows in the open segment (a note took its reserve)
+        self.cut = False  # the open segment was truncated by another process
         self.reserve = 0  # the open segment's space kept for the marker, notes and finish
         self.held: int | None = None  # bytes reserved on disk from its start (None: cannot)
         self.end = 0  # bytes written into it (its size, unless another process cut it)
@@ -261,6 +262,7 @@ class Segments:
         self.index, self.path, self.fd, self.first_seq = index, path, fd, first_seq
         self.cap = cap
         self.reserve, self.held, self.end, self.sealed = reserve, held, len(head), False
+        self.cut = False
         self._relimit()
         self.opened = time.monotonic()
         self._good = self.end
@@ -341,8 +343,8 @@ class Segments:
 
     def _note(self) -> None:
         """`dropped` notes (the counts so far) after the data, in the reserve if need be."""
-        if self.fd is None:
-            return
+        if self.fd is None or self.cut:
+            return  # (a cut segment: they go in the next one)
         for cause, (rows, since) in self.notes.items():
             if rows == self._noted.get(cause, 0):
                 continue
@@ -377,6 +379,10 @@ class Segments:
         """About once a second: lines in memory go out, a moved, deleted or truncated
         segment is left for a new one."""
         self.drain()
+        self._look()
+
+    def _look(self) -> None:
+        """Is the open segment still ours and whole? Moved or cut: left for a new one."""
         if self.fd is None:
             return
         if not self._is_current():
@@ -386,7 +392,7 @@ class Segments:
             size = os.fstat(self.fd).st_size
         except OSError:
             return
-        if size < self.end:
+        if size < self.end and not self.cut:  # (a cut is counted once)
             self._truncated(size)
         self._good = self.end
 
@@ -429,6 +435,7 @@ class Segments:
                   "sidecar; going on in a new segment")
         self.held = None  # the cut gave its reserved blocks back
         self.sealed = True  # no more rows here
+        self.cut = True  # nor notes, nor the finish: nobody would apply them from here
         self._relimit()
         if kept:
             self.memory.insert(0, b"".join(kept))
@@ -480,8 +487,9 @@ class Segments:
         """Write the finish event `line`: what waits in memory first (for up to `wait` s
         while exprd frees space; what still waits then is dropped and counted), then
         the finish, into the space kept for it."""
-        if self.fd is not None and not self._is_current():
-            self._moved()
+        # a cut since the last tick (up to a second ago) is counted before the finish
+        # goes out, else the sidecar would miss it
+        self._look()
         deadline = time.monotonic() + wait
         while not self.drain(force=True) and time.monotonic() < deadline:
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
@@ -491,7 +499,7 @@ class Segments:
             self.memory_bytes = 0
             for _ in range(lost):
                 self._drop()
-        if self.fd is None and not self._open(self.index + 1, _seq_of(line)):
+        if (self.fd is None or self.cut) and not self._open(self.index + 1, _seq_of(line)):
             self.warn("spool_finish", "expr_tracker: no spool segment could be opened for the "
                       "finish event: exprd will read this run as crashed")
             self.closed = True
