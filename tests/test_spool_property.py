@@ -259,7 +259,7 @@ class Spool(RuleBasedStateMachine):
 try:
     run_state_machine_as_test(Spool, settings=settings(
         max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None, database=None,
-        derandomize=EXAMPLES <= 10,
+        derandomize=EXAMPLES <= 10,  # make test: the same examples each run
         phases=list(Phase) if SHRINK else [Phase.explicit, Phase.generate], suppress_health_check=list(__import__("hypothesis").HealthCheck)))
 except BaseException:
     print(json.dumps({"ok": False, "error": traceback.format_exc()[-6000:]}))
