@@ -351,3 +351,37 @@ def test_a_cut_just_before_finish_is_counted(tmp_path: Path) -> None:
     assert n - len(rows) == counted > 0
     notes = sidecar(root / "p" / "cutend" / "metrics.meta.json").get("dropped", [])
     assert [x["rows"] for x in notes if x["cause"] == "spool_truncated"] == [counted]
+
+
+RMRF = """
+import json, shutil, sys, time, warnings, expr_tracker as et
+warnings.simplefilter("ignore")
+run = et.init("p", "rm", dir={root!r}, upload_mode="spool", spool_dir={spool!r},
+              system_metrics=False)
+for i in range(200):
+    et.log({{"i": i}})
+shutil.rmtree({spool!r})  # an admin's `rm -rf` of the spool under a live session
+time.sleep(1.5)  # (the writer looks once a second)
+for i in range(200, 400):
+    et.log({{"i": i}})
+et.finish()
+info = run.info()
+print(json.dumps({{"dropped": info["dropped"], "errors": info["errors"]}}))
+"""
+
+
+def test_the_spool_dir_deleted_under_a_live_session_is_made_again(tmp_path: Path) -> None:
+    """`rm -rf` of the spool directory while a rank logs: the writer makes its directory
+    again (0700, under the configured spool) and every row logged after the delete lands
+    (every later row was dropped as `spool_full`, the open failing with ENOENT)."""
+    spool, state, root = tmp_path / "spool", tmp_path / "state", tmp_path / "runs"
+    w = spawn(RMRF.format(root=str(root), spool=str(spool)))
+    out, err = w.communicate(timeout=60)
+    assert w.returncode == 0, err
+    info = json.loads(out.splitlines()[-1])
+    assert info["dropped"] == {}, info
+    assert (spool / "p" / "rm").stat().st_mode & 0o777 == 0o700
+    exprd_once(write_config(tmp_path / "exprd.toml", spool, state, [root]))
+    got = [r["i"] for r in lines_of(root / "p" / "rm" / "metrics.jsonl")]
+    assert got == sorted(set(got)) and set(range(200, 400)) <= set(got)
+    assert sidecar(root / "p" / "rm" / "metrics.meta.json")["status"] == "finished"

@@ -234,8 +234,7 @@ class Segments:
         cap = max(cap, len(head) + need + reserve)  # a line larger than a segment
         fd = -1
         try:
-            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                         | os.O_CLOEXEC, 0o600)
+            fd = _create(path)
             # all of it, else what the head, the line and the reserve need: a disk with
             # less than a segment still takes rows (a page at a time, see `_fit`)
             held: int | None = cap
@@ -535,6 +534,26 @@ class Segments:
     def info(self) -> dict[str, Any]:
         return {"segment": self.index, "segment_bytes": self.size,
                 "segment_size": self.cap, "segments_rolled": self.rolled}
+
+
+def _create(path: Path) -> int:
+    """A new segment file; its directory made again (0700) if someone deleted it under a
+    live session (`rm -rf` of the spool): the rows after that land, not dropped."""
+    flags = (os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+             | os.O_CLOEXEC)
+    try:
+        return os.open(path, flags, 0o600)
+    except FileNotFoundError:
+        missing = []
+        d = path.parent
+        while not d.exists() and d.parent != d:
+            missing.append(d)
+            d = d.parent
+        for d in reversed(missing):  # (spoolfile.make_private_dirs: a layer above)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(d, 0o700)
+                os.chmod(d, 0o700)  # the umask must not narrow it
+        return os.open(path, flags, 0o600)
 
 
 def _parses(line: bytes) -> bool:
