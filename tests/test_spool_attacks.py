@@ -179,3 +179,44 @@ def test_a_segment_replaced_by_a_symlink_writes_nothing_outside(tmp_path: Path) 
     assert got == sorted(set(got)) and set(range(200, 400)) <= set(got)
     assert sidecar(root / "p" / "ln" / "metrics.meta.json")["status"] == "finished"
     assert json.loads(out.splitlines()[-1]) == {}
+
+
+FORK = """
+import json, os, warnings, expr_tracker as et
+warnings.simplefilter("ignore")
+run = et.init("p", "fk", dir={root!r}, upload_mode="spool", spool_dir={spool!r},
+              system_metrics=False)
+for i in range(100):
+    et.log({{"i": i}})
+pid = os.fork()
+if pid == 0:  # a dataloader worker that logs and finishes on its own
+    code = 0
+    try:
+        for i in range(50):
+            et.log({{"child": i}})
+        et.finish()
+    except BaseException:
+        code = 3
+    os._exit(code)
+_, status = os.waitpid(pid, 0)
+for i in range(100, 200):
+    et.log({{"i": i}})
+et.finish()
+print(json.dumps({{"child": os.waitstatus_to_exitcode(status), "dropped": run.info()["dropped"]}}))
+"""
+
+
+def test_fork_after_init_in_spool_mode_leaves_the_parents_segment_whole(tmp_path: Path) -> None:
+    """A child forked after init logs and finishes: it raises nothing and writes nothing
+    into the parent's segment (no child row, no early finish); every parent row lands
+    and the run reads finished."""
+    spool, state, root = tmp_path / "spool", tmp_path / "state", tmp_path / "runs"
+    w = spawn(FORK.format(root=str(root), spool=str(spool)))
+    out, err = w.communicate(timeout=60)
+    assert w.returncode == 0, err
+    assert json.loads(out.splitlines()[-1]) == {"child": 0, "dropped": {}}
+    exprd_once(write_config(tmp_path / "exprd.toml", spool, state, [root]))
+    rows = lines_of(root / "p" / "fk" / "metrics.jsonl")
+    assert [r["i"] for r in rows if "i" in r] == list(range(200))
+    assert not [r for r in rows if "child" in r]
+    assert sidecar(root / "p" / "fk" / "metrics.meta.json")["status"] == "finished"
