@@ -88,6 +88,20 @@ class Checkpoints:
         except (OSError, orjson.JSONDecodeError) as exc:
             log.warning("checkpoints %s unreadable (%s); starting from the shards' own state",
                         self.path, exc)
+        self._prune_gone()
+
+    def _prune_gone(self) -> None:
+        """Drop the entries of files that no longer exist: an exprd killed after deleting
+        a rolled segment but before saving left its entry on disk, and nothing would ever
+        track that file again to drop it (the next save writes the pruned set)."""
+        for key in list(self.files):
+            try:
+                os.lstat(key)
+            except FileNotFoundError:
+                del self.files[key]
+                self.dirty = True
+            except OSError:
+                pass  # unreadable is not gone: keep what is known about it
 
     def put(self, key: str, entry: dict[str, Any]) -> None:
         if self.files.get(key) != entry:

@@ -177,12 +177,38 @@ def test_kill9_exprd_repeatedly_every_event_once_in_order(tmp_path: Path) -> Non
         wait_ready(state, d, 60)  # ready once it has caught up with up to 80,000 rows
         wait_for(lambda: all(sidecar(s.with_name(s.name.replace(".jsonl", ".meta.json")))
                              .get("status") == "finished" for s in shards), 60, "finished shards")
+        # a shard's finish can land before exprd deleted the segments its session rolled
+        # from (they go once applied): the spool holds each session's last segment only
+        wait_for(lambda: len(list(spool.rglob("*.jsonl"))) == 4, 60, "rolled segments deleted")
     finally:
         assert stop(d) == 0
     for s in shards:
         check_shard(s, n)
     cps = json.loads((state / "checkpoints.json").read_text())["files"]
     assert len(cps) == 4 and all(c["state"] == "finished" for c in cps.values())
+
+
+def test_checkpoints_of_files_gone_are_pruned_at_load(tmp_path: Path) -> None:
+    """An exprd killed after deleting a rolled segment and before saving its checkpoints
+    left the entry on disk: the next exprd drops it at load (and saves without it)."""
+    from daemon.state import Checkpoints, StateDir
+
+    spool, state = tmp_path / "spool", tmp_path / "state"
+    spool.mkdir()
+    state.mkdir()
+    here, gone = spool / "a.jsonl", spool / "a~1.jsonl"
+    here.write_bytes(b"{}\n")
+    entry = {"ino": 1, "shard": 3, "seq": 0, "state": "rolled"}
+    (state / "checkpoints.json").write_bytes(orjson.dumps(
+        {"version": 1, "files": {str(here): entry, str(gone): entry}}))
+    sdir = StateDir(state)
+    try:
+        cps = Checkpoints(sdir)
+        assert list(cps.files) == [str(here)]
+        cps.save()
+    finally:
+        sdir.close()
+    assert list(json.loads((state / "checkpoints.json").read_text())["files"]) == [str(here)]
 
 
 def test_kill9_writer_keeps_complete_events_and_marks_crashed(tmp_path: Path) -> None:

@@ -89,6 +89,7 @@ class Segments:
         self.fd: int | None = None
         self.cap = 0  # the open segment's planned size (larger for a huge line)
         self.sealed = False  # no more rows in the open segment (a note took its reserve)
+        self.cut = False  # the open segment was truncated by another process
         self.reserve = 0  # the open segment's space kept for the marker, notes and finish
         self.held: int | None = None  # bytes reserved on disk from its start (None: cannot)
         self.end = 0  # bytes written into it (its size, unless another process cut it)
@@ -248,8 +249,7 @@ class Segments:
         cap = max(cap, len(head) + need + reserve)  # a line larger than a segment
         fd = -1
         try:
-            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                         | os.O_CLOEXEC, 0o600)
+            fd = _create(path)
             # all of it, else what the head, the line and the reserve need: a disk with
             # less than a segment still takes rows (a page at a time, see `_fit`)
             held: int | None = cap
@@ -276,6 +276,7 @@ class Segments:
         self.index, self.path, self.fd, self.first_seq = index, path, fd, first_seq
         self.cap = cap
         self.reserve, self.held, self.end, self.sealed = reserve, held, len(head), False
+        self.cut = False
         self._relimit()
         self.opened = time.monotonic()
         self._good = self.end
@@ -356,8 +357,8 @@ class Segments:
 
     def _note(self) -> None:
         """`dropped` notes (the counts so far) after the data, in the reserve if need be."""
-        if self.fd is None:
-            return
+        if self.fd is None or self.cut:
+            return  # (a cut segment: they go in the next one)
         for cause, (rows, since) in self.notes.items():
             if rows == self._noted.get(cause, 0):
                 continue
@@ -392,6 +393,10 @@ class Segments:
         """About once a second: lines in memory go out, a moved, deleted or truncated
         segment is left for a new one."""
         self.drain()
+        self._look()
+
+    def _look(self) -> None:
+        """Is the open segment still ours and whole? Moved or cut: left for a new one."""
         if self.fd is None:
             return
         if not self._is_current():
@@ -401,7 +406,7 @@ class Segments:
             size = os.fstat(self.fd).st_size
         except OSError:
             return
-        if size < self.end:
+        if size < self.end and not self.cut:  # (a cut is counted once)
             self._truncated(size)
         self._good = self.end
 
@@ -444,6 +449,7 @@ class Segments:
                   "sidecar; going on in a new segment")
         self.held = None  # the cut gave its reserved blocks back
         self.sealed = True  # no more rows here
+        self.cut = True  # nor notes, nor the finish: nobody would apply them from here
         self._relimit()
         if kept:
             self.memory.insert(0, b"".join(kept))
@@ -495,8 +501,9 @@ class Segments:
         """Write the finish event `line`: what waits in memory first (for up to `wait` s
         while exprd frees space; what still waits then is dropped and counted), then
         the finish, into the space kept for it."""
-        if self.fd is not None and not self._is_current():
-            self._moved()
+        # a cut since the last tick (up to a second ago) is counted before the finish
+        # goes out, else the sidecar would miss it
+        self._look()
         deadline = time.monotonic() + wait
         while not self.drain(force=True) and time.monotonic() < deadline:
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
@@ -506,7 +513,7 @@ class Segments:
             self.memory_bytes = 0
             for _ in range(lost):
                 self._drop()
-        if self.fd is None and not self._open(self.index + 1, _seq_of(line)):
+        if (self.fd is None or self.cut) and not self._open(self.index + 1, _seq_of(line)):
             self.warn("spool_finish", "expr_tracker: no spool segment could be opened for the "
                       "finish event: exprd will read this run as crashed")
             self.closed = True
@@ -542,6 +549,26 @@ class Segments:
     def info(self) -> dict[str, Any]:
         return {"segment": self.index, "segment_bytes": self.size,
                 "segment_size": self.cap, "segments_rolled": self.rolled}
+
+
+def _create(path: Path) -> int:
+    """A new segment file; its directory made again (0700) if someone deleted it under a
+    live session (`rm -rf` of the spool): the rows after that land, not dropped."""
+    flags = (os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+             | os.O_CLOEXEC)
+    try:
+        return os.open(path, flags, 0o600)
+    except FileNotFoundError:
+        missing = []
+        d = path.parent
+        while not d.exists() and d.parent != d:
+            missing.append(d)
+            d = d.parent
+        for d in reversed(missing):  # (spoolfile.make_private_dirs: a layer above)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(d, 0o700)
+                os.chmod(d, 0o700)  # the umask must not narrow it
+        return os.open(path, flags, 0o600)
 
 
 def _parses(line: bytes) -> bool:
