@@ -156,6 +156,12 @@ class TopView:
         self.cfg = watcher.cfg  # (`fs_cache` resolved)
         self.memory = Memory()
         self.log = IncidentLog(ref.path)
+        # files not seen change yet are dated by their mtimes on the filesystem's clock,
+        # as `expr watch` does (issue 54: a login node an hour ahead read a healthy job
+        # as "stalled 60m")
+        from expr_tracker.health.clock import dir_fs_offset
+
+        self.reader.fs_offset = dir_fs_offset(ref.path) or 0.0
 
     def __call__(self, state: Any = None) -> dict[str, Any]:
         """One frame; `state`: this pass's live state when the caller read it already
