@@ -90,3 +90,38 @@ def test_top_and_runs_date_a_live_job_by_the_filesystems_clock(
     text = expr(tmp_path, "runs", env=env)
     line = next(x for x in text.splitlines() if "proj/live" in x)
     assert "s ago" in line and "h ago" not in line and "m ago" not in line, text
+
+
+def _alive(run: Path, world: int, done: tuple[int, ...] = ()) -> None:
+    """The sidecars of `run` name this process (alive, this host); ranks `done` finished."""
+    for r in range(world):
+        meta = run / f"{_stem(r)}.meta.json"
+        side = json.loads(meta.read_text())
+        side.update(pid=os.getpid(), host=os.uname().nodename)
+        if r in done:
+            side["status"] = "finished"
+        meta.write_text(json.dumps(side))
+
+
+def test_a_live_rank_with_no_step_yet_does_not_hold_the_frontier(tmp_path: Path) -> None:
+    """Rank 3 is live and has logged only the SDK's first system sample (at step 0): the
+    frontier is the others' step 39, and the reason says rank 3 has no step yet (was: step
+    0, "all 3 live ranks reported" beside `missing: [3]`)."""
+    from expr_tracker.store.records import SAMPLE_SOURCE
+
+    run = write_run(tmp_path / "proj" / "late", 4, 40)
+    _alive(run, 4, done=(1,))
+    sample = {"_kind": "rank", "_step": 0, "_time": time.time(), "_rank": 3, "_world_size": 4,
+              "_source": SAMPLE_SOURCE, "system/rss_mb": 812.0}
+    (run / "metrics.rank3.jsonl").write_text(json.dumps(sample) + "\n")
+    side = json.loads((run / "metrics.rank3.meta.json").read_text())
+    side["cursor"] = {}
+    (run / "metrics.rank3.meta.json").write_text(json.dumps(side))
+    summary = json.loads(expr(tmp_path, "summary", "proj/late", "--json"))
+    assert summary["step"] == 39 and summary["ranks"]["frontier"] == 39, summary["why"]
+    assert "rank 3 live, no step yet" in summary["why"], summary["why"]
+    loss = next(k for k in summary["keys"] if k["key"] == "step_time")
+    assert loss["missing"] == [] and [b["rank"] for b in loss["behind"]] == [3], loss
+    assert "rank 3 (no step yet)" in expr(tmp_path, "summary", "proj/late")
+    top = json.loads(expr(tmp_path, "top", "--once", "--json", "proj/late"))
+    assert (top["frontier"], top["live"]) == (39, 3), top
