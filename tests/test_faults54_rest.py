@@ -125,3 +125,50 @@ def test_a_live_rank_with_no_step_yet_does_not_hold_the_frontier(tmp_path: Path)
     assert "rank 3 (no step yet)" in expr(tmp_path, "summary", "proj/late")
     top = json.loads(expr(tmp_path, "top", "--once", "--json", "proj/late"))
     assert (top["frontier"], top["live"]) == (39, 3), top
+
+
+def _incident_lines(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "incidents.jsonl").read_text().splitlines()]
+
+
+def test_delivered_is_carried_to_every_later_line_of_an_incident(tmp_path: Path) -> None:
+    """A NaN alert held back on rank 1 (not the alerting rank) is escalated by a watcher
+    with a channel (a real `command` channel) and paged: its text does not say "not
+    delivered", and its resolution line, the story and MCP-style readers say it was
+    delivered; the recovery's own page (notify_recovery off) is said apart."""
+    from expr_tracker.alerts.dispatch import Dispatcher
+    from expr_tracker.health.config import HealthConfig
+    from expr_tracker.health.story import story
+    from expr_tracker.health.watch import Watcher, open_incidents
+
+    run = write_run(tmp_path / "proj" / "nan", 4, 20)
+    _alive(run, 4)
+    pages = tmp_path / "pages.jsonl"
+    disp = Dispatcher.from_config({"channels": {"pager": {
+        "type": "command", "argv": ["sh", "-c", f"cat >> {pages}; echo >> {pages}"]}}})
+    w = Watcher(run, HealthConfig(page_after=0.0), disp)
+    fire = {"kind": "fire", "rule": "isnan(loss)", "title": "loss is NaN", "level": "critical",
+            "step": 10, "time": time.time(), "rank": 1, "delivered": False, "suppressed": "rank"}
+    with open(run / "alerts.rank1.jsonl", "a") as f:
+        f.write(json.dumps(fire) + "\n")
+    try:
+        w.check()
+        assert disp.flush(10)
+        w.check()  # writes what the channel said
+        alert = [x for x in _incident_lines(run) if x["kind"] == "alert"]
+        assert alert and alert[-1]["delivered"] is True, alert
+        assert "not delivered" not in alert[-1]["detail"], alert[-1]["detail"]
+        assert pages.read_text().count("loss is NaN") >= 1
+        with open(run / "alerts.rank1.jsonl", "a") as f:
+            f.write(json.dumps({**fire, "kind": "recover", "time": time.time()}) + "\n")
+        w.check()
+        assert disp.flush(10)
+        w.check()
+    finally:
+        disp.close(5)
+    alert = [x for x in _incident_lines(run) if x["kind"] == "alert"]
+    assert alert[-1]["state"] == "resolved", alert
+    assert alert[-1]["delivered"] is True and alert[-1]["recovery_delivered"] is False, alert[-1]
+    assert not [i for i in open_incidents(run) if i.kind == "alert"]
+    told = next(e for e in story(run)["incidents"] if e["kind"] == "alert")
+    assert (told["paged"], told["recovery_paged"]) == (True, False), told
