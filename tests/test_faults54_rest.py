@@ -172,3 +172,50 @@ def test_delivered_is_carried_to_every_later_line_of_an_incident(tmp_path: Path)
     assert not [i for i in open_incidents(run) if i.kind == "alert"]
     told = next(e for e in story(run)["incidents"] if e["kind"] == "alert")
     assert (told["paged"], told["recovery_paged"]) == (True, False), told
+
+
+_CRASHING_RANK = """
+import os, sys, time
+import expr_tracker as et
+et.init("proj", "boom", dir=sys.argv[1], upload_mode="spool", spool_dir=sys.argv[2])
+for k in range(5):
+    et.log({"loss": 1.0 / (k + 1)})
+if sys.argv[3] == "kill":
+    print("ready", flush=True)
+    time.sleep(60)
+raise RuntimeError("boom")
+"""
+
+
+def test_status_counts_what_expr_shards_says_of_a_crashed_job(tmp_path: Path) -> None:
+    """All 4 ranks of a spooled job crash (3 by an exception, whose finish event says
+    crashed; one killed -9): `expr status` says 4 crashed, 0 finished, as `expr shards`
+    does (was "3 finished, 1 crashed": a file read to its finish event counted finished)."""
+    from tests.procs import env_for
+    from tests.test_daemon import EXPRD, write_config
+
+    spool, root, state = tmp_path / "spool", tmp_path / "runs", tmp_path / "state"
+    procs = []
+    for r in range(4):
+        env = env_for({"RANK": str(r), "WORLD_SIZE": "4", "LOCAL_RANK": str(r),
+                       "PYTHONPATH": os.pathsep.join(sys.path)})
+        procs.append(subprocess.Popen(
+            [sys.executable, "-c", _CRASHING_RANK, str(root), str(spool),
+             "kill" if r == 3 else "raise"], env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True))
+    assert procs[3].stdout is not None and procs[3].stdout.readline() == "ready\n"
+    procs[3].kill()
+    for p in procs:
+        p.wait(60)
+    assert [p.returncode for p in procs] == [1, 1, 1, -9]
+    config = write_config(tmp_path / "exprd.toml", spool, state, [root])
+    done = subprocess.run([*EXPRD, "--config", str(config), "--once"], capture_output=True,
+                          text=True, timeout=120, env=env_for({"PYTHONPATH": os.pathsep.join(sys.path)}))
+    assert done.returncode == 0, done.stderr
+    shards = json.loads(expr(root, "shards", "proj/boom", "--json"))
+    assert sorted(s["status"] for s in shards) == ["crashed"] * 4, shards
+    doc = json.loads(expr(root, "status", "--state", str(state), "--json"))
+    totals = doc["totals"]
+    assert (totals["crashed"], totals["finished"]) == (4, 0), totals
+    text = expr(root, "status", "--state", str(state))
+    assert "0 finished, 4 crashed" in text and "ended here: proj/boom 4 crashed" in text, text
