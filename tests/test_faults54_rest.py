@@ -219,3 +219,48 @@ def test_status_counts_what_expr_shards_says_of_a_crashed_job(tmp_path: Path) ->
     assert (totals["crashed"], totals["finished"]) == (4, 0), totals
     text = expr(root, "status", "--state", str(state))
     assert "0 finished, 4 crashed" in text and "ended here: proj/boom 4 crashed" in text, text
+
+
+_SHARED_RANK = """
+import os, sys, time
+import expr_tracker as et
+et.init("proj", "shared", dir=sys.argv[1], rank_aware=False)
+for k in range(10 + 5 * int(os.environ["RANK"])):
+    et.log({"loss": 1.0 / (k + 1)})
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_top_shows_the_ranks_a_shared_file_holds(tmp_path: Path) -> None:
+    """Three live ranks of a `rank_aware=False` job append to one file (rows with `_rank`):
+    `expr top` shows the three, each at its own step (was one rank, at the file's last)."""
+    from tests.procs import env_for
+
+    root = tmp_path / "runs"
+    procs = [subprocess.Popen([sys.executable, "-c", _SHARED_RANK, str(root)],
+                              env=env_for({"RANK": str(r), "WORLD_SIZE": "3", "LOCAL_RANK": str(r),
+                                           "PYTHONPATH": os.pathsep.join(sys.path)}),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(3)]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline() == "ready\n", p.stderr
+        shard = root / "proj" / "shared" / "metrics.jsonl"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # every rank's rows flushed (a few seconds)
+            rows = [json.loads(x) for x in shard.read_text().splitlines()] if shard.exists() else []
+            if sum("_kind" not in x for x in rows) == 10 + 15 + 20:
+                break
+            time.sleep(0.2)
+        assert [p.name for p in shard.parent.glob("metrics*.jsonl")] == ["metrics.jsonl"]
+        top = json.loads(expr(root, "top", "--once", "--json", "proj/shared"))
+        text = expr(root, "top", "--once", "proj/shared")
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    got = sorted((r["rank"], r["step"], r["status"]) for r in top["ranks"])
+    assert got == [(0, 9, "running"), (1, 14, "running"), (2, 19, "running")], top["ranks"]
+    assert (top["live"], top["frontier"], top["lead"]) == (3, 9, 19), top
+    assert "3 ranks, 3 live" in text, text
