@@ -264,3 +264,37 @@ def test_top_shows_the_ranks_a_shared_file_holds(tmp_path: Path) -> None:
     assert got == [(0, 9, "running"), (1, 14, "running"), (2, 19, "running")], top["ranks"]
     assert (top["live"], top["frontier"], top["lead"]) == (3, 9, 19), top
     assert "3 ranks, 3 live" in text, text
+
+
+def test_tail_all_ranks_prints_live_rows_in_step_order(tmp_path: Path) -> None:
+    """Two ranks flush at their own times: rank 0's steps 1-8 are read a poll before rank
+    1's. `expr tail --rank all` prints the live rows in step order (was 1-8 of rank 0,
+    then 1-8 of rank 1)."""
+    import signal
+
+    run = tmp_path / "proj" / "flush"
+    run.mkdir(parents=True)
+
+    def write(rank: int, steps: range) -> None:
+        with open(run / f"{_stem(rank)}.jsonl", "a") as f:
+            f.write("".join(json.dumps({"_step": s, "_time": time.time(), "loss": 1.0}) + "\n"
+                            for s in steps))
+
+    for r in range(2):
+        write(r, range(1))
+    proc = subprocess.Popen([sys.executable, "-c", "from expr_cli.main import entry; entry()",
+                             "tail", "proj/flush", "--rank", "all", "--json", "-n", "0"],
+                            env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stderr is not None and "following" in proc.stderr.readline()
+        write(0, range(1, 9))
+        time.sleep(0.4)  # a poll (woken by the write) reads rank 0's rows alone
+        write(1, range(1, 9))
+        time.sleep(3.0)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    got = [(x["_step"], x["_rank"]) for x in map(json.loads, out.splitlines())]
+    assert sorted(got) == [(s, r) for s in range(1, 9) for r in range(2)], got
+    assert got == sorted(got), got
