@@ -288,8 +288,9 @@ def test_tail_all_ranks_prints_live_rows_in_step_order(tmp_path: Path) -> None:
                             text=True)
     try:
         assert proc.stderr is not None and "following" in proc.stderr.readline()
+        time.sleep(1.0)  # its file watch set up (it starts after that line)
         write(0, range(1, 9))
-        time.sleep(0.4)  # a poll (woken by the write) reads rank 0's rows alone
+        time.sleep(0.5)  # a poll (woken by the write) reads rank 0's rows alone
         write(1, range(1, 9))
         time.sleep(3.0)
     finally:
