@@ -130,6 +130,11 @@ class DaemonHealth:
     def _watch(self, run_dir: Path, stream: str | None, until: float) -> None:
         key = (run_dir, stream)
         if key not in self.watchers:
+            if not os.path.isdir(run_dir):
+                # a job's start: no row applied yet. Watched once it is there (a watcher
+                # made now was dropped at its pass and made again, logged each time:
+                # "watching health of" 5 times at a job's start, issue 54)
+                return
             watcher = self.watchers[key] = Watcher(run_dir, self.cfg, self.dispatcher, stream=stream)
             log.info("watching health of %s%s%s", run_dir, f" (stream {stream})" if stream else "",
                      f"; {watcher.cache_note}" if watcher.cache_note else "")

@@ -299,3 +299,42 @@ def test_tail_all_ranks_prints_live_rows_in_step_order(tmp_path: Path) -> None:
     got = [(x["_step"], x["_rank"]) for x in map(json.loads, out.splitlines())]
     assert sorted(got) == [(s, r) for s in range(1, 9) for r in range(2)], got
     assert got == sorted(got), got
+
+
+_SLOW_START = """
+import sys, time
+import expr_tracker as et
+et.init("proj", "slow", dir=sys.argv[1], upload_mode="spool", spool_dir=sys.argv[2])
+time.sleep(3)  # a job's start: its run directory not there yet (no row applied)
+for k in range(5):
+    et.log({"loss": 1.0 / (k + 1)})
+    time.sleep(0.2)
+et.finish()
+"""
+
+
+def test_exprd_says_it_watches_a_runs_health_once(tmp_path: Path) -> None:
+    """A spooled job whose first rows come a few seconds after its start: exprd logs
+    "watching health of" once (was once per health interval until its directory was
+    there, 5 times)."""
+    from tests.procs import env_for
+    from tests.test_daemon import start_exprd, stop, wait_ready, write_config
+
+    spool, root, state = tmp_path / "spool", tmp_path / "runs", tmp_path / "state"
+    config = write_config(tmp_path / "exprd.toml", spool, state, [root])
+    log = tmp_path / "exprd.log"
+    env = {"PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = start_exprd(config, log=log, env=env)
+    try:
+        wait_ready(state, proc)
+        job = subprocess.run([sys.executable, "-c", _SLOW_START, str(root), str(spool)],
+                             env=env_for(env), capture_output=True, text=True, timeout=60)
+        assert job.returncode == 0, job.stderr
+        deadline = time.monotonic() + 20
+        while "watching health of" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)
+    finally:
+        stop(proc)
+    said = [x for x in log.read_text().splitlines() if "watching health of" in x]
+    assert len(said) == 1, "\n".join(said)
