@@ -338,3 +338,42 @@ def test_exprd_says_it_watches_a_runs_health_once(tmp_path: Path) -> None:
         stop(proc)
     said = [x for x in log.read_text().splitlines() if "watching health of" in x]
     assert len(said) == 1, "\n".join(said)
+
+
+def test_top_prints_nothing_more_after_ctrl_c(tmp_path: Path) -> None:
+    """`expr top` in a terminal (a pty): Ctrl-C leaves the last frame as it is and exits
+    130; it does not draw the frame again (that repeated its header below the old one)."""
+    import pty
+    import select
+
+    write_run(tmp_path / "proj" / "view", 4, 20)
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: `expr top` on the pty
+        os.execve(sys.executable, [sys.executable, "-c", "from expr_cli.main import entry; entry()",
+                                   "top", "proj/view", "--refresh", "60"],
+                  {**_env(tmp_path), "TERM": "xterm", "LINES": "40"})
+
+    def read(quiet: float) -> bytes:
+        out = b""
+        while select.select([fd], [], [], quiet)[0]:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # EIO: the child is gone
+                break
+            if not chunk:
+                break
+            out += chunk
+        return out
+
+    first = b""
+    deadline = time.monotonic() + 60
+    while b"proj/view" not in first and time.monotonic() < deadline:
+        first += read(1.0)
+    first += read(1.0)  # the whole first frame, then quiet (the next is 60 s away)
+    assert b"proj/view" in first, first
+    os.write(fd, b"\x03")  # Ctrl-C as a terminal sends it: SIGINT to the foreground group
+    after = read(5.0)
+    _, status = os.waitpid(pid, 0)
+    os.close(fd)
+    assert os.waitstatus_to_exitcode(status) == 130
+    assert b"proj/view" not in after and b"rank" not in after, after
