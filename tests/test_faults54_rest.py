@@ -377,3 +377,40 @@ def test_top_prints_nothing_more_after_ctrl_c(tmp_path: Path) -> None:
     os.close(fd)
     assert os.waitstatus_to_exitcode(status) == 130
     assert b"proj/view" not in after and b"rank" not in after, after
+
+
+def test_exprd_stopping_resolves_the_incidents_of_a_run_that_ended(tmp_path: Path) -> None:
+    """`make demo`'s run: 4 spooled ranks, rank 2 a straggler (an incident exprd opens);
+    the job finishes and exprd is stopped at once. Its last pass resolves the straggler
+    ("run ended"): nothing is left open on the finished run (was: open, resolved by the
+    next watcher as "open 42m")."""
+    from expr_tracker.health.watch import open_incidents
+    from tests.procs import env_for
+    from tests.test_daemon import start_exprd, stop, wait_ready, write_config
+
+    spool, root, state = tmp_path / "spool", tmp_path / "runs", tmp_path / "state"
+    config = write_config(tmp_path / "exprd.toml", spool, state, [root])
+    env = {"PYTHONPATH": os.pathsep.join(sys.path), "EXPR_DIR": str(root),
+           "EXPR_SPOOL": str(spool), "EXPR_MODE": "spool", "WORLD_SIZE": "4"}
+    proc = start_exprd(config, log=tmp_path / "exprd.log", env=env)
+    run = root / "demo" / "sft-1"
+    train = Path(__file__).resolve().parent.parent / "examples" / "train.py"
+    try:
+        wait_ready(state, proc)
+        ranks = [subprocess.Popen([sys.executable, str(train), "--steps", "60", "--slow-rank",
+                                   "2", "--sleep", "0.04"],
+                                  env=env_for({**env, "RANK": str(r), "LOCAL_RANK": str(r)}),
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                 for r in range(4)]
+        assert [p.wait(120) for p in ranks] == [0] * 4
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # as the demo waits: every shard finished
+            metas = [json.loads(p.read_text()) for p in run.glob("metrics*.meta.json")]
+            if len(metas) == 4 and all(m.get("status") == "finished" for m in metas):
+                break
+            time.sleep(0.2)
+    finally:
+        assert stop(proc, 15) == 0
+    lines = _incident_lines(run)
+    assert any(x["kind"] == "straggler" for x in lines), lines  # (the test has a straggler)
+    assert open_incidents(run) == [], [x for x in lines if x["state"] == "open"]
