@@ -25,6 +25,12 @@ class FileTail:
     state: str = "new"  # new | live | rolled (its session goes on in its next segment) |
     # finished | crashed | refused
     reason: str = ""
+    # how its session ended, when it ended in this file: "finished" or "crashed" (a finish
+    # event's status, or its writer found gone). `state` says what exprd does with the
+    # file ("finished": read to its finish event, whatever its status); `expr status`
+    # counts by this, as `expr shards` tells the shards (issue 54: a job whose 4 shards
+    # crashed read "11 finished, 1 crashed")
+    ended: str = ""
     host: str = ""
     pid: int | None = None
     pid_start: int | None = None
@@ -66,6 +72,8 @@ class FileTail:
                                "pid_start": self.pid_start}
         if self.reason:
             out["reason"] = self.reason
+        if self.ended and state == self.state:
+            out["ended"] = self.ended
         if self.backends:
             out["backends"] = dict(self.backends)
         return out

@@ -22,6 +22,7 @@ delivered there, else a `health` line of its own.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
@@ -130,6 +131,11 @@ class DaemonHealth:
     def _watch(self, run_dir: Path, stream: str | None, until: float) -> None:
         key = (run_dir, stream)
         if key not in self.watchers:
+            if not os.path.isdir(run_dir):
+                # a job's start: no row applied yet. Watched once it is there (a watcher
+                # made now was dropped at its pass and made again, logged each time:
+                # "watching health of" 5 times at a job's start, issue 54)
+                return
             watcher = self.watchers[key] = Watcher(run_dir, self.cfg, self.dispatcher, stream=stream)
             log.info("watching health of %s%s%s", run_dir, f" (stream {stream})" if stream else "",
                      f"; {watcher.cache_note}" if watcher.cache_note else "")
@@ -163,6 +169,16 @@ class DaemonHealth:
             if cause not in self._warned:
                 self._warned.add(cause)
                 log.warning("looking for direct-mode runs under the watch roots failed: %s", exc)
+
+    def final(self, now: float) -> int:
+        """One more pass over every run watched (exprd stopping, its shards flushed): a
+        run that ended since its last pass has its incidents resolved ("run ended") now,
+        not left open for the next watcher to resolve as "open 42m" (issue 54: `make
+        demo`'s straggler). No new run is looked for."""
+        for key in self.watchers:
+            self._due[key] = -math.inf
+        self._next = math.inf
+        return self.tick(now)
 
     def tick(self, now: float, tails: Iterable[Any] = ()) -> int:
         """A pass over each watched run that is due; returns the incidents recorded."""

@@ -460,6 +460,8 @@ class Daemon:
         if self.watcher is not None:
             self.watcher.stop()
         self.tailer.close(timeout=DRAIN_SECONDS / 2)
+        if self.health is not None:
+            self.health.final(time.monotonic())
         if self.dispatcher is not None:
             self.dispatcher.close(DRAIN_SECONDS / 3)
         self.status(wait=True)

@@ -82,7 +82,7 @@ def check_crash(tailer: Tailer, tail: FileTail, now: float,
                     tail.run.spec.paths.shard if tail.run else "its shard")
     if tail.run is not None:
         tail.run.finish("crashed", now)
-    tail.state = "crashed"
+    tail.state = tail.ended = "crashed"
     _cut_zeros(tailer, tail)
 
 

@@ -46,6 +46,8 @@ def build(tailer: Tailer, *, started: float, mode: str, dispatcher: Any = None,
         }
         if tail.reason:
             entry["reason"] = tail.reason
+        if tail.ended:
+            entry["ended"] = tail.ended
         if tail.replaced is not None and tail.replaced[0] == "rotated":
             # a new file took the name: what it brought (a copy repeats what was applied)
             entry["replaced"] = {"applied": tail.applied - tail.replaced[1],
@@ -67,7 +69,10 @@ def build(tailer: Tailer, *, started: float, mode: str, dispatcher: Any = None,
                     agg[k] += int(stats.get(k, 0))
         files[key] = entry
         totals["files"] += 1
-        totals[tail.state] = totals.get(tail.state, 0) + 1
+        # a file read to a finish event that says crashed counts as crashed: the numbers
+        # are the sessions' ends, as `expr shards` tells the shards
+        counted = tail.ended if tail.state in ("finished", "crashed") and tail.ended else tail.state
+        totals[counted] = totals.get(counted, 0) + 1
         totals["lag_bytes"] += entry["lag_bytes"]
         totals["applied"] += tail.applied
         totals["skipped"] += tail.skipped

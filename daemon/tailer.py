@@ -160,6 +160,8 @@ class Tailer:
             tail.seq = tail.committed_seq = int(cp.get("seq", -1))
             tail.state = str(cp.get("state", "new"))
             tail.reason = str(cp.get("reason", ""))
+            ended = cp.get("ended")
+            tail.ended = ended if ended in ("finished", "crashed") else ""
             tail.host, tail.pid = str(cp.get("host", "")), cp.get("pid")
             tail.pid_start = cp.get("pid_start")
             tail.backends = {str(k): int(v) for k, v in (cp.get("backends") or {}).items()}
@@ -715,10 +717,11 @@ class Tailer:
             run.spans(ev, seq)
         elif kind == "finish":
             when = ev.get("_time")
-            run.finish(str(ev.get("status") or "finished"),
-                       float(when) if isinstance(when, (int, float)) else time.time(), seq,
-                       ev.get("exit"), ev.get("summary"))
+            status = str(ev.get("status") or "finished")
+            run.finish(status, float(when) if isinstance(when, (int, float)) else time.time(),
+                       seq, ev.get("exit"), ev.get("summary"))
             tail.state = "finished"
+            tail.ended = "crashed" if status == "crashed" else "finished"
         else:
             # an event of a newer SDK: skipped (and kept in quarantine), the file goes on
             self.log_bad(tail, start, end, f"unknown event {kind!r}")

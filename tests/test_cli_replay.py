@@ -117,7 +117,7 @@ def test_status_shows_the_daemon_status(tmp_path: Path, invoke) -> None:  # type
     exprd_once(write_config(tmp_path / "exprd.toml", spool, state, [root]))
     res = invoke("status", "--state", str(state))
     assert res.exit_code == 0, res.output
-    assert "2 files: 0 live, 2 finished" in res.output
+    assert "2 spool files: 0 live, 0 rolled over, 2 finished" in res.output
     lines = res.output.splitlines()
     # each file under its run's line, named by the rest of its path
     at = lines.index("proj/a")
@@ -148,7 +148,7 @@ def test_status_finds_the_state_directory_from_the_spools_heartbeat(
     finally:
         stop(proc)
     assert res.exit_code == 0, res.output
-    assert "2 files: 0 live, 2 finished" in res.output
+    assert "2 spool files: 0 live, 0 rolled over, 2 finished" in res.output
     # a finished file: every event it holds is in its shard, and no spooled run is waiting
     lines = res.output.splitlines()
     row = lines[lines.index("proj/a") + 1].split()

@@ -40,6 +40,10 @@ from expr_cli.resolve import (
 from expr_tracker.store import records
 
 POLL = 0.5  # seconds between polls when no file event arrives
+# --rank all: a new row is held until every rank's rows reached its step (ranks flush at
+# their own times: printed as read, rows came up to 8 steps out of order, issue 54), or
+# this long, so a rank that stopped or lags holds the others back no more
+HOLD = 1.0
 _BLOCK = 256 * 1024
 
 Keep = Callable[[dict[str, Any]], "dict[str, Any] | None"]
@@ -152,6 +156,8 @@ class Tail:
         self.keep = keep
         self.followers = {s.path.name: Follower(s, keep) for s in shards}
         self.warned = False
+        self.held: list[tuple[float, int, dict[str, Any]]] = []  # (read at, rank, row)
+        self.reached: dict[str, int] = {}  # follower -> the largest step of its rows read
 
     def emit(self, batch: list[tuple[int, dict[str, Any]]]) -> None:
         from expr_cli import render
@@ -176,9 +182,18 @@ class Tail:
 
     def start(self, n: int) -> None:
         """Print the last `n` rows of each shard (of each rank with --rank all)."""
-        batch = [(_row_rank(f, rec), rec) for f in self.followers.values() for rec in f.last(n)]
+        batch = []
+        for name, f in self.followers.items():
+            rows = f.last(max(n, 1))
+            self._reach(name, rows)
+            batch += [(_row_rank(f, rec), rec) for rec in rows[-n:]] if n > 0 else []
         batch.sort(key=_order)
-        self.emit(batch if n > 0 else [])
+        self.emit(batch)
+
+    def _reach(self, name: str, rows: list[dict[str, Any]]) -> None:
+        steps = [s for rec in rows if type(s := rec.get("_step")) is int]
+        if steps:
+            self.reached[name] = max(self.reached.get(name, -1), *steps)
 
     def poll(self) -> None:
         """Print what was appended since the last poll; pick up shards of new ranks."""
@@ -189,9 +204,30 @@ class Tail:
                         self.followers[s.path.name] = Follower(s, self.keep)
             except (CLIError, OSError):  # a run directory that vanished: keep what we have
                 pass
-        batch = [(_row_rank(f, rec), rec) for f in self.followers.values() for rec in f.new()]
-        if batch:
-            self.emit(batch)
+        if not self.all_ranks:
+            batch = [(_row_rank(f, rec), rec) for f in self.followers.values() for rec in f.new()]
+            if batch:
+                self.emit(batch)
+            return
+        now = time.monotonic()
+        for name, f in list(self.followers.items()):
+            rows = f.new()
+            self._reach(name, rows)
+            self.held += [(now, _row_rank(f, rec), rec) for rec in rows]
+        if not self.held:
+            return
+        # the step every rank's rows reached (a rank with no row yet holds nothing back)
+        upto = min(self.reached.values(), default=-1)
+        out, keep = [], []
+        for item in self.held:
+            step = item[2].get("_step")
+            if type(step) is not int or step <= upto or now - item[0] >= HOLD:
+                out.append(item[1:])
+            else:
+                keep.append(item)
+        self.held = keep
+        if out:
+            self.emit(out)
 
     def follow(self) -> None:
         """Poll until Ctrl-C, woken early by file events on the run directory."""

@@ -194,8 +194,10 @@ def _shard_row(ref: ShardRef, meta: dict[str, Any] | None, corrupt: bool, size: 
 _STATUS_ORDER = ("crashed", "stale", "running", "finished")
 
 
-def run_row(label: str, path: str, shard_rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """One run's line from the inspection of its shards."""
+def run_row(label: str, path: str, shard_rows: list[dict[str, Any]],
+            offset: float = 0.0) -> dict[str, Any]:
+    """One run's line from the inspection of its shards; its times on the reader's clock
+    (`offset`: the filesystem's clock minus ours, `health.clock.fs_offset`)."""
     project, name = label.split("/", 1)
     statuses = {r["status"] for r in shard_rows}
     status = next((s for s in _STATUS_ORDER if s in statuses), None)
@@ -213,11 +215,15 @@ def run_row(label: str, path: str, shard_rows: list[dict[str, Any]]) -> dict[str
         "shards": len(shard_rows),
         "last_step": max(steps) if steps else None,
         "status": status,
-        "last_write": max((r["last_write"] for r in shard_rows), default=None),
+        "last_write": _ours(max((r["last_write"] for r in shard_rows), default=None), offset),
         # the job's newest step row, of its running shards
-        "last_step_at": max((t for r in shard_rows if (t := r.get("last_step_at")) is not None),
-                            default=None),
+        "last_step_at": _ours(max((t for r in shard_rows if (t := r.get("last_step_at"))
+                                   is not None), default=None), offset),
     }
+
+
+def _ours(t: float | None, offset: float) -> float | None:
+    return None if t is None else t - offset
 
 
 
@@ -234,9 +240,13 @@ def runs_data(root: Path) -> list[dict[str, Any]]:
     big run are inspected in worker processes too (a tail read and a sidecar each: 2-3 s
     of one core at 16,384 ranks)."""
     from expr_tracker.gcpause import paused_gc
+    from expr_tracker.health.clock import dir_fs_offset
     from expr_tracker.stats import parallel
 
     found = list_runs(root) if root.is_dir() else []
+    # mtimes are the filesystem's clock: moved onto ours, so that "last write 5s ago" holds
+    # on a login node whose clock is off (issue 54: an hour ahead read "1h ago")
+    offset = (dir_fs_offset(root) or 0.0) if found else 0.0
     out = []
     for r in found:
         shards = list_shards(r)
@@ -245,7 +255,7 @@ def runs_data(root: Path) -> list[dict[str, Any]]:
         else:
             with paused_gc():
                 rows = parallel.map_forked(_inspect_all, shards)
-        row = run_row(r.label, str(r.path), rows)
+        row = run_row(r.label, str(r.path), rows, offset)
         _with_incidents(row, r.path)
         out.append(row)
     return out

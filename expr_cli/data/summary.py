@@ -145,7 +145,18 @@ def _why(reason: str, at: int, state: RunState | None) -> str:
     live = len(state.live) if state is not None else 0
     front = state.frontier if state is not None else None
     if reason == "frontier" and live and front is not None:
-        why = f"the frontier: the latest step all {live:,} live ranks reported"
+        assert state is not None
+        # a live rank with no step yet does not hold the frontier back (DESIGN 13): said,
+        # so that "all N live ranks" never stands beside one of them missing (issue 54)
+        none = [rs.rank for rs in state.live if rs.last_step is None]
+        from expr_tracker.ranks import compact
+
+        if none:
+            why = (f"the frontier: the latest step all {live - len(none):,} live ranks with "
+                   f"steps reported (rank{'s' if len(none) != 1 else ''} {compact(none)} "
+                   f"live, no step yet)")
+        else:
+            why = f"the frontier: the latest step all {live:,} live ranks reported"
         return why if at == front else f"{why} is {front}; the last with these metrics"
     if reason == "frontier":
         return "no rank is live: the latest step with these metrics"

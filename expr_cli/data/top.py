@@ -156,6 +156,12 @@ class TopView:
         self.cfg = watcher.cfg  # (`fs_cache` resolved)
         self.memory = Memory()
         self.log = IncidentLog(ref.path)
+        # files not seen change yet are dated by their mtimes on the filesystem's clock,
+        # as `expr watch` does (issue 54: a login node an hour ahead read a healthy job
+        # as "stalled 60m")
+        from expr_tracker.health.clock import dir_fs_offset
+
+        self.reader.fs_offset = dir_fs_offset(ref.path) or 0.0
 
     def __call__(self, state: Any = None) -> dict[str, Any]:
         """One frame; `state`: this pass's live state when the caller read it already
@@ -207,13 +213,18 @@ class TopView:
                 "incident": min((k for k, v in _SEVERITY.items() if v == worst.get(rs.rank)), default=None),
                 **({"metric": _metric(state, rs, self.metric)} if self.metric else {}),
             })
+        rows = _shared_rows(rows, state)
         # the rank that failed first (the crash's root) leads the crashed ones
         root = (first_crash(state) or {}).get("rank") if any(
             rs.status == "crashed" for rs in state.ranks.values()) else None
         rows.sort(key=lambda r: (worst.get(r["rank"], 9), r["rank"] != root, r["status"] == "finished",
                                  -(r["behind"] or 0), r["steps_per_s"] or 0.0, r["rank"]))
+        frontier, lead = state.frontier, state.lead
+        if any("file_rank" in r for r in rows):  # a shared file's ranks: by their rows
+            steps = [r["step"] for r in rows if r["status"] == "running" and r["step"] is not None]
+            frontier, lead = (min(steps), max(steps)) if steps else (frontier, lead)
         return {
-            "run": self.ref.label, "frontier": state.frontier, "lead": state.lead,
+            "run": self.ref.label, "frontier": frontier, "lead": lead,
             # a lost node's or a job-wide silence's ranks are not live (as in their rows)
             "live": sum(r["status"] == "running" for r in rows), "world_size": state.world_size,
             "metric": self.metric,
@@ -243,6 +254,58 @@ class TopView:
             return
         self.recorded.update(i.id for i in done if i.state == "open")
         self.recorded.difference_update(i.id for i in done if i.state == "resolved")
+
+
+# a shared file's tail read for the last step of each rank it holds: at most this many
+# records (newest first), fewer once every rank of its world size was seen
+SHARED_RECORDS = 200_000
+
+
+def shared_steps(rs: Any) -> dict[int, tuple[int, float | None]]:
+    """A shared `rank_aware=False` file (every rank appends to the rank-0 name, its step
+    rows carry `_rank`): by `_rank`, the last step of its rows and that row's `_time`,
+    from the file's tail; {} for a file of one rank."""
+    from expr_tracker.store.reader import ShardReader
+
+    last = rs.last_row
+    if not isinstance(last, dict) or type(last.get("_rank")) is not int:
+        return {}
+    out: dict[int, tuple[int, float | None]] = {}
+    want = rs.world_size or 0
+    try:
+        for n, rec in enumerate(ShardReader(rs.path).iter_reverse()):
+            r, step = rec.get("_rank"), rec.get("_step")
+            if rec.get("_kind") is None and type(r) is int and type(step) is int and r not in out:
+                t = rec.get("_time")
+                out[r] = (step, float(t) if isinstance(t, (int, float)) else None)
+                if want and len(out) >= want:
+                    break
+            if n >= SHARED_RECORDS:
+                break
+    except OSError:
+        return {}
+    return out if len(out) > 1 else {}
+
+
+def _shared_rows(rows: list[dict[str, Any]], state: Any) -> list[dict[str, Any]]:
+    """Each row of a shared file (issue 54: shown as one rank) as a row per rank it holds:
+    its last step, the file's status and write age; `file_rank` names the file's rank."""
+    out = []
+    for row in rows:
+        rs = state.ranks.get(row["rank"])
+        held = shared_steps(rs) if rs is not None and rs.live else {}
+        if not held:
+            out.append(row)
+            continue
+        lead = max(step for step, _ in held.values())
+        for r, (step, _) in sorted(held.items()):
+            mine = r == row["rank"]
+            # (no steps/s: the file's rows interleave its ranks' steps; the hosts of the
+            # other ranks are not in the file)
+            out.append({**row, "rank": r, "step": step, "behind": lead - step,
+                        "host": row["host"] if mine else None, "pid": row["pid"] if mine else None,
+                        "steps_per_s": None, "file_rank": row["rank"]})
+    return out
 
 
 def _counts(rows: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
@@ -276,8 +339,8 @@ def _nodes(rows: list[dict[str, Any]], state: Any) -> list[dict[str, Any]]:
     order = {"crashed": 0, "running": 1, "finished": 2}
     by: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
-        rs = state.ranks[r["rank"]]
-        node = rs.host or (f"node{r['rank'] // rs.local_world_size}" if rs.local_world_size else "?")
+        rs = state.ranks[r.get("file_rank", r["rank"])]
+        node = (r["host"] if "file_rank" in r else rs.host) or (f"node{r['rank'] // rs.local_world_size}" if rs.local_world_size else "?")
         by.setdefault(node, []).append(r)
     out = []
     for node, members in by.items():

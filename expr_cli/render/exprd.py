@@ -32,6 +32,8 @@ def file_rows(files: Mapping[str, Mapping[str, Any]], spool: str) -> list[dict[s
         rel = os.path.relpath(path, spool) if spool and path.startswith(spool) else path
         run, _, name = rel.rpartition(os.sep)
         raw = str(f.get("state"))
+        if raw in ("finished", "crashed") and f.get("ended") in ("finished", "crashed"):
+            raw = str(f["ended"])  # how its session ended, as `expr shards` says
         state = "blocked" if f.get("blocked") else raw
         rows.append({
             "run": run, "file": name.removesuffix(".jsonl"), "path": rel,
@@ -66,9 +68,15 @@ def status(doc: Mapping[str, Any], running: bool) -> None:
                    f"updated {fmt_age(doc.get('updated'))}, {doc.get('mode')}, "
                    f"spool {doc.get('spool')}", style="bold"))
     out.print(Text(
-        f"{totals.get('files', 0)} files: {totals.get('live', 0)} live, "
+        f"{totals.get('files', 0)} spool files: {totals.get('live', 0)} live, "
+        f"{totals.get('rolled', 0)} rolled over, "
         f"{totals.get('finished', 0)} finished, {totals.get('crashed', 0)} crashed, "
         f"{totals.get('refused', 0)} refused, {totals.get('blocked', 0)} blocked", style="dim"))
+    ended = _ended_by_run(doc.get("files", {}), str(doc.get("spool") or ""))
+    if ended:  # what a user checks against `expr shards RUN`: its sessions' ends
+        out.print(Text("ended here: " + "; ".join(
+            f"{run} {', '.join(f'{n} {k}' for k, n in sorted(c.items()))}"
+            for run, c in ended.items()), style="dim"), soft_wrap=True)
     out.print(Text(f"lag {fmt_bytes(totals.get('lag_bytes', 0))}; "
                    f"{totals.get('quarantined', 0)} quarantined", style="dim"))
     rows = file_rows(doc.get("files", {}), str(doc.get("spool") or ""))
@@ -78,6 +86,20 @@ def status(doc: Mapping[str, Any], running: bool) -> None:
         if r["why"]:
             out.print(Text(f"{r['path']}: {r['why']}", style="red" if r["blocked"] else "dim"),
                       soft_wrap=True)
+
+
+def _ended_by_run(files: Mapping[str, Mapping[str, Any]], spool: str) -> dict[str, dict[str, int]]:
+    """By run (its directory under the spool): how many sessions ended in its files,
+    finished or crashed (a session ends in one file, its last segment)."""
+    out: dict[str, dict[str, int]] = {}
+    for path, f in files.items():
+        ended = f.get("ended")
+        if ended not in ("finished", "crashed"):
+            continue
+        rel = os.path.relpath(path, spool) if spool and path.startswith(spool) else path
+        c = out.setdefault(rel.rpartition(os.sep)[0] or ".", {})
+        c[ended] = c.get(ended, 0) + 1
+    return dict(sorted(out.items()))
 
 
 def refused(paths: Mapping[str, str], files: Mapping[str, Any]) -> None:

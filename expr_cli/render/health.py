@@ -246,9 +246,17 @@ def top_live(frames: Any, refresh: float, agg: str = "worst") -> None:
 
     out = console()
     with Live(console=out, auto_refresh=False, screen=False, transient=False) as live:
-        while True:
-            live.update(top_frame(frames(), out.size.height - 1, agg, out.size.width), refresh=True)
-            time.sleep(refresh)
+        try:
+            while True:
+                live.update(top_frame(frames(), out.size.height - 1, agg, out.size.width),
+                            refresh=True)
+                time.sleep(refresh)
+        except KeyboardInterrupt:
+            # the last frame stays as drawn: `Live.stop` would draw it again, from where
+            # the terminal's "^C" echo left the cursor (a line lower when it wrapped: the
+            # header twice, issue 54)
+            live.refresh = lambda: None  # type: ignore[method-assign]
+            raise
 
 
 def age_now(t: float | None) -> float | None:

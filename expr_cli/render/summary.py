@@ -154,7 +154,8 @@ def _narrow_width(width: int, world: int, stats: Sequence[Mapping[str, Any]]) ->
 
 def _behind_text(behind: Sequence[Mapping[str, Any]]) -> str:
     if len(behind) <= LIST_RANKS:
-        parts = [f"{b['rank']} (step {fmt_cell(b['step'])}"
+        parts = [(f"{b['rank']} (step {fmt_cell(b['step'])}" if b["step"] is not None
+                  else f"{b['rank']} (no step yet")
                  + (f", {b['status']})" if b["status"] != "running" else ")") for b in behind]
         return f"behind: rank{'s' if len(parts) != 1 else ''} " + ", ".join(parts)
     return f"behind: {len(behind):,} ranks {compact_ranks([b['rank'] for b in behind])}"

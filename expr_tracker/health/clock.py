@@ -9,12 +9,14 @@ mtimes, moved onto its clock by the filesystem's offset (`fs_offset`: the mtime 
 it touched just now, minus its own time). So a single pass (`expr watch --once`) measures
 against the filesystem's time, a long-running watcher against its own clock.
 
-Nothing here writes but `fs_offset`, which touches one file it is handed.
+Nothing here writes but `fs_offset`, which touches one file it is handed (and
+`dir_fs_offset`, an unnamed one).
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -45,6 +47,41 @@ def fs_offset(fd: int) -> float | None:
     except OSError:
         return None
     return mtime - (before + after) / 2
+
+
+def dir_fs_offset(directory: str | os.PathLike[str]) -> float | None:
+    """`fs_offset` for a reader that records nothing (`expr top --once`, `expr runs`):
+    measured on an unnamed file in `directory` (O_TMPFILE: no name is ever seen and the
+    directory's listing does not change), else on its `incidents.jsonl` if one is there
+    (a watcher touches it the same way; never created here); None when neither can be
+    touched (a read-only root: then the reader's own clock). Under a second it is 0: the
+    measure's own jitter (mtimes are stamped from a coarse clock, milliseconds behind),
+    not a clock that is off, and two readers of one file then print the same times."""
+    offset = _touch_offset(directory)
+    return None if offset is None else (0.0 if abs(offset) < 1.0 else offset)
+
+
+def _touch_offset(directory: str | os.PathLike[str]) -> float | None:
+    flag = getattr(os, "O_TMPFILE", 0)
+    if flag:
+        try:
+            fd = os.open(directory, flag | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+        except OSError:
+            pass
+        else:
+            try:
+                return fs_offset(fd)
+            finally:
+                os.close(fd)
+    try:
+        fd = os.open(os.path.join(directory, "incidents.jsonl"),
+                     os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return fs_offset(fd) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    finally:
+        os.close(fd)
 
 
 class Seen:

@@ -403,7 +403,9 @@ def _alerts(state: RunState, suppressed: Iterable[Mapping[str, Any]]) -> list[Fi
         out.append(Finding(
             "alert", (rank,),
             f"{who}{title}{at}"
-            + f" (rule {a.get('rule')}; not delivered: rank {rank} is not the alerting rank)",
+            # (not "not delivered": this incident is what a watcher pages, and its line's
+            # `delivered` says whether it went out; issue 54)
+            + f" (rule {a.get('rule')}; held back by rank {rank}, not the alerting rank)",
             step, rs.host if rs else None, str(a.get("level") or "error")))
     return out
 

@@ -292,7 +292,7 @@ class IncidentLog:
                 if not ok:
                     self.failed += 1
                     continue  # a recovery nobody got: nothing to take over
-                line = replace(sent, delivered=True, paging=None)
+                line = replace(sent, delivered=True, recovery_delivered=True, paging=None)
             if not ok:
                 self.failed += 1
             self._write(fd, line)
@@ -338,6 +338,9 @@ class IncidentLog:
                         continue
                     inc.paging = None
                     was_paged = opened.delivered or inc.id in self.paged
+                    # the incident's page went out: every later line of it says so (its
+                    # recovery's page is `recovery_delivered`, true once a channel sent it)
+                    inc.delivered, inc.recovery_delivered = was_paged, False
                     if deliver is not None and was_paged:
                         self._offer(inc, deliver)
                 elif not self._fresh(inc):
@@ -382,7 +385,8 @@ class IncidentLog:
                 if opened is None:
                     continue
                 paged = opened.delivered or inc.id in self.paged
-                inc.delivered = paged and deliver is not None and deliver(inc)
+                inc.recovery_delivered = paged and deliver is not None and deliver(inc)
+                inc.delivered = paged
             elif not self._fresh(inc):
                 continue
             else:

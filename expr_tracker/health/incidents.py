@@ -74,6 +74,10 @@ class Incident:
     # raised on evidence (a stall whose probes name a culprit, or every rank waiting): paged
     # at once, as a crash or a lost node is; `page_after` holds for the rest (DESIGN 13)
     evidence: bool = False
+    # a resolution line: whether its recovery's page went out (`delivered` says the
+    # incident's own page did, carried to every later line of it: issue 54); None on an
+    # opening, and on resolutions written before this key (their `delivered` said it)
+    recovery_delivered: bool | None = None
 
     @property
     def key(self) -> tuple[str, tuple[int, ...]]:
@@ -106,6 +110,8 @@ class Incident:
             out["metric"] = self.metric
         if self.evidence:
             out["evidence"] = True
+        if self.recovery_delivered is not None:
+            out["recovery_delivered"] = self.recovery_delivered
         return out
 
     @classmethod
@@ -146,6 +152,8 @@ class Incident:
             by=line["by"] if isinstance(line.get("by"), str) else None,
             metric=line["metric"] if isinstance(line.get("metric"), str) else None,
             evidence=line.get("evidence") is True,
+            recovery_delivered=rd if isinstance(rd := line.get("recovery_delivered"), bool)
+            else None,
         )
 
 

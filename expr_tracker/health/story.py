@@ -59,12 +59,20 @@ def pages(run_dir: str | os.PathLike[str], limit: int = 200) -> list[dict[str, A
     and "resolved" for its recovery's."""
     out: dict[tuple[str, str], dict[str, Any]] = {}
     for inc in _lines(run_dir):
-        if inc.delivered and (inc.id, inc.state) not in out:
+        if _paged(inc) and (inc.id, inc.state) not in out:
             out[(inc.id, inc.state)] = {
                 "id": inc.id, "kind": inc.kind, "state": inc.state, "level": inc.level,
                 "ranks": list(inc.ranks[:MAX_RANKS]), "ranks_count": len(inc.ranks),
                 "step": inc.step, "detail": inc.detail, "time": inc.last_seen}
     return list(out.values())[-max(0, limit):] if limit else []
+
+
+def _paged(inc: Incident) -> bool:
+    """The page of this line's state went out: an opening's, or a resolution's recovery
+    (`recovery_delivered`; a resolution written before that key said it by `delivered`)."""
+    if inc.state == "open" or inc.recovery_delivered is None:
+        return inc.delivered
+    return inc.recovery_delivered
 
 
 def story(run_dir: str | os.PathLike[str], limit: int = 20) -> dict[str, Any]:
@@ -79,7 +87,9 @@ def story(run_dir: str | os.PathLike[str], limit: int = 20) -> dict[str, Any]:
     for inc in _lines(run_dir):
         first.setdefault(inc.id, inc)
         last[inc.id] = inc
-        if inc.delivered:
+        if inc.delivered and inc.recovery_delivered is not None:
+            paged.add(inc.id)  # (carried to a resolution: the incident's own page)
+        if _paged(inc):
             (paged if inc.state == "open" else recovered).add(inc.id)
     if not last:
         return {}

@@ -75,6 +75,13 @@ def _pushed(arr: array[Any], more: array[Any], window: int) -> array[Any]:
     return out
 
 
+def _sampled(rec: dict[str, Any]) -> bool:
+    """A system-metrics sample: not a step the rank reported (issue 54: a live rank whose
+    only record was its first sample, at step 0, held the frontier at 0 while the others
+    were at 39). Two lookups before the call: most rank records are not samples."""
+    return ("_source" in rec or "system/rss_mb" in rec) and is_sample(rec)
+
+
 def _series_value(v: Any) -> float:
     """A record's value as a float for a series (NaN when it is not a number)."""
     if v.__class__ is float:
@@ -230,7 +237,7 @@ class ShardTail:
                     by_rank[r] = [rec]
                 else:
                     group.append(rec)
-                if r != rank:
+                if r != rank or _sampled(rec):
                     continue
             else:
                 continue
@@ -366,7 +373,8 @@ class ShardTail:
                             else:
                                 group.append(rec)
                             oldest_at[r] = taken
-                            if r == rank and (mine is None or step > mine):
+                            if r == rank and (mine is None or step > mine) \
+                                    and not _sampled(rec):
                                 mine = step
                 taken += 1
                 if taken >= MAX_TAIL_LINES:
