@@ -39,7 +39,9 @@ def health_config(config: str | None, overrides: dict[str, Any]) -> Any:
             cfg = parse_health({key: value}, cfg)
         except ValueError as exc:
             flag = "--" + key.replace("_", "-")
-            raise CLIError(str(exc).replace(f"health: key {key!r}", f"option {flag}"), 2) from None
+            # (the key is quoted by the table's checks, bare by the one duration parser)
+            text = str(exc).replace(f"health: key {key!r}", f"option {flag}")
+            raise CLIError(text.replace(f"health: key {key}", f"option {flag}"), 2) from None
     return cfg
 
 
