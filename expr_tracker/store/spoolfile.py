@@ -60,15 +60,36 @@ def spool_files_of(spool_dir: Path, stem: str) -> list[Path]:
         names = [n for n in os.listdir(spool_dir) if pattern.match(n)]
     except OSError:
         return []
-    # sessions by the time of their oldest segment, a session's segments in their order
-    # (cutting a full segment at its roll makes it newer than the next one)
+    # sessions by the time their segments were opened (the init line's `_time`), a
+    # session's segments in their order: a file's mtime is its last write, and one
+    # session's finish and the next one's first row fall in one clock tick
     first: dict[str, float] = {}
     for n in names:
         base = spool_segment(n)[0]
-        t = _mtime(spool_dir / n)
+        t = _opened(spool_dir / n)
         first[base] = min(first.get(base, t), t)
     return [spool_dir / n for n in sorted(
         names, key=lambda n: (first[spool_segment(n)[0]], spool_segment(n)))]
+
+
+_OPENED = re.compile(rb'"_time":(-?[0-9][0-9.eE+-]*)')
+
+
+def _opened(path: Path) -> float:
+    """When the segment was opened: its init line's `_time` (orjson writes it third, in
+    the first hundred bytes), else its mtime."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(256)
+    except OSError:
+        return 0.0
+    m = _OPENED.search(head) if head.startswith(b'{"_event":"init"') else None
+    if m is not None:
+        try:
+            return float(m.group(1))
+        except ValueError:
+            pass
+    return _mtime(path)
 
 
 def _mtime(path: Path) -> float:
