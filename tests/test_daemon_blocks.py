@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 
-from expr_tracker.store import untrusted
+from expr_tracker.store import diskroom, untrusted
 from tests.test_daemon import _rewrite, exprd_once, lines_of, make_spool, write_config
 
 # lines a clean block can hold (no list, no nested object, a colon per key), each put in
@@ -52,9 +53,13 @@ def _good(rec: Any) -> bool:
     return True
 
 
-def test_runs_of_rows_land_as_the_full_check_says_row_for_row(tmp_path: Path) -> None:
+def test_runs_of_rows_land_as_the_full_check_says_row_for_row(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     spool, state, root = tmp_path / "spool", tmp_path / "state", tmp_path / "runs"
     n = 30_000
+    # one segment holds the session (the blocks of one file are what is read here;
+    # segments start at 64 KiB and grow otherwise)
+    monkeypatch.setattr(diskroom, "START_BYTES", 64 << 20)
     path = make_spool(spool, root, "blocks", n)
     sid = path.name.split(".")[-2]
     odd_at: dict[int, int] = {}  # line index -> kind of odd line

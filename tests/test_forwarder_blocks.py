@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from daemon.forwarder import Forwarder
-from expr_tracker.store import untrusted
+from expr_tracker.store import diskroom, untrusted
 from expr_tracker.store.records import DECODE_NONFINITE
 from tests.test_daemon import _rewrite, make_spool
 from tests.test_daemon_blocks import ODD
@@ -33,7 +33,14 @@ class Collect:
 
 
 def _spool(tmp_path: Path, n: int) -> Path:
-    path = make_spool(tmp_path / "spool", tmp_path / "runs", "fwd", n, system_metrics=False)
+    # one segment holds the session: the blocks of one file are what is read here
+    # (segments start at 64 KiB and grow otherwise)
+    start = diskroom.START_BYTES
+    diskroom.START_BYTES = 64 << 20
+    try:
+        path = make_spool(tmp_path / "spool", tmp_path / "runs", "fwd", n, system_metrics=False)
+    finally:
+        diskroom.START_BYTES = start
 
     def edit(lines: list[bytes]) -> list[bytes]:
         out = list(lines)
