@@ -236,11 +236,31 @@ def _root(info: Mapping[str, Any]) -> dict[str, Any]:
     return {k: info.get(k) for k in ("rank", "host", "type", "message", "time")}
 
 
-def first_crash(state: RunState) -> dict[str, Any] | None:
+def first_crash(state: RunState, incidents: Iterable[Incident] = ()) -> dict[str, Any] | None:
     """The root of the run's crashes ({rank, host, type, message, time}), by the same order
-    as a `crashed` incident's; None when no rank crashed."""
+    as a `crashed` incident's; None when no rank crashed. `incidents`, the run's (open)
+    incidents: when the first crash only blames a peer and a `lost` node among them
+    explains it (the crash joined it, `cause`, or the node names its ranks collateral),
+    the root is the lost node's first rank, as the incident and its page say: the one
+    place every reader (summary, top, MCP, the page) asks."""
     infos = [f.info for f in crashes(state) if f.info is not None]
-    return _root(_crash_order(infos)[0]) if infos else None
+    if not infos:
+        return None
+    root = _root(_crash_order(infos)[0])
+    if not _collateral(root):
+        return root
+    incs = list(incidents)
+    nodes = {i.id: i for i in incs if i.kind == "lost" and i.ranks}
+    rank = root["rank"]
+    node = next((nodes[i.cause] for i in incs if i.kind == "crashed" and i.cause in nodes
+                 and rank in i.ranks), None)
+    if node is None:
+        node = next((n for n in nodes.values() if rank in n.collateral), None)
+    if node is None:
+        return root
+    return {"rank": node.ranks[0], "host": node.hosts[0] if node.hosts else None,
+            "type": None, "message": node.detail.split("; ")[0], "time": None,
+            "lost": list(node.ranks)}
 
 
 def _waits_for_root(new: list[Finding], grown: Mapping[str, Incident], now: float,
