@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
+from expr_tracker.health.incidents import CRASH_GRACE
 from expr_tracker.health.watch import Watcher
 from tests.test_health_stall import CFG, _lines, expr, write_rank
 
@@ -66,3 +68,44 @@ def _mcp_root_is(root: Path, run: str, rank: int) -> None:
         c.close()
     assert not a.error, a.text
     assert a.json["crash_root"]["rank"] == rank, a.json["crash_root"]
+
+
+def _hook(tmp_path: Path, httpserver: Any) -> Path:
+    httpserver.expect_request("/hook", method="POST").respond_with_data("ok")
+    cfg = tmp_path / "alert.toml"
+    cfg.write_text(f'[channels.hook]\ntype = "webhook"\nurl = "{httpserver.url_for("/hook")}"\n'
+                   'retries = 0\n[policy]\nrate = 0\n')
+    return cfg
+
+
+def _pages(httpserver: Any) -> list[str]:
+    return [json.dumps(req.get_json()) for req, _ in httpserver.log]
+
+
+def test_a_root_corrected_after_its_page_sends_one_correction_page(
+        tmp_path: Path, httpserver: Any) -> None:
+    """Ranks 0-1 on node0 crashed blaming a peer longer ago than the grace: their crash
+    opens and pages with rank 0 its root. Then node1's exprd says rank 2 died without an
+    exception: the root is corrected (a line of the same id) and one page says so; the
+    passes after it page nothing more."""
+    cfg = _hook(tmp_path, httpserver)
+    run = tmp_path / "p" / "r"
+    now = time.time()
+    for r in (2, 3):
+        write_rank(run, r, 50, now - 2, host="node1")
+    for r in (0, 1):
+        write_rank(run, r, 50, now - CRASH_GRACE - 5, status="crashed", exit=PEER,
+                   host="node0")
+    first = expr("watch", str(run), "--once", "--json", "--config", str(cfg))
+    assert first.returncode == 1, first.stderr
+    assert len(httpserver.log) == 1 and "rank 0" in _pages(httpserver)[0], _pages(httpserver)
+    write_rank(run, 2, 50, now - 1, status="crashed", host="node1")
+    write_rank(run, 3, 50, now - 1, status="crashed", exit=PEER, host="node1")
+    for _ in range(2):
+        again = expr("watch", str(run), "--once", "--json", "--config", str(cfg))
+        assert again.returncode == 1, again.stderr
+    lines = _lines(run)
+    assert len({x["id"] for x in lines}) == 1 and lines[-1]["root"]["rank"] == 2, lines
+    pages = _pages(httpserver)
+    assert len(pages) == 2, pages
+    assert "root corrected: rank 2 on node1" in pages[1], pages[1]
