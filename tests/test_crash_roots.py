@@ -10,13 +10,20 @@ corrected after its page went out (one correction page); and the attacks: a rank
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from expr_tracker.health.incidents import CRASH_GRACE
 from expr_tracker.health.watch import Watcher
-from tests.test_health_stall import CFG, _lines, expr, write_rank
+from tests.procs import env_for
+from tests.test_health_stall import CFG, WORLD, _lines, expr, write_rank
 
 PEER = {"type": "RuntimeError", "message": "Read error [10.0.0.11]:52114: Connection reset "
         "by peer", "time": 1060.0}
@@ -109,3 +116,148 @@ def test_a_root_corrected_after_its_page_sends_one_correction_page(
     pages = _pages(httpserver)
     assert len(pages) == 2, pages
     assert "root corrected: rank 2 on node1" in pages[1], pages[1]
+
+
+# -- attacks (issue 53 rows 2-3) ----------------------------------------------------------
+
+def _dead_pid() -> int:
+    """The pid of a process of this host that is gone (a rank killed -9)."""
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def _set_pid(run: Path, rank: int, pid: int) -> None:
+    meta = run / ("metrics.meta.json" if rank == 0 else f"metrics.rank{rank}.meta.json")
+    st = meta.stat()
+    side = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**side, "pid": pid}))
+    os.utime(meta, (st.st_atime, st.st_mtime))
+
+
+def _crashes(run: Path) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for x in _lines(run):
+        if x["kind"] == "crashed":
+            out.setdefault(x["id"], []).append(x)
+    return out
+
+
+def test_a_rank_killed_on_a_single_node_job_is_the_root(tmp_path: Path) -> None:
+    """One host: rank 2 killed -9 (its process gone, no exception), the others ended by
+    gloo with "Connection closed by peer", no address in it: one crash, rank 2 its root,
+    opened in the first pass (nothing to wait for)."""
+    run = tmp_path / "p" / "r"
+    now = time.time()
+    here = socket.gethostname()
+    gone = {"type": "RuntimeError", "message": "[gloo] Connection closed by peer",
+            "time": now - 4}
+    for r in range(WORLD):
+        write_rank(run, r, 50, now - 5, host=here, status="running" if r == 2 else "crashed",
+                   exit=None if r == 2 else gone)
+    _set_pid(run, 2, _dead_pid())
+    opened = Watcher(run, CFG).check(now)
+    assert [(i.kind, i.ranks) for i in opened] == [("crashed", (0, 1, 2, 3))], opened
+    assert (opened[0].root or {})["rank"] == 2, opened[0].root
+    summary = json.loads(expr("summary", str(run), "--json").stdout)
+    assert summary["ranks"]["first_crash"]["rank"] == 2, summary["ranks"]
+
+
+def test_two_ranks_killed_at_once_on_two_nodes_are_one_crash(tmp_path: Path) -> None:
+    """Rank 1 (node0) and rank 2 (node1) killed -9 at once, seen a pass apart; ranks 0 and
+    3 blame their peers: one crash incident, its root one of the ranks killed, paged
+    once; every reader names the same rank."""
+    run = tmp_path / "p" / "r"
+    now = time.time()
+    for r in range(WORLD):
+        write_rank(run, r, 50, now - 30, host=f"node{r // 2}")
+    for r in (0, 1):
+        write_rank(run, r, 50, now - 4, status="crashed", host="node0",
+                   exit=PEER if r == 0 else None)
+    w = Watcher(run, CFG)
+    w.check(now)
+    for r in (2, 3):
+        write_rank(run, r, 50, now - 3, status="crashed", host="node1",
+                   exit=PEER if r == 3 else None)
+    w.check(now + 1)
+    (lines,) = _crashes(run).values()
+    assert lines[-1]["ranks"] == [0, 1, 2, 3] and lines[-1]["root"]["rank"] == 1, lines
+    summary = json.loads(expr("summary", str(run), "--json").stdout)
+    assert summary["ranks"]["first_crash"]["rank"] == 1, summary["ranks"]
+    top = json.loads(expr("top", str(run), "--once", "--json").stdout)
+    assert top["job"]["first_crash"]["rank"] == 1, top["job"]
+
+
+def test_a_peer_named_by_hostname_is_blamed_as_one_named_by_address(tmp_path: Path) -> None:
+    """"Connection reset by peer" naming node1 by its hostname, not its IP: the crash
+    waits for the peer's own as it does for an address, and the rank killed is the root."""
+    run = tmp_path / "p" / "r"
+    now = time.time()
+    by_name = {"type": "RuntimeError", "message": "[../gloo/transport/tcp/pair.cc:598] Read "
+               "error [node1.cluster.local]:52114: Connection reset by peer", "time": 1060.0}
+    for r in range(WORLD):
+        write_rank(run, r, 50, now - 5, host=f"node{r // 2}")
+    for r in (0, 1):
+        write_rank(run, r, 50, now - 3, status="crashed", exit=by_name, host="node0")
+    w = Watcher(run, CFG)
+    assert w.check(now) == []  # held for the peer's crash
+    write_rank(run, 2, 50, now - 2, status="crashed", host="node1")
+    w.check(now + 1)
+    (lines,) = _crashes(run).values()
+    assert [x["root"]["rank"] for x in lines] == [2] * len(lines), lines
+
+
+def test_a_partition_with_no_rank_killed_opens_the_crash_after_the_grace(tmp_path: Path) -> None:
+    """A network partition: node0's ranks crash blaming node1, whose ranks live on (their
+    probes fresh, waiting in a collective); no rank was killed. The crash is held for the
+    grace, then opens with node0's rank its root; node1 is not named lost."""
+    from tests.test_health_stall import COLLECTIVE
+
+    run = tmp_path / "p" / "r"
+    now = time.time()
+    for r in (2, 3):
+        write_rank(run, r, 50, now - 30, host="node1", probe=COLLECTIVE, side=now - 1)
+    for r in (0, 1):
+        write_rank(run, r, 50, now - 2, status="crashed", exit=PEER, host="node0")
+    w = Watcher(run, CFG)
+    assert [i.kind for i in w.check(now)] == []
+    for r in (2, 3):  # their tracker threads rewrite the probes
+        write_rank(run, r, 50, now - 30, host="node1", probe=COLLECTIVE, side=now + 9)
+    w.check(now + 10)
+    for r in (2, 3):
+        write_rank(run, r, 50, now - 30, host="node1", probe=COLLECTIVE,
+                   side=now + CRASH_GRACE + 1)
+    opened = w.check(now + CRASH_GRACE + 2)
+    assert [(i.kind, i.ranks) for i in opened] == [("crashed", (0, 1))], opened
+    assert (opened[0].root or {})["rank"] == 0
+    assert not [x for x in _lines(run) if x["kind"] == "lost"], _lines(run)
+
+
+@pytest.mark.parametrize("ahead", [3600, -3600])
+def test_a_login_node_an_hour_off_joins_the_crash_another_watcher_opened(
+        tmp_path: Path, ahead: int) -> None:
+    """exprd (a true clock) opened node0's crash; `expr watch` on a login node whose clock
+    is an hour ahead (or behind) sees rank 2 killed: it joins that crash and corrects its
+    root; it does not open (and page) a second one an hour "after" the first."""
+    from tests.cluster import clock_shim
+
+    run = tmp_path / "p" / "r"
+    now = time.time()
+    for r in range(WORLD):
+        write_rank(run, r, 50, now - 5, host=f"node{r // 2}")
+    for r in (0, 1):
+        write_rank(run, r, 50, now - CRASH_GRACE - 5, status="crashed", exit=PEER,
+                   host="node0")
+    Watcher(run, CFG).check()
+    for r in (2, 3):
+        write_rank(run, r, 50, now - 1, status="crashed", host="node1",
+                   exit=None if r == 2 else PEER)
+    env = env_for({"LD_PRELOAD": str(clock_shim(tmp_path)),
+                   "CLUSTER_CLOCK_OFFSET": str(ahead)})
+    out = subprocess.run([sys.executable, "-m", "expr_cli.main", "watch", str(run), "--once",
+                          "--json"], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out.stderr
+    crashes = _crashes(run)
+    assert len(crashes) == 1, crashes
+    (lines,) = crashes.values()
+    assert lines[-1]["ranks"] == [0, 1, 2, 3] and lines[-1]["root"]["rank"] == 2, lines

@@ -276,25 +276,44 @@ def _waits_for_root(new: list[Finding], grown: Mapping[str, Incident], now: floa
     return all(_collateral(i) for i in infos) and all(now - at < grace for at in seen)
 
 
-def _rooted(inc: Incident, info: Mapping[str, Any]) -> Incident:
+def _root_at(inc: Incident, offset: float) -> float:
+    """When `inc`'s root crashed, on this watcher's clock: its own note (`extra`), else the
+    line's `seen` (the filesystem's clock, `offset` ahead of ours) moved onto ours. Not the
+    line's `first_seen`: that is the clock of whichever watcher opened it (exprd's, or a
+    login node's an hour ahead), never compared with ours (DESIGN 13 Clocks)."""
+    if "at" in inc.extra:
+        return float(inc.extra["at"])
+    seen = (inc.root or {}).get("seen")
+    if isinstance(seen, (int, float)) and not isinstance(seen, bool):
+        return float(seen) - offset
+    return inc.first_seen  # (a line of an older watcher)
+
+
+def _seen(info: Mapping[str, Any], at: float, offset: float) -> dict[str, Any]:
+    """A root for a line: `seen`, when its crash was seen, on the filesystem's clock."""
+    return {**_root(info), "seen": round(at + offset, 3)}
+
+
+def _rooted(inc: Incident, info: Mapping[str, Any], offset: float) -> Incident:
     """`inc` with `info` its root when `info` comes first by the crash order (a rank killed
     by a signal seen after the peers whose transport it broke): a line of the same id
     corrects the root, so every reader names the same one."""
-    old = {**(inc.root or {}), "at": inc.extra.get("at", inc.first_seen)}
+    old = {**(inc.root or {}), "at": _root_at(inc, offset)}
     if inc.root is None or _crash_order([old, info])[0] is old:
         return inc
     at = info.get("at")
-    upd = replace(inc, root=_root(info))
+    upd = replace(inc, root=_seen(info, float(at) if at is not None else inc.first_seen, offset))
     upd.extra = {**inc.extra, "at": float(at) if at is not None else inc.first_seen,
                  "first": info.get("detail") or inc.extra.get("first")}
     return upd
 
 
 def _crashes(open_crashes: list[Incident], found: list[Finding], now: float, window: float,
-             out: Plan, grace: float = 0.0) -> None:
+             out: Plan, grace: float = 0.0, offset: float = 0.0) -> None:
     """One `crashed` incident per fault: crashes within `window` seconds of the first join
     its incident (a line of the same id, not delivered again). Crashes that only blame a
-    peer wait up to `grace` seconds for the peer's (`_waits_for_root`)."""
+    peer wait up to `grace` seconds for the peer's (`_waits_for_root`). `offset`: the
+    filesystem's clock minus ours (`_root_at`)."""
     mine = {r for inc in open_crashes for r in inc.ranks}
     still = {r for f in found for r in f.ranks}
     grown: dict[str, Incident] = {}
@@ -315,10 +334,11 @@ def _crashes(open_crashes: list[Incident], found: list[Finding], now: float, win
         host = (f.host,) if f.host else ()
         # the incident whose root crashed at most `window` before (on our clock)
         home = next((inc for inc in grown.values() if inc.root is not None
-                     and at - float(inc.extra.get("at", inc.first_seen)) <= window), None)
+                     and at - _root_at(inc, offset) <= window), None)
         if home is None:
             inc = Incident(kind="crashed", ranks=f.ranks, hosts=host, step=f.step, first_seen=now,
-                           last_seen=now, detail=f.detail, level=f.level, root=_root(info))
+                           last_seen=now, detail=f.detail, level=f.level,
+                           root=_seen(info, at, offset))
             inc.extra["at"] = at
             inc.extra["first"] = f.detail
             grown[inc.id] = inc
@@ -327,7 +347,7 @@ def _crashes(open_crashes: list[Incident], found: list[Finding], now: float, win
         ranks = tuple(sorted({*home.ranks, *f.ranks}))
         first = home.extra.get("first") or home.detail.split("; then ")[0]
         home.extra = {**home.extra, "first": first}
-        home = _rooted(home, info)
+        home = _rooted(home, info, offset)
         first = home.extra["first"]
         upd = replace(home, ranks=ranks, hosts=tuple(sorted({*home.hosts, *host})),
                       detail=_crash_detail(home.root or {}, ranks, first), last_seen=now)
@@ -426,7 +446,7 @@ def plan(open_incidents: Iterable[Incident], findings: Iterable[Finding], now: f
     out = Plan([], [], [])
     incs = list(open_incidents)
     _crashes([i for i in incs if i.kind == "crashed"], by_kind.pop("crashed", []), now,
-             crash_window, out, CRASH_GRACE + cache)
+             crash_window, out, CRASH_GRACE + cache, state.fs_offset if state is not None else 0.0)
     if ended:
         out.resolved.extend(replace(inc, state="resolved", last_seen=now, delivered=False,
                                     reason=ENDED) for inc in incs if inc.kind != "crashed")
