@@ -261,3 +261,32 @@ def test_a_login_node_an_hour_off_joins_the_crash_another_watcher_opened(
     assert len(crashes) == 1, crashes
     (lines,) = crashes.values()
     assert lines[-1]["ranks"] == [0, 1, 2, 3] and lines[-1]["root"]["rank"] == 2, lines
+
+
+def test_a_rank_killed_where_no_watcher_can_see_its_pid_is_the_root(tmp_path: Path) -> None:
+    """One host the watcher is not on (a login node's `expr watch`, direct mode): rank 2
+    killed -9 stays `running` by its sidecar, but it went silent (no row, no probe) before
+    its peers crashed blaming a peer, and stays silent. It is the root, not rank 0."""
+    run = tmp_path / "p" / "r"
+    now = time.time()
+    gone = {"type": "RuntimeError", "message": "[gloo] Connection closed by peer",
+            "time": 1060.0}
+    for r in range(WORLD):
+        write_rank(run, r, 50, now - 40 if r == 2 else now - 30, host="gpu-7",
+                   status="running" if r == 2 else "crashed", exit=None if r == 2 else gone)
+    opened = Watcher(run, CFG).check(now)
+    assert [(i.kind, (i.root or {}).get("rank")) for i in opened] == [("crashed", 2)], opened
+    assert opened[0].ranks == (0, 1, 2, 3), opened[0]
+    summary = json.loads(expr("summary", str(run), "--json").stdout)
+    assert summary["ranks"]["first_crash"]["rank"] == 2, summary["ranks"]
+    # alive (its probe rewritten while it waits): not the root, nor crashed
+    from tests.test_health_stall import COLLECTIVE
+
+    run2 = tmp_path / "p" / "r2"
+    for r in range(WORLD):
+        write_rank(run2, r, 50, now - 40 if r == 2 else now - 30, host="gpu-7",
+                   status="running" if r == 2 else "crashed", exit=None if r == 2 else gone,
+                   probe=COLLECTIVE if r == 2 else None, side=now - 2 if r == 2 else None)
+    opened = Watcher(run2, CFG).check(now)
+    assert [(i.kind, i.ranks, (i.root or {}).get("rank")) for i in opened] == [
+        ("crashed", (0, 1, 3), 0)], opened
