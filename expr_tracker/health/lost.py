@@ -55,7 +55,7 @@ def killed_ranks(state: RunState, now: float, cache: float = 0.0) -> list[RankSt
         return []
     first = min(blamed)
     hosts = {rs.host for rs in state.ranks.values() if rs.status == "crashed"}
-    return [rs for rs in state.live if (w := rs.wrote_at) is not None and w <= first
+    return [rs for rs in state.live if (w := rs.wrote_at) is not None and w < first
             and now - w >= EXPRD_SILENT + cache and rs.host in hosts]
 
 
