@@ -72,9 +72,9 @@ def job_line(state: Any, findings: list[Any], incidents: list[Any], rows: list[d
 
     node = next((i for i in incidents if i.kind == "lost"), None)
     if node is not None:  # (the crashes it explains name it their root, `first_crash`)
-        out = {"state": "lost", "lost": list(node.ranks), "text": node.detail}
         first = first_crash(state, incidents)
-        return out if first is None else {**out, "first_crash": first}
+        return {"state": "lost", "lost": list(node.ranks), "text": node.detail,
+                **({"first_crash": first} if first is not None else {})}
     silent = next((i for i in incidents if i.kind == "silent" and i.state == "open"), None)
     if silent is not None:  # the scheduler killed the job: said once, with the crash before
         first = first_crash(state, incidents)

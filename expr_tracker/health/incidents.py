@@ -21,7 +21,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from expr_tracker.health.detect import Finding, crashes
+from expr_tracker.health.detect import Finding
+from expr_tracker.health.roots import blames_peer, crash_order, root_of
+from expr_tracker.health.roots import first_crash as first_crash  # (re-exported: readers')
 from expr_tracker.health.stall import EVIDENCE_RULES
 from expr_tracker.health.state import RunState
 from expr_tracker.health.why import explain
@@ -201,66 +203,12 @@ def _still_silent(inc: Incident, state: RunState | None) -> bool:
     return False
 
 
-# the messages of ranks that crash because a peer did: the collective's transport failed
-_COLLATERAL = ("connection closed by peer", "connection reset by peer", "broken pipe",
-               "communicator was aborted", "socket timeout", "sigterm", "signal 15",
-               "process group", "processgroup", "watchdog caught collective")
-
-
-def _collateral(info: Mapping[str, Any]) -> bool:
-    text = f"{info.get('type') or ''} {info.get('message') or ''}".lower()
-    return any(p in text for p in _COLLATERAL)
-
-
-def _crash_order(infos: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """Crashes in the order they happened, by what can be compared: the ranks' own exit
-    times when they share one host (one clock), else when we saw them; a rank whose message
-    says a peer went away comes after the others (it is collateral)."""
-    same_host = len({i.get("host") for i in infos}) == 1
-    def key(i: Mapping[str, Any]) -> tuple[bool, float, float, int]:
-        t = i.get("time") if same_host and i.get("time") is not None else i.get("at")
-        return (_collateral(i), float(t if t is not None else 0.0), float(i.get("at") or 0.0),
-                int(i["rank"]))
-    return sorted(infos, key=key)
-
-
 def _crash_detail(root: Mapping[str, Any], ranks: tuple[int, ...], first: str) -> str:
     others = [r for r in ranks if r != root.get("rank")]
     if not others:
         return first
     return (f"{first}; then {len(others)} more rank{'s' if len(others) != 1 else ''} "
             f"crashed: {compact(others)}")
-
-
-def _root(info: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: info.get(k) for k in ("rank", "host", "type", "message", "time")}
-
-
-def first_crash(state: RunState, incidents: Iterable[Incident] = ()) -> dict[str, Any] | None:
-    """The root of the run's crashes ({rank, host, type, message, time}), by the same order
-    as a `crashed` incident's; None when no rank crashed. `incidents`, the run's (open)
-    incidents: when the first crash only blames a peer and a `lost` node among them
-    explains it (the crash joined it, `cause`, or the node names its ranks collateral),
-    the root is the lost node's first rank, as the incident and its page say: the one
-    place every reader (summary, top, MCP, the page) asks."""
-    infos = [f.info for f in crashes(state) if f.info is not None]
-    if not infos:
-        return None
-    root = _root(_crash_order(infos)[0])
-    if not _collateral(root):
-        return root
-    incs = list(incidents)
-    nodes = {i.id: i for i in incs if i.kind == "lost" and i.ranks}
-    rank = root["rank"]
-    node = next((nodes[i.cause] for i in incs if i.kind == "crashed" and i.cause in nodes
-                 and rank in i.ranks), None)
-    if node is None:
-        node = next((n for n in nodes.values() if rank in n.collateral), None)
-    if node is None:
-        return root
-    return {"rank": node.ranks[0], "host": node.hosts[0] if node.hosts else None,
-            "type": None, "message": node.detail.split("; ")[0], "time": None,
-            "lost": list(node.ranks)}
 
 
 def _waits_for_root(new: list[Finding], grown: Mapping[str, Incident], now: float,
@@ -273,7 +221,7 @@ def _waits_for_root(new: list[Finding], grown: Mapping[str, Incident], now: floa
         return False
     infos = [f.info or {} for f in new]
     seen = [float(at) for i in infos if isinstance(at := i.get("at"), (int, float))]
-    return all(_collateral(i) for i in infos) and all(now - at < grace for at in seen)
+    return all(blames_peer(i) for i in infos) and all(now - at < grace for at in seen)
 
 
 def _root_at(inc: Incident, offset: float) -> float:
@@ -291,7 +239,7 @@ def _root_at(inc: Incident, offset: float) -> float:
 
 def _seen(info: Mapping[str, Any], at: float, offset: float) -> dict[str, Any]:
     """A root for a line: `seen`, when its crash was seen, on the filesystem's clock."""
-    return {**_root(info), "seen": round(at + offset, 3)}
+    return {**root_of(info), "seen": round(at + offset, 3)}
 
 
 def _rooted(inc: Incident, info: Mapping[str, Any], offset: float) -> Incident:
@@ -299,7 +247,7 @@ def _rooted(inc: Incident, info: Mapping[str, Any], offset: float) -> Incident:
     by a signal seen after the peers whose transport it broke): a line of the same id
     corrects the root, so every reader names the same one."""
     old = {**(inc.root or {}), "at": _root_at(inc, offset)}
-    if inc.root is None or _crash_order([old, info])[0] is old:
+    if inc.root is None or crash_order([old, info])[0] is old:
         return inc
     at = info.get("at")
     upd = replace(inc, root=_seen(info, float(at) if at is not None else inc.first_seen, offset))
@@ -326,7 +274,7 @@ def _crashes(open_crashes: list[Incident], found: list[Finding], now: float, win
     if _waits_for_root(new, grown, now, grace):
         new = []
     infos = {f.ranks[0]: f for f in new}
-    for info in _crash_order([{**(f.info or {"rank": f.ranks[0]}), "detail": f.detail}
+    for info in crash_order([{**(f.info or {"rank": f.ranks[0]}), "detail": f.detail}
                               for f in new]):
         f = infos[int(info["rank"])]
         seen = info.get("at")
