@@ -290,3 +290,27 @@ def test_a_rank_killed_where_no_watcher_can_see_its_pid_is_the_root(tmp_path: Pa
     opened = Watcher(run2, CFG).check(now)
     assert [(i.kind, i.ranks, (i.root or {}).get("rank")) for i in opened] == [
         ("crashed", (0, 1, 3), 0)], opened
+
+
+@pytest.mark.parametrize("message", [
+    "Connect error [10.0.0.11]:29500: Connection refused",
+    "[gloo] connect [node1]:29500: No route to host",
+    "NCCL error: remote process exited or there was a network error, NCCL version 2.19.3",
+])
+def test_other_words_for_a_peer_gone_wait_for_its_crash(tmp_path: Path, message: str) -> None:
+    """Transports say a peer went away in more words than "reset by peer": the crash of
+    the ranks that say so waits for the peer's own, which is the root (they are the words
+    a lost node's collateral is found by, `stall.PEER_ERRORS`)."""
+    run = tmp_path / "p" / "r"
+    now = time.time()
+    for r in range(WORLD):
+        write_rank(run, r, 50, now - 5, host=f"node{r // 2}")
+    for r in (0, 1):
+        write_rank(run, r, 50, now - 3, status="crashed", host="node0",
+                   exit={"type": "RuntimeError", "message": message, "time": 1060.0})
+    w = Watcher(run, CFG)
+    assert w.check(now) == []  # held for the peer's crash
+    write_rank(run, 2, 50, now - 2, status="crashed", host="node1")
+    w.check(now + 1)
+    (lines,) = _crashes(run).values()
+    assert [x["root"]["rank"] for x in lines] == [2] * len(lines), lines

@@ -30,9 +30,12 @@ class Incident(Protocol):
 
 
 # the messages of ranks that crash because a peer did: the collective's transport failed
+# (the network words of `stall.PEER_ERRORS` too: a peer refused or unreachable is one gone)
 _COLLATERAL = ("connection closed by peer", "connection reset by peer", "broken pipe",
                "communicator was aborted", "socket timeout", "sigterm", "signal 15",
-               "process group", "processgroup", "watchdog caught collective")
+               "process group", "processgroup", "watchdog caught collective",
+               "connection refused", "no route to host", "network is unreachable",
+               "remote process exit")
 
 
 def blames_peer(info: Mapping[str, Any]) -> bool:
