@@ -49,9 +49,11 @@ def killed_ranks(state: RunState, now: float, cache: float = 0.0) -> list[RankSt
     direct mode): silent (no row, no probe: the tracker thread died with them) for
     `EXPRD_SILENT` + `cache`, since before the first rank that blames a peer crashed, on a
     host where a rank crashed. (A host whose every rank is silent is a lost node.)"""
+    if len(state.live) == len(state.ranks):  # (most passes: nothing crashed, no loop)
+        return []
     blamed = [w for rs in state.ranks.values() if rs.status == "crashed"
               and (w := rs.wrote_at) is not None and peer_blamed(rs)]
-    if not blamed or len(state.live) == len(state.ranks):
+    if not blamed:
         return []
     first = min(blamed)
     hosts = {rs.host for rs in state.ranks.values() if rs.status == "crashed"}
