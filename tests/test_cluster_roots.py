@@ -173,3 +173,8 @@ def test_a_node_killed_whole_is_the_root_and_pages_once_at_the_defaults(
     assert all(x[-1].get("cause") == node[0]["id"] for x in others), brief(job.run_dir)
     pages = [p["rule"] for p in cluster.read_pages() if p["kind"] == "fire"]
     assert pages == ["health:lost:2-3"], pages
+    # every reader names node1's rank the root, not rank 0 that blamed it (issue 53 row 3)
+    top = login(cluster, "top", str(job.run_dir), "--once", ok=(0, 1))
+    assert (top["job"].get("first_crash") or {}).get("rank") == 2, top["job"]
+    summary = login(cluster, "summary", str(job.run_dir))
+    assert (summary["ranks"]["first_crash"] or {}).get("host") == "node1", summary["ranks"]

@@ -177,17 +177,17 @@ def _ranks_block(state: RunState | None, at: int | None, world: int) -> dict[str
         if at is not None and rs.last_step is not None and rs.last_step < at:
             behind.append({"rank": r, "step": rs.last_step, "status": rs.status})
     no_shard = [r for r in range(world) if r not in state.ranks] if len(state.ranks) > 1 else []
-    first = None
-    if crashed:
-        from expr_tracker.health.incidents import first_crash
-
-        first = first_crash(state)
     from expr_cli.data import brief
     from expr_tracker.health.watch import open_incidents
 
     # every open incident of incidents.jsonl, whoever recorded it; a job-wide silence of
     # 16,383 ranks as its count and ranges, not 16,383 numbers
     opened = open_incidents(state.run_dir)
+    first = None
+    if crashed:
+        from expr_tracker.health.incidents import first_crash
+
+        first = first_crash(state, opened)  # (a lost node that the crash blames: its root)
     incidents = [brief(i.as_line()) for i in opened]
     # the ranks of a job-wide silence are not live (the job was killed), as `expr top` says
     silent = {r for i in opened if i.kind == "silent" for r in i.ranks
@@ -522,8 +522,11 @@ def page_heatmap(view: dict[str, Any], state: RunState) -> dict[str, Any]:
     root = None
     if crashed:
         from expr_tracker.health.incidents import first_crash
+        from expr_tracker.health.watch import open_incidents
 
-        root = (first_crash(state) or {}).get("rank")
+        first = (view.get("ranks") or {}).get("first_crash") or first_crash(
+            state, open_incidents(state.run_dir))
+        root = (first or {}).get("rank")
         crashed.sort(key=lambda r: (r != root, r))
     nodes = layout.Nodes.of(state, view["world_size"])
     marked = []

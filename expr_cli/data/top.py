@@ -71,11 +71,13 @@ def job_line(state: Any, findings: list[Any], incidents: list[Any], rows: list[d
     from expr_tracker.ranks import compact
 
     node = next((i for i in incidents if i.kind == "lost"), None)
-    if node is not None:
-        return {"state": "lost", "lost": list(node.ranks), "text": node.detail}
+    if node is not None:  # (the crashes it explains name it their root, `first_crash`)
+        first = first_crash(state, incidents)
+        return {"state": "lost", "lost": list(node.ranks), "text": node.detail,
+                **({"first_crash": first} if first is not None else {})}
     silent = next((i for i in incidents if i.kind == "silent" and i.state == "open"), None)
     if silent is not None:  # the scheduler killed the job: said once, with the crash before
-        first = first_crash(state)
+        first = first_crash(state, incidents)
         why = ": ".join(str(x) for x in (first.get("type"), first.get("message")) if x) \
             if first else ""
         text = silent.detail.split("; ")[0] + (
@@ -99,7 +101,7 @@ def job_line(state: Any, findings: list[Any], incidents: list[Any], rows: list[d
         why = recorded.detail.split(": ", 1)[-1].split("; ")[0]
         return {"state": "stalled", "suspects": list(recorded.ranks), "text":
                 f"stalled {fmt_quiet(now - newest)} at step {recorded.step}; suspect {why}"}
-    first = first_crash(state) if any(r["status"] == "crashed" for r in rows) else None
+    first = first_crash(state, incidents) if any(r["status"] == "crashed" for r in rows) else None
     if first is not None:
         n = sum(r["status"] == "crashed" for r in rows)
         why = ": ".join(str(x) for x in (first.get("type"), first.get("message")) if x)
@@ -215,7 +217,7 @@ class TopView:
             })
         rows = _shared_rows(rows, state)
         # the rank that failed first (the crash's root) leads the crashed ones
-        root = (first_crash(state) or {}).get("rank") if any(
+        root = (first_crash(state, incidents) or {}).get("rank") if any(
             rs.status == "crashed" for rs in state.ranks.values()) else None
         rows.sort(key=lambda r: (worst.get(r["rank"], 9), r["rank"] != root, r["status"] == "finished",
                                  -(r["behind"] or 0), r["steps_per_s"] or 0.0, r["rank"]))

@@ -289,7 +289,7 @@ class Answers:
     def incidents(self, run: str, stream: str | None) -> dict[str, Any]:
         """Open incidents (the detectors now, and a watcher's), past ones, where each rank
         waits (probes) and the crash root."""
-        from expr_tracker.health.incidents import first_crash
+        from expr_tracker.health.incidents import Incident, first_crash
         from expr_tracker.health.stall import where
 
         ref = self.run(run)
@@ -322,7 +322,9 @@ class Answers:
                               "where": where(rs.probe) if rs.status == "running" else None,
                               "probe": rs.probe, "exit": rs.exit}
         past = [brief(i) for i in incident_lines(ref) if i.get("state") == "resolved"]
-        root = first_crash(state)
+        # (the frame's incidents: a lost node that the crash blames is its root)
+        root = first_crash(state, [i for x in frame["incidents"]
+                                   if (i := Incident.from_line(x)) is not None])
         if root is None:
             root = next((i.get("root") for i in opened if i.get("kind") == "crashed"), None)
         covers = {"world_size": frame["world_size"], "shards": len(state.ranks),

@@ -28,7 +28,7 @@ from typing import Any
 
 from expr_tracker.health.config import HealthConfig
 from expr_tracker.health.daemons import silent_exprds, unfed_ranks
-from expr_tracker.health.lost import lost_nodes
+from expr_tracker.health.lost import killed_ranks, lost_nodes
 from expr_tracker.health.nonfinite import Seen, nonfinite
 from expr_tracker.health.silence import job_silence
 from expr_tracker.health.stall import stall
@@ -339,15 +339,23 @@ def _held_for(found: list[Finding], since: dict[int, float], now: float,
     return [f for f in found if now - since[f.ranks[0]] >= hold]
 
 
-def crashes(state: RunState) -> list[Finding]:
+def crashes(state: RunState, cache: float = 0.0) -> list[Finding]:
     """One finding per crashed rank; `info` is its root candidate: {rank, host, type,
-    message, time (its own clock, from the sidecar's exit), at (ours: its last write)}."""
+    message, time (its own clock, from the sidecar's exit), at (ours: its last write)}.
+    A rank most likely killed where its pid cannot be checked (`lost.killed_ranks`) is
+    one too: it is the root its peers' errors blame."""
+    killed = killed_ranks(state, state.read_time, cache)
+    gone = {rs.rank for rs in killed}
     out = []
-    for rs in [rs for rs in state.ranks.values() if rs.status == "crashed"]:
+    for rs in [*(rs for rs in state.ranks.values() if rs.status == "crashed"), *killed]:
         why = rs.status_reason or "crashed"
         ex = rs.exit or {}
         kind, message = ex.get("type"), ex.get("message")
-        if rs.exit:
+        if rs.rank in gone:
+            quiet = state.read_time - (rs.wrote_at or state.read_time)
+            why = (f"no row or probe for {quiet:.0f}s, since before its peers crashed "
+                   "blaming a peer (its process killed?)")
+        elif rs.exit:
             why = f"{kind or 'exception'}: {message or ''}".rstrip(": ")
         elif why == "process gone":
             why = f"its process{f' {rs.pid}' if rs.pid else ''} is gone without a finish"
@@ -485,7 +493,7 @@ def detect(
     Once the run has ended (no live rank) only crashes are found: nothing else can be
     wrong with a run that is over (`incidents.plan` resolves what is open)."""
     if ended(state):
-        return crashes(state)
+        return crashes(state, cfg.fs_cache or 0.0)
     derived = _derive(state, cfg, memory)
     period = median([d.median for d in derived.values()]) if derived else None
     # through an attribute cache a file's size and mtime can be that old: silence is
@@ -543,7 +551,7 @@ def detect(
     timing = [*_stragglers(state, derived, cfg, memory),
               *_slowdowns(state, derived, cfg, memory)] if settled else _held(state, memory)
     return [
-        *crashes(state),
+        *crashes(state, cfg.fs_cache or 0.0),
         *job,
         *timing,
         *_behind_fed(state, cfg, memory, now, unfed),

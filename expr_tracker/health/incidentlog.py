@@ -299,6 +299,19 @@ class IncidentLog:
             out.append(line)
         return out
 
+    def _correct(self, cur: Incident, inc: Incident, deliver: Callable[[Incident], bool]) -> None:
+        """A crash whose root moved after its page went out (a rank killed by a signal,
+        seen after the peers that blamed it) is paged again, once, saying so: under the
+        file lock against the line as read back, so the watcher that writes the new root
+        is the one that pages it, and a second watcher sees nothing to correct."""
+        old, new = (cur.root or {}).get("rank"), (inc.root or {}).get("rank")
+        paged = cur.delivered or cur.paging is not None or cur.id in self.paged
+        if inc.kind != "crashed" or old == new or new is None or not paged or cur.cause:
+            return
+        fix = replace(inc)
+        fix.extra = {**inc.extra, "corrected": old}
+        deliver(fix)  # (its outcome has no line to settle: the update line says the root)
+
     def record(self, changes: list[Incident], deliver: Callable[[Incident], bool] | None,
                updates: list[Incident] | None = None,
                due: Callable[[Incident], bool] | None = None) -> list[Incident]:
@@ -354,11 +367,14 @@ class IncidentLog:
             for inc in updates or ():
                 cur = self.open.get(inc.id)
                 if cur is None or (cur.ranks == inc.ranks and cur.detail == inc.detail
-                                   and cur.cause == inc.cause and cur.collateral == inc.collateral):
+                                   and cur.cause == inc.cause and cur.collateral == inc.collateral
+                                   and cur.root == inc.root):
                     continue
                 inc.delivered, inc.paging, inc.by = cur.delivered, cur.paging, cur.by
                 self._write(fd, inc)
                 done.append(inc)
+                if deliver is not None:
+                    self._correct(cur, inc, deliver)
             if deliver is not None:
                 self.sync(fd)
                 for inc in self.undelivered():
@@ -402,6 +418,8 @@ class IncidentLog:
                 inc.delivered = cur.delivered
                 self.open[inc.id] = inc
                 done.append(inc)
+                if deliver is not None:
+                    self._correct(cur, inc, deliver)
         if deliver is not None:
             for inc in [i for i in self.open.values() if not i.delivered]:
                 if (due is None or due(inc)) and deliver(inc):

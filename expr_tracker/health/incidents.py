@@ -21,7 +21,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from expr_tracker.health.detect import Finding, crashes
+from expr_tracker.health.detect import Finding
+from expr_tracker.health.roots import blames_peer, crash_order, root_of
+from expr_tracker.health.roots import first_crash as first_crash  # (re-exported: readers')
 from expr_tracker.health.stall import EVIDENCE_RULES
 from expr_tracker.health.state import RunState
 from expr_tracker.health.why import explain
@@ -209,46 +211,12 @@ def _still_silent(inc: Incident, state: RunState | None) -> bool:
     return False
 
 
-# the messages of ranks that crash because a peer did: the collective's transport failed
-_COLLATERAL = ("connection closed by peer", "connection reset by peer", "broken pipe",
-               "communicator was aborted", "socket timeout", "sigterm", "signal 15",
-               "process group", "processgroup", "watchdog caught collective")
-
-
-def _collateral(info: Mapping[str, Any]) -> bool:
-    text = f"{info.get('type') or ''} {info.get('message') or ''}".lower()
-    return any(p in text for p in _COLLATERAL)
-
-
-def _crash_order(infos: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """Crashes in the order they happened, by what can be compared: the ranks' own exit
-    times when they share one host (one clock), else when we saw them; a rank whose message
-    says a peer went away comes after the others (it is collateral)."""
-    same_host = len({i.get("host") for i in infos}) == 1
-    def key(i: Mapping[str, Any]) -> tuple[bool, float, float, int]:
-        t = i.get("time") if same_host and i.get("time") is not None else i.get("at")
-        return (_collateral(i), float(t if t is not None else 0.0), float(i.get("at") or 0.0),
-                int(i["rank"]))
-    return sorted(infos, key=key)
-
-
 def _crash_detail(root: Mapping[str, Any], ranks: tuple[int, ...], first: str) -> str:
     others = [r for r in ranks if r != root.get("rank")]
     if not others:
         return first
     return (f"{first}; then {len(others)} more rank{'s' if len(others) != 1 else ''} "
             f"crashed: {compact(others)}")
-
-
-def _root(info: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: info.get(k) for k in ("rank", "host", "type", "message", "time")}
-
-
-def first_crash(state: RunState) -> dict[str, Any] | None:
-    """The root of the run's crashes ({rank, host, type, message, time}), by the same order
-    as a `crashed` incident's; None when no rank crashed."""
-    infos = [f.info for f in crashes(state) if f.info is not None]
-    return _root(_crash_order(infos)[0]) if infos else None
 
 
 def _waits_for_root(new: list[Finding], grown: Mapping[str, Incident], now: float,
@@ -261,28 +229,47 @@ def _waits_for_root(new: list[Finding], grown: Mapping[str, Incident], now: floa
         return False
     infos = [f.info or {} for f in new]
     seen = [float(at) for i in infos if isinstance(at := i.get("at"), (int, float))]
-    return all(_collateral(i) for i in infos) and all(now - at < grace for at in seen)
+    return all(blames_peer(i) for i in infos) and all(now - at < grace for at in seen)
 
 
-def _rooted(inc: Incident, info: Mapping[str, Any]) -> Incident:
+def _root_at(inc: Incident, offset: float) -> float:
+    """When `inc`'s root crashed, on this watcher's clock: its own note (`extra`), else the
+    line's `seen` (the filesystem's clock, `offset` ahead of ours) moved onto ours. Not the
+    line's `first_seen`: that is the clock of whichever watcher opened it (exprd's, or a
+    login node's an hour ahead), never compared with ours (DESIGN 13 Clocks)."""
+    if "at" in inc.extra:
+        return float(inc.extra["at"])
+    seen = (inc.root or {}).get("seen")
+    if isinstance(seen, (int, float)) and not isinstance(seen, bool):
+        return float(seen) - offset
+    return inc.first_seen  # (a line of an older watcher)
+
+
+def _seen(info: Mapping[str, Any], at: float, offset: float) -> dict[str, Any]:
+    """A root for a line: `seen`, when its crash was seen, on the filesystem's clock."""
+    return {**root_of(info), "seen": round(at + offset, 3)}
+
+
+def _rooted(inc: Incident, info: Mapping[str, Any], offset: float) -> Incident:
     """`inc` with `info` its root when `info` comes first by the crash order (a rank killed
     by a signal seen after the peers whose transport it broke): a line of the same id
     corrects the root, so every reader names the same one."""
-    old = {**(inc.root or {}), "at": inc.extra.get("at", inc.first_seen)}
-    if inc.root is None or _crash_order([old, info])[0] is old:
+    old = {**(inc.root or {}), "at": _root_at(inc, offset)}
+    if inc.root is None or crash_order([old, info])[0] is old:
         return inc
     at = info.get("at")
-    upd = replace(inc, root=_root(info))
+    upd = replace(inc, root=_seen(info, float(at) if at is not None else inc.first_seen, offset))
     upd.extra = {**inc.extra, "at": float(at) if at is not None else inc.first_seen,
                  "first": info.get("detail") or inc.extra.get("first")}
     return upd
 
 
 def _crashes(open_crashes: list[Incident], found: list[Finding], now: float, window: float,
-             out: Plan, grace: float = 0.0) -> None:
+             out: Plan, grace: float = 0.0, offset: float = 0.0) -> None:
     """One `crashed` incident per fault: crashes within `window` seconds of the first join
     its incident (a line of the same id, not delivered again). Crashes that only blame a
-    peer wait up to `grace` seconds for the peer's (`_waits_for_root`)."""
+    peer wait up to `grace` seconds for the peer's (`_waits_for_root`). `offset`: the
+    filesystem's clock minus ours (`_root_at`)."""
     mine = {r for inc in open_crashes for r in inc.ranks}
     still = {r for f in found for r in f.ranks}
     grown: dict[str, Incident] = {}
@@ -295,7 +282,7 @@ def _crashes(open_crashes: list[Incident], found: list[Finding], now: float, win
     if _waits_for_root(new, grown, now, grace):
         new = []
     infos = {f.ranks[0]: f for f in new}
-    for info in _crash_order([{**(f.info or {"rank": f.ranks[0]}), "detail": f.detail}
+    for info in crash_order([{**(f.info or {"rank": f.ranks[0]}), "detail": f.detail}
                               for f in new]):
         f = infos[int(info["rank"])]
         seen = info.get("at")
@@ -303,10 +290,11 @@ def _crashes(open_crashes: list[Incident], found: list[Finding], now: float, win
         host = (f.host,) if f.host else ()
         # the incident whose root crashed at most `window` before (on our clock)
         home = next((inc for inc in grown.values() if inc.root is not None
-                     and at - float(inc.extra.get("at", inc.first_seen)) <= window), None)
+                     and at - _root_at(inc, offset) <= window), None)
         if home is None:
             inc = Incident(kind="crashed", ranks=f.ranks, hosts=host, step=f.step, first_seen=now,
-                           last_seen=now, detail=f.detail, level=f.level, root=_root(info))
+                           last_seen=now, detail=f.detail, level=f.level,
+                           root=_seen(info, at, offset))
             inc.extra["at"] = at
             inc.extra["first"] = f.detail
             grown[inc.id] = inc
@@ -315,7 +303,7 @@ def _crashes(open_crashes: list[Incident], found: list[Finding], now: float, win
         ranks = tuple(sorted({*home.ranks, *f.ranks}))
         first = home.extra.get("first") or home.detail.split("; then ")[0]
         home.extra = {**home.extra, "first": first}
-        home = _rooted(home, info)
+        home = _rooted(home, info, offset)
         first = home.extra["first"]
         upd = replace(home, ranks=ranks, hosts=tuple(sorted({*home.hosts, *host})),
                       detail=_crash_detail(home.root or {}, ranks, first), last_seen=now)
@@ -414,7 +402,7 @@ def plan(open_incidents: Iterable[Incident], findings: Iterable[Finding], now: f
     out = Plan([], [], [])
     incs = list(open_incidents)
     _crashes([i for i in incs if i.kind == "crashed"], by_kind.pop("crashed", []), now,
-             crash_window, out, CRASH_GRACE + cache)
+             crash_window, out, CRASH_GRACE + cache, state.fs_offset if state is not None else 0.0)
     if ended:
         out.resolved.extend(replace(inc, state="resolved", last_seen=now, delivered=False,
                                     reason=ENDED) for inc in incs if inc.kind != "crashed")

@@ -43,6 +43,24 @@ def peer_blamed(rs: RankState) -> bool:
     return any(p in text for p in PEER_ERRORS)
 
 
+def killed_ranks(state: RunState, now: float, cache: float = 0.0) -> list[RankState]:
+    """Ranks `running` by their sidecars whose processes were most likely killed (kill -9,
+    the OOM killer) where no watcher can check their pids (a login node's `expr watch` in
+    direct mode): silent (no row, no probe: the tracker thread died with them) for
+    `EXPRD_SILENT` + `cache`, since before the first rank that blames a peer crashed, on a
+    host where a rank crashed. (A host whose every rank is silent is a lost node.)"""
+    if len(state.live) == len(state.ranks):  # (most passes: nothing crashed, no loop)
+        return []
+    blamed = [w for rs in state.ranks.values() if rs.status == "crashed"
+              and (w := rs.wrote_at) is not None and peer_blamed(rs)]
+    if not blamed:
+        return []
+    first = min(blamed)
+    hosts = {rs.host for rs in state.ranks.values() if rs.status == "crashed"}
+    return [rs for rs in state.live if (w := rs.wrote_at) is not None and w < first
+            and now - w >= EXPRD_SILENT + cache and rs.host in hosts]
+
+
 def lost_nodes(state: RunState, threshold: float, now: float,
                cache: float = 0.0) -> list[dict[str, Any]]:
     """The lost nodes of this pass: {"host", "ranks", "quiet", "exprd" (its silence, None

@@ -37,6 +37,13 @@ PAGE_AT_ONCE = ("crashed", "lost", "nonfinite")
 _ALERTS_RE = re.compile(r"alerts(?:\.rank(\d+))?\.jsonl\Z")
 
 
+def root_words(root: dict[str, Any]) -> str:
+    """A crash's root in a page's words: "rank 2 on node1: its process 4244 is gone"."""
+    where = f" on {root['host']}" if root.get("host") else ""
+    why = ": ".join(str(x) for x in (root.get("type"), root.get("message")) if x)
+    return f"rank {root.get('rank')}{where}" + (f": {why}" if why else "")
+
+
 def learned_note(cache: float) -> str:
     """What a watcher says when it learned the filesystem's attribute cache."""
     return (f"other hosts' heartbeats in the run directory show up about {cache:g}s late "
@@ -246,20 +253,25 @@ class Watcher:
         title = f"{what}: rank{'s' if len(inc.ranks) != 1 else ''} {compact(inc.ranks)}{where}"
         if inc.metric is not None:
             title = f"{what}: {inc.metric} on {title.split(': ', 1)[1]}"
+        corrected = "corrected" in inc.extra and inc.root is not None and inc.state == "open"
+        if corrected:  # (`IncidentLog._correct`: the root moved after the first page)
+            title = f"root corrected: {root_words(inc.root or {})}"
         try:
             alert = make_alert(
                 title=title if inc.state == "open" else f"recovered: {inc.kind} {title}",
                 text=inc.detail,
                 level=inc.level if inc.state == "open" else "info",
-                rule=f"health:{inc.kind}:{compact(inc.ranks)}",  # one dedup key per incident
+                # one dedup key per incident (and one per correction of its root)
+                rule=f"health:{inc.kind}:{compact(inc.ranks)}" + (":root" if corrected else ""),
                 kind="fire" if inc.state == "open" else "recover",
                 step=inc.step, time=inc.last_seen, project=run.parent.name, run=run.name,
                 stream=self.reader.stream, rank=inc.ranks[0] if inc.ranks else 0,
                 # one page per incident of one run (DESIGN 13 Delivery; the idempotency key)
-                event_id=f"health:{inc.id}:{inc.state}",
+                event_id=f"health:{inc.id}:" + (
+                    f"root:{(inc.root or {}).get('rank')}" if corrected else inc.state),
             )
         except (TypeError, ValueError):
             return False
-        key = (inc.id, inc.state)
+        key = (inc.id, "root" if corrected else inc.state)
         outcome = self.dispatcher.submit(alert, on_done=lambda ok: self.log.done(key, ok))
         return any(v == "queued" for v in outcome.values())
