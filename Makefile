@@ -60,8 +60,12 @@ $(EXTRAS_STAMP): $(TORCH_STAMP)
 	done
 	touch $(EXTRAS_STAMP)
 
+# 4 workers on 2 cores: most tests wait on real processes, not the CPU. --dist loadgroup
+# keeps each xdist_group (cluster, browser, clickhouse, heavy, ...) on one worker, in turn
+# (docs/cluster-testing.md, "How long the suite takes")
+TEST_WORKERS ?= 4
 test: $(STAMP) $(EXTRAS_STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -m "not torture"
+	$(PY) -m pytest -q -p no:cacheprovider -m "not torture" -n $(TEST_WORKERS) --dist loadgroup
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -26,6 +26,9 @@ from expr_tracker.backends.chrows import Encoder
 from expr_tracker.backends.clickhouse import ClickHouseBackend, schema
 from tests.chserver import ClickHouse
 
+# one worker runs every ClickHouse test, in turn (make test runs 4 workers)
+pytestmark = pytest.mark.xdist_group("clickhouse")
+
 TEXTS = ["", "plain", "a\tb", "line\nnext", "back\\slash", "\\t not a tab", "quote\"'",
          "nul\x00x", "cr\rlf", "ünïcødé ✓ 日本", "\x01\x1f ctl", "NaN", "inf", "\\N"]
 FLOATS = [0.0, -0.0, 0.1, 1 / 3, 5e-324, 2.2250738585072014e-308, 1.7976931348623157e308,

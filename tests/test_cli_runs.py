@@ -21,10 +21,12 @@ def test_a_long_run_name_folds_and_the_other_columns_stay_whole(cli, tmp_path):
     import expr_tracker as et
 
     name = "rules-run-with-a-rather-long-name-for-width"
-    et.init("al", name, dir=tmp_path, system_metrics=False)
+    # a root named relative to the test's directory (its cwd): "runs under ROOT" is as long
+    # under pytest-xdist's deeper tmp_path (.../popen-gw3/...) as without it
+    et.init("al", name, dir="r", system_metrics=False)
     et.log({"loss": 1.0})
     et.finish()
-    result = cli("runs", "--dir", str(tmp_path), COLUMNS="80")
+    result = cli("runs", "--dir", "r", COLUMNS="80")
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert all(len(line) <= 80 for line in lines), result.stdout

@@ -16,6 +16,9 @@ from expr_tracker.backends.base import Identity
 from expr_tracker.backends.clickhouse import ClickHouseBackend
 from tests.chserver import PASSWORD, ClickHouse
 
+# one worker runs every ClickHouse test, in turn (make test runs 4 workers)
+pytestmark = pytest.mark.xdist_group("clickhouse")
+
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClickHouse]:

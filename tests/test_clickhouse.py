@@ -37,6 +37,9 @@ from tests.test_daemon import (
     write_config,
 )
 
+# one worker runs every ClickHouse test, in turn (make test runs 4 workers)
+pytestmark = pytest.mark.xdist_group("clickhouse")
+
 _SEQ = iter(range(1_000_000))
 
 

@@ -28,6 +28,9 @@ from tests.cluster_job import (
 )
 from tests.extras import need
 
+# one worker runs every cluster test, in turn (make test runs 4 workers)
+pytestmark = pytest.mark.xdist_group("cluster")
+
 CACHE = 30
 # page_after is the default (10 s): the stall pages, and a slowdown of a busy 2-core
 # machine (4 ranks, 2 exprds, a watcher and 3 bindfs) for a few seconds does not

@@ -16,10 +16,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from expr_tracker.health.config import EVIDENCE_FLOOR
 from tests.cluster import Cluster, require_cluster, wait_for
 from tests.cluster_job import Job, Watcher, brief, count_rows, health_toml, login, serious
 from tests.extras import need
+
+# one worker runs every cluster test, in turn (make test runs 4 workers)
+pytestmark = pytest.mark.xdist_group("cluster")
 
 DEFAULTS = health_toml()  # every threshold its default; page_after too
 # the jobs step every ~30 ms: the default threshold is its floor, a minute

@@ -30,6 +30,9 @@ from tests.cluster_job import (
 )
 from tests.extras import need
 
+# one worker runs every cluster test, in turn (make test runs 4 workers)
+pytestmark = pytest.mark.xdist_group("cluster")
+
 STEPS = 100
 HEALTH = health_toml(hang_after="5s", page_after="2s")
 AHEAD = 120

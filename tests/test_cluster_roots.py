@@ -36,6 +36,9 @@ from tests.cluster_job import (
 )
 from tests.extras import need
 
+# one worker runs every cluster test, in turn (make test runs 4 workers)
+pytestmark = pytest.mark.xdist_group("cluster")
+
 HEALTH = health_toml(page_after="2s")
 
 

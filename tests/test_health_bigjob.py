@@ -21,6 +21,9 @@ import pytest
 
 from tests.synthetic import PER_NODE, host_of, write_run
 
+# 16,384 ranks: one worker runs the heavy tests, in turn (make test runs 4 workers)
+pytestmark = pytest.mark.xdist_group("heavy")
+
 WORLD = 16384
 STEPS = 30  # rank 17 (`crashed`) stops half-way: its last step is 14, the others' 29
 CRASHED = 17

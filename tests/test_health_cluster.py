@@ -35,6 +35,9 @@ from tests.extras import need
 from tests.procs import env_for
 from tests.test_health_stall import COLLECTIVE, SLEEP, WORLD, _lines, expr, write_rank
 
+# one worker runs every cluster test, in turn (make test runs 4 workers)
+pytestmark = pytest.mark.xdist_group("cluster")
+
 EVIDENCE = 4.0  # s: the lost node's threshold in this test (default max(60 s, 10 periods))
 
 TRAIN = """

@@ -141,6 +141,7 @@ def test_every_reader_says_a_silent_jobs_ranks_are_silent(tmp_path: Path) -> Non
     assert run.is_dir()
 
 
+@pytest.mark.xdist_group("heavy")  # with the other 16,384-rank tests, in turn
 def test_a_silence_of_16384_ranks_is_read_back_in_bounded_size(tmp_path: Path) -> None:
     """incidents.jsonl keeps every rank; summary, runs, top and MCP give a count."""
     run = _killed(tmp_path)

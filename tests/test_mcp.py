@@ -334,6 +334,7 @@ def test_16384_ranks_answers_within_the_caps(tmp_path: Path, client: Any) -> Non
     assert cross["ranks_crossed"] == 16383 and cross["ranks_never"] == "17", cross
 
 
+@pytest.mark.xdist_group("clickhouse")  # with the other ClickHouse tests, in turn
 def test_the_team_store_is_capped_by_the_servers_own_settings(small: Path, tmp_path: Path,
                                                               client: Any) -> None:
     from tests.chserver import PASSWORD, ClickHouse

@@ -776,6 +776,7 @@ def _value_text(v: Any) -> tuple[str, str]:
             "inf" if x > 0 else "-inf"), ""
 
 
+@pytest.mark.xdist_group("clickhouse")  # with the other ClickHouse tests, in turn
 @pytest.mark.parametrize("plan", STORE_PLANS, ids=["3-ranks-2-streams", "gathered-12"])
 def test_the_team_stores_rows_are_the_lines(plan: Plan, tmp_path: Path) -> None:
     """Every rank reporting to a real ClickHouse (DESIGN 16): the rows of `metrics` and

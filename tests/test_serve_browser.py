@@ -26,6 +26,9 @@ require()
 from .servers import Server, kill_all, train, wait_all  # noqa: E402
 from .synthetic import PER_NODE, host_of, write_run  # noqa: E402
 
+# one worker runs every Chromium test, in turn (make test runs 4 workers)
+pytestmark = pytest.mark.xdist_group("browser")
+
 ROOT = Path(__file__).resolve().parent.parent
 WIDE, WIDE_SLOW = 320, 163  # past the page's 256 rows: one row per node
 

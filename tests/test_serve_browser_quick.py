@@ -18,6 +18,9 @@ from expr_cli.web.live import QUICK_MIN  # noqa: E402
 from .servers import Server  # noqa: E402
 from .synthetic import write_run  # noqa: E402
 
+# one worker runs every Chromium test, in turn (make test runs 4 workers)
+pytestmark = pytest.mark.xdist_group("browser")
+
 CRASHED = 9
 
 

@@ -34,6 +34,9 @@ require()
 from .servers import Server  # noqa: E402
 from .synthetic import write_run  # noqa: E402
 
+# one worker runs every Chromium test, in turn (make test runs 4 workers)
+pytestmark = pytest.mark.xdist_group("browser")
+
 ROOT = Path(__file__).resolve().parent.parent
 _UPDATE = bool(os.environ.get("UPDATE_SCREENSHOT"))  # read before the env is cleaned
 WIDE, SLOW, DEAD = 320, 163, 17  # past the page's 256 ranks: nodes; the straggler; the crash

@@ -27,6 +27,9 @@ from tests.browser import require
 from tests.extras import need
 from tests.procs import env_for
 
+# one worker runs every Chromium test, in turn (make test runs 4 workers)
+pytestmark = pytest.mark.xdist_group("browser")
+
 require()
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "ddp_train.py"
