@@ -76,7 +76,7 @@ def status(doc: Mapping[str, Any], running: bool) -> None:
     if ended:  # what a user checks against `expr shards RUN`: its sessions' ends
         out.print(Text("ended here: " + "; ".join(
             f"{run} {', '.join(f'{n} {k}' for k, n in sorted(c.items()))}"
-            for run, c in ended.items()), style="dim"), soft_wrap=True)
+            for run, c in ended.items()), style="dim"))  # (folded at the width, as the rest)
     out.print(Text(f"lag {fmt_bytes(totals.get('lag_bytes', 0))}; "
                    f"{totals.get('quarantined', 0)} quarantined", style="dim"))
     rows = file_rows(doc.get("files", {}), str(doc.get("spool") or ""))
