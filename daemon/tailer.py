@@ -27,7 +27,7 @@ import orjson
 from expr_tracker.store import untrusted
 from expr_tracker.store.layout import spool_segment
 from expr_tracker.store.shard import ShardWriter
-from expr_tracker.store.spoolfile import SpoolReader
+from expr_tracker.store.spoolfile import SpoolReader, line_mark
 
 from .applier import RunPipeline, ShardPool, forget_file
 from .config import Config
@@ -158,6 +158,9 @@ class Tailer:
             # not clamped to the size: a file truncated meanwhile is reported by the pump
             tail.offset = tail.committed = cp["shard"]
             tail.seq = tail.committed_seq = int(cp.get("seq", -1))
+            mark = cp.get("mark")
+            if isinstance(mark, list) and len(mark) == 2 and all(type(x) is int for x in mark):
+                tail.mark = tail.committed_mark = (mark[0], mark[1])
             tail.state = str(cp.get("state", "new"))
             tail.reason = str(cp.get("reason", ""))
             tail.host, tail.pid = str(cp.get("host", "")), cp.get("pid")
@@ -194,6 +197,7 @@ class Tailer:
             tail.offset, tail.seq = offset, seq - 1
         else:
             tail.offset, tail.seq = 0, -1
+        tail.mark = None  # (not the line read last)
         if tail.state == "finished":
             tail.state = "live"
 
@@ -214,6 +218,7 @@ class Tailer:
                 tail.run.close()
                 tail.run = None
             tail.offset = tail.committed = 0
+            tail.mark = tail.committed_mark = None
             tail.seq, tail.state, tail.reason, tail.backends = -1, "new", "", {}
             tail.replaced, tail.replaced_told = ("rotated", tail.applied, tail.skipped), False
         elif st.st_size < tail.offset:
@@ -222,6 +227,7 @@ class Tailer:
                        f"{tail.offset} (_seq {tail.seq}); {unread} bytes not yet read were lost; "
                        "reading it again from its start")
             tail.offset = tail.committed = 0
+            tail.mark = tail.committed_mark = None
         tail.ino = st.st_ino
         if other or tail.reader is None or not tail.reader.zeros or st.st_size < tail.size:
             # (a memory-mapped segment's size is its allocation: its data ends where the
@@ -335,6 +341,7 @@ class Tailer:
             if tail.run.rules is not None and tail.run.rules.rules:
                 # rebuild rule windows from the start; the shard's seqs skip what it holds
                 tail.offset, tail.seq = end, tail.run.spec.first_seq - 1
+                tail.mark = line_mark(line) if line else None
             return True
         tail.drained = True  # the init line is not complete yet
         return False
@@ -362,6 +369,9 @@ class Tailer:
             reader = tail.reader or SpoolReader(tail.path, block=READ_BLOCK)
             tail.reader = reader
             paused = self._read(tail, reader, budget)
+            if reader.cut:
+                self._regrown(tail)
+                return True  # read again, from its start
             for at, n in reader.nul_runs:
                 self.warn(f"nul:{tail.path}", f"{tail.path}: skipped {n} NUL bytes at offset "
                           f"{at} (a page of zeros, as a node crash before writeback leaves "
@@ -389,6 +399,17 @@ class Tailer:
         tail.size = reader.size
         tail.drained = not reader.more and not paused
         return reader.more or paused or forwarding
+
+    def _regrown(self, tail: FileTail) -> None:
+        """The file no longer holds the line read last where it ended: it was cut (`: >`,
+        copytruncate) and written again past the offset between two reads, so neither its
+        inode nor its size told. Read again from its start: the events whose `_seq` was
+        applied already are skipped (quarantined as repeats), the others applied."""
+        self._lost(tail, "truncated", f"cut and written again past offset {tail.offset} "
+                   f"(_seq {tail.seq}) since it was read; reading it again from its start")
+        tail.offset = tail.committed = 0
+        tail.mark = tail.committed_mark = None
+        tail.size = 0  # (its data end is found again)
 
     def _previous_read(self, tail: FileTail) -> bool:
         """A session's segments are applied in their order: the events of segment N are
@@ -495,12 +516,13 @@ class Tailer:
         seq = last = tail.seq
         applied = 0
         done = tail.offset  # every line before it is consumed, the last of them `seq`
+        ended: bytes | None = None  # the line that ends at `done` (None: not known)
         try:
-            for pos, parts, big_end in reader.chunks(tail.offset, budget):
+            for pos, parts, big_end in reader.chunks(tail.offset, budget, tail.mark):
                 if big_end is not None:
                     tail.seq = seq
                     self._line(tail, pos, big_end, b"", TOO_LONG)
-                    done = big_end
+                    done, ended = big_end, None
                     continue
                 # the block parsed and screened at once (for the fast case: the first
                 # block of a file holds its init, after which the run only appends)
@@ -531,7 +553,7 @@ class Tailer:
                             if writer is None:
                                 assert run is not None and evs is not None
                                 if not run.started and self._overlaps(tail, run, evs[i]):
-                                    done = reader.size
+                                    done, ended = reader.size, None
                                     return False
                                 writer = run.prepare()
                             # the spool lines verbatim, each plus `_sid`
@@ -540,6 +562,7 @@ class Tailer:
                             applied += j - i
                             # each line gave its "}" and newline for the suffix
                             pos = done = pos + len(data) - (j - i) * (len(suffix) - 2)
+                            ended = parts[j - 1]
                             next(islice(rows, j - i - 1, j - i - 1), None)  # on at j
                             continue
                     end = pos + len(line) + 1
@@ -565,13 +588,14 @@ class Tailer:
                         if writer is None:
                             assert run is not None
                             if not run.started and self._overlaps(tail, run, ev):
-                                done = reader.size
+                                done, ended = reader.size, None
                                 return False
                             writer = run.prepare()
                         seq = last = seq + 1
                         writer.append(line[:-1] + suffix)  # the spool line verbatim, plus `_sid`
                         applied += 1
                         pos = done = end
+                        ended = line
                         continue
                     tail.seq = seq
                     self._line(tail, pos, end, line, ev)
@@ -583,8 +607,9 @@ class Tailer:
                         mask, rmask, rshape = _masks(tail, evs, i + 1)
                         at = _next_run(mask, rmask, i + 1)
                     pos = done = end
+                    ended = line
                     if tail.state == "refused":
-                        done = reader.size
+                        done, ended = reader.size, None
                         return False
                     if tail.run is not run or fast != (tail.state == "live" and run is not None
                                                        and run.plain):
@@ -600,6 +625,8 @@ class Tailer:
                     return True
         finally:
             # offset and seq move together, whatever ends the loop (an exception too)
+            if done != tail.offset:
+                tail.mark = line_mark(ended) if ended else None
             tail.offset, tail.seq = done, seq
             if applied and run is not None:
                 run.appended(applied, last)
@@ -765,6 +792,7 @@ class Tailer:
             ok = run is None or slots_ok.get(id(run.slot), not run.blocked)
             if ok:
                 tail.committed, tail.committed_seq = tail.offset, tail.seq
+                tail.committed_mark = tail.mark
             lag = tail.size - tail.committed
             tail.behind_since = (tail.behind_since or now) if lag > 0 else None
             if run is not None:
