@@ -298,7 +298,9 @@ class Tailer:
             if not cfg.allows(rdir.parent.parent) or not cfg.allows(rdir):
                 self.refuse(tail, f"run dir {rdir} is outside allowed_roots (after a reload)")
 
-    def _open_run(self, tail: FileTail, ev: dict[str, Any]) -> bool:
+    def _open_run(self, tail: FileTail, ev: dict[str, Any], fresh: bool = False) -> bool:
+        """Open the pipeline of `tail`'s session from its init event `ev`; `fresh`: read
+        from the file's start (not resumed from a checkpoint)."""
         try:
             spec = check_init(ev, tail.path, self.spool_root, self.cfg, self.roots)
         except InitError as exc:
@@ -314,6 +316,8 @@ class Tailer:
             if rules is not None:
                 tail.run.adopt_rules(rules)
             moved = self._moved.pop((str(spec.paths.shard), spec.session), 0)
+            if not moved and fresh:
+                moved = self._moved_unread(tail, tail.run)
             if moved:
                 tail.run.add_dropped("spool_moved", moved)
         if tail.run.unsafe:
@@ -459,6 +463,29 @@ class Tailer:
             self._gone[tail.key] = (tail.seq, str(tail.run.spec.paths.shard),
                                     tail.run.spec.session)
         self.forget(tail)
+
+    def _moved_unread(self, tail: FileTail, run: RunPipeline) -> int:
+        """The segment before `tail`'s is gone and exprd never read it (moved away while
+        exprd was down, or before it got there): the events between the shard's last of
+        the session and the first of `tail` are counted (`spool_moved`). A segment deleted
+        once applied leaves no gap; if the shard cannot be read now, nothing is said."""
+        prefix, index = spool_segment(tail.path.name)
+        if index == 0 or run.slot.applied is None:
+            return 0
+        prev = tail.path.with_name(f"{prefix}~{index - 1}.jsonl" if index > 1 else
+                                   f"{prefix}.jsonl")
+        if prev.exists() or str(prev) in self.tails:
+            return 0
+        seq = max(run.skip_upto, 0)
+        lost = run.spec.first_seq - 1 - seq
+        if lost <= 0:
+            return 0
+        self.dropped["spool_moved"] = self.dropped.get("spool_moved", 0) + lost
+        self.warn(f"spool_moved:{prev}", f"{prev} is gone and was never read: {lost} events "
+                  f"of session {run.spec.session} after _seq {seq} are missing (counted as "
+                  f"spool_moved, in status.json and the shard's sidecar); going on with "
+                  f"{tail.path.name}")
+        return lost
 
     def _moved_away(self, prev: Path, tail: FileTail) -> None:
         """A segment exprd was reading is gone before its marker (`mv`, no copy back) and
@@ -677,7 +704,7 @@ class Tailer:
         if run is None:
             if kind != "init" or seq != 0:
                 self.log_bad(tail, start, end, "event before its init")
-            elif self._open_run(tail, ev) and tail.run is not None:
+            elif self._open_run(tail, ev, fresh=start == 0) and tail.run is not None:
                 # a truncated file's init is read again; a later segment's events start
                 # where its init says
                 tail.seq = max(tail.seq, tail.run.spec.first_seq - 1)

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from expr_cli.main import build_app
 from tests.segfiles import init_line, row_line, segment_path, write_segments
 from tests.test_daemon import (
+    exprd_once,
     lines_of,
     sidecar,
     start_exprd,
@@ -113,7 +114,6 @@ def test_a_page_of_zeros_inside_a_finished_segment_is_skipped(tmp_path: Path) ->
     data[4096:8192] = bytes(4096)
     seg.write_bytes(bytes(data))
     cfg = write_config(tmp_path / "exprd.toml", spool, state, [root])
-    from tests.test_daemon import exprd_once
     proc = exprd_once(cfg)
     shard = _shard(root, "zero")
     assert [r["i"] for r in lines_of(shard)] == kept
@@ -244,3 +244,20 @@ def test_segments_truncated_under_exprd_lose_only_what_was_cut_and_nothing_twice
     assert "_seq gap: 11..11 missing" in text, text
     st = _status(state)
     assert st["errors"][f"truncated:{segs['cut']}"] == 1, st["errors"]
+
+
+def test_segments_moved_away_before_exprd_saw_them_are_counted(tmp_path: Path) -> None:
+    """Segments moved away (`mv`, no copy back) while exprd was down, never read: their
+    events are counted (`spool_moved`, from the gap between the shard's last `_seq` of the
+    session and the next segment's first) in the sidecar, the others applied (found by
+    test_spool_property: the first and a middle segment moved, counted nowhere)."""
+    spool, root, state = tmp_path / "spool", tmp_path / "runs", tmp_path / "state"
+    segs = write_segments(spool, root, "mvd", 4, rows=10)
+    segs[0].rename(tmp_path / "moved0.jsonl")
+    segs[2].rename(tmp_path / "moved2.jsonl")
+    exprd_once(write_config(tmp_path / "exprd.toml", spool, state, [root]))
+    shard = _shard(root, "mvd")
+    assert [r["_seq"] for r in lines_of(shard)] == [*range(11, 21), *range(31, 41)]
+    side = sidecar(shard.with_name("metrics.meta.json"))
+    assert side["status"] == "finished"
+    assert [(n["cause"], n["rows"]) for n in side.get("dropped", [])] == [("spool_moved", 20)]
