@@ -26,6 +26,7 @@ class FileTail:
     # and written again past the offset between two reads no longer holds it (None: not
     # known, unchecked)
     mark: tuple[int, int] | None = None
+    nul_seen: int = 0  # the reader's NUL runs of this read already taken as a `_seq` gap's
     committed_mark: tuple[int, int] | None = None
     state: str = "new"  # new | live | rolled (its session goes on in its next segment) |
     # finished | crashed | refused

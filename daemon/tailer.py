@@ -372,6 +372,7 @@ class Tailer:
                 return False
             reader = tail.reader or SpoolReader(tail.path, block=READ_BLOCK)
             tail.reader = reader
+            tail.nul_seen = 0
             paused = self._read(tail, reader, budget)
             if reader.cut:
                 self._regrown(tail)
@@ -719,6 +720,7 @@ class Tailer:
             # events went missing (the writer dropped them): say so, keep this one
             self.log_bad(tail, start, start, f"_seq gap: {tail.seq + 1}..{seq - 1} missing",
                           copy=False)
+            self._zeroed(tail, run, start, seq - tail.seq - 1)
         if tail.state in ("finished", "rolled"):
             self.log_bad(tail, start, end, f"event after {'finish' if tail.state == 'finished' else 'the segment marker'}")
             return
@@ -776,6 +778,17 @@ class Tailer:
         else:
             # an event of a newer SDK: skipped (and kept in quarantine), the file goes on
             self.log_bad(tail, start, end, f"unknown event {kind!r}")
+
+    def _zeroed(self, tail: FileTail, run: RunPipeline, start: int, lost: int) -> None:
+        """A `_seq` gap right after a NUL run this read skipped: the events the zeros took
+        (those under them and the lines they cut) are counted (`spool_zeroed`). Only
+        there: the writer counts what it drops itself."""
+        runs = tail.reader.nul_runs if tail.reader is not None else []
+        if not any(at < start for at, _n in runs[tail.nul_seen:]):
+            return
+        tail.nul_seen = len(runs)
+        self.dropped["spool_zeroed"] = self.dropped.get("spool_zeroed", 0) + lost
+        run.add_dropped("spool_zeroed", lost)
 
     def _note(self, tail: FileTail, run: RunPipeline, kind: str, ev: dict[str, Any],
               start: int, end: int) -> None:

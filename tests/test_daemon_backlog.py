@@ -261,3 +261,28 @@ def test_segments_moved_away_before_exprd_saw_them_are_counted(tmp_path: Path) -
     side = sidecar(shard.with_name("metrics.meta.json"))
     assert side["status"] == "finished"
     assert [(n["cause"], n["rows"]) for n in side.get("dropped", [])] == [("spool_moved", 20)]
+
+
+def test_rows_under_a_page_of_zeros_are_counted(tmp_path: Path) -> None:
+    """A page of zeros inside a finished segment (writeback order before a power loss):
+    the rows after it are applied, and the events it took (the rows it covers and the two
+    it cut) are counted (`spool_zeroed`) in the sidecar (found by test_spool_property:
+    they were counted nowhere)."""
+    spool, root, state = tmp_path / "spool", tmp_path / "runs", tmp_path / "state"
+    [seg] = write_segments(spool, root, "zp", 1, rows=1000)
+    data = seg.read_bytes()
+    lost, at = [], 0
+    for line in data.splitlines(keepends=True):
+        if at < 12288 and at + len(line) > 8192:
+            lost.append(json.loads(line)["_seq"])
+        at += len(line)
+    with open(seg, "r+b") as f:
+        f.seek(8192)
+        f.write(b"\0" * 4096)
+    exprd_once(write_config(tmp_path / "exprd.toml", spool, state, [root]))
+    shard = _shard(root, "zp")
+    assert [r["_seq"] for r in lines_of(shard)] == [s for s in range(1, 1001) if s not in lost]
+    side = sidecar(shard.with_name("metrics.meta.json"))
+    assert side["status"] == "finished"
+    assert [(n["cause"], n["rows"]) for n in side.get("dropped", [])] == \
+        [("spool_zeroed", len(lost))]
