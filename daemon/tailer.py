@@ -130,6 +130,9 @@ class Tailer:
         # live files found gone (path -> last seq read, shard, session): a moved segment
         # is told from one deleted once read when its session's next segment is read
         self._gone: dict[str, tuple[int, str, str]] = {}
+        # files deleted once applied (path -> last seq read): the events of a segment's
+        # end that are not records (rules...) are not in the shard's seqs, yet not moved
+        self._retired: dict[str, int] = {}
 
     def warn(self, cause: str, message: str) -> None:
         """Count every failure; log a cause once (and again, with its count, hourly)."""
@@ -248,6 +251,9 @@ class Tailer:
         for key, n in (("files", 1), ("applied", tail.applied), ("skipped", tail.skipped),
                        ("quarantined", tail.quarantined)):
             self.deleted[key] += n
+        if len(self._retired) >= 4096:  # sessions that never went on: the oldest go
+            self._retired.pop(next(iter(self._retired)))
+        self._retired[tail.key] = tail.seq
         self.forget(tail)
 
     def forget(self, tail: FileTail) -> None:
@@ -477,7 +483,7 @@ class Tailer:
                                    f"{prefix}.jsonl")
         if prev.exists() or str(prev) in self.tails:
             return 0
-        seq = max(run.skip_upto, 0)
+        seq = max(run.skip_upto, self._retired.pop(str(prev), 0), 0)
         lost = run.spec.first_seq - 1 - seq
         if lost <= 0:
             return 0

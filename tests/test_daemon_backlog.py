@@ -286,3 +286,32 @@ def test_rows_under_a_page_of_zeros_are_counted(tmp_path: Path) -> None:
     assert side["status"] == "finished"
     assert [(n["cause"], n["rows"]) for n in side.get("dropped", [])] == \
         [("spool_zeroed", len(lost))]
+
+
+def test_a_segment_applied_and_deleted_that_ended_in_an_event_is_not_counted_moved(
+        tmp_path: Path) -> None:
+    """A segment whose last event is not a record (a rules event) is applied and deleted
+    before its session's next segment is there: its absence then is no move, and nothing
+    is counted (the shard's last `_seq` is its last row's, below the next first_seq - 1)."""
+    spool, root, state = tmp_path / "spool", tmp_path / "runs", tmp_path / "state"
+    [seg0, seg1] = write_segments(spool, root, "ev", 2, rows=5)
+    seg1.unlink()
+    lines = seg0.read_bytes().splitlines(keepends=True)
+    config = b'{"_event":"rules","_time":1.0e9,"rules":[],"_seq":6}\n'
+    seg0.write_bytes(b"".join([*lines[:-1], config, lines[-1]]))
+    # segment 1 starts at _seq 7, past the rules event
+    head = init_line(root, "ev", "s0000000001", 1, 7)
+    rows = [row_line(s + 1) for s in range(6, 11)] + \
+        [b'{"_event":"finish","_time":1.0e9,"status":"finished","_seq":12}\n']
+    cfg = write_config(tmp_path / "exprd.toml", spool, state, [root])
+    d = start_exprd(cfg)
+    try:
+        wait_ready(state, d)
+        wait_for(lambda: not seg0.exists(), 20, "segment 0 applied and deleted")
+        seg1.write_bytes(b"".join([head, *rows]))
+        side = _shard(root, "ev").with_name("metrics.meta.json")
+        wait_for(lambda: sidecar(side).get("status") == "finished", 20, "the finish")
+    finally:
+        assert stop(d) == 0
+    assert [r["_seq"] for r in lines_of(_shard(root, "ev"))] == [1, 2, 3, 4, 5, *range(7, 12)]
+    assert sidecar(side).get("dropped", []) == []
