@@ -22,6 +22,12 @@ class FileTail:
     committed: int = 0  # offset covered by flushed shard data (what the checkpoint says)
     seq: int = -1  # last `_seq` consumed
     committed_seq: int = -1  # last `_seq` before `committed`
+    # `spoolfile.line_mark` of the line ending at `offset` (and at `committed`): a file cut
+    # and written again past the offset between two reads no longer holds it (None: not
+    # known, unchecked)
+    mark: tuple[int, int] | None = None
+    nul_seen: int = 0  # the reader's NUL runs of this read already taken as a `_seq` gap's
+    committed_mark: tuple[int, int] | None = None
     state: str = "new"  # new | live | rolled (its session goes on in its next segment) |
     # finished | crashed | refused
     reason: str = ""
@@ -70,6 +76,8 @@ class FileTail:
         out: dict[str, Any] = {"ino": self.ino, "shard": self.committed, "seq": seq,
                                "state": state, "host": self.host, "pid": self.pid,
                                "pid_start": self.pid_start}
+        if self.committed_mark is not None:
+            out["mark"] = list(self.committed_mark)
         if self.reason:
             out["reason"] = self.reason
         if self.ended and state == self.state:

@@ -69,7 +69,7 @@ def check_crash(tailer: Tailer, tail: FileTail, now: float,
         return
     if tail.size > tail.offset:
         tailer.log_bad(tail, tail.offset, tail.size, "torn tail: its writer is gone")
-        tail.offset = tail.size
+        tail.offset, tail.mark = tail.size, None
     if tail.run is not None and not tail.run.newest:
         # a stale copy of an older session (a rotated file copied back): no finish is
         # expected in it, and the shard's status is its newer session's

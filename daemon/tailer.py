@@ -27,7 +27,7 @@ import orjson
 from expr_tracker.store import untrusted
 from expr_tracker.store.layout import spool_segment
 from expr_tracker.store.shard import ShardWriter
-from expr_tracker.store.spoolfile import SpoolReader
+from expr_tracker.store.spoolfile import SpoolReader, line_mark
 
 from .applier import RunPipeline, ShardPool, forget_file
 from .config import Config
@@ -130,6 +130,9 @@ class Tailer:
         # live files found gone (path -> last seq read, shard, session): a moved segment
         # is told from one deleted once read when its session's next segment is read
         self._gone: dict[str, tuple[int, str, str]] = {}
+        # files deleted once applied (path -> last seq read): the events of a segment's
+        # end that are not records (rules...) are not in the shard's seqs, yet not moved
+        self._retired: dict[str, int] = {}
 
     def warn(self, cause: str, message: str) -> None:
         """Count every failure; log a cause once (and again, with its count, hourly)."""
@@ -158,6 +161,9 @@ class Tailer:
             # not clamped to the size: a file truncated meanwhile is reported by the pump
             tail.offset = tail.committed = cp["shard"]
             tail.seq = tail.committed_seq = int(cp.get("seq", -1))
+            mark = cp.get("mark")
+            if isinstance(mark, list) and len(mark) == 2 and all(type(x) is int for x in mark):
+                tail.mark = tail.committed_mark = (mark[0], mark[1])
             tail.state = str(cp.get("state", "new"))
             tail.reason = str(cp.get("reason", ""))
             ended = cp.get("ended")
@@ -196,6 +202,7 @@ class Tailer:
             tail.offset, tail.seq = offset, seq - 1
         else:
             tail.offset, tail.seq = 0, -1
+        tail.mark = None  # (not the line read last)
         if tail.state == "finished":
             tail.state = "live"
 
@@ -216,6 +223,7 @@ class Tailer:
                 tail.run.close()
                 tail.run = None
             tail.offset = tail.committed = 0
+            tail.mark = tail.committed_mark = None
             tail.seq, tail.state, tail.reason, tail.backends = -1, "new", "", {}
             tail.replaced, tail.replaced_told = ("rotated", tail.applied, tail.skipped), False
         elif st.st_size < tail.offset:
@@ -224,6 +232,7 @@ class Tailer:
                        f"{tail.offset} (_seq {tail.seq}); {unread} bytes not yet read were lost; "
                        "reading it again from its start")
             tail.offset = tail.committed = 0
+            tail.mark = tail.committed_mark = None
         tail.ino = st.st_ino
         if other or tail.reader is None or not tail.reader.zeros or st.st_size < tail.size:
             # (a memory-mapped segment's size is its allocation: its data ends where the
@@ -244,6 +253,9 @@ class Tailer:
         for key, n in (("files", 1), ("applied", tail.applied), ("skipped", tail.skipped),
                        ("quarantined", tail.quarantined)):
             self.deleted[key] += n
+        if len(self._retired) >= 4096:  # sessions that never went on: the oldest go
+            self._retired.pop(next(iter(self._retired)))
+        self._retired[tail.key] = tail.seq
         self.forget(tail)
 
     def forget(self, tail: FileTail) -> None:
@@ -294,7 +306,9 @@ class Tailer:
             if not cfg.allows(rdir.parent.parent) or not cfg.allows(rdir):
                 self.refuse(tail, f"run dir {rdir} is outside allowed_roots (after a reload)")
 
-    def _open_run(self, tail: FileTail, ev: dict[str, Any]) -> bool:
+    def _open_run(self, tail: FileTail, ev: dict[str, Any], fresh: bool = False) -> bool:
+        """Open the pipeline of `tail`'s session from its init event `ev`; `fresh`: read
+        from the file's start (not resumed from a checkpoint)."""
         try:
             spec = check_init(ev, tail.path, self.spool_root, self.cfg, self.roots)
         except InitError as exc:
@@ -310,6 +324,8 @@ class Tailer:
             if rules is not None:
                 tail.run.adopt_rules(rules)
             moved = self._moved.pop((str(spec.paths.shard), spec.session), 0)
+            if not moved and fresh:
+                moved = self._moved_unread(tail, tail.run)
             if moved:
                 tail.run.add_dropped("spool_moved", moved)
         if tail.run.unsafe:
@@ -337,6 +353,7 @@ class Tailer:
             if tail.run.rules is not None and tail.run.rules.rules:
                 # rebuild rule windows from the start; the shard's seqs skip what it holds
                 tail.offset, tail.seq = end, tail.run.spec.first_seq - 1
+                tail.mark = line_mark(line) if line else None
             return True
         tail.drained = True  # the init line is not complete yet
         return False
@@ -363,7 +380,11 @@ class Tailer:
                 return False
             reader = tail.reader or SpoolReader(tail.path, block=READ_BLOCK)
             tail.reader = reader
+            tail.nul_seen = 0
             paused = self._read(tail, reader, budget)
+            if reader.cut:
+                self._regrown(tail)
+                return True  # read again, from its start
             for at, n in reader.nul_runs:
                 self.warn(f"nul:{tail.path}", f"{tail.path}: skipped {n} NUL bytes at offset "
                           f"{at} (a page of zeros, as a node crash before writeback leaves "
@@ -391,6 +412,17 @@ class Tailer:
         tail.size = reader.size
         tail.drained = not reader.more and not paused
         return reader.more or paused or forwarding
+
+    def _regrown(self, tail: FileTail) -> None:
+        """The file no longer holds the line read last where it ended: it was cut (`: >`,
+        copytruncate) and written again past the offset between two reads, so neither its
+        inode nor its size told. Read again from its start: the events whose `_seq` was
+        applied already are skipped (quarantined as repeats), the others applied."""
+        self._lost(tail, "truncated", f"cut and written again past offset {tail.offset} "
+                   f"(_seq {tail.seq}) since it was read; reading it again from its start")
+        tail.offset = tail.committed = 0
+        tail.mark = tail.committed_mark = None
+        tail.size = 0  # (its data end is found again)
 
     def _previous_read(self, tail: FileTail) -> bool:
         """A session's segments are applied in their order: the events of segment N are
@@ -440,6 +472,29 @@ class Tailer:
             self._gone[tail.key] = (tail.seq, str(tail.run.spec.paths.shard),
                                     tail.run.spec.session)
         self.forget(tail)
+
+    def _moved_unread(self, tail: FileTail, run: RunPipeline) -> int:
+        """The segment before `tail`'s is gone and exprd never read it (moved away while
+        exprd was down, or before it got there): the events between the shard's last of
+        the session and the first of `tail` are counted (`spool_moved`). A segment deleted
+        once applied leaves no gap; if the shard cannot be read now, nothing is said."""
+        prefix, index = spool_segment(tail.path.name)
+        if index == 0 or run.slot.applied is None:
+            return 0
+        prev = tail.path.with_name(f"{prefix}~{index - 1}.jsonl" if index > 1 else
+                                   f"{prefix}.jsonl")
+        if prev.exists() or str(prev) in self.tails:
+            return 0
+        seq = max(run.skip_upto, self._retired.pop(str(prev), 0), 0)
+        lost = run.spec.first_seq - 1 - seq
+        if lost <= 0:
+            return 0
+        self.dropped["spool_moved"] = self.dropped.get("spool_moved", 0) + lost
+        self.warn(f"spool_moved:{prev}", f"{prev} is gone and was never read: {lost} events "
+                  f"of session {run.spec.session} after _seq {seq} are missing (counted as "
+                  f"spool_moved, in status.json and the shard's sidecar); going on with "
+                  f"{tail.path.name}")
+        return lost
 
     def _moved_away(self, prev: Path, tail: FileTail) -> None:
         """A segment exprd was reading is gone before its marker (`mv`, no copy back) and
@@ -497,12 +552,13 @@ class Tailer:
         seq = last = tail.seq
         applied = 0
         done = tail.offset  # every line before it is consumed, the last of them `seq`
+        ended: bytes | None = None  # the line that ends at `done` (None: not known)
         try:
-            for pos, parts, big_end in reader.chunks(tail.offset, budget):
+            for pos, parts, big_end in reader.chunks(tail.offset, budget, tail.mark):
                 if big_end is not None:
                     tail.seq = seq
                     self._line(tail, pos, big_end, b"", TOO_LONG)
-                    done = big_end
+                    done, ended = big_end, None
                     continue
                 # the block parsed and screened at once (for the fast case: the first
                 # block of a file holds its init, after which the run only appends)
@@ -533,7 +589,7 @@ class Tailer:
                             if writer is None:
                                 assert run is not None and evs is not None
                                 if not run.started and self._overlaps(tail, run, evs[i]):
-                                    done = reader.size
+                                    done, ended = reader.size, None
                                     return False
                                 writer = run.prepare()
                             # the spool lines verbatim, each plus `_sid`
@@ -542,6 +598,7 @@ class Tailer:
                             applied += j - i
                             # each line gave its "}" and newline for the suffix
                             pos = done = pos + len(data) - (j - i) * (len(suffix) - 2)
+                            ended = parts[j - 1]
                             next(islice(rows, j - i - 1, j - i - 1), None)  # on at j
                             continue
                     end = pos + len(line) + 1
@@ -567,13 +624,14 @@ class Tailer:
                         if writer is None:
                             assert run is not None
                             if not run.started and self._overlaps(tail, run, ev):
-                                done = reader.size
+                                done, ended = reader.size, None
                                 return False
                             writer = run.prepare()
                         seq = last = seq + 1
                         writer.append(line[:-1] + suffix)  # the spool line verbatim, plus `_sid`
                         applied += 1
                         pos = done = end
+                        ended = line
                         continue
                     tail.seq = seq
                     self._line(tail, pos, end, line, ev)
@@ -585,8 +643,9 @@ class Tailer:
                         mask, rmask, rshape = _masks(tail, evs, i + 1)
                         at = _next_run(mask, rmask, i + 1)
                     pos = done = end
+                    ended = line
                     if tail.state == "refused":
-                        done = reader.size
+                        done, ended = reader.size, None
                         return False
                     if tail.run is not run or fast != (tail.state == "live" and run is not None
                                                        and run.plain):
@@ -602,6 +661,8 @@ class Tailer:
                     return True
         finally:
             # offset and seq move together, whatever ends the loop (an exception too)
+            if done != tail.offset:
+                tail.mark = line_mark(ended) if ended else None
             tail.offset, tail.seq = done, seq
             if applied and run is not None:
                 run.appended(applied, last)
@@ -652,7 +713,7 @@ class Tailer:
         if run is None:
             if kind != "init" or seq != 0:
                 self.log_bad(tail, start, end, "event before its init")
-            elif self._open_run(tail, ev) and tail.run is not None:
+            elif self._open_run(tail, ev, fresh=start == 0) and tail.run is not None:
                 # a truncated file's init is read again; a later segment's events start
                 # where its init says
                 tail.seq = max(tail.seq, tail.run.spec.first_seq - 1)
@@ -667,6 +728,7 @@ class Tailer:
             # events went missing (the writer dropped them): say so, keep this one
             self.log_bad(tail, start, start, f"_seq gap: {tail.seq + 1}..{seq - 1} missing",
                           copy=False)
+            self._zeroed(tail, run, start, seq - tail.seq - 1)
         if tail.state in ("finished", "rolled"):
             self.log_bad(tail, start, end, f"event after {'finish' if tail.state == 'finished' else 'the segment marker'}")
             return
@@ -726,6 +788,17 @@ class Tailer:
             # an event of a newer SDK: skipped (and kept in quarantine), the file goes on
             self.log_bad(tail, start, end, f"unknown event {kind!r}")
 
+    def _zeroed(self, tail: FileTail, run: RunPipeline, start: int, lost: int) -> None:
+        """A `_seq` gap right after a NUL run this read skipped: the events the zeros took
+        (those under them and the lines they cut) are counted (`spool_zeroed`). Only
+        there: the writer counts what it drops itself."""
+        runs = tail.reader.nul_runs if tail.reader is not None else []
+        if not any(at < start for at, _n in runs[tail.nul_seen:]):
+            return
+        tail.nul_seen = len(runs)
+        self.dropped["spool_zeroed"] = self.dropped.get("spool_zeroed", 0) + lost
+        run.add_dropped("spool_zeroed", lost)
+
     def _note(self, tail: FileTail, run: RunPipeline, kind: str, ev: dict[str, Any],
               start: int, end: int) -> None:
         """A line of the SDK's segment writer that is not an event of the session: the
@@ -768,6 +841,7 @@ class Tailer:
             ok = run is None or slots_ok.get(id(run.slot), not run.blocked)
             if ok:
                 tail.committed, tail.committed_seq = tail.offset, tail.seq
+                tail.committed_mark = tail.mark
             lag = tail.size - tail.committed
             tail.behind_since = (tail.behind_since or now) if lag > 0 else None
             if run is not None:

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from expr_cli.main import build_app
 from tests.segfiles import init_line, row_line, segment_path, write_segments
 from tests.test_daemon import (
+    exprd_once,
     lines_of,
     sidecar,
     start_exprd,
@@ -113,7 +114,6 @@ def test_a_page_of_zeros_inside_a_finished_segment_is_skipped(tmp_path: Path) ->
     data[4096:8192] = bytes(4096)
     seg.write_bytes(bytes(data))
     cfg = write_config(tmp_path / "exprd.toml", spool, state, [root])
-    from tests.test_daemon import exprd_once
     proc = exprd_once(cfg)
     shard = _shard(root, "zero")
     assert [r["i"] for r in lines_of(shard)] == kept
@@ -244,3 +244,74 @@ def test_segments_truncated_under_exprd_lose_only_what_was_cut_and_nothing_twice
     assert "_seq gap: 11..11 missing" in text, text
     st = _status(state)
     assert st["errors"][f"truncated:{segs['cut']}"] == 1, st["errors"]
+
+
+def test_segments_moved_away_before_exprd_saw_them_are_counted(tmp_path: Path) -> None:
+    """Segments moved away (`mv`, no copy back) while exprd was down, never read: their
+    events are counted (`spool_moved`, from the gap between the shard's last `_seq` of the
+    session and the next segment's first) in the sidecar, the others applied (found by
+    test_spool_property: the first and a middle segment moved, counted nowhere)."""
+    spool, root, state = tmp_path / "spool", tmp_path / "runs", tmp_path / "state"
+    segs = write_segments(spool, root, "mvd", 4, rows=10)
+    segs[0].rename(tmp_path / "moved0.jsonl")
+    segs[2].rename(tmp_path / "moved2.jsonl")
+    exprd_once(write_config(tmp_path / "exprd.toml", spool, state, [root]))
+    shard = _shard(root, "mvd")
+    assert [r["_seq"] for r in lines_of(shard)] == [*range(11, 21), *range(31, 41)]
+    side = sidecar(shard.with_name("metrics.meta.json"))
+    assert side["status"] == "finished"
+    assert [(n["cause"], n["rows"]) for n in side.get("dropped", [])] == [("spool_moved", 20)]
+
+
+def test_rows_under_a_page_of_zeros_are_counted(tmp_path: Path) -> None:
+    """A page of zeros inside a finished segment (writeback order before a power loss):
+    the rows after it are applied, and the events it took (the rows it covers and the two
+    it cut) are counted (`spool_zeroed`) in the sidecar (found by test_spool_property:
+    they were counted nowhere)."""
+    spool, root, state = tmp_path / "spool", tmp_path / "runs", tmp_path / "state"
+    [seg] = write_segments(spool, root, "zp", 1, rows=1000)
+    data = seg.read_bytes()
+    lost, at = [], 0
+    for line in data.splitlines(keepends=True):
+        if at < 12288 and at + len(line) > 8192:
+            lost.append(json.loads(line)["_seq"])
+        at += len(line)
+    with open(seg, "r+b") as f:
+        f.seek(8192)
+        f.write(b"\0" * 4096)
+    exprd_once(write_config(tmp_path / "exprd.toml", spool, state, [root]))
+    shard = _shard(root, "zp")
+    assert [r["_seq"] for r in lines_of(shard)] == [s for s in range(1, 1001) if s not in lost]
+    side = sidecar(shard.with_name("metrics.meta.json"))
+    assert side["status"] == "finished"
+    assert [(n["cause"], n["rows"]) for n in side.get("dropped", [])] == \
+        [("spool_zeroed", len(lost))]
+
+
+def test_a_segment_applied_and_deleted_that_ended_in_an_event_is_not_counted_moved(
+        tmp_path: Path) -> None:
+    """A segment whose last event is not a record (a rules event) is applied and deleted
+    before its session's next segment is there: its absence then is no move, and nothing
+    is counted (the shard's last `_seq` is its last row's, below the next first_seq - 1)."""
+    spool, root, state = tmp_path / "spool", tmp_path / "runs", tmp_path / "state"
+    [seg0, seg1] = write_segments(spool, root, "ev", 2, rows=5)
+    seg1.unlink()
+    lines = seg0.read_bytes().splitlines(keepends=True)
+    config = b'{"_event":"rules","_time":1.0e9,"rules":[],"_seq":6}\n'
+    seg0.write_bytes(b"".join([*lines[:-1], config, lines[-1]]))
+    # segment 1 starts at _seq 7, past the rules event
+    head = init_line(root, "ev", "s0000000001", 1, 7)
+    rows = [row_line(s + 1) for s in range(6, 11)] + \
+        [b'{"_event":"finish","_time":1.0e9,"status":"finished","_seq":12}\n']
+    cfg = write_config(tmp_path / "exprd.toml", spool, state, [root])
+    d = start_exprd(cfg)
+    try:
+        wait_ready(state, d)
+        wait_for(lambda: not seg0.exists(), 20, "segment 0 applied and deleted")
+        seg1.write_bytes(b"".join([head, *rows]))
+        side = _shard(root, "ev").with_name("metrics.meta.json")
+        wait_for(lambda: sidecar(side).get("status") == "finished", 20, "the finish")
+    finally:
+        assert stop(d) == 0
+    assert [r["_seq"] for r in lines_of(_shard(root, "ev"))] == [1, 2, 3, 4, 5, *range(7, 12)]
+    assert sidecar(side).get("dropped", []) == []

@@ -411,9 +411,6 @@ print(json.dumps(run.info()["dropped"]))
 """
 
 
-@pytest.mark.xfail(strict=False, reason="exprd reads a cut file grown past its offset "
-                   "from that offset (daemon/tailer.py, on the spoold branch): fails about "
-                   "1 run in 3")
 def test_a_cut_segment_grown_past_its_old_end_is_seen(tmp_path: Path) -> None:
     """The live segment cut to 0 while it held only its init line, exprd reading it, then
     rows logged: they go to the start of the cut file and soon pass exprd's offset (the

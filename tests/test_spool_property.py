@@ -12,20 +12,17 @@ segments truncated by another process. At the end of each example the ranks fini
   their number when no segment was cut (a cut may take rows exprd had applied already:
   then the count is an upper bound), and the sidecar says the same counts.
 
-Segments zeroed (a page of NULs) and moved away are rules too, gated: NUL runs are
-skipped and moves counted only with the spoold branch's exprd (EXPR_PROPERTY_ZERO_MOVE=1
-turns them on); until then a zeroed row is lost and counted nowhere.
+Segments are also zeroed (a page of NULs) and moved away: exprd skips the NULs and counts
+what they took (`spool_zeroed`) and what a move took (`spool_moved`), in the sidecar only
+(the check adds them to the writer's counts). A page of zeros over a segment's first page
+takes its init line: exprd cannot tell which run that segment's events belong to (they
+are quarantined, counted in status.json, not in any sidecar), so for that rank the check
+asserts order and no repeats but not the count.
 
 `make test` runs EXAMPLES examples (a fixed seed); `make torture` runs TORTURE_EXAMPLES
 (EXPR_PROPERTY_EXAMPLES=N sets it; EXPR_PROPERTY_SHRINK=0 reports the first failure
 unshrunk, as the failures it finds depend on timing and do not shrink reliably).
 
-Known to fail in `make torture` as of this commit (not fixed: exprd's reading, on the
-spoold branch): the live segment cut to 0 bytes while exprd reads it, then rows logged:
-they go to the start of the cut file and pass exprd's offset, so neither exprd nor the
-writer sees the cut and the first rows are neither applied nor counted
-(start(ranks=1); exprd_up(); truncate(keep=0, pick=0); log(rank=0, rows=50));
-test_spool_disk.py::test_a_cut_segment_grown_past_its_old_end_is_seen (xfail) is it alone.
 """
 
 from __future__ import annotations
@@ -51,7 +48,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from hypothesis.stateful import run_state_machine_as_test
 
 BASE, EXAMPLES, STEPS = @BASE@, @EXAMPLES@, @STEPS@
-ZERO_MOVE = os.environ.get("EXPR_PROPERTY_ZERO_MOVE") == "1"
 EXPRD = [sys.executable, "-m", "exprd.main", "--allow-root"]
 RANK = """
 import json, sys, warnings, expr_tracker as et
@@ -102,6 +98,7 @@ class Spool(RuleBasedStateMachine):
                      "status_interval = 0.2\n")
         self.exprd = None
         self.cut = False
+        self.headless = set()  # ranks one of whose segments lost its init line to zeros
         self.names = ranks
         self.ranks = [subprocess.Popen(
             [sys.executable, "-c", RANK, "r", self.root, self.spool],
@@ -138,11 +135,11 @@ class Spool(RuleBasedStateMachine):
         free = os.statvfs(self.disk)
         room = free.f_bavail * free.f_frsize - leave
         if room > 0:
-            with open(os.path.join(self.disk, f"ballast{time.monotonic_ns()}"), "wb") as fh:
-                try:
+            try:  # (the close's flush can meet a full disk too)
+                with open(os.path.join(self.disk, f"ballast{time.monotonic_ns()}"), "wb") as fh:
                     fh.write(b"b" * room)
-                except OSError:
-                    pass
+            except OSError:
+                pass
 
     @rule()
     def empty(self):
@@ -167,11 +164,9 @@ class Spool(RuleBasedStateMachine):
                 newest[prefix] = (i, seg)
         return sorted(seg for _, seg in newest.values())
 
-    @rule(pick=st.integers(0, 50), keep=st.sampled_from([0, 100, 0.5]),
-          rolled=st.booleans() if ZERO_MOVE else st.just(False))
+    @rule(pick=st.integers(0, 50), keep=st.sampled_from([0, 100, 0.5]), rolled=st.booleans())
     def truncate(self, pick, keep, rolled):
-        # a rolled segment cut before exprd read it: its writer cannot see that, and
-        # exprd does not count the seq gap yet (gated with the spoold rules)
+        # rolled: any segment, one its writer left too (it cannot see that cut)
         segs = self.segments() if rolled else self.live()
         if not segs:
             return
@@ -183,7 +178,6 @@ class Spool(RuleBasedStateMachine):
         except FileNotFoundError:
             pass
 
-    @precondition(lambda self: ZERO_MOVE)
     @rule(pick=st.integers(0, 50), at=st.floats(0, 1))
     def zero(self, pick, at):
         segs = self.segments()
@@ -193,11 +187,13 @@ class Spool(RuleBasedStateMachine):
                 with open(seg, "r+b") as fh:
                     size = fh.seek(0, 2)
                     fh.seek(int(size * at) & ~4095)
+                    if fh.tell() == 0:
+                        rank = os.path.basename(seg).split(".")[1]
+                        self.headless.add(int(rank[4:]) if rank.startswith("rank") else 0)
                     fh.write(b"\0" * 4096)
             except FileNotFoundError:
                 pass
 
-    @precondition(lambda self: ZERO_MOVE)
     @rule(pick=st.integers(0, 50))
     def move(self, pick):
         segs = self.segments()
@@ -242,19 +238,25 @@ class Spool(RuleBasedStateMachine):
                 got = []
             assert got == sorted(set(got)), f"rank {r}: a row twice or out of order"
             assert not got or got[-1] < info["logged"]
-            dropped = sum(info["dropped"].values())
-            missing = info["logged"] - len(got)
-            if self.cut:
-                assert missing <= dropped, (r, info, len(got))
-            else:
-                assert missing == dropped, (r, info, len(got))
             try:
                 side = json.load(open(base + ".meta.json"))
             except FileNotFoundError:
                 side = {}
             noted = {x["cause"]: x["rows"] for x in side.get("dropped", [])}
+            # exprd's own counts (a segment moved away: events, rows or others) are in the
+            # sidecar only; the writer's are in both
+            own = {c: n for c, n in noted.items() if c not in info["dropped"]}
+            dropped = sum(info["dropped"].values()) + sum(own.values())
+            missing = info["logged"] - len(got)
+            if r in self.headless:
+                pass  # (see the module's docstring)
+            elif self.cut:
+                assert missing <= dropped, (r, info, own, len(got))
+            else:
+                assert missing == dropped, (r, info, own, len(got))
             # (no sidecar at all: nothing reached the disk, every row counted above)
-            assert not side or noted == info["dropped"], (r, noted, info["dropped"])
+            writer = {c: n for c, n in noted.items() if c in info["dropped"]}
+            assert not side or writer == info["dropped"], (r, noted, info["dropped"])
 
 
 try:

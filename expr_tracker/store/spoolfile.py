@@ -10,6 +10,7 @@ import dataclasses
 import errno
 import os
 import re
+import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -264,6 +265,26 @@ def unapplied_rows(paths: ShardPaths, spool_dir: Path, cursor: Cursor,
     return out
 
 
+MARK_BYTES = 256  # of a line's end: its `_seq` and `_time` (a record ends with them)
+
+
+def line_mark(line: bytes) -> tuple[int, int]:
+    """What tells the line that ends at a read offset from other bytes put there later:
+    the length and CRC-32 of its last bytes (without its newline, or the NUL that cut it)."""
+    tail = line[-MARK_BYTES:]
+    return len(tail), zlib.crc32(tail)
+
+
+def _holds(fd: int, offset: int, mark: tuple[int, int]) -> bool:
+    """Does the file still hold the marked line's end just before `offset` - 1?"""
+    n, crc = mark
+    at = offset - 1 - n
+    if at < 0:
+        return False
+    data = os.pread(fd, n, at)
+    return len(data) == n and zlib.crc32(data) == crc
+
+
 class SpoolReader:
     """Reads the complete lines of a spool file from a byte offset, bounded in memory.
 
@@ -284,6 +305,7 @@ class SpoolReader:
         # (offset, length) of the NUL runs with data after them the last read skipped
         self.nul_runs: list[tuple[int, int]] = []
         self._zeros: tuple[int, int] = (-1, -1)  # [start, size): zeros to the end, seen last
+        self.cut = False  # the last read found the file no longer holds its `mark`
 
     def lines(self, offset: int, limit: int | None = None) -> Iterator[tuple[int, int, bytes | None]]:
         """Complete lines from `offset`; stops after about `limit` bytes at a line end."""
@@ -296,17 +318,24 @@ class SpoolReader:
                 yield start, end, (line if len(line) <= self.max_line else None)
                 start = end
 
-    def chunks(self, offset: int, limit: int | None = None
+    def chunks(self, offset: int, limit: int | None = None, mark: tuple[int, int] | None = None
                ) -> Iterator[tuple[int, list[bytes], int | None]]:
         """`lines()` a block at a time: (offset of the first line, lines, None), or
         (start, [], end) for one line over `max_line` (a complete line in `parts` may
-        also be longer than `max_line`: callers check)."""
+        also be longer than `max_line`: callers check).
+
+        `mark`: what `line_mark` said of the line that ends at `offset`; if the file no
+        longer holds it there, nothing is read and `cut` is set (the file was cut and
+        written again past `offset` since: its bytes there are not the stream's)."""
         fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             size = self.size = os.fstat(fd).st_size
             self.more = False
             self.zeros = False
             self.nul_runs = []
+            self.cut = mark is not None and not _holds(fd, offset, mark)
+            if self.cut:
+                return
             stop = size if limit is None else min(size, offset + limit)
             pos = rd = offset  # pos: start of the line being assembled; rd: next read
             carry = b""
