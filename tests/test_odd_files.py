@@ -90,17 +90,55 @@ def test_the_shard_readers_step_over_a_hole_in_bounded_memory_and_reads(
         assert window.window_start(fh, 10) < 4096
 
 
+# runs the command and writes its peak RSS (its own and its reaped workers') to fd argv[1]
+_LAUNCH = """
+import os, subprocess, sys
+proc = subprocess.Popen(sys.argv[2:])
+_, status, usage = os.wait4(proc.pid, 0)
+os.write(int(sys.argv[1]), str(usage.ru_maxrss * 1024).encode())
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def _expr(*args: str) -> tuple[subprocess.CompletedProcess[str], int]:
-    """Run `expr ARGS` as a child reaped here with `wait4`: its result and its peak
-    resident memory in bytes."""
-    proc = subprocess.Popen([sys.executable, "-m", "expr_cli.main", *args], env=env_for(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert proc.stdout is not None and proc.stderr is not None
-    out, err = proc.stdout.read(), proc.stderr.read()  # (the child exits once both are read)
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
+    """Run `expr ARGS` as a child: its result and its peak resident memory in bytes.
+
+    Measured by a small launcher process (`_LAUNCH`) that starts it and reaps it with
+    `wait4`, not by this process: Linux carries a process's peak RSS across its exec
+    (`ru_maxrss` keeps the larger of the two), so a child forked from a test process that
+    earlier tests grew (an xdist worker, a whole serial run) reported that process's
+    peak, hundreds of MB, whatever the command read."""
+    r, w = os.pipe()
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", _LAUNCH, str(w), sys.executable, "-m",
+                                 "expr_cli.main", *args], env=env_for(), pass_fds=(w,),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        os.close(w)
+        w = -1
+        out, err = proc.communicate()
+        with os.fdopen(r, "rb") as fh:
+            r = -1
+            rss = int(fh.read() or b"0")
+    finally:
+        for fd in (r, w):
+            if fd >= 0:
+                os.close(fd)
     return (subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(), err.decode()),
-            usage.ru_maxrss * 1024)
+            rss)
+
+
+def test_a_childs_measured_memory_is_its_own_not_the_test_process(tmp_path: Path) -> None:
+    """The test process holding (or having held) 300 MB does not make `_expr` report a
+    command's memory as 300 MB: under `pytest -n 4` a worker's earlier tests did, and the
+    holed-run test failed on a 760 MB it never read."""
+    run = write_run(tmp_path / "p" / "r", 2, 20, status="finished")
+    held = b"\1" * (300 << 20)
+    try:
+        out, rss = _expr("summary", str(run), "--json")
+    finally:
+        del held
+    assert out.returncode == 0, out.stderr
+    assert 0 < rss < 200 << 20, f"{rss:,} bytes resident"
 
 
 @pytest.mark.parametrize("how", ["one", "torn"])
