@@ -141,3 +141,10 @@ def check_step(step: Any, origin: str, what: str) -> int:
     if step < 0:
         raise ImportFailed(f"{origin}: {what} has a negative step ({step}); expr steps are >= 0")
     return step
+
+
+def unreadable(exc: OSError) -> None:
+    """`os.walk`'s onerror for a source: a directory it cannot read fails the import, naming
+    it (a walk skips one quietly, and an import reads all of SOURCE or nothing)."""
+    raise ImportFailed(f"{exc.filename}: {exc.strerror} (an import reads all of SOURCE or "
+                       "nothing)")

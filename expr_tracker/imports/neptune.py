@@ -26,6 +26,7 @@ from expr_tracker.imports.model import (
     check_step,
     need,
     safe_part,
+    unreadable,
 )
 
 EXTRA = "export"  # pyarrow
@@ -42,17 +43,12 @@ def _files(source: str) -> list[Path]:
     if not path.is_dir():
         raise ImportFailed(f"{source}: no such directory")
     files: list[Path] = []
-    for here, _, names in os.walk(path, onerror=_unreadable):  # rglob skips one quietly
+    for here, _, names in os.walk(path, onerror=unreadable):  # rglob skips one quietly
         files.extend(Path(here) / n for n in names if n.endswith(".parquet"))
     files.sort()
     if not files:
         raise ImportFailed(f"{source}: no .parquet files in it or below")
     return files
-
-
-def _unreadable(exc: OSError) -> None:
-    raise ImportFailed(f"{exc.filename}: {exc.strerror} (an import reads all of SOURCE or "
-                       "nothing)")
 
 
 def _read(path: Path, run_id: str | None = None) -> Any:

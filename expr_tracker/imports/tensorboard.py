@@ -25,6 +25,7 @@ from expr_tracker.imports.model import (
     check_step,
     need,
     safe_part,
+    unreadable,
 )
 
 EXTRA = "import-tensorboard"
@@ -50,7 +51,7 @@ def find(source: str, follow_symlinks: bool = False) -> list[Found]:
     top = path
     found: list[Found] = []
     seen: set[Path] = set()
-    for here, dirs, files in os.walk(path, onerror=_unreadable, followlinks=follow_symlinks):
+    for here, dirs, files in os.walk(path, onerror=unreadable, followlinks=follow_symlinks):
         real = Path(here).resolve()
         if real in seen:  # a loop of links, or two links to one directory
             dirs.clear()
@@ -68,11 +69,6 @@ def find(source: str, follow_symlinks: bool = False) -> list[Found]:
     if not found:
         raise ImportFailed(f"{source}: no TensorBoard event files (*tfevents*) in it or below")
     return found
-
-
-def _unreadable(exc: OSError) -> None:
-    raise ImportFailed(f"{exc.filename}: {exc.strerror} (an import reads all of SOURCE or "
-                       "nothing)")
 
 
 def _walked(entry: Path, top: Path, follow_symlinks: bool) -> bool:
