@@ -32,7 +32,7 @@ from typing import Any
 
 from expr_tracker.errors import TrackerError
 from expr_tracker.store.layout import spool_segment
-from expr_tracker.store.spoolfile import make_private_dirs
+from expr_tracker.store.safedir import make_private_dirs
 
 from . import config as config_mod
 from . import retire

@@ -32,6 +32,7 @@ from expr_tracker.store.diskroom import MAX_SEGMENT, MIN_SEGMENT, SEGMENT_BYTES
 from expr_tracker.store.layout import ShardPaths, spool_path
 from expr_tracker.store.lock import ShardBusyError, lock_writer
 from expr_tracker.store.reader import ShardReader, last_values_of, select_rows
+from expr_tracker.store.safedir import make_private_dirs
 from expr_tracker.store.segment import BUFFER_BYTES, MAX_BUFFER, Segments, Warn
 from expr_tracker.store.spoolfile import (
     HEARTBEAT,
@@ -39,7 +40,6 @@ from expr_tracker.store.spoolfile import (
     SEQ_RE,
     SPOOL_VERSION,
     is_note,
-    make_private_dirs,
     pending_of,
     scan_shard,
     unapplied_rows,

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from expr_tracker.store.safedir import make_private_dirs
+
 _STEP = struct.Struct("=q")  # the mapping's memoryview cast("q") writes native order
 SIZE = 4096
 _INODE = 1  # slot of the shard's inode: a mark is its shard's, not a later one's at its path
@@ -72,21 +74,6 @@ def read_local(path: Path, inode: int) -> int | None:
     return step if step >= 0 and ino == inode else None
 
 
-def _private_dirs(path: Path) -> None:
-    """`path` and its missing parents, made 0700 as the spool's own (`make_private_dirs`,
-    a layer above this one)."""
-    missing = []
-    while not path.exists() and path.parent != path:
-        missing.append(path)
-        path = path.parent
-    for d in reversed(missing):
-        try:
-            os.mkdir(d, 0o700)
-        except FileExistsError:
-            continue
-        os.chmod(d, 0o700)  # the umask must not widen or narrow it
-
-
 class LogMark:
     """The mark of this session: `mark[0] = step` stores `step` (a memoryview of the
     node-local mapping: one subscript store, the cheapest write Python has)."""
@@ -97,7 +84,7 @@ class LogMark:
         self.mark: memoryview | None = None
         self._copied = -1
         try:
-            _private_dirs(path.parent)
+            make_private_dirs(path.parent)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError:
             return  # no mark: a kill's gap goes unreported, nothing else changes

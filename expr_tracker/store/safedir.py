@@ -222,3 +222,22 @@ def write_all(fd: int, data: bytes | memoryview) -> None:
     while view:
         n = os.write(fd, view)
         view = view[n:]
+
+
+def make_private_dirs(path: Path) -> None:
+    """Create `path` and any missing parents with mode 0700 (the spool and
+    the node-local marks are private; also made again under a live session whose
+    directory was deleted)."""
+    missing: list[Path] = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            continue
+        os.chmod(d, 0o700)  # the umask must not widen or narrow it

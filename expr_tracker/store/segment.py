@@ -48,6 +48,7 @@ from expr_tracker.store.diskroom import (
     plan_size,
     reserve_for,
 )
+from expr_tracker.store.safedir import make_private_dirs
 
 BUFFER_BYTES = 64 << 20  # lines kept in memory while no segment can take them
 MAX_BUFFER = 1 << 30  # the largest memory bound accepted
@@ -559,15 +560,7 @@ def _create(path: Path) -> int:
     try:
         return os.open(path, flags, 0o600)
     except FileNotFoundError:
-        missing = []
-        d = path.parent
-        while not d.exists() and d.parent != d:
-            missing.append(d)
-            d = d.parent
-        for d in reversed(missing):  # (spoolfile.make_private_dirs: a layer above)
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(d, 0o700)
-                os.chmod(d, 0o700)  # the umask must not narrow it
+        make_private_dirs(path.parent)
         return os.open(path, flags, 0o600)
 
 

@@ -37,23 +37,6 @@ def event_id(session: str, seq: int) -> str:
     return f"{session}:{seq}"
 
 
-def make_private_dirs(path: Path) -> None:
-    """Create `path` and any missing parents with mode 0700 (the spool is private)."""
-    missing: list[Path] = []
-    p = path
-    while not p.exists():
-        missing.append(p)
-        if p.parent == p:
-            break
-        p = p.parent
-    for d in reversed(missing):
-        try:
-            os.mkdir(d, 0o700)
-        except FileExistsError:
-            continue
-        os.chmod(d, 0o700)  # the umask must not widen or narrow it
-
-
 def spool_files_of(spool_dir: Path, stem: str) -> list[Path]:
     """Spool files of shard `stem` in one run's spool directory, oldest first."""
     pattern = re.compile(re.escape(stem) + r"\.(" + _SESSION_RE + r")(?:~[1-9]\d*)?\.jsonl\Z")
