@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from expr_tracker.imports.model import Found, Imported, ImportFailed
+from expr_tracker.procs import pid_alive
 from expr_tracker.store import records
 from expr_tracker.store.cursor import read_sidecar
 from expr_tracker.store.layout import ShardPaths, run_dir, validate_name
@@ -224,18 +225,8 @@ def _clear_stale(project_dir: Path) -> None:
             if not entry.name.startswith(STAGING):
                 continue
             pid = entry.name[len(STAGING):].split("-", 1)[0]
-            if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
                 shutil.rmtree(entry.path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _fsync_dir(path: Path) -> None:
