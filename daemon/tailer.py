@@ -235,8 +235,8 @@ class Tailer:
             tail.mark = tail.committed_mark = None
         tail.ino = st.st_ino
         if other or tail.reader is None or not tail.reader.zeros or st.st_size < tail.size:
-            # (a memory-mapped segment's size is its allocation: its data ends where the
-            # last read found zeros, which the read below moves on)
+            # (an earlier SDK's memory-mapped segment's size is its allocation: its data ends
+            # where the last read found zeros, which the read below moves on)
             tail.size = st.st_size
         return True
 

@@ -23,9 +23,10 @@ _SEVERITY = {"lost": 0, "crashed": 0, "stall": 1, "silent": 1, "hang": 2, "missi
 JSON_ROWS = 100
 NO_STEP_AFTER = 5.0  # s without a new step (and 3 step periods) that the job line names
 RATE_GRACE = 2.0  # seconds of silence that are the flush lag, not a slower rank
-# ... for a rank in spool mode: its rows reach the shard when exprd applies them, on its
-# rescan (every 5 s by default: writes to a memory-mapped segment raise no inotify
-# event), so its shard is that old between two applies while the rank steps on
+# ... for a rank in spool mode: its rows reach the shard when exprd applies them, woken by
+# inotify or, where no event comes (an earlier SDK's memory-mapped segments, a spool on a
+# filesystem without inotify), on its rescan every 5 s by default: its shard can be that
+# old between two applies while the rank steps on
 SPOOL_RATE_GRACE = 12.0
 RATE_HORIZON = 2.0  # a live rank's steps/s counts the steps of the last this many seconds ...
 RATE_PERIODS = 4  # ... or of this many of its step periods, if longer
