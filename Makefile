@@ -63,7 +63,10 @@ $(EXTRAS_STAMP): $(TORCH_STAMP)
 # 4 workers on 2 cores: most tests wait on real processes, not the CPU. --dist loadgroup
 # keeps each xdist_group (cluster, browser, clickhouse, heavy, ...) on one worker, in turn
 # (docs/cluster-testing.md, "How long the suite takes")
-TEST_WORKERS ?= 4
+# 0: one process (the default, as CI runs it). 4 pytest-xdist workers take the suite to about
+# 10 min on 2 cores, but of three clean runs at 4 workers one failed two timing-bound tests
+# (a ClickHouse kill -9 case past its 60 s, plotext's Ctrl-C): `make TEST_WORKERS=4 test`
+TEST_WORKERS ?= 0
 test: $(STAMP) $(EXTRAS_STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not torture" -n $(TEST_WORKERS) --dist loadgroup
 
